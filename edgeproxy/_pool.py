@@ -139,7 +139,7 @@ class AiohttpResponse:
         try:
             async for chunk in self._resp.content.iter_any():
                 yield chunk
-        except asyncio.TimeoutError as exc:
+        except TimeoutError as exc:
             raise UpstreamTimeout("upstream read timed out", phase="read") from exc
         except aiohttp.ClientError as exc:
             raise UpstreamProtocolError(f"upstream body broke: {exc}") from exc
@@ -214,8 +214,10 @@ class AiohttpPool:
                 await resp.read()
         except (aiohttp.ClientConnectionError, OSError) as exc:
             raise UpstreamConnectError(f"cannot connect to {self.origin}: {exc}") from exc
-        except asyncio.TimeoutError as exc:
-            raise UpstreamTimeout(f"timed out connecting to {self.origin}", phase="connect") from exc
+        except TimeoutError as exc:
+            raise UpstreamTimeout(
+                f"timed out connecting to {self.origin}", phase="connect"
+            ) from exc
 
     async def request(
         self,
@@ -244,7 +246,7 @@ class AiohttpPool:
             raise UpstreamConnectError(f"cannot connect to {self.origin}: {exc}") from exc
         except aiohttp.ServerTimeoutError as exc:
             raise UpstreamTimeout(f"upstream {self.origin} timed out: {exc}", phase="read") from exc
-        except asyncio.TimeoutError as exc:
+        except TimeoutError as exc:
             raise UpstreamTimeout(f"upstream {self.origin} timed out", phase="connect") from exc
         except aiohttp.ClientError as exc:
             raise UpstreamProtocolError(f"upstream {self.origin} failed: {exc}") from exc
@@ -256,7 +258,8 @@ class AiohttpPool:
             connector = self._session.connector
             if isinstance(connector, aiohttp.TCPConnector):
                 open_conns = len(connector._acquired) + sum(  # noqa: SLF001
-                    len(v) for v in connector._conns.values()  # noqa: SLF001
+                    len(v)
+                    for v in connector._conns.values()  # noqa: SLF001
                 )
         return PoolStats(
             connections_open=open_conns,
@@ -293,4 +296,3 @@ def split_origin(url: str) -> tuple[str, str]:
     parts = urlsplit(url)
     origin = f"{parts.scheme}://{parts.netloc}"
     return origin, parts.path.rstrip("/")
-

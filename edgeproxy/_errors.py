@@ -1,0 +1,58 @@
+"""JSON error answers in the OpenAI error shape."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import orjson
+from aiohttp import web
+
+__all__ = ["ProxyError", "error_body", "error_response"]
+
+
+class ProxyError(Exception):
+    """An error the pipeline answers itself, with a status and an OpenAI-shaped JSON body.
+
+    Stages raise it; the pipeline turns it into the response. ``headers``
+    carries extras such as ``Retry-After``.
+    """
+
+    def __init__(
+        self,
+        status: int,
+        type: str,
+        message: str,
+        *,
+        code: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.type = type
+        self.message = message
+        self.code = code
+        self.headers = dict(headers or {})
+
+
+def error_body(type: str, message: str, *, code: str | None = None) -> bytes:
+    """``{"error": {"message", "type", "param", "code"}}`` as OpenAI sends it."""
+    return orjson.dumps({"error": {"message": message, "type": type, "param": None, "code": code}})
+
+
+def error_response(
+    status: int,
+    type: str,
+    message: str,
+    *,
+    code: str | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> web.Response:
+    """A complete JSON error response."""
+    resp = web.Response(
+        status=status,
+        body=error_body(type, message, code=code),
+        content_type="application/json",
+    )
+    if headers:
+        resp.headers.update(headers)
+    return resp

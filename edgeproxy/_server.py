@@ -1,0 +1,243 @@
+"""The embedding API and the listeners: :class:`EdgeProxy`."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from ._config import Config
+from ._pipeline import Pipeline
+from ._regions import RegionSet
+
+__all__ = ["EdgeProxy", "PROXY_KEY"]
+
+logger = logging.getLogger("edgeproxy")
+
+
+class EdgeProxy:
+    """An edge proxy built from a :class:`Config`.
+
+    ``proxy.app`` is an aiohttp application that forwards every request; it
+    can run on its own (:meth:`start` / :meth:`stop`) or be mounted in a host
+    application with ``parent.add_subapp("/llm", proxy.app)``. Pools and other
+    resources open and close with the application that runs them, through
+    ``cleanup_ctx``.
+    """
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.started_at = time.time()
+        self._regions: RegionSet | None = None
+        self._pipeline: Pipeline | None = None
+        self._users = 0
+        self._runner: web.AppRunner | None = None
+        self._admin_runner: web.AppRunner | None = None
+        self.draining = False
+        self.app = web.Application()
+        self.app[PROXY_KEY] = self
+        self.app.cleanup_ctx.append(self._lifespan)
+        self.app.router.add_route("*", "/{tail:.*}", self.forward)
+        self.admin_app = _admin_app(self)
+
+    # -- resources -------------------------------------------------------
+
+    @property
+    def regions(self) -> RegionSet:
+        if self._regions is None:
+            raise RuntimeError("the proxy is not open: run its app, or call start()")
+        return self._regions
+
+    @property
+    def pipeline(self) -> Pipeline:
+        if self._pipeline is None:
+            raise RuntimeError("the proxy is not open: run its app, or call start()")
+        return self._pipeline
+
+    async def _lifespan(self, app: web.Application) -> AsyncIterator[None]:
+        await self.open()
+        try:
+            yield
+        finally:
+            await self.close()
+
+    def setup(self, app: web.Application) -> None:
+        """Tie the proxy's resources to a host ``app`` that calls :meth:`forward` itself."""
+        app.cleanup_ctx.append(self._lifespan)
+
+    async def open(self) -> None:
+        """Open the pools and warm them. Counted, so several host apps may share one proxy."""
+        self._users += 1
+        if self._users > 1:
+            return
+        regions = RegionSet(self.config)
+        self._regions = regions
+        self._pipeline = Pipeline(self.config, regions)
+        await regions.open()
+        for region in regions:
+            if not region.up:
+                logger.warning(
+                    "region %s (%s) is not reachable at startup; /readyz reports it",
+                    region.name,
+                    region.config.url,
+                )
+
+    async def close(self) -> None:
+        self._users -= 1
+        if self._users > 0 or self._regions is None:
+            return
+        await self._regions.close()
+        self._regions = None
+        self._pipeline = None
+
+    # -- serving ---------------------------------------------------------
+
+    async def forward(self, request: web.Request) -> web.StreamResponse:
+        """Serve ``request`` through the pipeline; usable from any aiohttp handler."""
+        return await self.pipeline.handle(request)
+
+    @property
+    def ready(self) -> bool:
+        return self._regions is not None and self._regions.ready and not self.draining
+
+    async def start(self) -> None:
+        """Listen on ``[server]`` and, when enabled, ``[admin]``; returns once both listen."""
+        server = self.config.server
+        self._runner = web.AppRunner(
+            self.app,
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=1.0,
+        )
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, server.host, server.port, backlog=server.backlog)
+        await site.start()
+        if self.config.admin.enabled:
+            self._admin_runner = web.AppRunner(self.admin_app, access_log=None)
+            await self._admin_runner.setup()
+            admin = web.TCPSite(self._admin_runner, self.config.admin.host, self.config.admin.port)
+            await admin.start()
+        logger.info("edgeproxy %s listening on %s", self.config.pop.name, self.url)
+
+    @property
+    def url(self) -> str:
+        """The proxy listener's base URL, with the real port when port 0 was asked."""
+        return _runner_url(self._runner)
+
+    @property
+    def admin_url(self) -> str:
+        return _runner_url(self._admin_runner)
+
+    async def stop(self, grace: float | None = None) -> bool:
+        """Drain: stop accepting, let in-flight requests finish for ``grace`` seconds, close.
+
+        Returns false if requests were still running when the grace period ended.
+        """
+        grace = self.config.server.grace_period if grace is None else grace
+        self.draining = True
+        if self._pipeline is not None:
+            self._pipeline.draining = True
+        drained = True
+        if self._runner is not None:
+            for site in list(self._runner.sites):
+                await site.stop()
+            if self._pipeline is not None:
+                drained = await self._pipeline.wait_idle(grace)
+                if not drained:
+                    logger.warning(
+                        "grace period of %.1fs ended with %d requests in flight",
+                        grace,
+                        self._pipeline.in_flight,
+                    )
+            await self._runner.cleanup()
+            self._runner = None
+        if self._admin_runner is not None:
+            await self._admin_runner.cleanup()
+            self._admin_runner = None
+        return drained
+
+    def status(self) -> dict[str, Any]:
+        """The JSON served at the admin ``/status``."""
+        regions = self._regions.snapshot() if self._regions is not None else []
+        return {
+            "pop": self.config.pop.name,
+            "ready": self.ready,
+            "draining": self.draining,
+            "uptime_s": round(time.time() - self.started_at, 3),
+            "in_flight": self._pipeline.in_flight if self._pipeline is not None else 0,
+            "regions": regions,
+        }
+
+
+PROXY_KEY = web.AppKey("edgeproxy.proxy", EdgeProxy)
+
+
+def _runner_url(runner: web.AppRunner | None) -> str:
+    if runner is None or not runner.addresses:
+        raise RuntimeError("not listening")
+    host, port = runner.addresses[0][:2]
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(data), content_type="application/json")
+
+
+def _admin_app(proxy: EdgeProxy) -> web.Application:
+    async def healthz(request: web.Request) -> web.Response:
+        return _json({"status": "ok"})
+
+    async def readyz(request: web.Request) -> web.Response:
+        if proxy.ready:
+            return _json({"status": "ready"})
+        reasons = []
+        if proxy.draining:
+            reasons.append("draining")
+        if proxy._regions is None:
+            reasons.append("not started")
+        elif not proxy._regions.warmed:
+            reasons.append("pools warming")
+        else:
+            for region in proxy._regions:
+                if not region.up:
+                    reasons.append(f"region {region.name} unreachable: {region.last_error}")
+            if not any(r.up for r in proxy._regions):
+                reasons.append("no region is reachable")
+        return _json({"status": "not ready", "reasons": reasons}, status=503)
+
+    async def status(request: web.Request) -> web.Response:
+        return _json(proxy.status())
+
+    app = web.Application()
+    app[PROXY_KEY] = proxy
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/status", status)
+    return app
+
+
+async def serve(config: Config) -> int:
+    """Run until SIGTERM or SIGINT, then drain. Returns the process exit code."""
+    import signal
+
+    proxy = EdgeProxy(config)
+    await proxy.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+        logger.info("draining for up to %.1fs", config.server.grace_period)
+        await proxy.stop()
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+    return 0

@@ -1,0 +1,59 @@
+from __future__ import annotations
+
+from edgeproxy._headers import (
+    append_forwarded_for,
+    append_via,
+    request_id,
+    strip_hop_by_hop,
+    trace_context,
+)
+
+
+def test_strip_hop_by_hop_includes_connection_tokens() -> None:
+    headers = [
+        ("Connection", "keep-alive, X-Secret"),
+        ("Keep-Alive", "timeout=5"),
+        ("X-Secret", "1"),
+        ("Transfer-Encoding", "chunked"),
+        ("Upgrade", "h2c"),
+        ("TE", "trailers"),
+        ("Proxy-Authorization", "Basic x"),
+        ("Content-Type", "application/json"),
+    ]
+    assert strip_hop_by_hop(headers) == [("Content-Type", "application/json")]
+
+
+def test_request_id_kept_when_valid_and_generated_otherwise() -> None:
+    assert request_id("abc-123") == "abc-123"
+    generated = request_id("bad id with spaces\r\n")
+    assert len(generated) == 32 and generated != request_id(None)
+
+
+def test_traceparent_continues_trace_with_new_span() -> None:
+    incoming = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    ctx = trace_context(incoming)
+    assert ctx.trace_id == "4bf92f3577b34da6a3ce929d0e0e4736"
+    assert ctx.parent_id == "00f067aa0ba902b7"
+    assert ctx.span_id != ctx.parent_id
+    assert ctx.traceparent.startswith("00-4bf92f3577b34da6a3ce929d0e0e4736-")
+    assert ctx.traceparent.endswith("-01")
+
+
+def test_invalid_traceparent_starts_new_trace() -> None:
+    for bad in (
+        "garbage",
+        "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+        "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",
+    ):
+        ctx = trace_context(bad)
+        assert ctx.parent_id is None
+        assert len(ctx.trace_id) == 32 and ctx.trace_id != "0" * 32
+
+
+def test_forwarding_headers() -> None:
+    assert append_forwarded_for(None, "10.0.0.1") == "10.0.0.1"
+    assert append_forwarded_for("1.1.1.1", "10.0.0.1") == "1.1.1.1, 10.0.0.1"
+    assert append_forwarded_for("1.1.1.1", None) == "1.1.1.1"
+    assert append_via(None, "1.1", "edge-sin") == "1.1 edge-sin"
+    assert append_via("1.0 a", "2.0", "edge-sin") == "1.0 a, 2.0 edge-sin"
