@@ -1,0 +1,29 @@
+"""A fake OpenAI-compatible regional cluster for tests, demos and benchmarks.
+
+Each :class:`FakeRegion` is a real HTTP server (hypercorn, HTTP/1.1 and
+HTTP/2 on one port) on its own thread, with deterministic completions,
+injectable faults and request counters::
+
+    from edgeproxy.testing import Behavior, FakeRegion
+
+    async with FakeRegion(name="eu-west-1", behavior=Behavior(ttft=0.05)) as region:
+        ...  # point the proxy at region.url
+        region.behavior.fault = "5xx"  # the next requests fail
+        assert region.requests_total == 3
+
+A region can also run as its own process, controlled over HTTP::
+
+    python -m edgeproxy.testing --name r1 --port 9101 --ttft 0.05
+
+``POST /_control`` with a JSON object of :class:`Behavior` fields changes the
+behaviour, ``GET /_control`` returns it with the counters, and
+``POST /_control/reset-counters`` zeroes the counters.
+
+Requires hypercorn (the ``test`` or ``bench`` extra).
+"""
+
+from ._app import Counters
+from ._behavior import FAULTS, Behavior, Fault
+from ._upstream import FakeRegion
+
+__all__ = ["FAULTS", "Behavior", "Counters", "FakeRegion", "Fault"]

@@ -1,0 +1,100 @@
+"""Run one fake region in the foreground: ``python -m edgeproxy.testing --help``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from types import FrameType
+
+from ._behavior import FAULTS, Behavior
+from ._upstream import FakeRegion
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m edgeproxy.testing",
+        description="Serve one fake OpenAI-compatible region until SIGINT or SIGTERM.",
+    )
+    parser.add_argument("--name", default="region", help="region name (x-fake-region header)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    parser.add_argument("--model", default="fake-llm")
+    parser.add_argument("--ttft", type=float, default=0.0, help="seconds before the first token")
+    parser.add_argument("--inter-token-delay", type=float, default=0.0)
+    parser.add_argument("--tokens", type=int, default=8, help="tokens per completion")
+    parser.add_argument("--fault", choices=sorted(FAULTS), default=None)
+    parser.add_argument("--fault-rate", type=float, default=1.0)
+    parser.add_argument("--fault-status", type=int, default=503)
+    parser.add_argument("--seed", type=int, default=None, help="seed for --fault-rate draws")
+    parser.add_argument("--http1-only", action="store_true", help="refuse HTTP/2")
+    parser.add_argument("--certfile", help="PEM certificate; serve TLS with --keyfile")
+    parser.add_argument("--keyfile", help="PEM private key")
+    parser.add_argument("--max-concurrent-streams", type=int, default=100)
+    parser.add_argument("--log-level", default="WARNING")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s %(message)s")
+    try:
+        behavior = Behavior(
+            ttft=args.ttft,
+            inter_token_delay=args.inter_token_delay,
+            tokens=args.tokens,
+            fault=args.fault,
+            fault_rate=args.fault_rate,
+            fault_status=args.fault_status,
+        )
+        region = FakeRegion(
+            args.name,
+            args.host,
+            args.port,
+            behavior,
+            model=args.model,
+            certfile=args.certfile,
+            keyfile=args.keyfile,
+            http1_only=args.http1_only,
+            seed=args.seed,
+            max_concurrent_streams=args.max_concurrent_streams,
+        )
+    except (TypeError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    signals = {signal.SIGINT, signal.SIGTERM}
+    for signum in signals:
+        signal.signal(signum, on_signal)
+    # The server thread inherits the signal mask at creation. With the
+    # signals blocked there, the kernel delivers them to this thread, whose
+    # wait they interrupt at once; otherwise the wait could outlast them.
+    block = getattr(signal, "pthread_sigmask", None)
+    if block is not None:
+        block(signal.SIG_BLOCK, signals)
+    try:
+        region.start_sync()
+    except OSError as exc:
+        print(f"error: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if block is not None:
+            block(signal.SIG_UNBLOCK, signals)
+    # Supervisors (benchmarks, the demo) wait for this exact line.
+    print(f"listening on {region.url}", flush=True)
+    try:
+        stop.wait()
+    finally:
+        region.stop_sync()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,182 @@
+"""The run-time behaviour knobs of a fake region."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Final, Literal, get_args
+
+Fault = Literal["5xx", "reset", "stall", "stall_body", "slow_headers", "goaway"]
+"""The failure modes a fake region can inject; see :class:`Behavior`."""
+
+FAULTS: Final[frozenset[str]] = frozenset(get_args(Fault))
+
+
+def _duration(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a number of seconds, not {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a finite number >= 0, not {value!r}")
+    return float(value)
+
+
+def _count(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an integer, not {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, not {value!r}")
+    return value
+
+
+def _fault(name: str, value: object) -> Fault | None:
+    if value is None:
+        return None
+    if value not in FAULTS:
+        choices = ", ".join(sorted(FAULTS))
+        raise ValueError(f"{name} must be None or one of {choices}, not {value!r}")
+    return value  # type: ignore[return-value]  # narrowed by the membership test
+
+
+def _rate(name: str, value: object) -> float:
+    rate = _duration(name, value)
+    if rate > 1:
+        raise ValueError(f"{name} must be between 0 and 1, not {value!r}")
+    return rate
+
+
+def _status(name: str, value: object) -> int:
+    status = _count(name, value, 400)
+    if status > 599:
+        raise ValueError(f"{name} must be an HTTP error status (400-599), not {value!r}")
+    return status
+
+
+def _paths(name: str, value: object) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    # A bare string would otherwise be accepted as a tuple of one-letter prefixes.
+    if isinstance(value, str) or not isinstance(value, list | tuple):
+        raise TypeError(f"{name} must be None or a sequence of path prefixes, not {value!r}")
+    for item in value:
+        if not isinstance(item, str) or not item.startswith("/"):
+            raise ValueError(f"{name} entries must be paths starting with '/', not {item!r}")
+    return tuple(value)
+
+
+_VALIDATORS: Final[dict[str, Callable[[str, object], object]]] = {
+    "ttft": _duration,
+    "inter_token_delay": _duration,
+    "tokens": lambda n, v: _count(n, v, 0),
+    "fault": _fault,
+    "fault_rate": _rate,
+    "fault_status": _status,
+    "fault_after_tokens": lambda n, v: _count(n, v, 0),
+    "fault_paths": _paths,
+    "slow_headers_delay": _duration,
+    "goaway_after": lambda n, v: _count(n, v, 1),
+}
+
+
+@dataclass(slots=True)
+class Behavior:
+    """How a fake region answers. Every field can be changed while it serves.
+
+    A request takes a snapshot of the behaviour when it arrives, so a change
+    affects the next requests, not the ones in progress. Assigning a field
+    validates it at once (a typo or a bad value raises there, not inside the
+    server thread); to change several fields together, use
+    :meth:`FakeRegion.configure <edgeproxy.testing.FakeRegion.configure>`.
+
+    Timing (seconds):
+
+    ``ttft``
+        Delay before the response headers of the LLM endpoints: the first
+        token of a stream goes out with them, a JSON answer goes out whole.
+    ``inter_token_delay``
+        Delay between two tokens of a stream.
+    ``tokens``
+        Tokens per completion when the request sets no ``max_tokens``.
+
+    Faults, applied to every path except ``/_control``:
+
+    ``fault``
+        ``None`` or one of:
+
+        * ``"5xx"``: answer ``fault_status`` with an OpenAI error body;
+        * ``"reset"``: send ``fault_after_tokens`` body units (stream events,
+          echo chunks, or half of a single-piece body), then reset: HTTP/2
+          sends RST_STREAM(INTERNAL_ERROR), HTTP/1.1 drops the connection.
+          ``fault_after_tokens=0`` resets before the response headers;
+        * ``"stall"``: read the request, then never answer until the client
+          goes away or the region stops;
+        * ``"stall_body"``: send the headers and the first body unit, then
+          stall the same way;
+        * ``"slow_headers"``: wait ``slow_headers_delay`` more before the
+          headers, then answer normally;
+        * ``"goaway"``: the ``goaway_after``-th request on a connection is
+          answered normally and then ends the connection: on HTTP/2 a
+          GOAWAY(NO_ERROR) follows its response, naming the highest stream
+          accepted so far as the last one processed; the streams still in
+          flight are answered, later ones are refused with
+          RST_STREAM(REFUSED_STREAM), and the connection is closed when the
+          last stream is done. On HTTP/1.1 the response carries
+          ``Connection: close``.
+    ``fault_rate``
+        Probability that a request gets the fault (the region's ``seed``
+        makes the draw repeatable).
+    ``fault_status``
+        Status for ``"5xx"``; any 400-599 (429 included) is accepted.
+    ``fault_paths``
+        ``None`` for every path, or the path prefixes the fault applies to,
+        e.g. ``("/v1/",)`` to keep ``/healthz`` answering.
+    """
+
+    ttft: float = 0.0
+    inter_token_delay: float = 0.0
+    tokens: int = 8
+    fault: Fault | None = None
+    fault_rate: float = 1.0
+    fault_status: int = 503
+    fault_after_tokens: int = 2
+    fault_paths: tuple[str, ...] | None = None
+    slow_headers_delay: float = 1.0
+    goaway_after: int = 1
+
+    def __setattr__(self, name: str, value: object) -> None:
+        validator = _VALIDATORS.get(name)
+        if validator is not None:
+            value = validator(name, value)
+        object.__setattr__(self, name, value)
+
+    def copy(self, **changes: Any) -> Behavior:
+        """Return a validated copy with ``changes`` applied."""
+        unknown = set(changes) - set(_VALIDATORS)
+        if unknown:
+            raise AttributeError(f"unknown Behavior field(s): {', '.join(sorted(unknown))}")
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as JSON-ready values (``fault_paths`` as a list)."""
+        data = dataclasses.asdict(self)
+        if self.fault_paths is not None:
+            data["fault_paths"] = list(self.fault_paths)
+        return data
+
+    @classmethod
+    def field_names(cls) -> frozenset[str]:
+        """The names accepted by :meth:`copy` and by ``POST /_control``."""
+        return frozenset(_VALIDATORS)
+
+    def applies_to(self, path: str) -> bool:
+        """Whether ``fault_paths`` covers ``path``."""
+        return self.fault_paths is None or any(path.startswith(p) for p in self.fault_paths)
+
+
+def behavior_from_mapping(base: Behavior, changes: Mapping[str, object]) -> Behavior:
+    """Apply a JSON object of field changes to ``base``; raise ``ValueError`` on bad input."""
+    try:
+        return base.copy(**dict(changes))
+    except (AttributeError, TypeError, ValueError) as exc:
+        raise ValueError(str(exc)) from exc

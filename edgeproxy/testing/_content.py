@@ -1,0 +1,153 @@
+"""Deterministic completions and OpenAI-shaped payloads.
+
+The text depends only on the prompt (never on the region, the time or the
+token budget beyond its length), so two regions answer the same request
+identically and a shorter ``max_tokens`` yields a prefix of a longer one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from typing import Any, Final
+
+import orjson
+
+_VOCABULARY: Final = (
+    "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike "
+    "november oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee "
+    "zulu amber basil cedar dune ember fjord grove harbor island jade kelp lagoon "
+    "meadow nectar orchid pebble quartz river summit tundra umber valley willow "
+    "yarrow zephyr atlas beacon canyon dawn estuary fable glacier horizon"
+).split()
+
+_EMBEDDING_DIMENSIONS: Final = 8
+
+
+def digest(value: object) -> bytes:
+    """A stable hash of a JSON value (key order does not matter)."""
+    return hashlib.sha256(orjson.dumps(value, option=orjson.OPT_SORT_KEYS)).digest()
+
+
+def tokens(prompt_digest: bytes, count: int) -> Iterator[str]:
+    """The completion for a prompt, one token at a time.
+
+    Tokens after the first start with a space, so joining them reads as text.
+    """
+    for index in range(count):
+        h = hashlib.sha256(prompt_digest + index.to_bytes(4, "big")).digest()
+        word = _VOCABULARY[int.from_bytes(h[:4], "big") % len(_VOCABULARY)]
+        yield word if index == 0 else " " + word
+
+
+def count_words(value: object) -> int:
+    """A rough prompt token count: whitespace-separated words in every string inside."""
+    if isinstance(value, str):
+        return len(value.split())
+    if isinstance(value, list | tuple):
+        return sum(count_words(item) for item in value)
+    if isinstance(value, dict):
+        return sum(count_words(item) for item in value.values())
+    return 0
+
+
+def embedding(value: object) -> list[float]:
+    """A small deterministic unit-range vector for one embeddings input."""
+    h = digest(value)
+    return [
+        round(int.from_bytes(h[i * 4 : i * 4 + 4], "big") / 2**31 - 1.0, 6)
+        for i in range(_EMBEDDING_DIMENSIONS)
+    ]
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def error_body(message: str, *, type_: str = "invalid_request_error") -> bytes:
+    """The OpenAI error shape."""
+    return orjson.dumps({"error": {"message": message, "type": type_, "param": None, "code": None}})
+
+
+def sse_event(payload: object) -> bytes:
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+SSE_DONE: Final = b"data: [DONE]\n\n"
+
+
+def chat_completion(
+    id_: str, created: int, model: str, text: str, usage_: dict[str, int]
+) -> dict[str, Any]:
+    return {
+        "id": id_,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": "stop",
+            }
+        ],
+        "usage": usage_,
+    }
+
+
+def chat_chunk(
+    id_: str,
+    created: int,
+    model: str,
+    delta: dict[str, str],
+    finish_reason: str | None = None,
+) -> dict[str, Any]:
+    return {
+        "id": id_,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}],
+    }
+
+
+def text_completion(
+    id_: str, created: int, model: str, text: str, usage_: dict[str, int]
+) -> dict[str, Any]:
+    return {
+        "id": id_,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": "stop"}],
+        "usage": usage_,
+    }
+
+
+def text_chunk(
+    id_: str, created: int, model: str, text: str, finish_reason: str | None = None
+) -> dict[str, Any]:
+    return {
+        "id": id_,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+    }
+
+
+def usage_chunk(id_: str, created: int, model: str, obj: str, usage_: dict[str, int]) -> bytes:
+    return sse_event(
+        {
+            "id": id_,
+            "object": obj,
+            "created": created,
+            "model": model,
+            "choices": [],
+            "usage": usage_,
+        }
+    )

@@ -1,0 +1,121 @@
+"""The ``edgeproxy`` command, run as a real process."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from edgeproxy._cli import main
+
+from .conftest import RegionFactory, eventually
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_check_config_ok(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "edge.toml"
+    path.write_text('[[regions]]\nname = "a"\nurl = "http://127.0.0.1:9101"\n')
+    assert main(["check-config", str(path)]) == 0
+    assert "OK (1 regions: a)" in capsys.readouterr().out
+
+
+def test_check_config_lists_every_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "edge.toml"
+    path.write_text('[server]\nport = 70000\n[[regions]]\nname = "a"\nurl = "gopher://x"\n')
+    assert main(["check-config", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "server.port:" in err
+    assert "regions[0].url: must be an http:// or https:// URL" in err
+
+
+def test_serve_with_bad_config_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "edge.toml"
+    path.write_text("[server]\nport = 1\n")
+    assert main(["serve", "--config", str(path)]) == 2
+    assert "at least one [[regions]]" in capsys.readouterr().err
+
+
+def test_config_docs(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["config-docs"]) == 0
+    assert "`server.port`" in capsys.readouterr().out
+
+
+async def test_sigterm_drains_in_flight_stream(tmp_path: Path, make_region: RegionFactory) -> None:
+    region = await make_region("ap-1", inter_token_delay=0.1, tokens=15)
+    port, admin_port = free_port(), free_port()
+    config = tmp_path / "edge.toml"
+    config.write_text(
+        f"""
+[server]
+port = {port}
+grace_period = 20.0
+
+[admin]
+port = {admin_port}
+
+[[regions]]
+name = "ap-1"
+url = "{region.url}"
+"""
+    )
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "edgeproxy",
+        "serve",
+        "--config",
+        str(config),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        async with aiohttp.ClientSession() as client:
+
+            async def ready() -> bool:
+                try:
+                    async with client.get(f"http://127.0.0.1:{admin_port}/readyz") as r:
+                        return r.status == 200
+                except aiohttp.ClientError:
+                    return False
+
+            for _ in range(300):
+                if await ready():
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError("proxy did not become ready")
+
+            body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "x"}]}
+            async with client.post(
+                f"http://127.0.0.1:{port}/v1/chat/completions", json=body
+            ) as resp:
+                first = await resp.content.readuntil(b"\n\n")
+                proc.send_signal(signal.SIGTERM)
+                rest = await resp.content.read()
+            raw = first + rest
+            assert raw.rstrip().endswith(b"data: [DONE]")
+
+            # The listener is closed: new connections are refused once draining began.
+            with pytest.raises(aiohttp.ClientConnectionError):
+                async with aiohttp.ClientSession() as fresh:
+                    async with fresh.get(f"http://127.0.0.1:{port}/healthz") as r:
+                        await r.read()
+        code = await asyncio.wait_for(proc.wait(), 30)
+        assert code == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    await eventually(lambda: region.in_flight == 0)
