@@ -11,6 +11,8 @@ from ._config import (
     UpstreamConfig,
     load_config,
 )
+from ._pipeline import RequestContext, UpstreamReply
+from ._plugins import PluginError, PluginLoadError
 from ._pool import (
     PoolLimits,
     UpstreamConnectError,
@@ -19,6 +21,7 @@ from ._pool import (
     UpstreamTimeout,
 )
 from ._server import EdgeProxy
+from .hookspecs import hookimpl
 
 __version__ = "0.1.0"
 
@@ -27,16 +30,21 @@ __all__ = [
     "Config",
     "ConfigError",
     "EdgeProxy",
+    "PluginError",
+    "PluginLoadError",
     "PluginsConfig",
     "PoolLimits",
     "PopConfig",
     "RegionConfig",
+    "RequestContext",
     "ServerConfig",
     "UpstreamConfig",
     "UpstreamConnectError",
     "UpstreamError",
     "UpstreamProtocolError",
+    "UpstreamReply",
     "UpstreamTimeout",
     "__version__",
+    "hookimpl",
     "load_config",
 ]

@@ -17,7 +17,15 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 __all__ = [
     "AdminConfig",
@@ -222,6 +230,13 @@ class Config(_Section):
         default_factory=list, description="The regional clusters, one [[regions]] table each."
     )
     plugins: PluginsConfig = Field(default_factory=PluginsConfig, description="Plugins.")
+    # Relative plugin file paths resolve against the config file's folder.
+    _base_dir: Path | None = PrivateAttr(default=None)
+
+    @property
+    def base_dir(self) -> Path | None:
+        """The folder of the file this config was loaded from, if any."""
+        return self._base_dir
 
     @model_validator(mode="after")
     def _check_regions(self) -> Config:
@@ -338,7 +353,9 @@ def load_config(
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError([f"TOML syntax error: {exc}"], source=source) from None
-    return config_from_mapping(data, environ=environ, source=source)
+    config = config_from_mapping(data, environ=environ, source=source)
+    config._base_dir = Path(source).resolve().parent
+    return config
 
 
 def iter_config_keys() -> Iterator[tuple[str, str, str, str]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
 import orjson
@@ -13,6 +13,7 @@ from aiohttp import web
 
 from ._config import Config
 from ._pipeline import Pipeline
+from ._plugins import Plugins
 from ._regions import RegionSet
 
 __all__ = ["EdgeProxy", "PROXY_KEY"]
@@ -30,8 +31,19 @@ class EdgeProxy:
     ``cleanup_ctx``.
     """
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, *, plugins: Iterable[object] = ()) -> None:
+        """Build the proxy and load its plugins: those given here, ``[plugins] enabled``,
+        and the ``edgeproxy.plugins`` entry points. A plugin that cannot load raises
+        :class:`~edgeproxy.PluginLoadError` naming it."""
         self.config = config
+        self.plugins = Plugins(config.plugins.fail_open)
+        for plugin in plugins:
+            # Modules by their name, objects by their class: names appear in error logs.
+            name = getattr(plugin, "__name__", None) or type(plugin).__name__
+            if self.plugins.pm.has_plugin(name):
+                name = f"{name}-{id(plugin):x}"
+            self.plugins.register(plugin, name=name)
+        self.plugins.load_configured(config.plugins, base_dir=config.base_dir)
         self.started_at = time.time()
         self._regions: RegionSet | None = None
         self._pipeline: Pipeline | None = None
@@ -42,7 +54,7 @@ class EdgeProxy:
         self.app = web.Application()
         self.app[PROXY_KEY] = self
         self.app.cleanup_ctx.append(self._lifespan)
-        self.app.router.add_route("*", "/{tail:.*}", self.forward)
+        self.app.router.add_route("*", "/{tail:.*}", self._handle)
         self.admin_app = _admin_app(self)
 
     # -- resources -------------------------------------------------------
@@ -77,7 +89,7 @@ class EdgeProxy:
             return
         regions = RegionSet(self.config)
         self._regions = regions
-        self._pipeline = Pipeline(self.config, regions)
+        self._pipeline = Pipeline(self.config, regions, self.plugins)
         await regions.open()
         for region in regions:
             if not region.up:
@@ -86,20 +98,72 @@ class EdgeProxy:
                     region.name,
                     region.config.url,
                 )
+        try:
+            await self.plugins.call_all("edgeproxy_startup", proxy=self)
+        except BaseException:
+            await regions.close()
+            self._regions = None
+            self._pipeline = None
+            self._users -= 1
+            raise
 
     async def close(self) -> None:
         self._users -= 1
         if self._users > 0 or self._regions is None:
             return
+        await self.plugins.call_all_logged("edgeproxy_shutdown", proxy=self)
         await self._regions.close()
         self._regions = None
         self._pipeline = None
 
     # -- serving ---------------------------------------------------------
 
-    async def forward(self, request: web.Request) -> web.StreamResponse:
-        """Serve ``request`` through the pipeline; usable from any aiohttp handler."""
-        return await self.pipeline.handle(request)
+    async def forward(self, request: web.Request, *, strip_prefix: str = "") -> web.StreamResponse:
+        """Serve ``request`` through the pipeline; usable from any aiohttp handler.
+
+        ``strip_prefix`` is removed from the start of the path before it goes
+        upstream (``/llm/v1/models`` becomes ``/v1/models``). The host app must
+        run the proxy's resources: call :meth:`setup` on it.
+        """
+        return await self.pipeline.handle(request, strip_prefix=strip_prefix)
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        # Mounted with add_subapp("/llm", proxy.app), the route carries the
+        # prefix; the region must see the path without it.
+        canonical = (
+            request.match_info.route.resource.canonical if request.match_info.route.resource else ""
+        )
+        prefix = canonical[: -len("/{tail}")] if canonical.endswith("/{tail}") else ""
+        return await self.pipeline.handle(request, strip_prefix=prefix)
+
+    def middleware(
+        self, *prefixes: str, strip_prefix: bool = False
+    ) -> Callable[
+        [web.Request, Callable[[web.Request], Awaitable[web.StreamResponse]]],
+        Awaitable[web.StreamResponse],
+    ]:
+        """An aiohttp middleware forwarding requests whose path starts with one of ``prefixes``.
+
+        Other requests go on to the host app's own handlers. Call
+        :meth:`setup` on the host app too, so the proxy's pools open and close
+        with it. With ``strip_prefix``, the matched prefix is removed before
+        the request goes upstream.
+        """
+        if not prefixes:
+            raise ValueError("middleware() needs at least one path prefix")
+
+        @web.middleware
+        async def edgeproxy_middleware(
+            request: web.Request,
+            handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+        ) -> web.StreamResponse:
+            for prefix in prefixes:
+                if request.path.startswith(prefix):
+                    strip = prefix.rstrip("/") if strip_prefix else ""
+                    return await self.pipeline.handle(request, strip_prefix=strip)
+            return await handler(request)
+
+        return edgeproxy_middleware
 
     @property
     def ready(self) -> bool:

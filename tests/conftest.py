@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import pytest
@@ -66,3 +66,80 @@ async def eventually(predicate: Callable[[], bool], timeout: float = 10.0) -> No
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError("condition not reached in time")
         await asyncio.sleep(0.02)
+
+
+def _redis_answers(host: str, port: int) -> bool:
+    import socket
+
+    try:
+        with socket.create_connection((host, port), timeout=0.5) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real Redis: the machine's at 127.0.0.1:6379, else one started here, else a skip."""
+    import shutil
+    import socket
+    import subprocess
+    import time
+
+    if _redis_answers("127.0.0.1", 6379):
+        yield "redis://127.0.0.1:6379/0"
+        return
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("no Redis at 127.0.0.1:6379 and no redis-server binary to start one")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    workdir = tmp_path_factory.mktemp("redis")
+    proc = subprocess.Popen(
+        [
+            binary,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(workdir),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        for _ in range(100):
+            if _redis_answers("127.0.0.1", port):
+                break
+            time.sleep(0.05)
+        else:
+            pytest.skip("redis-server did not start")
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@pytest.fixture
+async def redis_prefix(redis_server: str) -> AsyncIterator[str]:
+    """A key prefix of this test's own; every key under it is deleted afterwards."""
+    import uuid
+
+    import redis.asyncio as aioredis
+
+    prefix = f"edgeproxy-test:{uuid.uuid4().hex[:12]}:"
+    yield prefix
+    client = aioredis.Redis.from_url(redis_server)
+    try:
+        keys = [k async for k in client.scan_iter(match=prefix + "*")]
+        if keys:
+            await client.delete(*keys)
+    finally:
+        await client.aclose()

@@ -80,7 +80,9 @@ weight = -1
 def test_empty_and_duplicate_regions(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="at least one"):
         load_config(write(tmp_path, "[server]\nport = 1\n"), environ={})
-    dup = '[[regions]]\nname = "a"\nurl = "http://h:1"\n[[regions]]\nname = "a"\nurl = "http://h:2"\n'
+    dup = (
+        '[[regions]]\nname = "a"\nurl = "http://h:1"\n[[regions]]\nname = "a"\nurl = "http://h:2"\n'
+    )
     with pytest.raises(ConfigError, match="duplicate region name 'a'"):
         load_config(write(tmp_path, dup), environ={})
 
@@ -104,7 +106,7 @@ def test_unreadable_and_non_utf8(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read config file"):
         load_config(tmp_path / "missing.toml")
     bad = tmp_path / "bad.toml"
-    bad.write_bytes(b"[server]\nhost = \"\xff\"\n")
+    bad.write_bytes(b'[server]\nhost = "\xff"\n')
     with pytest.raises(ConfigError, match="not UTF-8"):
         load_config(bad)
 

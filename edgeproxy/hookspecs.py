@@ -1,0 +1,172 @@
+"""Plugin hooks: the pluggy hook specifications of edgeproxy.
+
+A plugin is a module or an object with functions named after these specs and
+decorated with :data:`edgeproxy.hookimpl`. An implementation may be a plain
+function or an ``async def``; edgeproxy awaits coroutines itself. As in
+pluggy, an implementation may accept any subset of the arguments, and
+edgeproxy always calls hooks with keyword arguments.
+
+Each spec's docstring says how results combine:
+
+- *first result wins*: implementations run in order until one returns
+  something other than ``None``; that value is used and the rest are skipped;
+- *all run*: every implementation runs; return values are ignored;
+- *chained*: every implementation runs, each receiving the previous one's
+  output.
+
+Order follows pluggy: the plugin registered last runs first, and
+``tryfirst``/``trylast`` move an implementation to the front or back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING
+
+import pluggy
+
+if TYPE_CHECKING:
+    from aiohttp import web
+
+    from ._pipeline import RequestContext, UpstreamReply
+    from ._regions import Region
+    from ._server import EdgeProxy
+
+__all__ = ["hookimpl", "hookspec"]
+
+hookspec = pluggy.HookspecMarker("edgeproxy")
+hookimpl = pluggy.HookimplMarker("edgeproxy")
+
+
+@hookspec
+def edgeproxy_startup(proxy: EdgeProxy) -> Awaitable[None] | None:
+    """The proxy opened its resources (pools warm) and is about to serve.
+
+    *All run*, in order; an exception aborts startup with the plugin's name.
+    """
+
+
+@hookspec
+def edgeproxy_shutdown(proxy: EdgeProxy) -> Awaitable[None] | None:
+    """The proxy is closing, after the last request drained.
+
+    *All run*; exceptions are logged and do not stop the other plugins.
+    """
+
+
+@hookspec(firstresult=True)
+def edgeproxy_request_received(
+    request: web.Request, ctx: RequestContext
+) -> Awaitable[web.StreamResponse | None] | web.StreamResponse | None:
+    """A request arrived, before admission, cache and routing.
+
+    Rewrite it through ``ctx``: ``ctx.target`` (path and query),
+    ``ctx.headers`` (a mutable multidict), ``ctx.json`` / ``ctx.set_json()``
+    for JSON bodies, ``ctx.tenant`` and ``ctx.priority``. Return a response
+    (for example a 401, or a static answer) to answer directly.
+
+    *First result wins*: the first response returned is sent, and later
+    implementations do not run.
+    """
+
+
+@hookspec(firstresult=True)
+def edgeproxy_route(
+    request: web.Request, ctx: RequestContext, candidates: list[Region]
+) -> Awaitable[list[Region] | None] | list[Region] | None:
+    """The router ordered the regions this request may go to, best first.
+
+    Return a new list to override or filter them (an empty list answers 503
+    ``no_region``), or ``None`` to keep the router's choice.
+
+    *First result wins*.
+    """
+
+
+@hookspec(firstresult=True)
+def edgeproxy_cache_key(
+    request: web.Request, ctx: RequestContext, default_key: str
+) -> Awaitable[str | None] | str | None:
+    """Compute the cache key of a cacheable request; ``default_key`` is edgeproxy's.
+
+    Return a string to use instead (it is hashed before it reaches a backend),
+    or ``None`` to keep the default.
+
+    *First result wins*.
+    """
+
+
+@hookspec
+def edgeproxy_upstream_request(
+    request: web.Request,
+    ctx: RequestContext,
+    region: Region,
+    headers: list[tuple[str, str]],
+) -> Awaitable[None] | None:
+    """About to send to ``region``: edit ``headers`` in place (credentials, routing hints).
+
+    Called once per attempt. Header names are lower-case.
+
+    *All run*.
+    """
+
+
+@hookspec
+def edgeproxy_upstream_response(
+    request: web.Request, ctx: RequestContext, region: Region, reply: UpstreamReply
+) -> Awaitable[None] | None:
+    """Response headers arrived from ``region``, before anything reaches the client.
+
+    Edit ``reply.status`` and ``reply.headers`` (a list of pairs) in place.
+
+    *All run*.
+    """
+
+
+@hookspec
+def edgeproxy_stream_chunk(
+    request: web.Request, ctx: RequestContext, chunk: bytes
+) -> Awaitable[bytes | None] | bytes | None:
+    """A body chunk is about to be written to the client.
+
+    Return the bytes to send instead: ``b""`` drops the chunk, ``None``
+    keeps it. For SSE, chunks are the region's network reads, not
+    necessarily whole events. While any plugin implements this hook, the
+    proxy cannot send a ``Content-Length`` it cannot trust, so responses are
+    chunked.
+
+    *Chained*: each implementation receives the previous one's output.
+    """
+
+
+@hookspec
+def edgeproxy_response_complete(
+    request: web.Request, ctx: RequestContext
+) -> Awaitable[None] | None:
+    """The response is finished (or failed); for logging and usage accounting.
+
+    ``ctx`` holds the timings (``ctx.started``, ``ctx.upstream_ttfb``,
+    ``ctx.first_byte_at``, ``ctx.finished_at``), ``ctx.status``,
+    ``ctx.bytes_out``, ``ctx.region``, ``ctx.attempts``, ``ctx.error`` and,
+    for LLM answers, ``ctx.usage`` (the upstream's token counts).
+
+    *All run*; exceptions are logged and never reach the client.
+    """
+
+
+@hookspec(firstresult=True)
+def edgeproxy_fallback(
+    request: web.Request, ctx: RequestContext, reason: str, answer: web.StreamResponse | None
+) -> Awaitable[web.StreamResponse | bool | None] | web.StreamResponse | bool | None:
+    """The regions cannot answer (``reason``) and a degraded ``answer`` is about to be used.
+
+    Return ``False`` to veto the degraded answer (the client gets the error
+    instead), a response to replace it, or ``None`` to let it through.
+
+    *First result wins*.
+    """
+
+
+def hook_names() -> list[str]:
+    """Names of every hook specification, for docs and tests."""
+    return sorted(name for name in globals() if name.startswith("edgeproxy_"))
