@@ -388,3 +388,58 @@ async def test_malformed_request_gets_400_and_proxy_keeps_serving(
     async with aiohttp.ClientSession() as client:
         async with client.post(proxy.url + CHAT, json=BODY) as resp:
             assert resp.status == 200
+
+
+@pytest.fixture(scope="module")
+def tls_cert(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    import shutil
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command to make a self-signed certificate")
+    folder = tmp_path_factory.mktemp("tls")
+    certfile, keyfile = folder / "cert.pem", folder / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256"]
+        + ["-nodes", "-days", "1", "-subj", "/CN=localhost"]
+        + ["-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"]
+        + ["-keyout", str(keyfile), "-out", str(certfile)],
+        check=True,
+        capture_output=True,
+    )
+    return str(certfile), str(keyfile)
+
+
+async def test_tls_regions_with_alpn(
+    make_proxy: ProxyFactory, tls_cert: tuple[str, str], http2: bool
+) -> None:
+    from edgeproxy.testing import FakeRegion
+
+    certfile, keyfile = tls_cert
+    async with FakeRegion(name="tls-1", certfile=certfile, keyfile=keyfile) as region:
+        assert region.url.startswith("https://")
+        proxy = await make_proxy(
+            [{"name": "tls-1", "url": region.url, "http2": http2}],
+            upstream={"ca_file": certfile},
+        )
+        async with aiohttp.ClientSession() as client:
+            async with client.post(proxy.url + CHAT, json={**BODY, "stream": True}) as resp:
+                assert resp.status == 200
+                raw = await resp.read()
+        assert raw.rstrip().endswith(b"data: [DONE]")
+        expected = "2" if http2 else "1.1"
+        assert region.counters().requests_by_http_version.get(expected, 0) >= 1
+
+
+async def test_tls_region_with_untrusted_certificate_is_502(
+    make_proxy: ProxyFactory, tls_cert: tuple[str, str]
+) -> None:
+    from edgeproxy.testing import FakeRegion
+
+    certfile, keyfile = tls_cert
+    async with FakeRegion(name="tls-1", certfile=certfile, keyfile=keyfile) as region:
+        proxy = await make_proxy([{"name": "tls-1", "url": region.url}])
+        async with aiohttp.ClientSession() as client:
+            async with client.post(proxy.url + CHAT, json=BODY) as resp:
+                assert resp.status == 502
+                assert "tls-1" in (await resp.json())["error"]["message"]
