@@ -10,9 +10,10 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from ._config import Config
-from ._pipeline import Pipeline
+from ._pipeline import JSON_BODY_LIMIT, Pipeline
 from ._plugins import Plugins
 from ._regions import RegionSet
 
@@ -51,7 +52,8 @@ class EdgeProxy:
         self._runner: web.AppRunner | None = None
         self._admin_runner: web.AppRunner | None = None
         self.draining = False
-        self.app = web.Application()
+        # Bodies are streamed or buffered by the pipeline itself, up to its own limit.
+        self.app = web.Application(client_max_size=JSON_BODY_LIMIT + 1)
         self.app[PROXY_KEY] = self
         self.app.cleanup_ctx.append(self._lifespan)
         self.app.router.add_route("*", "/{tail:.*}", self._handle)
@@ -101,6 +103,8 @@ class EdgeProxy:
         try:
             await self.plugins.call_all("edgeproxy_startup", proxy=self)
         except BaseException:
+            # Plugins that did start get their shutdown hook.
+            await self.plugins.call_all_logged("edgeproxy_shutdown", proxy=self)
             await regions.close()
             self._regions = None
             self._pipeline = None
@@ -136,12 +140,7 @@ class EdgeProxy:
         prefix = canonical[: -len("/{tail}")] if canonical.endswith("/{tail}") else ""
         return await self.pipeline.handle(request, strip_prefix=prefix)
 
-    def middleware(
-        self, *prefixes: str, strip_prefix: bool = False
-    ) -> Callable[
-        [web.Request, Callable[[web.Request], Awaitable[web.StreamResponse]]],
-        Awaitable[web.StreamResponse],
-    ]:
+    def middleware(self, *prefixes: str, strip_prefix: bool = False) -> Middleware:
         """An aiohttp middleware forwarding requests whose path starts with one of ``prefixes``.
 
         Other requests go on to the host app's own handlers. Call

@@ -1,0 +1,149 @@
+"""Client geo, tenant and priority from request headers set by a CDN or a gateway.
+
+Settings (``[plugins.settings.geo_tenant]``); set a header name to ``""`` to
+ignore that header:
+
+``country_header``
+    Header with the client's ISO 3166-1 alpha-2 country, default
+    ``CF-IPCountry``; sets ``ctx.client_country`` (upper case). Cloudflare's
+    ``XX`` (unknown) and ``T1`` (Tor) are ignored.
+``geo_header``
+    Header with ``lat,lon`` in decimal degrees, default ``X-Client-Geo``;
+    sets ``ctx.client_geo``.
+``tenant_header``
+    Header naming the tenant (1-128 characters of ``A-Z a-z 0-9 . _ : @ -``),
+    default ``X-Tenant-Id``; sets ``ctx.tenant`` unless a tenant is already set.
+    An API key's tenant (see ``apikey_auth``) wins over it.
+``priority_header``
+    Header with an integer priority from -9999 to 9999 (higher first), default
+    ``X-Priority``; sets ``ctx.priority``.
+``trusted_peers``
+    List of addresses or CIDR networks (``["10.0.0.0/8", "::1"]``) of the
+    CDN or gateway that sets these headers. Requests from any other peer have
+    the headers removed and ignored. Default: empty, which trusts every peer:
+    then the proxy must only be reachable through something that overwrites
+    the headers, or clients choose their own tenant and priority.
+
+Malformed values are ignored rather than rejected: a CDN header is a hint,
+never a reason to fail a request. A header sent more than once is ambiguous
+and ignored too. All the configured headers are removed before the request
+goes upstream, so clients cannot use them to talk to the regions.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import math
+import re
+from collections.abc import Iterable
+from typing import Any
+
+from aiohttp import web
+
+from edgeproxy import RequestContext, hookimpl
+
+__all__ = ["GeoTenant", "edgeproxy_plugin", "parse_lat_lon"]
+
+_COUNTRY_RE = re.compile(r"[A-Za-z]{2}")
+_TENANT_RE = re.compile(r"[A-Za-z0-9._:@-]{1,128}")
+_PRIORITY_RE = re.compile(r"[+-]?[0-9]{1,4}")
+_NUMBER = r"[+-]?[0-9]{1,3}(?:\.[0-9]{1,12})?"
+_LAT_LON_RE = re.compile(rf"\s*({_NUMBER})\s*,\s*({_NUMBER})\s*")
+_NOT_COUNTRIES = frozenset({"XX", "T1"})
+
+_Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+class GeoTenant:
+    def __init__(
+        self,
+        *,
+        country_header: str = "CF-IPCountry",
+        geo_header: str = "X-Client-Geo",
+        tenant_header: str = "X-Tenant-Id",
+        priority_header: str = "X-Priority",
+        trusted_peers: Iterable[str] = (),
+    ) -> None:
+        self.country_header = country_header
+        self.geo_header = geo_header
+        self.tenant_header = tenant_header
+        self.priority_header = priority_header
+        self.headers = tuple(
+            h for h in (country_header, geo_header, tenant_header, priority_header) if h
+        )
+        self.trusted_peers: tuple[_Network, ...] = tuple(
+            ipaddress.ip_network(peer, strict=False) for peer in trusted_peers
+        )
+
+    def trusts(self, client_ip: str | None) -> bool:
+        """Whether headers from the peer ``client_ip`` are believed."""
+        if not self.trusted_peers:
+            return True
+        if not client_ip:
+            return False
+        try:
+            address = ipaddress.ip_address(client_ip.split("%", 1)[0])
+        except ValueError:
+            return False
+        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+            address = address.ipv4_mapped
+        return any(address in network for network in self.trusted_peers)
+
+    @hookimpl
+    def edgeproxy_request_received(self, request: web.Request, ctx: RequestContext) -> None:
+        headers = ctx.headers
+        values: dict[str, str] = {}
+        for name in self.headers:
+            found = headers.getall(name, ())
+            if len(found) == 1:
+                values[name] = found[0].strip()
+            if found:
+                headers.popall(name)
+        if not values or not self.trusts(ctx.client_ip):
+            return None
+        country = values.get(self.country_header, "")
+        if _COUNTRY_RE.fullmatch(country) and country.upper() not in _NOT_COUNTRIES:
+            ctx.client_country = country.upper()
+        geo = parse_lat_lon(values.get(self.geo_header, ""))
+        if geo is not None:
+            ctx.client_geo = geo
+        tenant = values.get(self.tenant_header, "")
+        if ctx.tenant is None and _TENANT_RE.fullmatch(tenant):
+            ctx.tenant = tenant
+        priority = values.get(self.priority_header, "")
+        if _PRIORITY_RE.fullmatch(priority):
+            ctx.priority = int(priority)
+        return None
+
+
+def parse_lat_lon(value: str) -> tuple[float, float] | None:
+    """``"1.35,103.82"`` as ``(lat, lon)``; None when malformed or out of range."""
+    match = _LAT_LON_RE.fullmatch(value)
+    if match is None:
+        return None
+    lat, lon = float(match.group(1)), float(match.group(2))
+    if not (math.isfinite(lat) and math.isfinite(lon)):
+        return None
+    if not (-90.0 <= lat <= 90.0 and -180.0 <= lon <= 180.0):
+        return None
+    return lat, lon
+
+
+def edgeproxy_plugin(settings: dict[str, Any]) -> GeoTenant:
+    """Plugin factory: edgeproxy calls it with ``[plugins.settings.geo_tenant]``."""
+    names = {"country_header", "geo_header", "tenant_header", "priority_header"}
+    unknown = set(settings) - names - {"trusted_peers"}
+    if unknown:
+        raise ValueError(f"unknown settings: {', '.join(sorted(unknown))}")
+    for name in names & set(settings):
+        if not isinstance(settings[name], str):
+            raise ValueError(f'{name} must be a header name (or "" to ignore that header)')
+    peers = settings.get("trusted_peers", [])
+    if isinstance(peers, str) or not isinstance(peers, list | tuple):
+        raise ValueError("trusted_peers must be a list of addresses or CIDR networks")
+    for peer in peers:
+        try:
+            ipaddress.ip_network(peer, strict=False)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"trusted_peers: {peer!r} is not an address or network") from exc
+    return GeoTenant(**{k: v for k, v in settings.items() if k in names}, trusted_peers=list(peers))

@@ -1,0 +1,93 @@
+"""Helpers for the first-party plugin tests: a proxy that also takes plugin objects."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from edgeproxy import EdgeProxy, RequestContext, hookimpl
+from edgeproxy._config import config_from_mapping
+
+from ..conftest import eventually, proxy_config
+
+PluginProxyFactory = Callable[..., Awaitable[EdgeProxy]]
+CHAT = "/v1/chat/completions"
+
+
+class Recorder:
+    """A tiny test plugin: keeps the context of every finished request."""
+
+    def __init__(self) -> None:
+        self.contexts: list[RequestContext] = []
+        self._taken = 0
+
+    @hookimpl
+    def edgeproxy_response_complete(self, ctx: RequestContext) -> None:
+        self.contexts.append(ctx)
+
+    async def next(self) -> RequestContext:
+        """The context of the next request to finish after the previous ``next()``.
+
+        The hook runs once the response is sent, possibly after the client has
+        read it: wait for it rather than race it.
+        """
+        self._taken += 1
+        await eventually(lambda: len(self.contexts) >= self._taken)
+        return self.contexts[self._taken - 1]
+
+
+def build_proxy(
+    regions: list[dict[str, Any]], *, extra: Iterable[object] = (), **sections: dict[str, Any]
+) -> EdgeProxy:
+    """An EdgeProxy as users get it: ``[plugins]`` from config, plus ``extra`` plugin objects."""
+    config = config_from_mapping(proxy_config(regions, **sections), environ={})
+    return EdgeProxy(config, plugins=list(extra))
+
+
+@pytest.fixture
+async def make_plugin_proxy() -> AsyncIterator[PluginProxyFactory]:
+    """Like ``make_proxy``, with ``extra=[plugin objects]``; every proxy is stopped afterwards."""
+    started: list[EdgeProxy] = []
+
+    async def factory(
+        regions: list[dict[str, Any]], *, extra: Iterable[object] = (), **sections: dict[str, Any]
+    ) -> EdgeProxy:
+        proxy = build_proxy(regions, extra=extra, **sections)
+        await proxy.start()
+        started.append(proxy)
+        return proxy
+
+    yield factory
+    for proxy in started:
+        await proxy.stop(grace=2.0)
+
+
+def plugins_section(**settings: dict[str, Any]) -> dict[str, Any]:
+    """``[plugins]`` enabling ``edgeproxy.plugins.<name>`` for each named settings table."""
+    return {
+        "enabled": [f"edgeproxy.plugins.{name}" for name in settings],
+        "settings": settings,
+        "entry_points": False,
+    }
+
+
+@pytest.fixture
+async def custom_region() -> AsyncIterator[Callable[[web.Application], Awaitable[str]]]:
+    """Serve an aiohttp app as a hand-written region (HTTP/1.1); returns its URL."""
+    runners: list[web.AppRunner] = []
+
+    async def factory(app: web.Application) -> str:
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        runners.append(runner)
+        host, port = runner.addresses[0][:2]
+        return f"http://{host}:{port}"
+
+    yield factory
+    for runner in runners:
+        await runner.cleanup()
