@@ -36,8 +36,14 @@ async def run_demo(args: argparse.Namespace) -> int:
         await fake.start()
     try:
         data: dict[str, Any] = {
-            "server": {"host": args.host or "127.0.0.1", "port": args.port or 8080},
-            "admin": {"host": args.admin_host or "127.0.0.1", "port": args.admin_port or 9901},
+            "server": {
+                "host": args.host or "127.0.0.1",
+                "port": 8080 if args.port is None else args.port,
+            },
+            "admin": {
+                "host": args.admin_host or "127.0.0.1",
+                "port": 9901 if args.admin_port is None else args.admin_port,
+            },
             "pop": {"name": args.pop_name or "edge-sin", "lat": 1.35, "lon": 103.82},
             "regions": [
                 {"name": spec["name"], "url": fake.url, "lat": spec["lat"], "lon": spec["lon"]}

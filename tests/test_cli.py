@@ -119,3 +119,49 @@ url = "{region.url}"
             proc.kill()
             await proc.wait()
     await eventually(lambda: region.in_flight == 0)
+
+
+async def test_demo_serves_on_embedded_defaults() -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "edgeproxy",
+        "demo",
+        "--port",
+        "0",
+        "--admin-port",
+        "0",
+        "--ttft",
+        "0.01",
+        "--inter-token-delay",
+        "0.001",
+        "--duration",
+        "60",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        assert proc.stdout is not None
+        url = admin = None
+        while url is None or admin is None:
+            line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
+            assert line, "demo exited before printing its URLs"
+            if line.strip().startswith("proxy "):
+                url = line.split()[1]
+            if line.strip().startswith("admin "):
+                admin = line.split()[1].removesuffix("/status")
+        body = {"model": "demo", "messages": [{"role": "user", "content": "hello"}]}
+        async with aiohttp.ClientSession() as client:
+            async with client.post(url + "/v1/chat/completions", json=body) as resp:
+                assert resp.status == 200
+                assert resp.headers["X-Edgeproxy-Region"] == "ap-southeast-1"
+            async with client.get(admin + "/status") as resp:
+                status = await resp.json()
+        assert len(status["regions"]) == 3
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
