@@ -714,6 +714,9 @@ class H2Pool:
         self._connect_tasks: set[asyncio.Task[None]] = set()
         self._waiters: deque[asyncio.Future[bool]] = deque()
         self._fresh_waiters: deque[asyncio.Future[bool]] = deque()
+        # Waiters handed a slot that have not run yet: until they do, a new
+        # request must not take the slot from under them (FIFO fairness).
+        self._handoffs = 0
         self._connect_epoch = 0
         self._connect_error: UpstreamError | None = None
         self._connect_backoff_until = 0.0
@@ -775,7 +778,9 @@ class H2Pool:
         must_wait = False
         while True:
             fresh = retries > 0
-            conn = None if must_wait else self._pick(fresh)
+            # Queue behind earlier waiters rather than jump ahead of them.
+            queued = self._handoffs or (self._fresh_waiters if fresh else self._waiters)
+            conn = None if must_wait or queued else self._pick(fresh)
             if conn is None:
                 conn = await self._acquire(fresh)
             stream = conn.open_stream(header_block, body is None)
@@ -925,18 +930,25 @@ class H2Pool:
         # Retries wait apart: they cannot use every freed slot, and a wake-up
         # they cannot use must not be lost to a plain request.
         queue = self._fresh_waiters if fresh else self._waiters
+        first = True
         while True:
             if self._closed:
                 raise UpstreamProtocolError(f"pool for {self.origin} is closed")
             self._maybe_connect(len(self._waiters) + len(self._fresh_waiters) + 1)
             fut: asyncio.Future[bool] = loop.create_future()
-            queue.append(fut)
+            if first:
+                queue.append(fut)
+                first = False
+            else:
+                # Woken but beaten to the slot: keep our place at the front.
+                queue.appendleft(fut)
             handle = loop.call_at(deadline, _timeout_waiter, fut)
             try:
                 woken = await fut
             except asyncio.CancelledError:
                 if fut.done() and not fut.cancelled() and fut.result():
                     # We were handed a free slot but will not use it.
+                    self._handoffs -= 1
                     if not self._wake_one(self._waiters):
                         self._wake_one(self._fresh_waiters)
                 raise
@@ -948,6 +960,8 @@ class H2Pool:
                         queue.remove(fut)
                     except ValueError:
                         pass
+            if woken:
+                self._handoffs -= 1
             conn = self._pick(fresh)
             if conn is not None:
                 return conn
@@ -1078,12 +1092,12 @@ class H2Pool:
 
     # -- waking ----------------------------------------------------------
 
-    @staticmethod
-    def _wake_one(waiters: deque[asyncio.Future[bool]]) -> bool:
+    def _wake_one(self, waiters: deque[asyncio.Future[bool]]) -> bool:
         while waiters:
             fut = waiters.popleft()
             if not fut.done():
                 fut.set_result(True)
+                self._handoffs += 1
                 return True
         return False
 
@@ -1093,6 +1107,7 @@ class H2Pool:
                 fut = waiters.popleft()
                 if not fut.done():
                     fut.set_result(True)
+                    self._handoffs += 1
 
     def _slot_freed(self, conn: _Connection) -> None:
         if self._waiters:

@@ -366,6 +366,30 @@ async def test_pool_timeout_when_all_streams_busy() -> None:
         assert await slow == (200, b"hello")
 
 
+async def test_waiters_are_served_in_arrival_order() -> None:
+    # One stream in total: every request after the first queues. Freed slots
+    # go to the oldest waiter, and a request arriving meanwhile queues behind.
+    async with (
+        hypercorn_server(h2_max_concurrent_streams=1) as (origin, _),
+        open_pool(origin, limits(max_connections=1)) as pool,
+    ):
+        held = await pool.request("GET", "/stall", [])
+        order: list[str] = []
+
+        async def tagged(tag: str) -> None:
+            assert await fetch(pool, "/hello") == (200, b"hello")
+            order.append(tag)
+
+        tasks = []
+        for index, tag in enumerate("BCD"):
+            tasks.append(asyncio.create_task(tagged(tag)))
+            await wait_until(lambda n=index + 1: len(pool._waiters) == n)
+        await held.aclose()
+        tasks.append(asyncio.create_task(tagged("E")))
+        await asyncio.gather(*tasks)
+        assert order == ["B", "C", "D", "E"]
+
+
 async def test_aclose_mid_body_resets_stream_and_frees_slot() -> None:
     async with hypercorn_server() as (origin, state), open_pool(origin, limits()) as pool:
         resp = await pool.request("GET", "/infinite", [])
