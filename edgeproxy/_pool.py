@@ -60,6 +60,7 @@ class PoolLimits:
     """Sizing and timeouts for one pool. All durations are seconds."""
 
     max_connections: int = 8
+    http1_max_connections: int = 256
     keepalive_expiry: float = 60.0
     connect_timeout: float = 3.0
     read_timeout: float = 60.0
@@ -127,10 +128,12 @@ class UpstreamPool(Protocol):
 class AiohttpResponse:
     """:class:`UpstreamResponse` over an aiohttp client response."""
 
-    __slots__ = ("_resp", "status", "headers", "http_version")
+    __slots__ = ("_resp", "_pool", "status", "headers", "http_version")
+    _pool: AiohttpPool | None
 
-    def __init__(self, resp: aiohttp.ClientResponse) -> None:
+    def __init__(self, resp: aiohttp.ClientResponse, pool: AiohttpPool) -> None:
         self._resp = resp
+        self._pool = pool
         self.status = resp.status
         self.headers: Headers = [(k, v) for k, v in resp.headers.items()]
         self.http_version = f"{resp.version.major}.{resp.version.minor}" if resp.version else "1.1"
@@ -145,6 +148,9 @@ class AiohttpResponse:
             raise UpstreamProtocolError(f"upstream body broke: {exc}") from exc
 
     async def aclose(self) -> None:
+        if self._pool is not None:
+            self._pool._in_use -= 1
+            self._pool = None
         if not self._resp.content.at_eof():
             # An unfinished body cannot be reused; closing drops the connection,
             # which is how HTTP/1.1 cancels a request upstream.
@@ -172,8 +178,10 @@ class AiohttpPool:
 
     def _ensure_session(self) -> aiohttp.ClientSession:
         if self._session is None:
+            # HTTP/1.1 carries one request per connection, so its cap is separate
+            # from (and much higher than) HTTP/2's connection count.
             connector = aiohttp.TCPConnector(
-                limit=self.limits.max_connections,
+                limit=self.limits.http1_max_connections,
                 keepalive_timeout=self.limits.keepalive_expiry,
                 ssl=self._ssl if self._ssl is not None else True,
                 enable_cleanup_closed=False,
@@ -193,7 +201,7 @@ class AiohttpPool:
 
     async def start(self) -> None:
         session = self._ensure_session()
-        warm = max(0, min(self.limits.warm_connections, self.limits.max_connections))
+        warm = max(0, min(self.limits.warm_connections, self.limits.http1_max_connections))
         if warm == 0:
             return
         # A cheap request per connection proves the origin answers and leaves
@@ -244,13 +252,19 @@ class AiohttpPool:
             )
         except aiohttp.ClientConnectorError as exc:
             raise UpstreamConnectError(f"cannot connect to {self.origin}: {exc}") from exc
+        except aiohttp.ConnectionTimeoutError as exc:
+            # Waiting for a pooled connection or opening one: nothing was sent.
+            raise UpstreamTimeout(
+                f"timed out connecting to {self.origin}: {exc}", phase="connect"
+            ) from exc
         except aiohttp.ServerTimeoutError as exc:
             raise UpstreamTimeout(f"upstream {self.origin} timed out: {exc}", phase="read") from exc
         except TimeoutError as exc:
             raise UpstreamTimeout(f"upstream {self.origin} timed out", phase="connect") from exc
         except aiohttp.ClientError as exc:
             raise UpstreamProtocolError(f"upstream {self.origin} failed: {exc}") from exc
-        return AiohttpResponse(resp)
+        self._in_use += 1
+        return AiohttpResponse(resp, self)
 
     def stats(self) -> PoolStats:
         open_conns = 0
