@@ -14,8 +14,9 @@ import importlib.metadata
 import importlib.util
 import inspect
 import logging
+import operator
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -55,14 +56,32 @@ class PluginError(RuntimeError):
 class _Impl:
     """One hook implementation, with what is needed to call it quickly."""
 
-    __slots__ = ("plugin", "function", "argnames", "is_async", "fail_open")
+    __slots__ = ("plugin", "function", "argnames", "args", "is_async", "fail_open")
 
     def __init__(self, plugin: str, function: Any, argnames: tuple[str, ...], fail_open: bool):
         self.plugin = plugin
         self.function = function
         self.argnames = argnames
+        # itemgetter picks the arguments out of the call's kwargs in C; it
+        # returns a bare value for one name, so normalise to a tuple.
+        if len(argnames) == 1:
+            getter = operator.itemgetter(argnames[0])
+            self.args: Callable[[dict[str, Any]], tuple[Any, ...]] = lambda kw: (getter(kw),)
+        elif argnames:
+            self.args = operator.itemgetter(*argnames)
+        else:
+            self.args = lambda kw: ()
         self.is_async = inspect.iscoroutinefunction(function)
         self.fail_open = fail_open
+
+    def failed(self, hook: str, exc: Exception) -> None:
+        """Handle an exception from this implementation: skip if fail_open, else raise."""
+        if self.fail_open:
+            logger.warning(
+                "plugin %s failed in %s (fail_open, skipped): %r", self.plugin, hook, exc
+            )
+            return
+        raise PluginError(self.plugin, hook, exc) from exc
 
 
 class Plugins:
@@ -154,26 +173,23 @@ class Plugins:
     def has(self, hook: str) -> bool:
         return bool(self.impls(hook))
 
-    async def _call(self, impl: _Impl, hook: str, kwargs: dict[str, Any]) -> Any:
-        args = [kwargs[name] for name in impl.argnames]
-        try:
-            result = impl.function(*args)
-            if impl.is_async or inspect.isawaitable(result):
-                result = await result
-        except Exception as exc:
-            if impl.fail_open:
-                logger.warning(
-                    "plugin %s failed in %s (fail_open, skipped): %r", impl.plugin, hook, exc
-                )
-                return None
-            raise PluginError(impl.plugin, hook, exc) from exc
-        return result
+    # The call_* methods inline the per-implementation call instead of sharing
+    # a helper coroutine: with several plugins on every hook, one coroutine per
+    # implementation per request was most of the plugin overhead. A sync
+    # implementation is called directly; an async one (or a sync one that
+    # returns an awaitable) is awaited.
 
     async def call_all(self, hook: str, **kwargs: Any) -> list[Any]:
         """*All run*: call every implementation; return their non-None results."""
         results = []
         for impl in self.impls(hook):
-            result = await self._call(impl, hook, kwargs)
+            try:
+                result = impl.function(*impl.args(kwargs))
+                if impl.is_async or (result is not None and inspect.isawaitable(result)):
+                    result = await result
+            except Exception as exc:
+                impl.failed(hook, exc)
+                continue
             if result is not None:
                 results.append(result)
         return results
@@ -181,7 +197,13 @@ class Plugins:
     async def call_first(self, hook: str, **kwargs: Any) -> Any:
         """*First result wins*: the first non-None awaited result, or None."""
         for impl in self.impls(hook):
-            result = await self._call(impl, hook, kwargs)
+            try:
+                result = impl.function(*impl.args(kwargs))
+                if impl.is_async or (result is not None and inspect.isawaitable(result)):
+                    result = await result
+            except Exception as exc:
+                impl.failed(hook, exc)
+                continue
             if result is not None:
                 return result
         return None
@@ -189,7 +211,13 @@ class Plugins:
     async def call_chain(self, hook: str, value_arg: str, **kwargs: Any) -> Any:
         """*Chained*: feed each implementation the previous one's non-None output."""
         for impl in self.impls(hook):
-            result = await self._call(impl, hook, kwargs)
+            try:
+                result = impl.function(*impl.args(kwargs))
+                if impl.is_async or (result is not None and inspect.isawaitable(result)):
+                    result = await result
+            except Exception as exc:
+                impl.failed(hook, exc)
+                continue
             if result is not None:
                 kwargs[value_arg] = result
         return kwargs[value_arg]
@@ -198,9 +226,14 @@ class Plugins:
         """*All run*, but a failing implementation is logged and the others still run."""
         for impl in self.impls(hook):
             try:
-                await self._call(impl, hook, kwargs)
-            except PluginError as exc:
-                logger.error("%s", exc, exc_info=exc.error)
+                result = impl.function(*impl.args(kwargs))
+                if impl.is_async or (result is not None and inspect.isawaitable(result)):
+                    await result
+            except Exception as exc:
+                try:
+                    impl.failed(hook, exc)
+                except PluginError as err:
+                    logger.error("%s", err, exc_info=err.error)
 
 
 def _plugin_name(spec: str) -> str:
