@@ -42,6 +42,7 @@ import h2.errors
 import h2.events
 import h2.exceptions
 import h2.settings
+from hpack import NeverIndexedHeaderTuple
 
 from ._pool import (
     Body,
@@ -72,6 +73,12 @@ _BUDGET_TTL: Final = 600.0
 # Headers that describe the HTTP/1.1 connection and are illegal in HTTP/2.
 _CONNECTION_SPECIFIC: Final = frozenset(
     {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "upgrade", "host", "te"}
+)
+# Kept out of the HPACK dynamic table: per-request values would only churn it
+# (and cost an insert and an eviction each), and credentials must not be
+# indexed where a compression side channel could probe them (RFC 7541 §7.1.3).
+_NEVER_INDEXED: Final = frozenset(
+    {"x-request-id", "traceparent", "tracestate", "authorization", "proxy-authorization"}
 )
 _CANCEL: Final = h2.errors.ErrorCodes.CANCEL
 _NO_ERROR: Final = h2.errors.ErrorCodes.NO_ERROR
@@ -872,6 +879,9 @@ class H2Pool:
                 continue
             if lname == "content-length":
                 has_length = True
+            if lname in _NEVER_INDEXED:
+                block.append(cast(tuple[str, str], NeverIndexedHeaderTuple(lname, value)))
+                continue
             block.append((lname, value))
         if not has_length and isinstance(body, bytes | bytearray | memoryview):
             # Not required by HTTP/2, but lets servers size buffers and reject
