@@ -1,24 +1,37 @@
-"""The regional clusters at run time: one warmed pool each, and an up/down state."""
+"""The regional clusters at run time: endpoints with warm pools, latency history, health.
+
+A :class:`Region` is one cluster of the config: one or more endpoints (each
+with its own keep-alive pool), where it is, its weight, jurisdiction, tags
+and priority tier, and what the proxy has learnt about it: a peak-EWMA of its
+latency, a window of recent times to first byte (for hedging), the requests
+in flight and those still waiting for their first byte, and its
+:class:`~edgeproxy._health.RegionHealth`.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import ssl
 import time
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Collection, Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
 from ._config import Config, RegionConfig
+from ._health import Health, RegionHealth
 from ._pool import PoolLimits, UpstreamError, UpstreamPool, make_pool, split_origin
 
-__all__ = ["Region", "RegionSet"]
+__all__ = ["Endpoint", "LatencyWindow", "PeakEwma", "Region", "RegionSet"]
 
 logger = logging.getLogger("edgeproxy.regions")
 
-# How often a region that could not be reached is tried again in the background.
+# How often an endpoint that could not be reached is tried again in the background.
 _REWARM_INTERVAL = 2.0
+# Time constant of the recent-traffic counter behind the "share" in /status.
+_SHARE_DECAY = 10.0
 
 
 def _ssl_context(config: Config, http2: bool) -> ssl.SSLContext:
@@ -30,28 +43,74 @@ def _ssl_context(config: Config, http2: bool) -> ssl.SSLContext:
     return ctx
 
 
-class Region:
-    """One regional cluster: its config, its pool and what the proxy knows of its health."""
+class PeakEwma:
+    """Peak-sensitive exponentially weighted moving average of a latency, in seconds.
 
-    def __init__(self, config: RegionConfig, pool: UpstreamPool, *, http2: bool) -> None:
-        self.config = config
-        self.name = config.name
+    A sample above the average replaces it at once, so a region that turns
+    slow is avoided after one slow answer; faster samples pull it down with
+    weight ``1 - exp(-dt / decay)``, ``dt`` being the time since the previous
+    sample, so the average forgets over about ``decay`` seconds.
+    """
+
+    __slots__ = ("decay", "value", "stamp", "samples")
+
+    def __init__(self, decay: float) -> None:
+        self.decay = decay
+        self.value = 0.0
+        self.stamp = 0.0
+        self.samples = 0
+
+    def observe(self, sample: float, now: float) -> None:
+        if self.samples == 0 or sample > self.value:
+            self.value = sample
+        else:
+            w = math.exp(-max(now - self.stamp, 0.0) / self.decay)
+            self.value = self.value * w + sample * (1.0 - w)
+        self.stamp = now
+        self.samples += 1
+
+
+class LatencyWindow:
+    """The last few hundred times to first byte, for a p95 that follows recent behaviour."""
+
+    __slots__ = ("_values", "_p95", "_fresh")
+
+    def __init__(self, size: int = 256) -> None:
+        self._values: deque[float] = deque(maxlen=size)
+        self._p95: float | None = None
+        self._fresh = 0
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def add(self, value: float) -> None:
+        self._values.append(value)
+        self._fresh += 1
+
+    def p95(self) -> float | None:
+        if not self._values:
+            return None
+        # Sorting a few hundred floats per sample would be waste: refresh every 16.
+        if self._p95 is None or self._fresh >= 16:
+            ordered = sorted(self._values)
+            self._p95 = ordered[min(len(ordered) - 1, math.ceil(0.95 * len(ordered)) - 1)]
+            self._fresh = 0
+        return self._p95
+
+
+class Endpoint:
+    """One URL of a region, with its own pool and reachability."""
+
+    def __init__(self, region_name: str, url: str, pool: UpstreamPool, host_header: str | None):
+        self.region_name = region_name
+        self.url = url
         self.pool = pool
-        self.http2 = http2
-        _, self.base_path = split_origin(config.url)
-        self.authority = config.host_header or urlsplit(config.url).netloc
+        _, self.base_path = split_origin(url)
+        self.authority = host_header or urlsplit(url).netloc
         self.state = "unknown"
         self.last_error: str | None = None
         self.in_flight = 0
-        self.requests_total = 0
-        self.errors_total = 0
         self.changed_at = time.monotonic()
-        api_key = config.resolved_api_key()
-        self.credential_headers: list[tuple[str, str]] = [
-            (k.lower(), v) for k, v in config.headers.items()
-        ]
-        if api_key:
-            self.credential_headers.append(("authorization", f"Bearer {api_key}"))
 
     @property
     def up(self) -> bool:
@@ -60,7 +119,7 @@ class Region:
     def mark_up(self) -> None:
         if self.state != "up":
             if self.state == "down":
-                logger.info("region %s is reachable again", self.name)
+                logger.info("region %s (%s) is reachable again", self.region_name, self.url)
             self.state = "up"
             self.last_error = None
             self.changed_at = time.monotonic()
@@ -68,37 +127,181 @@ class Region:
     def mark_down(self, reason: str) -> None:
         self.last_error = reason
         if self.state != "down":
-            logger.warning("region %s is unreachable: %s", self.name, reason)
+            logger.warning("region %s (%s) is unreachable: %s", self.region_name, self.url, reason)
             self.state = "down"
             self.changed_at = time.monotonic()
 
+
+class Region:
+    """One regional cluster: its config, endpoints, latency history and health."""
+
+    def __init__(
+        self,
+        config: RegionConfig,
+        endpoints: list[Endpoint],
+        *,
+        http2: bool,
+        decay: float = 10.0,
+    ) -> None:
+        self.config = config
+        self.name = config.name
+        self.endpoints = endpoints
+        self.http2 = http2
+        self.lat = config.lat
+        self.lon = config.lon
+        self.weight = config.weight
+        self.jurisdiction = config.jurisdiction
+        self.tags = frozenset(config.tags)
+        self.priority = config.priority
+        self.in_flight = 0
+        # Requests sent and still waiting for their first byte, by attempt id: the
+        # oldest one's age is a lower bound of the latency the region has now.
+        self.pending_since: dict[int, float] = {}
+        self.requests_total = 0
+        self.errors_total = 0
+        self.retries_total = 0
+        self.hedges_total = 0
+        self.latency = PeakEwma(decay)
+        self.ttfb = LatencyWindow()
+        self.health = RegionHealth()
+        # Expected round trip from the PoP, set by the router from the geo prior.
+        self.geo_rtt = 0.0
+        self._recent = 0.0
+        self._recent_at = 0.0
+        api_key = config.resolved_api_key()
+        self.credential_headers: list[tuple[str, str]] = [
+            (k.lower(), v) for k, v in config.headers.items()
+        ]
+        if api_key:
+            self.credential_headers.append(("authorization", f"Bearer {api_key}"))
+
+    # -- compatibility with single-endpoint code --------------------------------
+
+    @property
+    def pool(self) -> UpstreamPool:
+        """The first endpoint's pool."""
+        return self.endpoints[0].pool
+
+    @property
+    def base_path(self) -> str:
+        return self.endpoints[0].base_path
+
+    @property
+    def authority(self) -> str:
+        return self.endpoints[0].authority
+
+    # -- reachability -------------------------------------------------------------
+
+    @property
+    def state(self) -> str:
+        """``up`` when an endpoint answers, ``down`` when none does, else ``unknown``."""
+        states = {e.state for e in self.endpoints}
+        if "up" in states:
+            return "up"
+        if states == {"down"}:
+            return "down"
+        return "unknown"
+
+    @property
+    def up(self) -> bool:
+        return self.state == "up"
+
+    @property
+    def last_error(self) -> str | None:
+        return next((e.last_error for e in self.endpoints if e.last_error), None)
+
+    def mark_up(self) -> None:
+        for endpoint in self.endpoints:
+            endpoint.mark_up()
+
+    def mark_down(self, reason: str) -> None:
+        for endpoint in self.endpoints:
+            endpoint.mark_down(reason)
+
+    def pick_endpoint(self, exclude: Collection[Endpoint] = ()) -> Endpoint:
+        """The reachable endpoint with the fewest requests in flight, avoiding ``exclude``."""
+        endpoints = self.endpoints
+        if len(endpoints) == 1:
+            return endpoints[0]
+        fresh = [e for e in endpoints if e not in exclude] or endpoints
+        usable = [e for e in fresh if e.state != "down"] or fresh
+        return min(usable, key=lambda e: e.in_flight)
+
+    # -- load and latency -------------------------------------------------------------
+
+    @property
+    def pending(self) -> int:
+        return len(self.pending_since)
+
+    def oldest_pending(self, now: float) -> float:
+        """Age of the oldest request still waiting for its first byte (0 when none)."""
+        for started in self.pending_since.values():
+            return now - started
+        return 0.0
+
+    def count_request(self, now: float) -> None:
+        self.requests_total += 1
+        self._recent = self._recent * math.exp(-(now - self._recent_at) / _SHARE_DECAY) + 1.0
+        self._recent_at = now
+
+    def recent_requests(self, now: float) -> float:
+        return self._recent * math.exp(-(now - self._recent_at) / _SHARE_DECAY)
+
     def snapshot(self) -> dict[str, Any]:
-        stats = self.pool.stats()
+        pools = [e.pool.stats() for e in self.endpoints]
         return {
             "name": self.name,
             "url": self.config.url,
+            "urls": [e.url for e in self.endpoints],
             "state": self.state,
             "last_error": self.last_error,
+            "jurisdiction": self.jurisdiction,
+            "tags": sorted(self.tags),
+            "priority": self.priority,
+            "weight": self.weight,
             "in_flight": self.in_flight,
+            "pending": self.pending,
             "requests_total": self.requests_total,
             "errors_total": self.errors_total,
-            "pool": {
-                "http_version": stats.http_version,
-                "connections_open": stats.connections_open,
-                "streams_in_use": stats.streams_in_use,
-                "requests_total": stats.requests_total,
+            "retries_total": self.retries_total,
+            "hedges_total": self.hedges_total,
+            "latency": {
+                "ewma_ms": round(self.latency.value * 1000, 3) if self.latency.samples else None,
+                "p95_ttfb_ms": _ms(self.ttfb.p95()),
+                "samples": self.latency.samples,
+                "geo_rtt_ms": round(self.geo_rtt * 1000, 3),
             },
+            "pool": {
+                "http_version": pools[0].http_version,
+                "connections_open": sum(p.connections_open for p in pools),
+                "streams_in_use": sum(p.streams_in_use for p in pools),
+                "requests_total": sum(p.requests_total for p in pools),
+            },
+            "endpoints": [
+                {
+                    "url": e.url,
+                    "state": e.state,
+                    "last_error": e.last_error,
+                    "in_flight": e.in_flight,
+                }
+                for e in self.endpoints
+            ],
         }
 
 
+def _ms(value: float | None) -> float | None:
+    return None if value is None else round(value * 1000, 3)
+
+
 class RegionSet:
-    """Every region of the config, opened and closed together."""
+    """Every region of the config, opened and closed together, with their health checks."""
 
     def __init__(self, config: Config) -> None:
         self.config = config
         up = config.upstream
         limits = PoolLimits(
             max_connections=up.max_connections,
+            http1_max_connections=up.http1_max_connections,
             keepalive_expiry=up.keepalive_expiry,
             connect_timeout=up.connect_timeout,
             read_timeout=up.read_timeout,
@@ -110,11 +313,15 @@ class RegionSet:
         self.regions: list[Region] = []
         for rc in config.regions:
             http2 = up.http2 if rc.http2 is None else rc.http2
-            origin, _ = split_origin(rc.url)
-            tls = _ssl_context(config, http2) if origin.startswith("https:") else None
-            pool = make_pool(origin, http2=http2, limits=limits, ssl_context=tls)
-            self.regions.append(Region(rc, pool, http2=http2))
+            endpoints = []
+            for url in [rc.url, *rc.urls]:
+                origin, _ = split_origin(url)
+                tls = _ssl_context(config, http2) if origin.startswith("https:") else None
+                pool = make_pool(origin, http2=http2, limits=limits, ssl_context=tls)
+                endpoints.append(Endpoint(rc.name, url, pool, rc.host_header))
+            self.regions.append(Region(rc, endpoints, http2=http2, decay=config.routing.decay))
         self.by_name = {r.name: r for r in self.regions}
+        self.health = Health(config.health, self.regions)
         self.warmed = False
         self._tasks: set[asyncio.Task[None]] = set()
         self._closing = False
@@ -122,51 +329,70 @@ class RegionSet:
     def __iter__(self) -> Iterator[Region]:
         return iter(self.regions)
 
+    def __len__(self) -> int:
+        return len(self.regions)
+
     @property
     def ready(self) -> bool:
         """Pools are warm and at least one region answers."""
         return self.warmed and any(r.up for r in self.regions)
 
     async def open(self) -> None:
-        """Warm every pool concurrently; an unreachable region is a warning, not a failure."""
-        await asyncio.gather(*(self._warm(r) for r in self.regions))
+        """Warm every pool concurrently, then start the health checks.
+
+        An unreachable region is a warning, not a failure: it is retried in the
+        background until it answers.
+        """
+        await asyncio.gather(*(self._warm(e) for r in self.regions for e in r.endpoints))
         self.warmed = True
+        self.health.start()
 
-    async def _warm(self, region: Region) -> None:
+    async def _warm(self, endpoint: Endpoint) -> None:
         try:
-            await region.pool.start()
+            await endpoint.pool.start()
         except UpstreamError as exc:
-            region.mark_down(f"warm-up failed: {exc}")
-            self.schedule_rewarm(region)
+            endpoint.mark_down(f"warm-up failed: {exc}")
+            self.schedule_rewarm(endpoint)
         else:
-            region.mark_up()
+            endpoint.mark_up()
 
-    def schedule_rewarm(self, region: Region) -> None:
-        """Keep trying a down region in the background until it answers."""
-        if self._closing or any(t.get_name() == f"rewarm:{region.name}" for t in self._tasks):
+    def schedule_rewarm(self, endpoint: Endpoint) -> None:
+        """Keep trying a down endpoint in the background until it answers."""
+        name = f"rewarm:{endpoint.url}"
+        if self._closing or any(t.get_name() == name for t in self._tasks):
             return
-        task = asyncio.get_running_loop().create_task(
-            self._rewarm_loop(region), name=f"rewarm:{region.name}"
-        )
+        task = asyncio.get_running_loop().create_task(self._rewarm_loop(endpoint), name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _rewarm_loop(self, region: Region) -> None:
-        while not self._closing and region.state == "down":
+    async def _rewarm_loop(self, endpoint: Endpoint) -> None:
+        while not self._closing and endpoint.state == "down":
             await asyncio.sleep(_REWARM_INTERVAL)
             try:
-                await region.pool.start()
+                await endpoint.pool.start()
             except UpstreamError as exc:
-                region.last_error = f"still unreachable: {exc}"
+                endpoint.last_error = f"still unreachable: {exc}"
             else:
-                region.mark_up()
+                endpoint.mark_up()
 
     async def close(self) -> None:
         self._closing = True
+        await self.health.close()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await asyncio.gather(*(r.pool.aclose() for r in self.regions), return_exceptions=True)
+        await asyncio.gather(
+            *(e.pool.aclose() for r in self.regions for e in r.endpoints), return_exceptions=True
+        )
 
     def snapshot(self) -> list[dict[str, Any]]:
-        return [r.snapshot() for r in self.regions]
+        now = time.monotonic()
+        recent = {r.name: r.recent_requests(now) for r in self.regions}
+        total = sum(recent.values())
+        out = []
+        for region in self.regions:
+            data = region.snapshot()
+            data["share"] = round(recent[region.name] / total, 4) if total else 0.0
+            data["health"] = self.health.snapshot(region, now)
+            out.append(data)
+        return out

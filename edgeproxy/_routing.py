@@ -1,11 +1,41 @@
-"""Choosing the region for a request."""
+"""Choosing the region for a request: geo prior, peak-EWMA latency, load, weights.
+
+For each request the router:
+
+1. locates the client (:class:`~edgeproxy._geo.GeoResolver`) and applies the
+   residency rules: a request under a rule only ever sees allowed regions;
+2. keeps the regions that are available (reachable, not ejected, passing
+   active checks: :class:`~edgeproxy._health.Health`); when none is, a
+   request under a residency rule gets a 503, and any other request tries
+   every region anyway (Envoy's "panic" routing: a guess beats a refusal);
+3. scores each one: expected latency x (requests in flight + 1).
+   The expected latency is the region's peak-EWMA, blended with a geo prior
+   while it has few samples (so that before any traffic the nearest region
+   wins), raised to the age of its oldest request still waiting for a first
+   byte (a region that just stalled looks slow before any answer arrives),
+   and, while the region gets no answers, fading back towards the prior (so
+   that a region that was slow is probed again, one request at a time, and
+   gets traffic back once it recovered);
+4. picks the first region by power of two choices among the best priority
+   tier: the regions scoring within ``[routing] equal_within`` of the best
+   are equals, two of them are drawn by weight and the better one wins (so
+   equals share traffic by weight, and the busier of two loses). The
+   other regions follow, best first, as failover and hedge targets.
+"""
 
 from __future__ import annotations
 
 import math
+import random
+import time
+from typing import TYPE_CHECKING
 
-from ._config import PopConfig
+from ._geo import GeoResolver, Residency
 from ._regions import Region, RegionSet
+
+if TYPE_CHECKING:
+    from ._config import Config
+    from ._pipeline import RequestContext
 
 __all__ = ["Router", "great_circle_km"]
 
@@ -22,18 +52,147 @@ def great_circle_km(lat1: float, lon1: float, lat2: float, lon2: float) -> float
 
 
 class Router:
-    """Orders the regions a request may go to, best first.
+    """Orders the regions a request may go to, best first."""
 
-    Regions believed up come first, nearest to the PoP first; regions believed
-    down follow, so that a request still has somewhere to go when every
-    region's state is stale.
-    """
-
-    def __init__(self, regions: RegionSet, pop: PopConfig) -> None:
+    def __init__(self, config: Config, regions: RegionSet, *, seed: int | None = None) -> None:
+        self.config = config
         self.regions = regions
-        self.distance_km = {
-            r.name: great_circle_km(pop.lat, pop.lon, r.config.lat, r.config.lon) for r in regions
-        }
+        self.health = regions.health
+        routing = config.routing
+        self.min_samples = routing.min_samples
+        self.equal_within = routing.equal_within
+        self.probe_decay = routing.probe_decay
+        self.from_client = routing.prior_from == "client"
+        # ms per 1000 km -> seconds per km.
+        self.s_per_km = routing.ms_per_1000km / 1e6
+        pop = config.pop
+        for region in regions:
+            region.geo_rtt = (
+                great_circle_km(pop.lat, pop.lon, region.lat, region.lon) * self.s_per_km
+            )
+        self.geo = GeoResolver(config.geo)
+        self.residency = Residency(config.geo, config.regions)
+        self._rng = random.Random(seed)
 
-    def candidates(self) -> list[Region]:
-        return sorted(self.regions, key=lambda r: (not r.up, self.distance_km[r.name]))
+    def close(self) -> None:
+        self.geo.close()
+
+    # -- the choice ---------------------------------------------------------------
+
+    def candidates(self, ctx: RequestContext | None = None) -> list[Region]:
+        """The regions this request may use, best first.
+
+        Raises a 503 :class:`ProxyError` when a residency rule applies and
+        none of the regions it allows is available.
+        """
+        now = time.monotonic()
+        pool = self.regions.regions
+        allowed: frozenset[str] | None = None
+        country: str | None = None
+        geo: tuple[float, float] | None = None
+        if ctx is not None and (self.residency.enabled or self.from_client):
+            country, geo = self.geo.locate(ctx)
+            allowed = self.residency.allowed(country)
+            if allowed is not None:
+                pool = [r for r in pool if r.name in allowed]
+            if not self.from_client:
+                geo = None
+        available = [r for r in pool if self.health.available(r, now)]
+        if not available:
+            if allowed is not None:
+                raise self.residency.no_region(country, allowed)
+            # Panic: nothing is known to work, so try everything, reachable first.
+            service = self.service_time()
+            return sorted(pool, key=lambda r: (r.state == "down", self.score(r, now, geo, service)))
+        if len(available) == 1:
+            return available
+        service = self.service_time()
+        scored = sorted(
+            ((self.score(r, now, geo, service), r) for r in available),
+            key=lambda pair: (pair[1].priority, pair[0]),
+        )
+        tier = scored[0][1].priority
+        best = scored[0][0]
+        equals = [(s, r) for s, r in scored if r.priority == tier and s <= best * self.equal_within]
+        first = self._two_choices(equals) if len(equals) > 1 else scored[0][1]
+        return [first, *(r for _, r in scored if r is not first)]
+
+    def _two_choices(self, equals: list[tuple[float, Region]]) -> Region:
+        """Power of two choices: draw two regions by weight, keep the better.
+
+        Drawn with replacement, and a tie goes to the first drawn, so that
+        regions that score alike share traffic in proportion to their weights.
+        """
+        rng = self._rng.random
+        total = sum(r.weight for _, r in equals)
+        picks: list[tuple[float, Region]] = []
+        for _ in range(2):
+            x = rng() * total
+            for pair in equals:
+                x -= pair[1].weight
+                if x <= 0:
+                    break
+            picks.append(pair)
+        return picks[0][1] if picks[0][0] <= picks[1][0] else picks[1][1]
+
+    # -- the score ----------------------------------------------------------------
+
+    def rtt_prior(self, region: Region, client_geo: tuple[float, float] | None = None) -> float:
+        """Expected round trip to ``region`` from the PoP (or the client), in seconds."""
+        if client_geo is None:
+            return region.geo_rtt
+        lat, lon = client_geo
+        return great_circle_km(lat, lon, region.lat, region.lon) * self.s_per_km
+
+    def service_time(self) -> float:
+        """What answering takes once the network is accounted for, in seconds.
+
+        Judged by the fastest region with history: the prior of a region with
+        no history is this plus its own round trip, so that it is on the same
+        scale as the measured EWMAs.
+        """
+        best: float | None = None
+        for region in self.regions.regions:
+            if region.latency.samples:
+                service = max(0.0, region.latency.value - region.geo_rtt)
+                if best is None or service < best:
+                    best = service
+        return best or 0.0
+
+    def expected_latency(
+        self,
+        region: Region,
+        now: float,
+        client_geo: tuple[float, float] | None = None,
+        service: float | None = None,
+    ) -> float:
+        """Seconds a request to ``region`` is expected to take to its first byte."""
+        if service is None:
+            service = self.service_time()
+        prior = service + self.rtt_prior(region, client_geo)
+        ewma = region.latency
+        if ewma.samples == 0:
+            estimate = prior
+        else:
+            value = ewma.value
+            if value > prior:
+                # No answers for a while: the penalty fades, and the region gets a probe.
+                value = prior + (value - prior) * math.exp(-(now - ewma.stamp) / self.probe_decay)
+            if ewma.samples < self.min_samples:
+                w = ewma.samples / self.min_samples
+                estimate = w * value + (1.0 - w) * prior
+            else:
+                estimate = value
+        return max(estimate, region.oldest_pending(now))
+
+    def score(
+        self,
+        region: Region,
+        now: float,
+        client_geo: tuple[float, float] | None = None,
+        service: float | None = None,
+    ) -> float:
+        """Lower is better: expected latency x (in flight + 1)."""
+        # The floor keeps load counting between regions that all look instant.
+        latency = max(self.expected_latency(region, now, client_geo, service), 1e-4)
+        return latency * (region.in_flight + 1)

@@ -1,0 +1,644 @@
+"""The attempt loop: failover before the first byte, deadlines, budgets, hedged requests.
+
+:meth:`Failover.send` takes the router's candidates, best first, and returns
+the first response worth relaying. Until a region's first body byte (or a
+final status) has arrived, nothing has reached the client, so a failure can
+still go to the next region:
+
+* transport failures (connect, reset, timeout) and the statuses in
+  ``[routing] retry_statuses`` are retried on the next candidate, up to the
+  route's ``retries``, for idempotent methods and for POSTs to LLM endpoints
+  (safe: nothing was returned); other requests are retried only when the
+  region certainly never saw them (connect failures). Bodies must have been
+  buffered to be sent twice; streamed uploads get one attempt;
+* retries come out of a budget: over ``budget_window`` seconds at most
+  ``retry_budget`` of the requests plus ``retry_budget_min`` per second, so
+  an outage does not multiply the load on what is left;
+* the route's ``deadline`` bounds everything up to the first byte; past it
+  the request fails with 504 (which the fallback ladder may still answer);
+* with the route's ``hedge`` on, a request with no first byte after
+  ``hedge_delay`` (or the region's recent p95) sends a copy to the next-best
+  region; the first to answer wins and the other is cancelled (HTTP/2
+  ``RST_STREAM``, or the HTTP/1.1 connection closed). Hedges have their own
+  budget, ``hedge_budget``.
+
+Once the winner is handed to the stream stage there is no retry: a stream
+that breaks later ends with an SSE error event and a truncated body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+import orjson
+
+from ._errors import ProxyError
+from ._pool import Headers, UpstreamConnectError, UpstreamError, UpstreamResponse, UpstreamTimeout
+from ._regions import Endpoint, Region, RegionSet
+
+if TYPE_CHECKING:
+    from aiohttp import web
+
+    from ._config import Config
+    from ._pipeline import RequestContext, UpstreamStage
+
+__all__ = ["AttemptResponse", "Budget", "Failover"]
+
+IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE", "TRACE"})
+# OpenAI-style endpoints where a repeated POST only costs compute: nothing
+# was returned, so nothing can be applied twice.
+LLM_SUFFIXES = ("/completions", "/embeddings", "/responses", "/moderations")
+# The attribute of a deadline ProxyError carrying the attempts still running, as a task
+# (see _fallback.PENDING_UPSTREAM).
+PENDING_UPSTREAM = "pending_upstream"
+# Hedging waits for this much history before trusting a region's p95.
+HEDGE_MIN_SAMPLES = 20
+_NO_BODY = frozenset({204, 304})
+_ids = itertools.count(1)
+
+
+class Budget:
+    """Extra work allowed over a sliding window: ``ratio`` of requests, plus ``min_per_s``.
+
+    Counted in ten buckets across the window, so old traffic stops counting
+    smoothly rather than all at once.
+    """
+
+    __slots__ = ("ratio", "reserve", "slot", "_requests", "_spent", "_epoch")
+
+    def __init__(self, ratio: float, min_per_s: float, window: float) -> None:
+        self.ratio = ratio
+        self.reserve = min_per_s * window
+        self.slot = window / 10
+        self._requests = [0] * 10
+        self._spent = [0] * 10
+        self._epoch = 0
+
+    def _advance(self, now: float) -> int:
+        epoch = int(now / self.slot)
+        if epoch != self._epoch:
+            for e in range(max(self._epoch + 1, epoch - 9), epoch + 1):
+                self._requests[e % 10] = 0
+                self._spent[e % 10] = 0
+            self._epoch = epoch
+        return epoch % 10
+
+    def deposit(self, now: float | None = None) -> None:
+        """Count one request."""
+        self._requests[self._advance(time.monotonic() if now is None else now)] += 1
+
+    def available(self, now: float | None = None) -> float:
+        self._advance(time.monotonic() if now is None else now)
+        return self.reserve + self.ratio * sum(self._requests) - sum(self._spent)
+
+    def try_spend(self, now: float | None = None) -> bool:
+        """Take one unit of extra work if the budget allows it."""
+        now = time.monotonic() if now is None else now
+        if self.available(now) < 1:
+            return False
+        self._spent[self._advance(now)] += 1
+        return True
+
+
+class _Attempt:
+    """One request to one region, from sending to the first body byte, and its accounting."""
+
+    __slots__ = (
+        "failover",
+        "region",
+        "endpoint",
+        "kind",
+        "id",
+        "started",
+        "headers_at",
+        "response",
+        "iterator",
+        "first",
+        "eof",
+        "error",
+        "failed_status",
+        "sse",
+        "_released",
+    )
+
+    def __init__(self, failover: Failover, region: Region, kind: str, tried: set[Endpoint]) -> None:
+        self.failover = failover
+        self.region = region
+        self.endpoint: Endpoint = region.pick_endpoint(exclude=tried)
+        tried.add(self.endpoint)
+        self.kind = kind
+        self.id = next(_ids)
+        self.started = 0.0
+        self.headers_at = 0.0
+        self.response: UpstreamResponse | None = None
+        self.iterator: AsyncIterator[bytes] | None = None
+        self.first: bytes | None = None
+        self.eof = False
+        self.error: UpstreamError | None = None
+        self.failed_status = 0
+        self.sse = False
+        # Nothing to release until run() counts the attempt: a task cancelled before
+        # it started must not uncount anything.
+        self._released = True
+
+    @property
+    def ok(self) -> bool:
+        return self.response is not None and not self.failed_status
+
+    async def run(self, request: web.Request, ctx: RequestContext) -> None:
+        """Send, wait for the headers and (for a 2xx) the first body chunk."""
+        region, endpoint = self.region, self.endpoint
+        now = self.started = time.monotonic()
+        region.in_flight += 1
+        endpoint.in_flight += 1
+        self._released = False
+        region.pending_since[self.id] = now
+        region.count_request(now)
+        if self.kind == "retry":
+            region.retries_total += 1
+        elif self.kind == "hedge":
+            region.hedges_total += 1
+        ctx.attempts += 1
+        ctx.region = region.name
+        failover = self.failover
+        try:
+            response = self.response = await failover.upstream.send(request, ctx, region, endpoint)
+            self.headers_at = time.monotonic()
+            status = response.status
+            if status in failover.retry_statuses:
+                self.failed_status = status
+            elif 200 <= status < 300 and status not in _NO_BODY and ctx.method != "HEAD":
+                self.sse = _is_sse(response.headers)
+                self.iterator = response.aiter_bytes().__aiter__()
+                try:
+                    self.first = await anext(self.iterator)
+                except StopAsyncIteration:
+                    self.eof = True
+        except UpstreamError as exc:
+            self.error = exc
+        except BaseException:
+            # Cancelled (a hedge lost, the client left, the deadline) or a plugin failed.
+            region.pending_since.pop(self.id, None)
+            await self.discard()
+            raise
+        now = time.monotonic()
+        region.pending_since.pop(self.id, None)
+        if self.error is not None or self.failed_status:
+            self._failed(now)
+            return
+        region.ttfb.add(now - self.started)
+        if self.sse or self.eof:
+            region.latency.observe(now - self.started, now)
+        failover.health.record(
+            region, failed=self.response is not None and self.response.status >= 500
+        )
+
+    def _failed(self, now: float) -> None:
+        region, failover = self.region, self.failover
+        region.errors_total += 1
+        failover.health.record(region, failed=True, now=now)
+        elapsed = now - self.started
+        # A failure counts as a slow answer, so that traffic leaves before the
+        # ejection threshold is reached; a fast refusal must not look attractive.
+        penalty = max(elapsed, 2 * region.latency.value) if region.latency.samples else elapsed
+        region.latency.observe(max(penalty, region.geo_rtt), now)
+        exc = self.error
+        if isinstance(exc, UpstreamConnectError) or (
+            isinstance(exc, UpstreamTimeout) and exc.phase == "connect"
+        ):
+            self.endpoint.mark_down(str(exc))
+            failover.regions.schedule_rewarm(self.endpoint)
+
+    def body_done(self) -> None:
+        """The whole body arrived: a non-streamed answer's latency is its total time."""
+        if not self.sse and not self.eof:
+            now = time.monotonic()
+            self.region.latency.observe(now - self.started, now)
+
+    def broke(self, exc: UpstreamError) -> None:
+        """The body failed after the first byte: no retry, but it counts against the region.
+
+        (The stream stage counts it in ``errors_total``.)
+        """
+        self.failover.health.record(self.region, failed=True)
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self.region.in_flight -= 1
+            self.endpoint.in_flight -= 1
+
+    async def discard(self) -> None:
+        """Cancel whatever is left upstream and stop counting this attempt."""
+        try:
+            iterator = self.iterator
+            if iterator is not None and hasattr(iterator, "aclose"):
+                try:
+                    await iterator.aclose()
+                except RuntimeError:
+                    pass  # still running in a task being cancelled: aclose() below resets it
+            if self.response is not None:
+                await self.response.aclose()
+        finally:
+            self.release()
+
+
+class AttemptResponse:
+    """The winning attempt's response, as the stream stage reads it.
+
+    Replays the first chunk read while racing, records the region's latency
+    when a non-streamed body ends, and on :meth:`aclose` releases the
+    region's in-flight slot (and cancels the upstream if the body did not end).
+    """
+
+    __slots__ = ("attempt", "region", "status", "headers", "http_version")
+
+    def __init__(self, attempt: _Attempt, attempts: int) -> None:
+        response = attempt.response
+        assert response is not None
+        self.attempt = attempt
+        self.region = attempt.region
+        self.status = response.status
+        self.headers: Headers = list(response.headers)
+        if attempts > 1:
+            self.headers.append(("X-Edgeproxy-Attempts", str(attempts)))
+        self.http_version = response.http_version
+
+    async def aiter_bytes(self) -> AsyncIterator[bytes]:
+        attempt = self.attempt
+        if attempt.iterator is None:
+            assert attempt.response is not None
+            attempt.iterator = attempt.response.aiter_bytes().__aiter__()
+        elif attempt.first is not None:
+            first, attempt.first = attempt.first, None
+            yield first
+        if attempt.eof:
+            return
+        try:
+            async for chunk in attempt.iterator:
+                yield chunk
+        except UpstreamError as exc:
+            attempt.broke(exc)
+            raise
+        attempt.body_done()
+
+    async def aclose(self) -> None:
+        await self.attempt.discard()
+
+
+def _is_sse(headers: Headers) -> bool:
+    for name, value in headers:
+        if name.lower() == "content-type":
+            return value.startswith("text/event-stream")
+    return False
+
+
+class Failover:
+    """Sends a request to its candidates in turn, or races two of them, before the first byte."""
+
+    def __init__(self, config: Config, regions: RegionSet, upstream: UpstreamStage) -> None:
+        routing = config.routing
+        self.regions = regions
+        self.health = regions.health
+        self.upstream = upstream
+        self.retry_statuses = frozenset(routing.retry_statuses)
+        self.retry_budget = Budget(
+            routing.retry_budget, routing.retry_budget_min, routing.budget_window
+        )
+        self.hedge_budget = Budget(
+            routing.hedge_budget, routing.hedge_budget_min, routing.budget_window
+        )
+
+    async def send(
+        self, request: web.Request, ctx: RequestContext, candidates: list[Region]
+    ) -> AttemptResponse:
+        """The first good response among ``candidates``, or a :class:`ProxyError`.
+
+        Raises 502/504 (or the region's own 5xx status) when every attempt
+        failed, 504 when the route's deadline passed first, and 503 when every
+        candidate's circuit breaker was open.
+        """
+        now = time.monotonic()
+        self.retry_budget.deposit(now)
+        self.hedge_budget.deposit(now)
+        route = ctx.route
+        remaining = ctx.started + route.deadline - now
+        plan = _Plan(self, request, ctx, candidates)
+        if route.hedge and plan.replayable and plan.retry_safe and len(candidates) > 1:
+            return await plan.race(remaining)
+        return await plan.in_turn(remaining)
+
+    def hedge_delay(self, ctx: RequestContext, region: Region) -> float | None:
+        """Seconds to wait for a first byte before hedging; None: not enough history."""
+        if ctx.route.hedge_delay is not None:
+            return ctx.route.hedge_delay
+        if len(region.ttfb) < HEDGE_MIN_SAMPLES:
+            return None
+        return region.ttfb.p95()
+
+
+class _Plan:
+    """The attempts of one request: what was tried, what may come next."""
+
+    def __init__(
+        self,
+        failover: Failover,
+        request: web.Request,
+        ctx: RequestContext,
+        candidates: list[Region],
+    ) -> None:
+        self.failover = failover
+        self.request = request
+        self.ctx = ctx
+        self.queue = list(candidates)
+        self.replayable = ctx.body_read
+        self.retry_safe = ctx.method in IDEMPOTENT or ctx.path.endswith(LLM_SUFFIXES)
+        self.tried = 0
+        self.tried_endpoints: set[Endpoint] = set()
+        # deadline_action = "race": attempts outlive the deadline, for the fallback to race.
+        self.hand_over = getattr(ctx.route, "deadline_action", "cancel") == "race"
+        self.overloaded = 0
+        self.last: _Attempt | None = None
+
+    def attempt(self, region: Region, kind: str) -> _Attempt:
+        self.tried += 1
+        return _Attempt(self.failover, region, kind, self.tried_endpoints)
+
+    def next_region(self) -> Region | None:
+        """The next candidate whose circuit breaker lets a request through."""
+        health = self.failover.health
+        while self.queue:
+            region = self.queue.pop(0)
+            if health.overloaded(region):
+                region.health.overflows_total += 1
+                self.overloaded += 1
+                continue
+            return region
+        return None
+
+    def may_retry(self, failed: _Attempt) -> bool:
+        if not self.replayable or self.tried > self.ctx.route.retries:
+            return False
+        certainly_unseen = isinstance(failed.error, UpstreamError) and failed.error.retryable
+        return self.retry_safe or certainly_unseen
+
+    async def keep_failure(self, attempt: _Attempt) -> None:
+        """Remember the latest failure for the error; let go of the one before.
+
+        A region with another endpoint this request has not tried goes back to
+        the front of the queue: a dead endpoint is not a dead region.
+        """
+        if self.last is not None:
+            await self.last.discard()
+        self.last = attempt
+        region = attempt.region
+        if region not in self.queue and any(
+            e not in self.tried_endpoints and e.state != "down" for e in region.endpoints
+        ):
+            self.queue.insert(0, region)
+
+    async def in_turn(self, remaining: float) -> AttemptResponse:
+        """One attempt at a time: the next candidate only after a failure."""
+        try:
+            while True:
+                if self.tried and (self.last is None or not self.may_retry(self.last)):
+                    break
+                if remaining <= 0:
+                    raise self.deadline_error()
+                region = self.next_region()
+                if region is None:
+                    break
+                if self.tried and not self.failover.retry_budget.try_spend():
+                    break
+                attempt = self.attempt(region, "retry" if self.tried else "first")
+                if self.hand_over:
+                    task = asyncio.get_running_loop().create_task(
+                        attempt.run(self.request, self.ctx)
+                    )
+                    done, _ = await asyncio.wait({task}, timeout=remaining)
+                    if not done:
+                        raise self.deadline_error({task: attempt})
+                    task.result()
+                else:
+                    try:
+                        async with asyncio.timeout(remaining):
+                            await attempt.run(self.request, self.ctx)
+                    except TimeoutError:
+                        raise self.deadline_error() from None
+                if attempt.ok:
+                    return await self.win(attempt)
+                await self.keep_failure(attempt)
+                remaining = self.ctx.started + self.ctx.route.deadline - time.monotonic()
+            raise await self.failure_error()
+        finally:
+            if self.last is not None:
+                await self.last.discard()
+
+    async def race(self, remaining: float) -> AttemptResponse:
+        """The first attempt, a hedge if it is slow, retries after failures; first answer wins."""
+        ctx, failover = self.ctx, self.failover
+        deadline = time.monotonic() + remaining
+        running: dict[asyncio.Task[None], _Attempt] = {}
+        loop = asyncio.get_running_loop()
+
+        def start(region: Region, kind: str) -> None:
+            attempt = self.attempt(region, kind)
+            running[loop.create_task(attempt.run(self.request, ctx))] = attempt
+
+        try:
+            region = self.next_region()
+            if region is None:
+                raise await self.failure_error()
+            start(region, "first")
+            delay = failover.hedge_delay(ctx, region)
+            hedge_at = math.inf if delay is None else time.monotonic() + delay
+            while running:
+                now = time.monotonic()
+                if now >= deadline:
+                    late, running = running, {}
+                    raise self.deadline_error(late if self.hand_over else None)
+                done, _ = await asyncio.wait(
+                    running,
+                    timeout=min(deadline, hedge_at) - now,
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+                if not done:
+                    if time.monotonic() >= hedge_at:
+                        hedge_at = math.inf
+                        region = self.next_region() if self.queue else None
+                        if region is not None and failover.hedge_budget.try_spend():
+                            ctx.hedged = True
+                            start(region, "hedge")
+                    continue
+                for task in done:
+                    attempt = running.pop(task)
+                    task.result()  # a plugin's failure ends the request
+                    if attempt.ok:
+                        return await self.win(attempt)
+                    await self.keep_failure(attempt)
+                if not running and self.last is not None and self.may_retry(self.last):
+                    region = self.next_region()
+                    if region is not None and failover.retry_budget.try_spend():
+                        start(region, "retry")
+            raise await self.failure_error()
+        finally:
+            # The losers: cancel them upstream and stop counting them.
+            for task in running:
+                task.cancel()
+            if running:
+                await asyncio.gather(*running, return_exceptions=True)
+                for attempt in running.values():
+                    await attempt.discard()
+            if self.last is not None:
+                await self.last.discard()
+
+    async def win(self, attempt: _Attempt) -> AttemptResponse:
+        ctx = self.ctx
+        ctx.region = attempt.region.name
+        ctx.upstream_ttfb = attempt.headers_at - attempt.started
+        return AttemptResponse(attempt, ctx.attempts)
+
+    def _headers(self) -> dict[str, str]:
+        if self.ctx.attempts > 1:
+            return {"X-Edgeproxy-Attempts": str(self.ctx.attempts)}
+        return {}
+
+    def deadline_error(self, late: dict[asyncio.Task[None], _Attempt] | None = None) -> ProxyError:
+        """The 504 for a request with no first byte by the route's deadline.
+
+        With the route's ``deadline_action = "race"``, the attempts still
+        running (``late``) are not cancelled: the error carries them as
+        ``pending_upstream``, a task that ends with the first good response,
+        for the fallback stage to race against its local answer (cancelling
+        the task cancels them).
+        """
+        deadline = self.ctx.route.deadline
+        err = ProxyError(
+            504,
+            "upstream_timeout",
+            f"no region answered within the route's deadline of {deadline:g}s",
+            code="deadline_exceeded",
+            headers=self._headers(),
+        )
+        if late:
+            task = asyncio.get_running_loop().create_task(self.first_good(late))
+            # Cancelled before it ever ran, the task's own cleanup never runs: do it here.
+            task.add_done_callback(lambda t: _drop_late(t, late))
+            setattr(err, PENDING_UPSTREAM, task)
+        return err
+
+    async def first_good(self, running: dict[asyncio.Task[None], _Attempt]) -> AttemptResponse:
+        """The first of ``running`` to answer well; the others are cancelled."""
+        try:
+            while running:
+                done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    attempt = running.pop(task)
+                    task.result()
+                    if attempt.ok:
+                        return await self.win(attempt)
+                    await self.keep_failure(attempt)
+            raise await self.failure_error()
+        finally:
+            for task in running:
+                task.cancel()
+            if running:
+                await asyncio.gather(*running, return_exceptions=True)
+                for attempt in running.values():
+                    await attempt.discard()
+            if self.last is not None:
+                await self.last.discard()
+                self.last = None
+
+    async def failure_error(self) -> ProxyError:
+        """The error for a request whose attempts all failed (or that got none)."""
+        attempt = self.last
+        headers = self._headers()
+        if attempt is None:
+            if self.overloaded:
+                return ProxyError(
+                    503,
+                    "overloaded",
+                    "every region that may serve this request is at its concurrency limit",
+                    code="region_overloaded",
+                    headers={**headers, "Retry-After": "1"},
+                )
+            return ProxyError(
+                503, "no_region", "no region may serve this request", code="no_region"
+            )
+        name = attempt.region.name
+        exc = attempt.error
+        if isinstance(exc, UpstreamTimeout):
+            return ProxyError(
+                504,
+                "upstream_timeout",
+                f"region {name} timed out ({exc.phase})",
+                code="upstream_timeout",
+                headers=headers,
+            )
+        if exc is not None:
+            return ProxyError(
+                502,
+                "upstream_error",
+                f"region {name} failed: {exc}",
+                code="bad_gateway",
+                headers=headers,
+            )
+        assert attempt.response is not None
+        for key, value in attempt.response.headers:
+            if key.lower() == "retry-after":
+                headers["Retry-After"] = value
+        detail = await _error_detail(attempt.response)
+        return ProxyError(
+            attempt.failed_status,
+            "upstream_error",
+            f"region {name} answered {attempt.failed_status}" + (f": {detail}" if detail else ""),
+            code="upstream_unavailable",
+            headers=headers,
+        )
+
+
+# Cleanups of abandoned attempts, kept referenced until they finish.
+_cleanups: set[asyncio.Task[None]] = set()
+
+
+def _drop_late(
+    pending: asyncio.Task[AttemptResponse], late: dict[asyncio.Task[None], _Attempt]
+) -> None:
+    if not pending.cancelled():
+        return
+    loop = asyncio.get_running_loop()
+    for task, attempt in late.items():
+        if not task.done():
+            task.cancel()  # run() releases the attempt itself
+        else:
+            cleanup = loop.create_task(attempt.discard())
+            _cleanups.add(cleanup)
+            cleanup.add_done_callback(_cleanups.discard)
+
+
+async def _error_detail(response: UpstreamResponse, limit: int = 8192) -> str | None:
+    """The ``error.message`` of a region's small JSON error body, if it has one."""
+    body = b""
+    try:
+        async with asyncio.timeout(1.0):
+            async for chunk in response.aiter_bytes():
+                body += chunk
+                if len(body) > limit:
+                    return None
+    except (TimeoutError, UpstreamError):
+        return None
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    if isinstance(data, dict) and isinstance(data.get("error"), dict):
+        message = data["error"].get("message")
+        if isinstance(message, str):
+            return message[:300]
+    return None

@@ -1,0 +1,246 @@
+"""Region health: active checks, passive outlier ejection, circuit breakers.
+
+Three independent signals keep a region out of the candidate list:
+
+* **Active checks** (``[health] active``): a background ``GET`` of
+  ``[health] path`` on every endpoint, every ``interval``; ``unhealthy_threshold``
+  failures in a row make the region unhealthy, ``healthy_threshold`` passes
+  in a row make it healthy again.
+* **Outlier ejection**, Envoy's model: ``consecutive_failures`` 5xx answers or
+  connect/reset/timeout failures in a row eject the region for
+  ``base_ejection_time`` times the number of times it was ejected (capped at
+  ``max_ejection_time``); every ``outlier_interval`` without an ejection
+  takes one off that count. At most ``max_ejection_percent`` of the regions
+  are ejected at once (at least one may always be), so a bad threshold cannot
+  empty the list.
+* **Circuit breakers**: a region with ``max_concurrent`` requests in flight, or
+  ``max_pending`` still waiting for their first byte, takes no more until
+  some finish; the request goes to the next region instead.
+
+Unlike Envoy, a passing active check does not lift an ejection: an LLM
+cluster's health endpoint often answers while its inference path fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import random
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ._pool import UpstreamError
+
+if TYPE_CHECKING:
+    from ._config import HealthConfig
+    from ._regions import Endpoint, Region
+
+__all__ = ["Health", "RegionHealth"]
+
+logger = logging.getLogger("edgeproxy.health")
+
+
+@dataclass(slots=True)
+class RegionHealth:
+    """What the health machinery knows about one region."""
+
+    active_ok: bool | None = None  # None: not checked (yet)
+    active_passes: int = 0
+    active_failures: int = 0
+    last_check_error: str | None = None
+    consecutive_failures: int = 0
+    ejected: bool = False
+    ejected_until: float = 0.0
+    ejections_total: int = 0
+    multiplier: int = 0
+    overflows_total: int = 0
+
+
+class Health:
+    """The health policy of a set of regions, and the active checkers' tasks."""
+
+    def __init__(self, config: HealthConfig, regions: list[Region]) -> None:
+        self.config = config
+        self.regions = regions
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # -- what the router asks ----------------------------------------------
+
+    def available(self, region: Region, now: float) -> bool:
+        """Reachable, not ejected, and not failing its active checks."""
+        if region.state == "down":
+            return False
+        health = region.health
+        if health.ejected and self._still_ejected(region, now):
+            return False
+        return health.active_ok is not False
+
+    def overloaded(self, region: Region) -> bool:
+        """The region's circuit breaker is open: too many in flight, or waiting."""
+        return (
+            region.in_flight >= self.config.max_concurrent
+            or region.pending >= self.config.max_pending
+        )
+
+    # -- passive outlier detection ---------------------------------------------
+
+    def record(self, region: Region, *, failed: bool, now: float | None = None) -> None:
+        """One request's outcome: a 5xx or a transport failure, or anything else."""
+        health = region.health
+        if not failed:
+            health.consecutive_failures = 0
+            return
+        health.consecutive_failures += 1
+        if (
+            self.config.outlier_detection
+            and health.consecutive_failures >= self.config.consecutive_failures
+        ):
+            now = time.monotonic() if now is None else now
+            if not (health.ejected and self._still_ejected(region, now)):
+                self._eject(region, now)
+
+    def _still_ejected(self, region: Region, now: float) -> bool:
+        health = region.health
+        if now < health.ejected_until:
+            return True
+        health.ejected = False
+        health.consecutive_failures = 0
+        logger.info("region %s is back from ejection", region.name)
+        return False
+
+    def _eject(self, region: Region, now: float) -> None:
+        health = region.health
+        ejected = sum(1 for r in self.regions if r.health.ejected and self._still_ejected(r, now))
+        percent = self.config.max_ejection_percent
+        limit = max(1, math.floor(len(self.regions) * percent / 100)) if percent > 0 else 0
+        if ejected >= limit:
+            return
+        # Good behaviour since the last ejection ended earns the multiplier back.
+        if health.multiplier and health.ejected_until:
+            calm = max(0.0, now - health.ejected_until)
+            health.multiplier = max(
+                0, health.multiplier - int(calm // self.config.outlier_interval)
+            )
+        health.multiplier += 1
+        duration = min(
+            self.config.base_ejection_time * health.multiplier, self.config.max_ejection_time
+        )
+        health.ejected = True
+        health.ejected_until = now + duration
+        health.ejections_total += 1
+        health.consecutive_failures = 0
+        logger.warning(
+            "region %s ejected for %.1fs after %d failures in a row (ejection #%d)",
+            region.name,
+            duration,
+            self.config.consecutive_failures,
+            health.ejections_total,
+        )
+
+    # -- active checks ------------------------------------------------------
+
+    def start(self) -> None:
+        """Start one active checker per region, when ``[health] active`` is on."""
+        if not self.config.active or self._tasks:
+            return
+        loop = asyncio.get_running_loop()
+        for region in self.regions:
+            task = loop.create_task(self._check_loop(region), name=f"health:{region.name}")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _check_loop(self, region: Region) -> None:
+        # Spread the checks so that regions are not all probed in the same instant.
+        await asyncio.sleep(random.uniform(0, self.config.interval / 4))
+        while True:
+            await self.check(region)
+            await asyncio.sleep(self.config.interval * random.uniform(0.9, 1.1))
+
+    async def check(self, region: Region) -> bool:
+        """Run one active check of every endpoint of ``region`` and apply the result."""
+        errors = await asyncio.gather(
+            *(self._check_endpoint(region, ep) for ep in region.endpoints)
+        )
+        passed = any(e is None for e in errors)
+        self._apply_check(region, passed, next((e for e in errors if e is not None), None))
+        return passed
+
+    async def _check_endpoint(self, region: Region, endpoint: Endpoint) -> str | None:
+        headers = [("user-agent", "edgeproxy-health"), *region.credential_headers]
+        try:
+            async with asyncio.timeout(self.config.timeout):
+                resp = await endpoint.pool.request(
+                    "GET",
+                    endpoint.base_path + self.config.path,
+                    headers,
+                    None,
+                    authority=endpoint.authority,
+                )
+                try:
+                    async for _ in resp.aiter_bytes():
+                        pass
+                finally:
+                    await resp.aclose()
+        except TimeoutError:
+            error = f"health check timed out after {self.config.timeout:g}s"
+        except UpstreamError as exc:
+            error = f"health check failed: {exc}"
+            if exc.retryable:
+                endpoint.mark_down(error)
+        else:
+            if 200 <= resp.status < 300:
+                endpoint.mark_up()
+                return None
+            error = f"health check answered {resp.status}"
+        return error
+
+    def _apply_check(self, region: Region, passed: bool, error: str | None) -> None:
+        health = region.health
+        if passed:
+            health.active_passes += 1
+            health.active_failures = 0
+            health.last_check_error = None
+            if health.active_ok is not True and (
+                health.active_ok is None or health.active_passes >= self.config.healthy_threshold
+            ):
+                if health.active_ok is False:
+                    logger.info("region %s passes its health checks again", region.name)
+                health.active_ok = True
+        else:
+            health.active_failures += 1
+            health.active_passes = 0
+            health.last_check_error = error
+            if health.active_ok is not False and (
+                health.active_failures >= self.config.unhealthy_threshold
+            ):
+                logger.warning("region %s fails its health checks: %s", region.name, error)
+                health.active_ok = False
+
+    # -- status ---------------------------------------------------------------
+
+    def snapshot(self, region: Region, now: float) -> dict[str, Any]:
+        health = region.health
+        ejected = health.ejected and self._still_ejected(region, now)
+        if not self.config.active:
+            active = "off"
+        else:
+            active = {None: "unknown", True: "healthy", False: "unhealthy"}[health.active_ok]
+        return {
+            "available": self.available(region, now),
+            "active": active,
+            "last_check_error": health.last_check_error,
+            "ejected": ejected,
+            "ejected_for_s": round(health.ejected_until - now, 3) if ejected else 0.0,
+            "ejections_total": health.ejections_total,
+            "consecutive_failures": health.consecutive_failures,
+            "breaker_open": self.overloaded(region),
+            "breaker_overflows_total": health.overflows_total,
+        }
