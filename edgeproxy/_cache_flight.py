@@ -1,0 +1,204 @@
+"""Request coalescing: identical cacheable requests share one upstream request.
+
+The first request for a key leads: it goes upstream, and what it relays is
+recorded into its :class:`Flight`. Requests for the same key that arrive
+meanwhile follow: a streaming follower of a streamed answer gets the chunks
+as the leader receives them; any other follower gets the answer once it is
+complete, converted to the form it asked for. A leader that fails (an error
+status, a broken stream, no answer at all) does not fail its followers: they
+wake up, and the first one leads a retry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Final
+
+from aiohttp import web
+
+from ._cache_entry import Entry, is_usage_event, split_events
+from ._errors import error_response
+
+__all__ = ["Coalescer", "Flight"]
+
+PENDING: Final = "pending"
+"""No response headers yet."""
+STREAMING: Final = "streaming"
+"""200 headers arrived; the body is flowing into ``chunks``."""
+DONE: Final = "done"
+"""The answer is complete and in ``entry``."""
+FAILED: Final = "failed"
+"""The leader gave up or got something that must not be shared."""
+
+
+class Flight:
+    """One upstream request that identical cacheable requests share."""
+
+    __slots__ = (
+        "key",
+        "attempt",
+        "state",
+        "status",
+        "headers",
+        "sse",
+        "region",
+        "chunks",
+        "entry",
+        "followers",
+        "shareable",
+        "error",
+        "_changed",
+    )
+
+    def __init__(self, key: str, attempt: int = 1) -> None:
+        self.key = key
+        self.attempt = attempt
+        self.state = PENDING
+        self.status = 0
+        self.headers: list[tuple[str, str]] = []
+        self.sse = False
+        self.region: str | None = None
+        self.chunks: list[bytes] = []
+        self.entry: Entry | None = None
+        self.followers = 0
+        # False once the recorded chunks were dropped (an answer too large to
+        # keep with nobody following): late arrivals cannot replay it.
+        self.shareable = True
+        # Set when the leader failed because the regions did (not its client):
+        # followers may then take a stale-if-error answer instead of retrying.
+        self.error = False
+        self._changed = asyncio.Event()
+
+    def changed(self) -> asyncio.Event:
+        """An event set at the next change; fetch it *before* checking the state."""
+        return self._changed
+
+    def notify(self) -> None:
+        # Only followers wait on the event (``followers`` counts them before they do).
+        event, self._changed = self._changed, asyncio.Event()
+        event.set()
+
+    # -- the leader's side -----------------------------------------------
+
+    def started(self, status: int, headers: list[tuple[str, str]], sse: bool) -> None:
+        self.status = status
+        self.headers = headers
+        self.sse = sse
+        self.state = STREAMING
+        if self.followers:
+            self.notify()
+
+    def add(self, chunk: bytes) -> None:
+        self.chunks.append(chunk)
+        if self.followers:
+            self.notify()
+
+    def drop_chunks(self) -> None:
+        self.chunks.clear()
+        self.shareable = False
+
+    def done(self, entry: Entry | None) -> None:
+        """The answer is complete; ``entry`` is None when it cannot be replayed (too large)."""
+        self.entry = entry
+        self.state = DONE
+        if self.followers:
+            self.notify()
+
+    def fail(self) -> None:
+        if self.state in (PENDING, STREAMING):
+            self.state = FAILED
+            if self.followers:
+                self.notify()
+
+
+class Coalescer:
+    """The flights in progress, by cache key."""
+
+    def __init__(self) -> None:
+        self.flights: dict[str, Flight] = {}
+
+    def join(self, key: str, attempt: int = 1) -> tuple[Flight, bool]:
+        """The flight for ``key`` and whether the caller leads it (a new flight)."""
+        flight = self.flights.get(key)
+        if flight is None or flight.state == FAILED or not flight.shareable:
+            flight = Flight(key, attempt)
+            self.flights[key] = flight
+            return flight, True
+        flight.followers += 1
+        return flight, False
+
+    def end(self, flight: Flight) -> None:
+        if self.flights.get(flight.key) is flight:
+            del self.flights[flight.key]
+
+    def __len__(self) -> int:
+        return len(self.flights)
+
+
+async def wait_started(flight: Flight) -> None:
+    """Until the leader has response headers, or gave up."""
+    while flight.state == PENDING:
+        await flight.changed().wait()
+
+
+async def wait_finished(flight: Flight) -> None:
+    """Until the answer is complete, or the leader gave up."""
+    while flight.state in (PENDING, STREAMING):
+        await flight.changed().wait()
+
+
+async def stream_live(
+    request: web.Request,
+    resp: web.StreamResponse,
+    flight: Flight,
+    *,
+    include_usage: bool,
+) -> bool:
+    """Write the leader's SSE chunks to a follower as they arrive; false if the leader broke.
+
+    ``resp`` is prepared here. Without ``include_usage`` the usage-only chunk
+    is dropped, which needs whole events: chunks are then cut on event
+    boundaries first.
+    """
+    await resp.prepare(request)
+    sent = 0
+    carry = b""
+    while True:
+        changed = flight.changed()
+        while sent < len(flight.chunks):
+            chunk = flight.chunks[sent]
+            sent += 1
+            if include_usage:
+                await resp.write(chunk)
+                continue
+            data = carry + chunk
+            cut = data.rfind(b"\n\n")
+            if cut < 0:
+                carry = data
+                continue
+            carry = data[cut + 2 :]
+            for event in split_events(data[: cut + 2]):
+                if not is_usage_event(event):
+                    await resp.write(event)
+        if flight.state == DONE:
+            if carry:
+                await resp.write(carry)
+            await resp.write_eof()
+            return True
+        if flight.state == FAILED:
+            await abort_stream(request, resp)
+            return False
+        await changed.wait()
+
+
+async def abort_stream(request: web.Request, resp: web.StreamResponse) -> None:
+    """End a follower's stream like the leader's was: an SSE error event, then no clean end."""
+    event = error_response(502, "upstream_error", "upstream stream broke")
+    assert isinstance(event.body, bytes)
+    try:
+        await resp.write(b"event: error\ndata: " + event.body + b"\n\n")
+    except ConnectionResetError:
+        pass
+    resp.force_close()
+    if request.transport is not None:
+        request.transport.close()

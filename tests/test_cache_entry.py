@@ -1,0 +1,212 @@
+"""Cache entries: the Redis encoding, garbage detection, and stream/JSON conversions."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import orjson
+import pytest
+
+from edgeproxy._cache_entry import (
+    BadEntry,
+    Entry,
+    assemble,
+    explode,
+    is_usage_event,
+    replay_parts,
+    response_headers,
+    split_events,
+)
+
+
+def event(payload: Any) -> bytes:
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+def chunk(delta: dict[str, Any], finish: str | None = None, index: int = 0) -> bytes:
+    return event(
+        {
+            "id": "c1",
+            "object": "chat.completion.chunk",
+            "created": 7,
+            "model": "m",
+            "choices": [{"index": index, "delta": delta, "finish_reason": finish}],
+        }
+    )
+
+
+USAGE = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+STREAM = [
+    chunk({"role": "assistant", "content": ""}),
+    chunk({"content": "Hello"}),
+    chunk({"content": " world"}),
+    chunk({}, "stop"),
+    event(
+        {
+            "id": "c1",
+            "object": "chat.completion.chunk",
+            "created": 7,
+            "model": "m",
+            "choices": [],
+            "usage": USAGE,
+        }
+    ),
+    b"data: [DONE]\n\n",
+]
+
+
+def make_entry(kind: str = "sse", body: bytes | None = None, **kwargs: Any) -> Entry:
+    return Entry.build(
+        status=200,
+        headers=[("Content-Type", "text/event-stream"), ("Date", "x"), ("X-Edgeproxy-Region", "r")],
+        body=b"".join(STREAM) if body is None else body,
+        kind=kind,
+        ttl=kwargs.pop("ttl", 60.0),
+        swr=kwargs.pop("swr", 10.0),
+        sie=kwargs.pop("sie", 100.0),
+        delta=0.25,
+        region="r1",
+        now=1000.0,
+    )
+
+
+def test_encode_decode_round_trip_drops_delivery_headers() -> None:
+    entry = make_entry()
+    assert entry.headers == (("content-type", "text/event-stream"),)
+    back = Entry.decode(entry.encode())
+    assert back == entry
+    assert (back.fresh_until, back.swr_until, back.sie_until) == (1060.0, 1070.0, 1160.0)
+    assert back.keep_until == 1160.0
+    assert back.age(1012.7) == 12
+    assert Entry.decode(bytearray(entry.encode())) == entry
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        None,
+        "a str, as a decoding serializer would hand back",
+        b"",
+        b"EPC1",
+        b"EPC2\x00\x00\x00\x02{}",
+        b"EPC1\x00\x00\x00\x05{nope",
+        b"EPC1\x00\x00\x00\x02{}body",
+        b"EPC1\x00\x00\x10\x00{}",
+    ],
+)
+def test_garbage_is_rejected(data: Any) -> None:
+    with pytest.raises(BadEntry):
+        Entry.decode(data)
+
+
+def test_truncated_and_tampered_entries_are_rejected() -> None:
+    good = make_entry().encode()
+    with pytest.raises(BadEntry):
+        Entry.decode(good[:-1])
+    for field, value in [("s", "200"), ("s", 99), ("k", "zip"), ("t", math.inf), ("h", 5)]:
+        meta_len = int.from_bytes(good[4:8], "big")
+        meta = orjson.loads(good[8 : 8 + meta_len])
+        meta[field] = value
+        raw = orjson.dumps(meta)  # orjson writes inf as null
+        with pytest.raises(BadEntry):
+            Entry.decode(b"EPC1" + len(raw).to_bytes(4, "big") + raw + good[8 + meta_len :])
+
+
+def test_xfetch_refreshes_earlier_as_expiry_nears() -> None:
+    entry = make_entry(ttl=10.0)  # fresh until 1010, took 0.25 s to compute
+    assert not entry.should_refresh_early(1000.0, 1.0, 1.0)  # -log(1) = 0: never early
+    assert not entry.should_refresh_early(1000.0, 0.0, 1e-300)  # beta 0 turns it off
+    assert entry.should_refresh_early(1009.9, 1.0, 0.5)  # 0.25 * 0.69 > 0.1 left
+    assert not entry.should_refresh_early(1005.0, 1.0, 0.5)
+    assert entry.should_refresh_early(1005.0, 1.0, 1e-10)  # rare, but possible long before
+
+
+def test_split_events_and_usage_events() -> None:
+    body = b"".join(STREAM).replace(b"\n", b"\r\n")
+    events = split_events(body)
+    assert events == STREAM
+    assert [is_usage_event(e) for e in events] == [False] * 4 + [True, False]
+
+
+def test_assemble_chat_stream_with_tool_calls_and_two_choices() -> None:
+    stream = [
+        chunk({"role": "assistant"}),
+        chunk({"tool_calls": [{"index": 0, "id": "t1", "type": "function",
+                               "function": {"name": "get_", "arguments": '{"a":'}}]}),
+        chunk({"tool_calls": [{"index": 0, "function": {"name": "weather", "arguments": "1}"}}]}),
+        chunk({"content": "other"}, index=1),
+        chunk({}, "tool_calls"),
+        chunk({}, "stop", index=1),
+        b"data: [DONE]\n\n",
+    ]  # fmt: skip
+    answer = assemble(stream)
+    assert answer is not None
+    assert answer["object"] == "chat.completion" and answer["id"] == "c1"
+    first, second = answer["choices"]
+    assert first["message"]["tool_calls"] == [
+        {
+            "id": "t1",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"a":1}'},
+        }
+    ]
+    assert first["message"]["content"] is None and first["finish_reason"] == "tool_calls"
+    assert second["message"]["content"] == "other" and second["finish_reason"] == "stop"
+
+
+def test_assemble_refuses_what_it_does_not_know() -> None:
+    assert assemble([event({"object": "something.else"})]) is None
+    assert assemble([b"data: [DONE]\n\n"]) is None
+    assert assemble([event({"object": "text_completion", "choices": ["x"]})]) is None
+
+
+def test_explode_then_assemble_gives_the_answer_back() -> None:
+    answer = assemble(STREAM)
+    assert answer is not None
+    assert answer["choices"][0]["message"] == {"role": "assistant", "content": "Hello world"}
+    assert answer["usage"] == USAGE
+    events = explode(answer, include_usage=True)
+    assert events is not None and events[-1] == b"data: [DONE]\n\n"
+    assert len(events) == 1 + 2 + 1 + 1 + 1  # role, two words, finish, usage, DONE
+    assert assemble(events) == answer
+    no_usage = explode(answer, include_usage=False)
+    assert no_usage is not None and not any(is_usage_event(e) for e in no_usage)
+
+    text = {
+        "id": "x",
+        "object": "text_completion",
+        "created": 1,
+        "model": "m",
+        "choices": [{"index": 0, "text": "a b  c", "logprobs": None, "finish_reason": "length"}],
+    }
+    events = explode(text, include_usage=True)
+    assert events is not None
+    assert assemble(events) == text
+    assert explode({"object": "list", "data": []}, include_usage=False) is None
+
+
+def test_replay_parts_in_every_direction() -> None:
+    sse = make_entry()
+    parts, is_sse = replay_parts(sse, wants_sse=True, include_usage=True) or ([], False)
+    assert is_sse and parts == STREAM
+    parts, is_sse = replay_parts(sse, wants_sse=True, include_usage=False) or ([], False)
+    assert is_sse and len(parts) == len(STREAM) - 1
+    parts, is_sse = replay_parts(sse, wants_sse=False, include_usage=False) or ([], True)
+    assert not is_sse and orjson.loads(parts[0])["choices"][0]["message"]["content"] == (
+        "Hello world"
+    )
+    assert dict(response_headers(sse, sse=False))["content-type"] == "application/json"
+
+    embedding = b'{"object":"list","data":[{"embedding":[0.1]}]}'
+    as_json = make_entry("json", embedding)
+    assert replay_parts(as_json, wants_sse=True, include_usage=False) == ([embedding], False)
+    assert (
+        replay_parts(make_entry("json", b"[not json"), wants_sse=True, include_usage=False) is None
+    )
+    assert (
+        replay_parts(make_entry("sse", b"data: {}\n\n"), wants_sse=False, include_usage=False)
+        is None
+    )
+    raw = make_entry("raw", b"\x00\x01")
+    assert replay_parts(raw, wants_sse=True, include_usage=True) == ([b"\x00\x01"], False)
