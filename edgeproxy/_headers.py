@@ -58,10 +58,15 @@ def connection_tokens(values: Iterable[str]) -> set[str]:
 def strip_hop_by_hop(
     items: Iterable[tuple[str, str]], *, extra: Iterable[str] = ()
 ) -> list[tuple[str, str]]:
-    """Drop hop-by-hop headers, including those the ``Connection`` header names."""
+    """Drop hop-by-hop headers, including those the ``Connection`` header names.
+
+    Used on upstream responses, so credential headers go too: no response
+    legitimately carries them, and an upstream echoing its own API key must
+    not hand it to the client.
+    """
     pairs = list(items)
     named = connection_tokens(v for k, v in pairs if k.lower() == "connection")
-    drop = HOP_BY_HOP | named | set(extra)
+    drop = HOP_BY_HOP | CLIENT_CREDENTIAL_HEADERS | named | set(extra)
     return [(k, v) for k, v in pairs if k.lower() not in drop]
 
 

@@ -1,0 +1,358 @@
+"""In-flight caps, the priority queue, shedding and the degrade policy, through the real server.
+
+The upstream here is a small aiohttp app whose ``/gate/...`` requests wait
+on an event the test sets, so "the upstream is saturated" is a state the
+test controls rather than a race against the clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from multidict import CIMultiDict
+
+from edgeproxy import EdgeProxy, hookimpl
+from edgeproxy._admission import AdmissionStage
+from edgeproxy._config import config_from_mapping
+
+from .conftest import eventually, proxy_config
+
+
+@dataclass
+class GatedUpstream:
+    url: str
+    gate: asyncio.Event
+    served: list[str] = field(default_factory=list)
+    headers: dict[str, CIMultiDict[str]] = field(default_factory=dict)
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[GatedUpstream]:
+    gate = asyncio.Event()
+    state = GatedUpstream("", gate)
+
+    async def handler(request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        state.headers[name] = CIMultiDict(request.headers)
+        if name.startswith("block"):
+            await gate.wait()
+        state.served.append(name)
+        return web.json_response({"name": name})
+
+    app = web.Application()
+    app.router.add_route("*", "/gate/{name}", handler)
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    state.url = f"http://{host}:{port}"
+    yield state
+    gate.set()
+    await runner.cleanup()
+
+
+@pytest.fixture
+async def start_proxy() -> AsyncIterator[Callable[..., Awaitable[EdgeProxy]]]:
+    """Like ``make_proxy``, plus ``routes=[...]`` and ``plugins=[...]``."""
+    started: list[EdgeProxy] = []
+
+    async def factory(
+        regions: list[dict[str, Any]],
+        *,
+        routes: list[dict[str, Any]] | None = None,
+        plugins: list[object] | None = None,
+        **sections: dict[str, Any],
+    ) -> EdgeProxy:
+        data = proxy_config(regions, **sections)
+        if routes:
+            data["routes"] = routes
+        proxy = EdgeProxy(config_from_mapping(data, environ={}), plugins=plugins or [])
+        await proxy.start()
+        started.append(proxy)
+        return proxy
+
+    yield factory
+    for proxy in started:
+        await proxy.stop(grace=2.0)
+
+
+StartProxy = Callable[..., Awaitable[EdgeProxy]]
+
+
+def region(upstream: GatedUpstream) -> list[dict[str, Any]]:
+    return [{"name": "g", "url": upstream.url, "http2": False}]
+
+
+def admission(proxy: EdgeProxy) -> AdmissionStage:
+    return proxy.pipeline.admission
+
+
+async def fetch(
+    client: aiohttp.ClientSession, proxy: EdgeProxy, name: str, priority: int | None = None
+) -> tuple[int, CIMultiDict[str], Any]:
+    headers = {} if priority is None else {"X-Priority": str(priority)}
+    async with client.get(f"{proxy.url}/gate/{name}", headers=headers) as resp:
+        return resp.status, CIMultiDict(resp.headers), await resp.json()
+
+
+async def test_high_priority_is_served_first_and_low_priority_is_shed(
+    upstream: GatedUpstream, start_proxy: StartProxy
+) -> None:
+    proxy = await start_proxy(
+        region(upstream), admission={"max_in_flight": 1, "max_queue": 3, "max_queue_time": 30}
+    )
+    stage = admission(proxy)
+    async with aiohttp.ClientSession() as client:
+        blocker = asyncio.create_task(fetch(client, proxy, "block"))
+        await eventually(lambda: stage.in_flight == 1)
+        tasks: dict[str, asyncio.Task[Any]] = {}
+
+        async def enqueue(name: str, priority: int, waiting: int) -> None:
+            tasks[name] = asyncio.create_task(fetch(client, proxy, name, priority))
+            await eventually(lambda: stage.waiting == waiting or tasks[name].done())
+
+        await enqueue("low-1", 1, 1)
+        await enqueue("low-2", 1, 2)
+        await enqueue("low-3", 1, 3)
+        # The queue is full: each high-priority newcomer pushes out the newest low one.
+        await enqueue("high-1", 5, 3)
+        await enqueue("high-2", 5, 3)
+        # A low-priority newcomer cannot push out an equal: it is shed itself.
+        await enqueue("low-4", 1, 3)
+        for name in ("low-3", "low-2", "low-4"):
+            status, headers, data = await tasks[name]
+            assert status == 503, name
+            assert int(headers["Retry-After"]) >= 1
+            assert data["error"]["code"] in ("evicted", "queue_full")
+        assert (await tasks["low-4"])[2]["error"]["code"] == "queue_full"
+        assert (await tasks["low-3"])[2]["error"]["code"] == "evicted"
+        upstream.gate.set()
+        assert (await blocker)[0] == 200
+        for name in ("high-1", "high-2", "low-1"):
+            assert (await tasks[name])[0] == 200
+    # One slot: the region saw them strictly in admission order.
+    assert upstream.served == ["block", "high-1", "high-2", "low-1"]
+    snapshot = proxy.status()["admission"]
+    assert snapshot["shed"] == {"queue_full": 1, "queue_timeout": 0, "evicted": 2}
+    assert snapshot["queued"] == 0 and snapshot["in_flight"] == 0
+
+
+async def test_queue_timeout_is_503_with_retry_after(
+    upstream: GatedUpstream, start_proxy: StartProxy
+) -> None:
+    proxy = await start_proxy(
+        region(upstream), admission={"max_in_flight": 1, "max_queue_time": 0.3}
+    )
+    async with aiohttp.ClientSession() as client:
+        blocker = asyncio.create_task(fetch(client, proxy, "block"))
+        await eventually(lambda: admission(proxy).in_flight == 1)
+        status, headers, data = await fetch(client, proxy, "waits")
+        assert status == 503
+        assert data["error"]["code"] == "queue_timeout"
+        assert data["error"]["type"] == "overloaded"
+        assert int(headers["Retry-After"]) >= 1
+        assert headers["X-Request-Id"]
+        upstream.gate.set()
+        assert (await blocker)[0] == 200
+    assert "waits" not in upstream.served
+    assert proxy.status()["admission"]["shed"]["queue_timeout"] == 1
+
+
+async def test_queue_wait_never_passes_the_route_deadline(
+    upstream: GatedUpstream, start_proxy: StartProxy
+) -> None:
+    proxy = await start_proxy(
+        region(upstream),
+        admission={"max_in_flight": 1, "max_queue_time": 60},
+        routes=[
+            {"name": "slow", "path": "/gate/block", "deadline": 60},
+            {"name": "tight", "path": "/gate", "deadline": 0.5},
+        ],
+    )
+    async with aiohttp.ClientSession() as client:
+        blocker = asyncio.create_task(fetch(client, proxy, "block"))
+        await eventually(lambda: admission(proxy).in_flight == 1)
+        # Still blocked: only the 0.5 s deadline can end this wait.
+        status, _, data = await asyncio.wait_for(fetch(client, proxy, "tight"), 30)
+        assert status == 503
+        assert data["error"]["code"] == "queue_timeout"
+        upstream.gate.set()
+        assert (await blocker)[0] == 200
+
+
+async def test_deadline_is_propagated_upstream(
+    upstream: GatedUpstream, start_proxy: StartProxy
+) -> None:
+    proxy = await start_proxy(
+        region(upstream),
+        admission={"max_in_flight": 1},
+        routes=[{"name": "r", "path": "/gate", "deadline": 20}],
+    )
+    async with aiohttp.ClientSession() as client:
+        blocker = asyncio.create_task(fetch(client, proxy, "block"))
+        await eventually(lambda: admission(proxy).in_flight == 1)
+        queued = asyncio.create_task(fetch(client, proxy, "after-queue"))
+        await eventually(lambda: admission(proxy).waiting == 1)
+        await asyncio.sleep(0.2)  # time spent queued comes off the budget
+        upstream.gate.set()
+        assert (await blocker)[0] == 200
+        assert (await queued)[0] == 200
+        # A client's own value is replaced.
+        async with client.get(
+            proxy.url + "/gate/direct", headers={"X-Request-Timeout-Ms": "999999"}
+        ) as resp:
+            assert resp.status == 200
+    waited = int(upstream.headers["after-queue"]["X-Request-Timeout-Ms"])
+    assert 0 < waited < 20_000 - 150
+    assert 0 < int(upstream.headers["direct"]["X-Request-Timeout-Ms"]) <= 20_000
+
+
+async def test_per_route_cap_leaves_other_routes_alone(
+    upstream: GatedUpstream, start_proxy: StartProxy
+) -> None:
+    proxy = await start_proxy(
+        region(upstream),
+        routes=[{"name": "blocky", "path": "/gate/block", "max_in_flight": 1}],
+    )
+    stage = admission(proxy)
+    async with aiohttp.ClientSession() as client:
+        first = asyncio.create_task(fetch(client, proxy, "block"))
+        await eventually(lambda: stage.in_flight == 1)
+        second = asyncio.create_task(fetch(client, proxy, "block"))
+        await eventually(lambda: stage.waiting == 1)
+        # Another route has no cap: served at once while "blocky" is full.
+        for i in range(3):
+            assert (await fetch(client, proxy, f"free-{i}"))[0] == 200
+        assert proxy.status()["admission"]["routes"]["blocky"] == {"in_flight": 1, "queued": 1}
+        upstream.gate.set()
+        assert (await first)[0] == 200 and (await second)[0] == 200
+    assert upstream.served[:3] == ["free-0", "free-1", "free-2"]
+
+
+async def test_global_and_route_caps_combine(
+    upstream: GatedUpstream, start_proxy: StartProxy
+) -> None:
+    proxy = await start_proxy(
+        region(upstream),
+        admission={"max_in_flight": 2, "max_queue_time": 30},
+        routes=[{"name": "blocky", "path": "/gate/block", "max_in_flight": 1}],
+    )
+    stage = admission(proxy)
+    async with aiohttp.ClientSession() as client:
+        a = asyncio.create_task(fetch(client, proxy, "block"))
+        await eventually(lambda: stage.in_flight == 1)
+        b = asyncio.create_task(fetch(client, proxy, "block"))  # route full: waits
+        await eventually(lambda: stage.waiting == 1)
+        # The global cap still has room for another route, ahead of the waiting one.
+        c = asyncio.create_task(fetch(client, proxy, "blocking-elsewhere"))
+        await eventually(lambda: stage.in_flight == 2)
+        assert stage.waiting == 1
+        # Now both caps are full: the default route waits too.
+        d = asyncio.create_task(fetch(client, proxy, "free"))
+        await eventually(lambda: stage.waiting == 2)
+        upstream.gate.set()
+        results = [await t for t in (a, b, c, d)]
+    assert [r[0] for r in results] == [200, 200, 200, 200]
+
+
+async def test_overload_on_a_degrade_route_takes_the_fallback_ladder(
+    upstream: GatedUpstream, start_proxy: StartProxy
+) -> None:
+    reasons: list[str] = []
+
+    class Degrade:
+        @hookimpl
+        def edgeproxy_fallback(self, ctx: Any, reason: str) -> web.Response:
+            reasons.append(reason)
+            return web.json_response({"degraded": True, "route": ctx.route.name})
+
+    proxy = await start_proxy(
+        region(upstream),
+        admission={"max_in_flight": 1, "max_queue": 0},
+        routes=[
+            {"name": "soft", "path": "/gate/soft", "on_overload": "degrade"},
+            {"name": "hard", "path": "/gate/hard"},
+        ],
+        plugins=[Degrade()],
+    )
+    async with aiohttp.ClientSession() as client:
+        blocker = asyncio.create_task(fetch(client, proxy, "block"))
+        await eventually(lambda: admission(proxy).in_flight == 1)
+        status, headers, data = await fetch(client, proxy, "soft")
+        assert status == 200
+        assert data == {"degraded": True, "route": "soft"}
+        assert headers["X-Edgeproxy-Degraded"] == "plugin"
+        # A "shed" route answers 503 itself.
+        status, headers, data = await fetch(client, proxy, "hard")
+        assert status == 503 and data["error"]["code"] == "queue_full"
+        upstream.gate.set()
+        assert (await blocker)[0] == 200
+    assert reasons == ["overloaded"]
+    assert "soft" not in upstream.served
+
+
+async def test_client_leaving_the_queue_frees_its_place(
+    upstream: GatedUpstream, start_proxy: StartProxy
+) -> None:
+    proxy = await start_proxy(
+        region(upstream), admission={"max_in_flight": 1, "max_queue": 1, "max_queue_time": 30}
+    )
+    stage = admission(proxy)
+    async with aiohttp.ClientSession() as client:
+        blocker = asyncio.create_task(fetch(client, proxy, "block"))
+        await eventually(lambda: stage.in_flight == 1)
+        leaver = asyncio.create_task(fetch(client, proxy, "leaver"))
+        await eventually(lambda: stage.waiting == 1)
+        leaver.cancel()
+        await eventually(lambda: stage.waiting == 0)
+        # Its place is free for the next one.
+        stayer = asyncio.create_task(fetch(client, proxy, "stayer"))
+        await eventually(lambda: stage.waiting == 1)
+        upstream.gate.set()
+        assert (await blocker)[0] == 200
+        assert (await stayer)[0] == 200
+    assert "leaver" not in upstream.served
+    await eventually(lambda: stage.in_flight == 0)
+
+
+async def test_priority_from_a_plugin_wins_over_the_header(
+    upstream: GatedUpstream, start_proxy: StartProxy
+) -> None:
+    class Vip:
+        @hookimpl
+        def edgeproxy_request_received(self, ctx: Any) -> None:
+            if ctx.path.endswith("vip"):
+                ctx.priority = 100
+
+    proxy = await start_proxy(
+        region(upstream), admission={"max_in_flight": 1, "max_queue_time": 30}, plugins=[Vip()]
+    )
+    stage = admission(proxy)
+    async with aiohttp.ClientSession() as client:
+        blocker = asyncio.create_task(fetch(client, proxy, "block"))
+        await eventually(lambda: stage.in_flight == 1)
+        loud = asyncio.create_task(fetch(client, proxy, "loud", priority=50))
+        await eventually(lambda: stage.waiting == 1)
+        vip = asyncio.create_task(fetch(client, proxy, "vip", priority=-5))
+        await eventually(lambda: stage.waiting == 2)
+        upstream.gate.set()
+        for task in (blocker, loud, vip):
+            assert (await task)[0] == 200
+    assert upstream.served == ["block", "vip", "loud"]
+
+
+async def test_no_caps_means_no_queue(upstream: GatedUpstream, start_proxy: StartProxy) -> None:
+    proxy = await start_proxy(region(upstream))
+    upstream.gate.set()
+    async with aiohttp.ClientSession() as client:
+        results = await asyncio.gather(*(fetch(client, proxy, f"n{i}") for i in range(10)))
+    assert all(r[0] == 200 for r in results)
+    snapshot = proxy.status()["admission"]
+    assert snapshot["admitted_total"] == 10 and snapshot["queued_total"] == 0
