@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
+import os
 import signal
 from typing import Any
 
@@ -16,6 +18,30 @@ _DEMO_REGIONS: list[dict[str, Any]] = [
     {"name": "ap-northeast-1", "lat": 35.68, "lon": 139.69, "ttft_factor": 1.5},
     {"name": "us-west-2", "lat": 45.52, "lon": -122.68, "ttft_factor": 3.0},
 ]
+
+
+def _demo_local_model() -> tuple[dict[str, Any] | None, str]:
+    """The local model's settings and a line describing it.
+
+    A configured model (``EDGEPROXY_LOCAL_MODEL__PATH``) wins; else the tiny
+    random-weight test model is built, so the fallback can be seen with no download.
+    """
+    configured = os.environ.get("EDGEPROXY_LOCAL_MODEL__PATH")
+    if configured:
+        return None, configured
+    if importlib.util.find_spec("llama_cpp") is None:
+        return None, "off (pip install 'edgeproxy[local]' for llama-cpp-python)"
+    try:
+        from .testing import tiny_llama_gguf
+
+        path = tiny_llama_gguf("Q8_0")
+    except ImportError as exc:
+        return None, f"off ({exc})"
+    return (
+        {"path": str(path), "max_tokens": 64, "model_name": "local/tiny-demo"},
+        "tiny random-weight test model: gibberish by design "
+        "(EDGEPROXY_LOCAL_MODEL__PATH=model.gguf for a real one)",
+    )
 
 
 async def run_demo(args: argparse.Namespace) -> int:
@@ -52,6 +78,9 @@ async def run_demo(args: argparse.Namespace) -> int:
         }
         if args.grace_period is not None:
             data["server"]["grace_period"] = args.grace_period
+        local_model, local_line = _demo_local_model()
+        if local_model is not None:
+            data["local_model"] = local_model
         config = config_from_mapping(data)
         proxy = EdgeProxy(config)
         await proxy.start()
@@ -61,6 +90,7 @@ async def run_demo(args: argparse.Namespace) -> int:
 edgeproxy demo: PoP {config.pop.name}, {count} emulated regions
   proxy   {url}
   admin   {proxy.admin_url}/status
+  local   {local_line}
 
 Try:
   curl -s {url}/v1/chat/completions -H 'content-type: application/json' \\
@@ -68,6 +98,12 @@ Try:
   curl -sN {url}/v1/chat/completions -H 'content-type: application/json' \\
        -d '{{"model":"demo","stream":true,"messages":[{{"role":"user","content":"hello"}}]}}'
   curl -s {proxy.admin_url}/status
+
+Make every region fail, and the local model answers (X-Edgeproxy-Degraded: local-model):
+  for r in {" ".join(f.url for f in fakes)}; do
+    curl -s -X POST $r/_control -d '{{"fault":"5xx","fault_status":503}}'; done
+  curl -si {url}/v1/chat/completions -H 'content-type: application/json' \\
+       -d '{{"model":"demo","messages":[{{"role":"user","content":"hello"}}]}}'
 
 Ctrl-C stops it.""",
             flush=True,

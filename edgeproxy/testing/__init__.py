@@ -19,11 +19,26 @@ A region can also run as its own process, controlled over HTTP::
 behaviour, ``GET /_control`` returns it with the counters, and
 ``POST /_control/reset-counters`` zeroes the counters.
 
-Requires hypercorn (the ``test`` or ``bench`` extra).
+:func:`tiny_llama_gguf` builds a tiny random-weight llama GGUF model
+(``Q8_0`` or ``Q4_0``) for the local-model fallback: real llama.cpp, no
+download, gibberish answers by design.
+
+Requires hypercorn (the ``test`` or ``bench`` extra); the model needs numpy
+and gguf (the ``testing`` extra).
 """
 
 from ._app import Counters
 from ._behavior import FAULTS, Behavior, Fault
+from ._gguf import TinyLlamaSpec, tiny_llama_gguf, write_tiny_llama_gguf
 from ._upstream import FakeRegion
 
-__all__ = ["FAULTS", "Behavior", "Counters", "FakeRegion", "Fault"]
+__all__ = [
+    "FAULTS",
+    "Behavior",
+    "Counters",
+    "FakeRegion",
+    "Fault",
+    "TinyLlamaSpec",
+    "tiny_llama_gguf",
+    "write_tiny_llama_gguf",
+]
