@@ -10,8 +10,9 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+from aiohttp import web
 
-from edgeproxy import PluginError, PluginLoadError
+from edgeproxy import PluginError, PluginLoadError, hookimpl
 from edgeproxy.plugins import access_log
 from edgeproxy.plugins.access_log import AccessLog, LineWriter
 
@@ -24,6 +25,7 @@ FIELDS = {
     "trace_id",
     "method",
     "path",
+    "route",
     "status",
     "region",
     "attempts",
@@ -219,3 +221,87 @@ def test_bad_settings_are_load_errors(settings: dict[str, Any]) -> None:
             [{"name": "r1", "url": "http://127.0.0.1:9"}],
             plugins=plugins_section(access_log=settings),
         )
+
+
+class _Degrade:
+    """Answers for the regions when they cannot: a degraded answer."""
+
+    @hookimpl
+    def edgeproxy_fallback(self) -> web.Response:
+        return web.json_response({"degraded": True})
+
+
+async def test_builtin_access_log_section_logs_route_cache_degraded_and_timings(
+    make_region: RegionFactory,
+    make_plugin_proxy: PluginProxyFactory,
+    tmp_path: Path,
+) -> None:
+    log_path = tmp_path / "edge.jsonl"
+    region = await make_region("r1", tokens=4)
+    proxy = await make_plugin_proxy(
+        [{"name": "r1", "url": region.url}],
+        access_log={"enabled": True, "path": str(log_path)},
+    )
+    assert "access_log" in proxy.plugins.names()
+    body = {"model": "m", "messages": [{"role": "user", "content": SECRET_PROMPT}]}
+    async with aiohttp.ClientSession() as client:
+        async with client.post(proxy.url + CHAT, json=body) as resp:
+            assert resp.status == 200
+            cache = resp.headers.get("X-Edgeproxy-Cache")
+            answer = await resp.read()
+    await eventually(lambda: len(lines(log_path)) == 1)
+    (chat,) = lines(log_path)
+    assert set(chat) == FIELDS
+    assert chat["route"] == "default"
+    assert chat["region"] == "r1" and chat["attempts"] == 1 and chat["status"] == 200
+    assert chat["cache"] == cache
+    assert chat["degraded"] is None
+    assert chat["bytes"] == len(answer)
+    assert 0 <= chat["upstream_ttfb_ms"] <= chat["ttfb_ms"] <= chat["duration_ms"]
+    assert SECRET_PROMPT not in log_path.read_text()
+
+
+async def test_builtin_access_log_names_the_degraded_reason(
+    make_region: RegionFactory,
+    make_plugin_proxy: PluginProxyFactory,
+    tmp_path: Path,
+) -> None:
+    log_path = tmp_path / "edge.jsonl"
+    region = await make_region("r1")
+    await region.kill()  # gone: the regions cannot answer, a degraded answer is given
+    proxy = await make_plugin_proxy(
+        [{"name": "r1", "url": region.url}],
+        extra=[_Degrade()],
+        access_log={"enabled": True, "path": str(log_path)},
+    )
+    async with aiohttp.ClientSession() as client:
+        async with client.get(proxy.url + "/v1/models") as resp:
+            assert resp.status == 200
+            reason = resp.headers["X-Edgeproxy-Degraded"]
+    await eventually(lambda: len(lines(log_path)) == 1)
+    (degraded,) = lines(log_path)
+    assert degraded["degraded"] == reason
+    assert degraded["route"] == "default"
+    assert degraded["status"] == 200
+    assert degraded["upstream_ttfb_ms"] is None
+
+
+async def test_builtin_access_log_and_the_plugin_do_not_log_twice(
+    make_region: RegionFactory,
+    make_plugin_proxy: PluginProxyFactory,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    log_path = tmp_path / "edge.jsonl"
+    region = await make_region("r1")
+    proxy = await make_plugin_proxy(
+        [{"name": "r1", "url": region.url}],
+        plugins=plugins_section(access_log={"path": str(log_path)}),
+        access_log={"enabled": True, "path": str(tmp_path / "other.jsonl")},
+    )
+    assert "one log" in caplog.text
+    async with aiohttp.ClientSession() as client:
+        async with client.get(proxy.url + "/status/200") as resp:
+            assert resp.status == 200
+    await eventually(lambda: len(lines(log_path)) == 1)
+    assert not (tmp_path / "other.jsonl").exists()

@@ -1,0 +1,402 @@
+"""Tracing: W3C trace context always, OpenTelemetry spans when asked for.
+
+*Always*, with no dependency: each request continues the caller's
+``traceparent`` (same trace id) or starts a trace, and the region receives a
+``traceparent`` whose parent is the proxy's own span
+(:func:`edgeproxy._headers.trace_context`). The access log records the trace
+id, so a slow request can be found in the logs of every hop.
+
+*With* ``[tracing] otel = true`` and the ``otel`` extra installed
+(``pip install 'edgeproxy[otel]'``), :class:`Tracing`, a built-in plugin,
+makes OpenTelemetry spans from the pipeline's hooks:
+
+``edgeproxy.request`` (server span)
+    from arrival to the last byte; children:
+``edgeproxy.admission``
+    from the ``request_received`` hook to the next stage;
+``edgeproxy.cache``
+    cacheable requests, from the key to routing (or to the end, on a hit);
+``edgeproxy.routing``
+    from the route hook to the first attempt;
+``edgeproxy.upstream`` (client span), one per attempt
+    the region receives this span as its parent in ``traceparent``; the
+    answering attempt lasts until the last byte, a failed one until the
+    pipeline moved on (the next attempt, the fallback, or the end);
+``edgeproxy.fallback``
+    when the regions could not answer, with the reason.
+
+Spans are made from timestamps the hooks leave in ``ctx.extra``, so the
+pipeline carries no tracing code; each finished span is handed to a batch
+processor that exports from its own thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ._headers import TraceContext
+from .hookspecs import hookimpl
+
+if TYPE_CHECKING:
+    from ._config import TracingConfig
+    from ._pipeline import RequestContext, UpstreamReply
+    from ._regions import Region
+
+__all__ = ["Tracing", "otel_available"]
+
+logger = logging.getLogger("edgeproxy.tracing")
+
+_STATE_KEY = "edgeproxy.trace"
+_ERROR_LIMIT = 256
+
+
+def otel_available() -> bool:
+    """Whether the OpenTelemetry SDK (the ``otel`` extra) is installed."""
+    return importlib.util.find_spec("opentelemetry.sdk") is not None
+
+
+@dataclass(slots=True)
+class _Attempt:
+    span: Any
+    region: str
+    started: float
+    answered: bool = False
+
+
+@dataclass(slots=True)
+class _RequestTrace:
+    """What the hooks saw of one request, turned into spans when it completes."""
+
+    root: Any
+    offset_ns: int  # wall-clock minus monotonic nanoseconds, at arrival
+    received_at: float
+    cache_at: float | None = None
+    route_at: float | None = None
+    fallback_at: float | None = None
+    fallback_reason: str | None = None
+    attempts: list[_Attempt] = field(default_factory=list)
+
+    def ns(self, monotonic: float) -> int:
+        return int(monotonic * 1e9) + self.offset_ns
+
+
+class Tracing:
+    """The built-in OpenTelemetry plugin; see the module docstring for its spans.
+
+    The tracer provider is opened in the proxy's lifespan
+    (``edgeproxy_startup``) and flushed and closed at ``edgeproxy_shutdown``,
+    unless ``exporter = "global"``, where the application owns it.
+    """
+
+    def __init__(self, config: TracingConfig, *, pop: str = "edge") -> None:
+        self.config = config
+        self.pop = pop
+        self.tracer: Any = None
+        self._provider: Any = None
+
+    @classmethod
+    def from_config(cls, config: TracingConfig, *, pop: str = "edge") -> Tracing | None:
+        """The plugin when ``otel`` is on and the SDK is installed; else None (with a warning)."""
+        if not config.otel:
+            return None
+        if not otel_available():
+            logger.warning(
+                "tracing.otel is on but the OpenTelemetry SDK is not installed "
+                "(pip install 'edgeproxy[otel]'): no spans; traceparent is still propagated"
+            )
+            return None
+        return cls(config, pop=pop)
+
+    # -- lifespan ------------------------------------------------------------------------
+
+    @hookimpl
+    def edgeproxy_startup(self) -> None:
+        if self.tracer is not None:
+            return
+        from opentelemetry import trace
+
+        from . import __version__
+
+        if self.config.exporter == "global":
+            self.tracer = trace.get_tracer("edgeproxy", __version__)
+            return
+        try:
+            provider = self._make_provider()
+        except Exception as exc:  # noqa: BLE001 - tracing must not stop the proxy
+            logger.error(
+                "tracing disabled: cannot set up the %s exporter: %s", self.config.exporter, exc
+            )
+            return
+        self._provider = provider
+        self.tracer = provider.get_tracer("edgeproxy", __version__)
+
+    def _make_provider(self) -> Any:
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+        from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+
+        cfg = self.config
+        resource = Resource.create({"service.name": cfg.service_name, "edgeproxy.pop": self.pop})
+        provider = TracerProvider(
+            resource=resource,
+            sampler=ParentBased(TraceIdRatioBased(cfg.sample_ratio)),
+            shutdown_on_exit=False,
+        )
+        exporter: Any
+        if cfg.exporter == "console":
+            from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+
+            exporter = ConsoleSpanExporter()
+        elif cfg.otlp_protocol == "grpc":
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+                OTLPSpanExporter as GrpcExporter,
+            )
+
+            exporter = GrpcExporter(
+                endpoint=cfg.otlp_endpoint,
+                headers=cfg.otlp_headers or None,
+                timeout=cfg.otlp_timeout,
+            )
+        else:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+                OTLPSpanExporter as HttpExporter,
+            )
+
+            exporter = HttpExporter(
+                endpoint=cfg.otlp_endpoint,
+                headers=cfg.otlp_headers or None,
+                timeout=cfg.otlp_timeout,
+            )
+        # Batched: the event loop only queues a finished span; a thread exports.
+        provider.add_span_processor(BatchSpanProcessor(exporter))
+        return provider
+
+    @hookimpl
+    async def edgeproxy_shutdown(self) -> None:
+        provider, self._provider = self._provider, None
+        self.tracer = None
+        if provider is not None:
+            # Flushes what is queued: blocking, so off the event loop.
+            await asyncio.to_thread(provider.shutdown)
+
+    # -- request hooks -----------------------------------------------------------------
+
+    @hookimpl(tryfirst=True)
+    def edgeproxy_request_received(self, ctx: RequestContext) -> None:
+        self._begin(ctx)
+
+    @hookimpl(tryfirst=True)
+    def edgeproxy_cache_key(self, ctx: RequestContext) -> None:
+        state = ctx.extra.get(_STATE_KEY)
+        if state is not None and state.cache_at is None:
+            state.cache_at = time.monotonic()
+
+    @hookimpl(tryfirst=True)
+    def edgeproxy_route(self, ctx: RequestContext) -> None:
+        state = ctx.extra.get(_STATE_KEY)
+        if state is not None and state.route_at is None:
+            state.route_at = time.monotonic()
+
+    @hookimpl(trylast=True)
+    def edgeproxy_upstream_request(
+        self, ctx: RequestContext, region: Region, headers: list[tuple[str, str]]
+    ) -> None:
+        state: _RequestTrace | None = ctx.extra.get(_STATE_KEY)
+        if state is None or not state.root.is_recording():
+            return
+        from opentelemetry import trace
+
+        span = self.tracer.start_span(
+            "edgeproxy.upstream",
+            context=trace.set_span_in_context(state.root),
+            kind=trace.SpanKind.CLIENT,
+            attributes={
+                "edgeproxy.region": region.name,
+                "edgeproxy.attempt": len(state.attempts) + 1,
+                "server.address": region.authority,
+                "http.request.method": ctx.method,
+            },
+        )
+        state.attempts.append(_Attempt(span, region.name, time.monotonic()))
+        # The region's spans hang under this attempt, not under the whole request.
+        sc = span.get_span_context()
+        value = f"00-{sc.trace_id:032x}-{sc.span_id:016x}-{ctx.trace.flags}"
+        for i, (name, _) in enumerate(headers):
+            if name == "traceparent":
+                headers[i] = ("traceparent", value)
+                break
+        else:
+            headers.append(("traceparent", value))
+
+    @hookimpl(tryfirst=True)
+    def edgeproxy_upstream_response(
+        self, ctx: RequestContext, region: Region, reply: UpstreamReply
+    ) -> None:
+        state: _RequestTrace | None = ctx.extra.get(_STATE_KEY)
+        if state is None:
+            return
+        for attempt in reversed(state.attempts):
+            if attempt.region == region.name and not attempt.answered:
+                attempt.answered = True
+                attempt.span.set_attribute("http.response.status_code", reply.status)
+                attempt.span.add_event("response headers")
+                if reply.status >= 500:
+                    from opentelemetry.trace import Status, StatusCode
+
+                    attempt.span.set_status(Status(StatusCode.ERROR, f"HTTP {reply.status}"))
+                break
+
+    @hookimpl(tryfirst=True)
+    def edgeproxy_fallback(self, ctx: RequestContext, reason: str) -> None:
+        state = ctx.extra.get(_STATE_KEY)
+        if state is not None and state.fallback_at is None:
+            state.fallback_at = time.monotonic()
+            state.fallback_reason = reason
+
+    @hookimpl
+    def edgeproxy_response_complete(self, ctx: RequestContext) -> None:
+        state: _RequestTrace | None = ctx.extra.pop(_STATE_KEY, None)
+        if state is None:
+            # Answered before the received hook ran (a body that could not be read).
+            state = self._begin(ctx)
+            if state is None:
+                return
+        try:
+            self._finish(ctx, state)
+        except Exception:  # noqa: BLE001 - a tracing bug must not reach the client
+            logger.exception("making the spans of request %s failed", ctx.request_id)
+
+    # -- spans -------------------------------------------------------------------------
+
+    def _begin(self, ctx: RequestContext) -> _RequestTrace | None:
+        if self.tracer is None or _STATE_KEY in ctx.extra:
+            return None
+        from opentelemetry import trace
+        from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, TraceState
+
+        parent = None
+        # Embedded in an instrumented app, the app's server span is the parent;
+        # otherwise the caller's traceparent, when it sent one.
+        if not trace.get_current_span().get_span_context().is_valid and ctx.trace.parent_id:
+            incoming = SpanContext(
+                trace_id=int(ctx.trace.trace_id, 16),
+                span_id=int(ctx.trace.parent_id, 16),
+                is_remote=True,
+                trace_flags=TraceFlags(int(ctx.trace.flags, 16) & TraceFlags.SAMPLED),
+                trace_state=TraceState.from_header(ctx.headers.getall("tracestate", [])),
+            )
+            parent = trace.set_span_in_context(NonRecordingSpan(incoming))
+        offset_ns = time.time_ns() - time.monotonic_ns()
+        root = self.tracer.start_span(
+            "edgeproxy.request",
+            context=parent,
+            kind=trace.SpanKind.SERVER,
+            start_time=int(ctx.started * 1e9) + offset_ns,
+            attributes={
+                "http.request.method": ctx.method,
+                "url.path": ctx.path,
+                "http.route": ctx.route.name,
+                "edgeproxy.request_id": ctx.request_id,
+                "edgeproxy.pop": self.pop,
+            },
+        )
+        # From here on the request's trace is the span's: the region, the
+        # access log and the response agree with the exported trace.
+        sc = root.get_span_context()
+        # A no-op tracer ('global' with no provider set) hands back an invalid
+        # span, or the caller's own: keep the proxy's ids then.
+        caller = int(ctx.trace.parent_id, 16) if ctx.trace.parent_id else None
+        if sc.is_valid and sc.span_id != caller:
+            ctx.trace = TraceContext(
+                trace_id=f"{sc.trace_id:032x}",
+                span_id=f"{sc.span_id:016x}",
+                parent_id=ctx.trace.parent_id,
+                flags="01" if sc.trace_flags.sampled else "00",
+            )
+        state = _RequestTrace(root, offset_ns, time.monotonic())
+        ctx.extra[_STATE_KEY] = state
+        return state
+
+    def _finish(self, ctx: RequestContext, state: _RequestTrace) -> None:
+        from opentelemetry import trace
+        from opentelemetry.trace import Status, StatusCode
+
+        root = state.root
+        finished = ctx.finished_at if ctx.finished_at is not None else time.monotonic()
+        if not root.is_recording():
+            root.end(end_time=state.ns(finished))
+            return
+        parent = trace.set_span_in_context(root)
+        first_attempt = state.attempts[0].started if state.attempts else None
+
+        def child(name: str, start: float, end: float, **attributes: Any) -> Any:
+            span = self.tracer.start_span(
+                name,
+                context=parent,
+                start_time=state.ns(start),
+                attributes={k: v for k, v in attributes.items() if v is not None},
+            )
+            return span, state.ns(max(start, end))
+
+        def next_mark(after: float, *marks: float | None) -> float:
+            return min([m for m in marks if m is not None and m >= after] or [finished])
+
+        received = state.received_at
+        admission_end = next_mark(
+            received, state.cache_at, state.route_at, first_attempt, state.fallback_at
+        )
+        spans = [child("edgeproxy.admission", received, admission_end)]
+        if state.cache_at is not None:
+            end = next_mark(state.cache_at, state.route_at, first_attempt, state.fallback_at)
+            spans.append(
+                child("edgeproxy.cache", state.cache_at, end, **{"edgeproxy.cache": ctx.cache})
+            )
+        if state.route_at is not None:
+            end = next_mark(state.route_at, first_attempt, state.fallback_at)
+            spans.append(child("edgeproxy.routing", state.route_at, end))
+        if state.fallback_at is not None:
+            spans.append(
+                child(
+                    "edgeproxy.fallback",
+                    state.fallback_at,
+                    finished,
+                    **{
+                        "edgeproxy.reason": state.fallback_reason,
+                        "edgeproxy.degraded": ctx.degraded,
+                    },
+                )
+            )
+        for span, end_ns in spans:
+            span.end(end_time=end_ns)
+
+        for i, attempt in enumerate(state.attempts):
+            if attempt.answered:
+                end = finished
+            else:
+                later = state.attempts[i + 1].started if i + 1 < len(state.attempts) else None
+                end = next_mark(attempt.started, later, state.fallback_at)
+                attempt.span.set_status(Status(StatusCode.ERROR, "no response"))
+            attempt.span.end(end_time=state.ns(max(end, attempt.started)))
+
+        root.set_attribute("http.response.status_code", ctx.status)
+        root.set_attribute("edgeproxy.attempts", ctx.attempts)
+        for key, value in (
+            ("edgeproxy.region", ctx.region),
+            ("edgeproxy.cache", ctx.cache),
+            ("edgeproxy.degraded", ctx.degraded),
+        ):
+            if value is not None:
+                root.set_attribute(key, value)
+        if ctx.error:
+            root.set_attribute("edgeproxy.error", ctx.error[:_ERROR_LIMIT])
+        if ctx.status >= 500 or (ctx.status == 0 and ctx.error):
+            root.set_status(
+                Status(StatusCode.ERROR, (ctx.error or f"HTTP {ctx.status}")[:_ERROR_LIMIT])
+            )
+        root.end(end_time=state.ns(finished))
