@@ -231,6 +231,6 @@ class Residency:
             503,
             "no_region",
             f"no healthy region may serve {who} under the residency rules (allowed: {names})",
-            code="no_region",
+            code="residency",
             headers={"Retry-After": "5"},
         )

@@ -9,8 +9,10 @@ plugin hooks are called at the points :mod:`edgeproxy.hookspecs` documents.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,9 +20,12 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
-from ._cache import CacheStage
-from ._config import Config
+from ._admission import AdmissionStage, Admitted, Overloaded
+from ._cache import CacheRecorder, CacheStage
+from ._config import Config, RouteConfig
 from ._errors import ProxyError, error_response
+from ._failover import AttemptResponse, Failover
+from ._fallback import FallbackStage
 from ._headers import (
     CLIENT_CREDENTIAL_HEADERS,
     EDGEPROXY_PREFIX,
@@ -35,8 +40,8 @@ from ._headers import (
     trace_context,
 )
 from ._plugins import PluginError, Plugins
-from ._pool import Body, Headers, UpstreamError, UpstreamResponse, UpstreamTimeout
-from ._regions import Region, RegionSet
+from ._pool import Body, Headers, UpstreamError, UpstreamResponse
+from ._regions import Endpoint, Region, RegionSet
 from ._routing import Router
 from ._usage import UsageTracker
 
@@ -71,6 +76,7 @@ class RequestContext:
     headers: CIMultiDict[str]
     client_ip: str | None
     started: float
+    route: RouteConfig
     body: bytes | None = None
     body_read: bool = False
     tenant: str | None = None
@@ -79,6 +85,7 @@ class RequestContext:
     client_geo: tuple[float, float] | None = None
     region: str | None = None
     attempts: int = 0
+    hedged: bool = False
     status: int = 0
     bytes_out: int = 0
     upstream_ttfb: float | None = None
@@ -94,7 +101,9 @@ class RequestContext:
     _json: Any = _UNSET
 
     @classmethod
-    def from_request(cls, request: web.Request, *, strip_prefix: str = "") -> RequestContext:
+    def from_request(
+        cls, request: web.Request, config: Config, *, strip_prefix: str = ""
+    ) -> RequestContext:
         headers = request.headers
         target = request.raw_path
         if strip_prefix and target.startswith(strip_prefix):
@@ -109,6 +118,7 @@ class RequestContext:
             headers=CIMultiDict(headers),
             client_ip=request.remote,
             started=time.monotonic(),
+            route=config.route_for(request.method, target.split("?", 1)[0]),
         )
 
     @property
@@ -191,9 +201,13 @@ class UpstreamStage:
         return request.content.iter_any()
 
     async def send(
-        self, request: web.Request, ctx: RequestContext, region: Region
+        self, request: web.Request, ctx: RequestContext, region: Region, endpoint: Endpoint
     ) -> UpstreamResponse:
-        """Send to ``region``; connect failures answer 502 and timeouts 504."""
+        """One attempt: send to ``endpoint`` of ``region``; raises :class:`UpstreamError`.
+
+        The attempt loop around it (failover, hedging, accounting) is
+        :class:`~edgeproxy._failover.Failover`.
+        """
         headers = self.headers(request, ctx, region)
         if self.plugins.has("edgeproxy_upstream_request"):
             await self.plugins.call_all(
@@ -203,35 +217,15 @@ class UpstreamStage:
                 region=region,
                 headers=headers,
             )
-        authority = request.host if self.config.server.preserve_host else region.authority
-        ctx.region = region.name
-        ctx.attempts += 1
-        started = time.monotonic()
-        try:
-            upstream = await region.pool.request(
-                ctx.method,
-                region.base_path + ctx.target,
-                headers,
-                self.body(request, ctx),
-                authority=authority,
-            )
-        except UpstreamTimeout as exc:
-            region.errors_total += 1
-            raise ProxyError(
-                504,
-                "upstream_timeout",
-                f"region {region.name} timed out ({exc.phase})",
-                code="upstream_timeout",
-            ) from exc
-        except UpstreamError as exc:
-            region.errors_total += 1
-            if exc.retryable:
-                region.mark_down(str(exc))
-            raise ProxyError(
-                502, "upstream_error", f"region {region.name} failed: {exc}", code="bad_gateway"
-            ) from exc
-        ctx.upstream_ttfb = time.monotonic() - started
-        region.mark_up()
+        authority = request.host if self.config.server.preserve_host else endpoint.authority
+        upstream = await endpoint.pool.request(
+            ctx.method,
+            endpoint.base_path + ctx.target,
+            headers,
+            self.body(request, ctx),
+            authority=authority,
+        )
+        endpoint.mark_up()
         return upstream
 
 
@@ -249,12 +243,17 @@ class StreamStage:
         upstream: UpstreamResponse,
         *,
         close_connection: bool = False,
+        recorder: CacheRecorder | None = None,
     ) -> web.StreamResponse:
+        """Send the region's answer on; ``recorder`` (the cache's) sees the headers and each
+        chunk as it passes, and is told when the body ended cleanly."""
         reply = UpstreamReply(upstream.status, strip_hop_by_hop(upstream.headers))
         if self.plugins.has("edgeproxy_upstream_response"):
             await self.plugins.call_all(
                 "edgeproxy_upstream_response", request=request, ctx=ctx, region=region, reply=reply
             )
+        if recorder is not None:
+            recorder.start(reply, region.name)
         transform = self.plugins.has("edgeproxy_stream_chunk")
         resp = web.StreamResponse(status=reply.status)
         if close_connection:
@@ -267,6 +266,8 @@ class StreamStage:
             resp.headers.add(name, value)
         resp.headers["X-Edgeproxy-Region"] = region.name
         resp.headers["X-Request-Id"] = ctx.request_id
+        if ctx.cache:
+            resp.headers["X-Edgeproxy-Cache"] = ctx.cache
         # A transformed body has an unknown length: let aiohttp chunk it.
         if content_length is not None and reply.status not in _NO_BODY_STATUS and not transform:
             resp.content_length = content_length
@@ -274,9 +275,10 @@ class StreamStage:
         ctx.response_is_sse = content_type.startswith("text/event-stream")
         usage = UsageTracker.for_response(ctx.path, content_type, reply.status)
         ctx.status = reply.status
-        await resp.prepare(request)
-        ctx.first_byte_at = time.monotonic()
         try:
+            # Inside the try: the client may already be gone when headers go out.
+            await resp.prepare(request)
+            ctx.first_byte_at = time.monotonic()
             async for chunk in upstream.aiter_bytes():
                 if usage is not None:
                     usage.feed(chunk)
@@ -285,8 +287,15 @@ class StreamStage:
                         "edgeproxy_stream_chunk", "chunk", request=request, ctx=ctx, chunk=chunk
                     )
                 if chunk:
+                    if recorder is not None:
+                        recorder.feed(chunk)
                     await resp.write(chunk)
                     ctx.bytes_out += len(chunk)
+            if recorder is not None:
+                recorder.finish()
+            if usage is not None:
+                ctx.usage = usage.result()
+            await resp.write_eof()
         except UpstreamError as exc:
             ctx.error = f"upstream broke mid-body: {exc}"
             region.errors_total += 1
@@ -302,9 +311,6 @@ class StreamStage:
             logger.error("%s", exc, exc_info=exc.error)
             await self._abort(request, resp, exc)
             return resp
-        if usage is not None:
-            ctx.usage = usage.result()
-        await resp.write_eof()
         return resp
 
     async def _abort(self, request: web.Request, resp: web.StreamResponse, exc: Exception) -> None:
@@ -334,10 +340,13 @@ class Pipeline:
         self.config = config
         self.regions = regions
         self.plugins = plugins
-        self.router = Router(regions, config.pop)
-        self.cache = CacheStage(plugins)
+        self.router = Router(config, regions)
+        self.cache = CacheStage(config, plugins, fetch=self._refresh_upstream)
         self.upstream = UpstreamStage(config, plugins)
+        self.failover = Failover(config, regions, self.upstream)
         self.stream = StreamStage(plugins)
+        self.fallback = FallbackStage(config, plugins)
+        self.admission = AdmissionStage(config)
         self.in_flight = 0
         # While draining, responses close their connection so keep-alive
         # clients reconnect to a live instance.
@@ -346,11 +355,13 @@ class Pipeline:
         self._idle.set()
 
     async def handle(self, request: web.Request, *, strip_prefix: str = "") -> web.StreamResponse:
-        ctx = RequestContext.from_request(request, strip_prefix=strip_prefix)
+        ctx = RequestContext.from_request(request, self.config, strip_prefix=strip_prefix)
         self._enter()
-        upstream: UpstreamResponse | None = None
+        upstream: AttemptResponse | None = None
         region: Region | None = None
         response: web.StreamResponse | None = None
+        recorder: CacheRecorder | None = None
+        admitted: Admitted | None = None
         try:
             await self._read_body(request, ctx)
             # received: plugins may rewrite the request through ctx, or answer it.
@@ -361,33 +372,37 @@ class Pipeline:
                 if answer is not None:
                     response = self._local_answer(ctx, answer)
                     return response
-            # cache: the key of a cacheable request (per tenant, prompt-free).
-            ctx.cache_key = await self.cache.key(request, ctx)
-            # route: the regions this request may use, best first.
-            candidates = self.router.candidates()
-            if self.plugins.has("edgeproxy_route"):
-                chosen = await self.plugins.call_first(
-                    "edgeproxy_route", request=request, ctx=ctx, candidates=candidates
-                )
-                if chosen is not None:
-                    candidates = list(chosen)
-            if not candidates:
-                raise ProxyError(
-                    503, "no_region", "no region may serve this request", code="no_region"
-                )
-            region = candidates[0]
-            region.in_flight += 1
-            region.requests_total += 1
-            # upstream: response headers from the region, body still streaming.
+                # A plugin may have rewritten the path: match the route again.
+                ctx.route = self.config.route_for(ctx.method, ctx.path)
+            # admission: body validation, rate limits, then a slot (may queue, or shed).
             try:
-                upstream = await self.upstream.send(request, ctx, region)
+                admitted = await self.admission.admit(request, ctx)
+            except Overloaded as err:
+                if ctx.route.on_overload != "degrade":
+                    raise
+                response = await self._fallback(request, ctx, err)
+                return response
+            # cache: a stored answer, or that of an identical request in flight; else a
+            # cacheable request leads, and `recorder` stores what the stream stage relays.
+            answer, recorder = await self.cache.lookup(request, ctx)
+            if answer is not None:
+                response = answer
+                return response
+            # route + upstream: the first byte from the best region, failing over (or
+            # hedging) until then; residency violations are refused, never degraded.
+            try:
+                candidates = await self._candidates(request, ctx)
+                upstream = await self.failover.send(request, ctx, candidates)
             except ProxyError as err:
+                if err.code == "residency":
+                    raise
                 # fallback: the regions cannot answer; a plugin may give the answer.
                 response = await self._fallback(request, ctx, err)
                 return response
+            region = upstream.region
             # stream: relay chunk by chunk to the client.
             response = await self.stream.relay(
-                request, ctx, region, upstream, close_connection=self.draining
+                request, ctx, region, upstream, close_connection=self.draining, recorder=recorder
             )
             return response
         except ProxyError as err:
@@ -401,11 +416,15 @@ class Pipeline:
             )
             return response
         finally:
+            if recorder is not None:
+                # An answer that did not complete is not stored; its followers wake up.
+                recorder.release()
             if upstream is not None:
-                # Also on cancellation (client gone): resets the upstream stream now.
+                # Also on cancellation (client gone): resets the upstream stream now,
+                # and frees the region's in-flight slot.
                 await upstream.aclose()
-            if region is not None:
-                region.in_flight -= 1
+            if admitted is not None:
+                admitted.release(ctx)
             ctx.finished_at = time.monotonic()
             if response is not None and not ctx.status:
                 ctx.status = response.status
@@ -414,6 +433,31 @@ class Pipeline:
                     "edgeproxy_response_complete", request=request, ctx=ctx
                 )
             self._exit()
+
+    @contextlib.asynccontextmanager
+    async def _refresh_upstream(
+        self, request: web.Request, ctx: RequestContext
+    ) -> AsyncIterator[AttemptResponse]:
+        """The region's answer for a background cache refresh (stale-while-revalidate, early
+        refresh): routed and sent as :meth:`handle` does, with no client to relay to."""
+        upstream = await self.failover.send(request, ctx, await self._candidates(request, ctx))
+        try:
+            yield upstream
+        finally:
+            await upstream.aclose()
+
+    async def _candidates(self, request: web.Request, ctx: RequestContext) -> list[Region]:
+        """The regions this request may use, best first; the edgeproxy_route hook may override."""
+        candidates = self.router.candidates(ctx)
+        if self.plugins.has("edgeproxy_route"):
+            chosen = await self.plugins.call_first(
+                "edgeproxy_route", request=request, ctx=ctx, candidates=candidates
+            )
+            if chosen is not None:
+                candidates = list(chosen)
+        if not candidates:
+            raise ProxyError(503, "no_region", "no region may serve this request", code="no_region")
+        return candidates
 
     async def _read_body(self, request: web.Request, ctx: RequestContext) -> None:
         """Buffer small and JSON bodies; leave anything else to stream upstream."""
@@ -431,18 +475,30 @@ class Pipeline:
     async def _fallback(
         self, request: web.Request, ctx: RequestContext, err: ProxyError
     ) -> web.StreamResponse:
-        """Every attempt failed before the first byte: a degraded answer, or the error."""
-        answer: web.StreamResponse | None = None
-        if self.plugins.has("edgeproxy_fallback"):
-            verdict = await self.plugins.call_first(
-                "edgeproxy_fallback", request=request, ctx=ctx, reason=err.type, answer=answer
-            )
-            if isinstance(verdict, web.StreamResponse):
-                answer = verdict
-        if answer is None:
-            return self._error_response(ctx, err)
-        ctx.degraded = ctx.degraded or "plugin"
-        return self._local_answer(ctx, answer)
+        """No region answered before the first byte: the degradation ladder, else the error."""
+        # The cache's stale-if-error answer (rung 3), when it has one.
+        stale = await self.cache.serve_stale(request, ctx)
+
+        async def relay(upstream: AttemptResponse) -> web.StreamResponse:
+            # An attempt that beat the local model after the deadline (deadline_action = "race").
+            try:
+                ctx.region = upstream.region.name
+                return await self.stream.relay(
+                    request, ctx, upstream.region, upstream, close_connection=self.draining
+                )
+            finally:
+                await upstream.aclose()
+
+        # Rungs 3 and 4 as the route orders them, the edgeproxy_fallback hook, then the error.
+        return await self.fallback.respond(
+            request,
+            ctx,
+            err,
+            stale=stale,
+            finish=self._local_answer,
+            fail=self._error_response,
+            relay=relay,
+        )
 
     def _local_answer(self, ctx: RequestContext, answer: web.StreamResponse) -> web.StreamResponse:
         """A response the proxy (or a plugin) gives itself, with the proxy's headers."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
@@ -12,10 +13,15 @@ import orjson
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
+from ._cache import purge_response
 from ._config import Config
+from ._limits import ConnectionGuard, GuardedSite, limits_middleware
+from ._metrics import Metrics
 from ._pipeline import JSON_BODY_LIMIT, Pipeline
 from ._plugins import Plugins
 from ._regions import RegionSet
+from ._statuspage import StatusPage
+from ._tracing import Tracing
 
 __all__ = ["EdgeProxy", "PROXY_KEY"]
 
@@ -45,6 +51,7 @@ class EdgeProxy:
                 name = f"{name}-{id(plugin):x}"
             self.plugins.register(plugin, name=name)
         self.plugins.load_configured(config.plugins, base_dir=config.base_dir)
+        self._register_observability()
         self.started_at = time.time()
         self._regions: RegionSet | None = None
         self._pipeline: Pipeline | None = None
@@ -53,11 +60,40 @@ class EdgeProxy:
         self._admin_runner: web.AppRunner | None = None
         self.draining = False
         # Bodies are streamed or buffered by the pipeline itself, up to its own limit.
-        self.app = web.Application(client_max_size=JSON_BODY_LIMIT + 1)
+        # Input limits: connection guards on the own listener; the request-head
+        # checks run before any stage or plugin sees the request.
+        self.guard = ConnectionGuard(config.limits)
+        self.app = web.Application(
+            client_max_size=JSON_BODY_LIMIT + 1, middlewares=[limits_middleware(config.limits)]
+        )
         self.app[PROXY_KEY] = self
         self.app.cleanup_ctx.append(self._lifespan)
         self.app.router.add_route("*", "/{tail:.*}", self._handle)
         self.admin_app = _admin_app(self)
+
+    def _register_observability(self) -> None:
+        """Built-in metrics, tracing and access log: plugins on the same hooks as any other.
+
+        Their resources (tracer provider, log file, multiprocess sync) open
+        and close in the lifespan, through ``edgeproxy_startup``/``_shutdown``.
+        """
+        config = self.config
+        self.metrics: Metrics | None = None
+        if config.metrics.enabled:
+            self.metrics = Metrics(config, self.status)
+            self.plugins.register(self.metrics, name="edgeproxy.metrics")
+        self.tracing = Tracing.from_config(config.tracing, pop=config.pop.name)
+        if self.tracing is not None:
+            self.plugins.register(self.tracing, name="edgeproxy.tracing")
+        # A fault in metrics or tracing is logged and skipped: it never fails a request.
+        self.plugins.fail_open |= {"edgeproxy.metrics", "edgeproxy.tracing"}
+        if config.access_log.enabled:
+            if self.plugins.pm.has_plugin("access_log"):
+                logger.warning("[access_log] is on and the access_log plugin is loaded: one log")
+            else:
+                # Imported here: the plugin package imports edgeproxy itself.
+                access_log = importlib.import_module("edgeproxy.plugins.access_log")
+                self.plugins.register(access_log.from_config(config.access_log), name="access_log")
 
     # -- resources -------------------------------------------------------
 
@@ -92,6 +128,12 @@ class EdgeProxy:
         regions = RegionSet(self.config)
         self._regions = regions
         self._pipeline = Pipeline(self.config, regions, self.plugins)
+        # The local model loads in a worker thread while the pools warm; never waited for.
+        self._pipeline.fallback.open()
+        # Rate-limit buckets: Redis when configured (its absence only means local limits).
+        await self._pipeline.admission.open()
+        # The cache's backend: a Redis that does not answer is a warning (it fails open).
+        await self._pipeline.cache.open()
         await regions.open()
         for region in regions:
             if not region.up:
@@ -105,6 +147,9 @@ class EdgeProxy:
         except BaseException:
             # Plugins that did start get their shutdown hook.
             await self.plugins.call_all_logged("edgeproxy_shutdown", proxy=self)
+            await self._pipeline.fallback.close()
+            await self._pipeline.admission.close()
+            await self._pipeline.cache.close()
             await regions.close()
             self._regions = None
             self._pipeline = None
@@ -116,7 +161,15 @@ class EdgeProxy:
         if self._users > 0 or self._regions is None:
             return
         await self.plugins.call_all_logged("edgeproxy_shutdown", proxy=self)
+        if self._pipeline is not None:
+            await self._pipeline.fallback.close()
+            await self._pipeline.admission.close()
+            # Before the pools: background cache refreshes use them.
+            await self._pipeline.cache.close()
+        # Stops the health checks too; then the router lets go of its geo database.
         await self._regions.close()
+        if self._pipeline is not None:
+            self._pipeline.router.close()
         self._regions = None
         self._pipeline = None
 
@@ -166,7 +219,18 @@ class EdgeProxy:
 
     @property
     def ready(self) -> bool:
-        return self._regions is not None and self._regions.ready and not self.draining
+        return (
+            self._regions is not None
+            and self._regions.ready
+            and not self.draining
+            and self._local_model_ready()
+        )
+
+    def _local_model_ready(self) -> bool:
+        """False only while ``local_model.ready_requires_model`` waits for the model."""
+        if not self.config.local_model.ready_requires_model or self._pipeline is None:
+            return True
+        return self._pipeline.fallback.local.ready
 
     async def start(self) -> None:
         """Listen on ``[server]`` and, when enabled, ``[admin]``; returns once both listen."""
@@ -178,7 +242,9 @@ class EdgeProxy:
             shutdown_timeout=1.0,
         )
         await self._runner.setup()
-        site = web.TCPSite(self._runner, server.host, server.port, backlog=server.backlog)
+        site = GuardedSite(
+            self._runner, server.host, server.port, guard=self.guard, backlog=server.backlog
+        )
         await site.start()
         if self.config.admin.enabled:
             self._admin_runner = web.AppRunner(self.admin_app, access_log=None)
@@ -234,6 +300,13 @@ class EdgeProxy:
             "uptime_s": round(time.time() - self.started_at, 3),
             "in_flight": self._pipeline.in_flight if self._pipeline is not None else 0,
             "regions": regions,
+            "recent": self.metrics.recent() if self.metrics is not None else None,
+            "fallback": self._pipeline.fallback.snapshot() if self._pipeline is not None else None,
+            "admission": (
+                self._pipeline.admission.snapshot() if self._pipeline is not None else None
+            ),
+            "limits": self.guard.snapshot(),
+            "cache": self._pipeline.cache.status() if self._pipeline is not None else None,
         }
 
 
@@ -253,14 +326,31 @@ def _json(data: Any, status: int = 200) -> web.Response:
     return web.Response(status=status, body=orjson.dumps(data), content_type="application/json")
 
 
+def _local_model_readiness(proxy: EdgeProxy) -> dict[str, Any] | None:
+    """The local model's state for /readyz; None when no model is configured."""
+    if proxy._pipeline is None or not proxy._pipeline.fallback.local.enabled:
+        return None
+    local = proxy._pipeline.fallback.local
+    return {"state": local.state, "error": local.error, "model": local.model_name}
+
+
 def _admin_app(proxy: EdgeProxy) -> web.Application:
     async def healthz(request: web.Request) -> web.Response:
         return _json({"status": "ok"})
 
     async def readyz(request: web.Request) -> web.Response:
+        model = _local_model_readiness(proxy)
         if proxy.ready:
-            return _json({"status": "ready"})
+            ready: dict[str, Any] = {"status": "ready"}
+            if model is not None:
+                ready["local_model"] = model
+                if model["state"] in ("failed", "unavailable"):
+                    ready["warnings"] = [f"local model {model['state']}: {model['error']}"]
+            return _json(ready)
         reasons = []
+        if model is not None and not proxy._local_model_ready():
+            error = f": {model['error']}" if model["error"] else ""
+            reasons.append(f"local model {model['state']}{error}")
         if proxy.draining:
             reasons.append("draining")
         if proxy._regions is None:
@@ -273,7 +363,10 @@ def _admin_app(proxy: EdgeProxy) -> web.Application:
                     reasons.append(f"region {region.name} unreachable: {region.last_error}")
             if not any(r.up for r in proxy._regions):
                 reasons.append("no region is reachable")
-        return _json({"status": "not ready", "reasons": reasons}, status=503)
+        body: dict[str, Any] = {"status": "not ready", "reasons": reasons}
+        if model is not None:
+            body["local_model"] = model
+        return _json(body, status=503)
 
     async def status(request: web.Request) -> web.Response:
         return _json(proxy.status())
@@ -283,6 +376,14 @@ def _admin_app(proxy: EdgeProxy) -> web.Application:
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/status", status)
+
+    async def cache_purge(request: web.Request) -> web.Response:
+        return await purge_response(proxy._pipeline.cache if proxy._pipeline else None, request)
+
+    app.router.add_post("/cache/purge", cache_purge)
+    app.router.add_get("/", StatusPage().handle)
+    if proxy.metrics is not None:
+        app.router.add_get("/metrics", proxy.metrics.handle)
     return app
 
 

@@ -150,3 +150,55 @@ def test_every_key_is_documented_in_the_readme() -> None:
         assert description, f"{key} has no description"
         assert f"`{key}`" in readme, f"{key} is missing from the README's config table"
     assert config_docs_markdown().startswith("| key |")
+
+
+def _with_routes(routes: list[dict[str, object]]) -> dict[str, object]:
+    return {"regions": [{"name": "r1", "url": "http://127.0.0.1:1"}], "routes": routes}
+
+
+def test_routes_longest_prefix_on_segment_boundaries() -> None:
+    config = config_from_mapping(
+        _with_routes(
+            [
+                {"name": "v1", "path": "/v1"},
+                {"name": "chat", "path": "/v1/chat/completions", "methods": ["post"]},
+            ]
+        ),
+        environ={},
+    )
+    assert config.route_for("POST", "/v1/chat/completions").name == "chat"
+    assert config.route_for("GET", "/v1/chat/completions").name == "v1"
+    assert config.route_for("GET", "/v1/models").name == "v1"
+    assert config.route_for("GET", "/v10/models").name == "default"
+    assert config.route_for("GET", "/").name == "default"
+
+
+def test_route_errors_name_the_key() -> None:
+    with pytest.raises(ConfigError) as info:
+        config_from_mapping(
+            _with_routes([{"name": "a", "path": "v1"}, {"name": "b", "path": "/x", "extra": 1}]),
+            environ={},
+        )
+    assert "routes[0].path: must start with '/'" in info.value.errors
+    assert "routes[1].extra: unknown key" in info.value.errors
+    with pytest.raises(ConfigError, match="duplicate route name 'a'"):
+        config_from_mapping(
+            _with_routes([{"name": "a", "path": "/x"}, {"name": "a", "path": "/y"}]), environ={}
+        )
+
+
+def test_region_url_with_credentials_is_refused_without_echoing_them() -> None:
+    with pytest.raises(ConfigError) as info:
+        config_from_mapping(
+            {
+                "regions": [
+                    {"name": "a", "url": "http://user:s3cret@127.0.0.1:1"},
+                    {"name": "b", "url": "http://127.0.0.1:2", "urls": ["http://u:p4ss@h:3"]},
+                ]
+            },
+            environ={},
+        )
+    text = str(info.value)
+    assert "regions[0].url: must not contain credentials" in text
+    assert "regions[1].urls: entry 0 must not contain credentials" in text
+    assert "s3cret" not in text and "p4ss" not in text

@@ -281,7 +281,7 @@ async def test_residency_holds_and_an_empty_allowed_set_is_a_503(
             assert r.status == 503
             assert r.headers["X-Edgeproxy-Region"] == "none"
             error = (await r.json())["error"]
-        assert error["code"] == "no_region" and error["type"] == "no_region"
+        assert error["code"] == "residency" and error["type"] == "no_region"
         assert "FR" in error["message"] and "eu" in error["message"]
         assert await region_for({"CF-IPCountry": "US"}) == "us"
     assert us.requests_by_path.get(CHAT) == 12
@@ -326,7 +326,7 @@ def errors_of(regions: list[dict[str, Any]], **sections: Any) -> list[str]:
         ({"weight": -2}, "regions[0].weight: must be a positive finite number"),
         ({"weight": float("inf")}, "regions[0].weight: must be a positive finite number"),
         ({"priority": -1}, "regions[0].priority: Input should be greater than or equal to 0"),
-        ({"urls": ["ftp://x"]}, "regions[0].urls: 'ftp://x' must be an http:// or https:// URL"),
+        ({"urls": ["ftp://x"]}, "regions[0].urls: entry 0 must be an http:// or https:// URL"),
     ],
 )
 def test_bad_region_fields_are_config_errors(region: dict[str, Any], expected: str) -> None:
