@@ -1294,7 +1294,11 @@ class Config(_Section):
         for route in self.routes:
             if route.matches(method, path) and (best is None or len(route.path) > len(best.path)):
                 best = route
-        return best if best is not None else self._default_route
+        if best is not None:
+            return best
+        # A plain attribute read: pydantic's private attributes go through
+        # __getattr__, which is slow on a per-request path.
+        return self.__pydantic_private__["_default_route"]  # type: ignore[no-any-return,index]
 
     def region(self, name: str) -> RegionConfig:
         """The region called ``name``; ``KeyError`` if there is none."""

@@ -57,6 +57,7 @@ SMALL_BODY = 64 * 1024
 JSON_BODY_LIMIT = 4 * 1024 * 1024
 
 _NO_BODY_STATUS = frozenset({204, 304})
+_NO_TOKENS: frozenset[str] = frozenset()
 _UNSET: Any = object()
 
 
@@ -168,7 +169,8 @@ class UpstreamStage:
 
     def headers(self, request: web.Request, ctx: RequestContext, region: Region) -> Headers:
         """The client's end-to-end headers plus forwarding, tracing and region credentials."""
-        named = connection_tokens(ctx.headers.getall("connection", []))
+        connection = ctx.headers.getall("connection", None)
+        named = connection_tokens(connection) if connection else _NO_TOKENS
         out: Headers = []
         for name, value in ctx.headers.items():
             lname = name.lower()
