@@ -1316,7 +1316,11 @@ def _format_errors(exc: ValidationError) -> list[str]:
             if isinstance(part, int):
                 loc += f"[{part}]"
             else:
-                loc += f".{part}" if loc else str(part)
+                # A key that is empty or not a bare TOML key is shown quoted, as TOML writes it.
+                name = str(part)
+                if not name or not name.replace("_", "").replace("-", "").isalnum():
+                    name = '"' + name.replace("\\", "\\\\").replace('"', '\\"') + '"'
+                loc += f".{name}" if loc else name
         msg = err["msg"]
         if msg.startswith("Value error, "):
             msg = msg[len("Value error, ") :]

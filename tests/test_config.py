@@ -202,3 +202,13 @@ def test_region_url_with_credentials_is_refused_without_echoing_them() -> None:
     assert "regions[0].url: must not contain credentials" in text
     assert "regions[1].urls: entry 0 must not contain credentials" in text
     assert "s3cret" not in text and "p4ss" not in text
+
+
+def test_empty_or_odd_unknown_keys_are_named_quoted() -> None:
+    with pytest.raises(ConfigError) as info:
+        config_from_mapping(
+            {"": 1, "a b": 2, "regions": [{"name": "a", "url": "http://127.0.0.1:1"}]},
+            environ={},
+        )
+    assert '"": unknown key' in info.value.errors
+    assert '"a b": unknown key' in info.value.errors
