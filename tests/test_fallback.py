@@ -130,6 +130,24 @@ async def test_deadline_on_a_stalled_region_cancels_it_and_falls_back(
     await eventually(lambda: region.cancelled_total == 1 and region.in_flight == 0)
 
 
+async def test_deadline_race_in_the_running_proxy_local_model_wins(
+    make_region: RegionFactory, proxy_with: ProxyMaker
+) -> None:
+    # deadline_action = "race": the stalled attempt is kept past the deadline and raced
+    # against the local model; the model answers first and the attempt is cancelled.
+    region = await make_region("ap-1", fault="stall")
+    routes = [
+        {"name": "chat", "path": CHAT, "deadline": 0.3, "retries": 0, "deadline_action": "race"}
+    ]
+    proxy = await proxy_with([{"name": "ap-1", "url": region.url}], routes=routes)
+    status, headers, body = await post(proxy, HELLO)
+    assert status == 200
+    assert headers["X-Edgeproxy-Degraded"] == "local-model"
+    assert orjson.loads(body)["usage"]["completion_tokens"] == 4
+    await eventually(lambda: region.cancelled_total == 1 and region.in_flight == 0)
+    await eventually(lambda: proxy.regions.by_name["ap-1"].in_flight == 0)
+
+
 async def test_stale_cache_is_preferred_over_the_model(
     make_region: RegionFactory, proxy_with: ProxyMaker
 ) -> None:
