@@ -160,8 +160,14 @@ def edgeproxy_fallback(
 ) -> Awaitable[web.StreamResponse | bool | None] | web.StreamResponse | bool | None:
     """The regions cannot answer (``reason``) and a degraded ``answer`` is about to be used.
 
+    ``reason`` is the error's type (``upstream_error``, ``upstream_timeout``,
+    ``overloaded``, ``no_region``). ``answer`` is the stale-cache response, or the
+    local model's answer before it is generated (its headers can be read; it
+    holds a generation slot), or ``None`` when no rung could answer.
+
     Return ``False`` to veto the degraded answer (the client gets the error
-    instead), a response to replace it, or ``None`` to let it through.
+    instead; a held slot goes back unused), a response to replace it (or to
+    answer when ``answer`` is ``None``), or ``None`` to let it through.
 
     *First result wins*.
     """
