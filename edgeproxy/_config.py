@@ -99,6 +99,13 @@ class ServerConfig(_Section):
         description="Pseudonym used in the Via header; empty means the PoP name.",
     )
     backlog: int = Field(1024, ge=1, description="Listen backlog of the server socket.")
+    reuse_port: bool = Field(
+        False,
+        description=(
+            "Bind with SO_REUSEPORT, so that several edgeproxy processes (one per core) share "
+            "the port and the kernel spreads connections; give each its own admin port."
+        ),
+    )
 
 
 class AdminConfig(_Section):

@@ -659,7 +659,7 @@ class EdgeRequestHandler(web.RequestHandler):
 class GuardedSite(web.BaseSite):
     """A TCP site serving :class:`EdgeRequestHandler` connections under one guard."""
 
-    __slots__ = ("_host", "_port", "_guard")
+    __slots__ = ("_host", "_port", "_guard", "_reuse_port")
 
     def __init__(
         self,
@@ -670,11 +670,13 @@ class GuardedSite(web.BaseSite):
         guard: ConnectionGuard,
         backlog: int = 128,
         shutdown_timeout: float = 60.0,
+        reuse_port: bool = False,
     ) -> None:
         super().__init__(runner, backlog=backlog, shutdown_timeout=shutdown_timeout)
         self._host = host
         self._port = port
         self._guard = guard
+        self._reuse_port = reuse_port
 
     @property
     def name(self) -> str:
@@ -694,5 +696,10 @@ class GuardedSite(web.BaseSite):
             return EdgeRequestHandler(server, loop=loop, guard=guard, **kwargs)
 
         self._server = await loop.create_server(
-            factory, self._host, self._port, backlog=self._backlog, reuse_address=True
+            factory,
+            self._host,
+            self._port,
+            backlog=self._backlog,
+            reuse_address=True,
+            reuse_port=self._reuse_port or None,
         )

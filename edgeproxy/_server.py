@@ -243,7 +243,12 @@ class EdgeProxy:
         )
         await self._runner.setup()
         site = GuardedSite(
-            self._runner, server.host, server.port, guard=self.guard, backlog=server.backlog
+            self._runner,
+            server.host,
+            server.port,
+            guard=self.guard,
+            backlog=server.backlog,
+            reuse_port=server.reuse_port,
         )
         await site.start()
         if self.config.admin.enabled:

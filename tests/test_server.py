@@ -10,7 +10,10 @@ import aiohttp
 import orjson
 import pytest
 
-from .conftest import ProxyFactory, RegionFactory, eventually
+from edgeproxy import EdgeProxy
+from edgeproxy._config import config_from_mapping
+
+from .conftest import ProxyFactory, RegionFactory, eventually, proxy_config
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
@@ -443,3 +446,29 @@ async def test_tls_region_with_untrusted_certificate_is_502(
             async with client.post(proxy.url + CHAT, json=BODY) as resp:
                 assert resp.status == 502
                 assert "tls-1" in (await resp.json())["error"]["message"]
+
+
+async def test_two_proxies_share_a_port_with_reuse_port(make_region: RegionFactory) -> None:
+    region = await make_region("r1")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    proxies = []
+    try:
+        for _ in range(2):
+            data = proxy_config([{"name": "r1", "url": region.url}])
+            data["server"].update({"port": port, "reuse_port": True})
+            proxy = EdgeProxy(config_from_mapping(data, environ={}))
+            await proxy.start()
+            proxies.append(proxy)
+        assert proxies[0].url == proxies[1].url == f"http://127.0.0.1:{port}"
+        async with aiohttp.ClientSession() as client:
+            for _ in range(4):
+                # A new connection each time: the kernel picks a listener.
+                async with client.get(
+                    f"http://127.0.0.1:{port}/v1/models", headers={"Connection": "close"}
+                ) as resp:
+                    assert resp.status == 200
+    finally:
+        for proxy in proxies:
+            await proxy.stop(grace=1.0)
