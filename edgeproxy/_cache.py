@@ -38,7 +38,6 @@ from typing import TYPE_CHECKING, Any, Final
 
 import orjson
 from aiohttp import web
-from multidict import CIMultiDict
 
 from ._cache_backends import CacheBackend, make_backend
 from ._cache_entry import Entry, ReplayResponse, replay_parts, response_headers, stream_complete
@@ -81,6 +80,10 @@ def _short_hash(material: str) -> str:
     return hashlib.blake2b(material.encode(), digest_size=8, person=b"edgeproxy").hexdigest()
 
 
+# The credential headers in the order cache_scope tries them (sorted once, here).
+_CREDENTIAL_ORDER = tuple(sorted(CLIENT_CREDENTIAL_HEADERS))
+
+
 def cache_scope(ctx: RequestContext) -> str:
     """Who may share an entry: the tenant, else the credential the client sent, else anyone.
 
@@ -89,7 +92,7 @@ def cache_scope(ctx: RequestContext) -> str:
     """
     if ctx.tenant:
         return "t" + _short_hash("tenant:" + ctx.tenant)
-    for name in sorted(CLIENT_CREDENTIAL_HEADERS):
+    for name in _CREDENTIAL_ORDER:
         value = ctx.headers.get(name)
         if value:
             return "k" + _short_hash(f"credential:{name}:{value}")
@@ -475,10 +478,12 @@ class CacheStage:
         return _plan_for_ctx(ctx, key, coalesce=self.config.coalesce)
 
     async def _key(self, request: web.Request, ctx: RequestContext) -> tuple[str | None, str]:
-        scope = cache_scope(ctx)
-        digest, reason = self._digest(ctx, scope)
-        if digest is None:
+        reason = self._bypass_reason(ctx)
+        if reason:
             return None, reason
+        # Only now: the scope hashes the tenant or credential, wasted on a bypass.
+        scope = cache_scope(ctx)
+        digest = self._digest(ctx, scope)
         if self.plugins.has("edgeproxy_cache_key"):
             custom = await self.plugins.call_first(
                 "edgeproxy_cache_key", request=request, ctx=ctx, default_key=digest
@@ -488,27 +493,32 @@ class CacheStage:
         # The scope stays in front whatever the hook says: entries never cross tenants.
         return f"{scope}:{digest}", ""
 
-    def _digest(self, ctx: RequestContext, scope: str) -> tuple[str | None, str]:
+    def _bypass_reason(self, ctx: RequestContext) -> str:
+        """Why the cache leaves ``ctx`` alone (a ``bypass`` counter name); "" when cacheable."""
         mode = ctx.route.cache
         if mode == "off":
-            return None, "route_off"
+            return "route_off"
         if "no-store" in ctx.headers.get("cache-control", "").lower():
-            return None, "no_store"
+            return "no_store"
         if ctx.method == "GET":
-            if ctx.body:
-                return None, "get_with_body"
-            return _get_digest(ctx, scope), ""
+            return "get_with_body" if ctx.body else ""
         if ctx.method != "POST":
-            return None, "method"
+            return "method"
         path = ctx.path
         if path not in CACHEABLE_PATHS and mode != "always":
-            return None, "path"
+            return "path"
         body = ctx.json
         if not isinstance(body, dict):
-            return None, "not_json"
+            return "not_json"
         if mode != "always" and not _deterministic(path, body):
-            return None, "not_deterministic"
-        return _post_digest(ctx, body, scope, path), ""
+            return "not_deterministic"
+        return ""
+
+    def _digest(self, ctx: RequestContext, scope: str) -> str:
+        """The key digest of a request :meth:`_bypass_reason` let through."""
+        if ctx.method == "GET":
+            return _get_digest(ctx, scope)
+        return _post_digest(ctx, ctx.json, scope, ctx.path)
 
     def storable(
         self, plan: CachePlan, status: int, headers: list[tuple[str, str]]
@@ -601,13 +611,17 @@ class CacheStage:
         parts, sse = converted
         now = time.time() if now is None else now
         # Stored headers never carry these names (Entry.build drops them): append, not set.
-        headers = CIMultiDict(response_headers(entry, sse=sse))
-        headers.add("Age", str(entry.age(now)))
-        headers.add("X-Edgeproxy-Cache", outcome)
-        headers.add("X-Edgeproxy-Cache-Key", plan.key)
+        # A plain list (response_headers returns a fresh one): the response copies its
+        # headers into a CIMultiDict of its own anyway, so one is built, not two.
+        headers = response_headers(entry, sse=sse)
         region = entry.region if outcome == "COALESCED" and entry.region else "none"
-        headers.add("X-Edgeproxy-Region", region)
-        headers.add("X-Request-Id", ctx.request_id)
+        headers += (
+            ("Age", str(entry.age(now))),
+            ("X-Edgeproxy-Cache", outcome),
+            ("X-Edgeproxy-Cache-Key", plan.key),
+            ("X-Edgeproxy-Region", region),
+            ("X-Request-Id", ctx.request_id),
+        )
         resp: web.StreamResponse
         if sse:
             resp = ReplayResponse(status=entry.status, parts=parts)

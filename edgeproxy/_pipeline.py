@@ -58,6 +58,9 @@ JSON_BODY_LIMIT = 4 * 1024 * 1024
 
 _NO_BODY_STATUS = frozenset({204, 304})
 _NO_TOKENS: frozenset[str] = frozenset()
+# Response headers the stream stage sets itself (lower-cased), replacing a region's.
+_OWN = frozenset({"x-edgeproxy-region", "x-request-id"})
+_OWN_WITH_CACHE = _OWN | {"x-edgeproxy-cache"}
 _UNSET: Any = object()
 
 
@@ -257,19 +260,24 @@ class StreamStage:
         if recorder is not None:
             recorder.start(reply, region.name)
         transform = self.plugins.has("edgeproxy_stream_chunk")
-        resp = web.StreamResponse(status=reply.status)
-        if close_connection:
-            resp.force_close()
+        # The headers go into one list that becomes the response's CIMultiDict in a
+        # single step; the proxy's own names replace any the region sent.
+        own = _OWN_WITH_CACHE if ctx.cache else _OWN
+        headers: Headers = []
         content_length: int | None = None
         for name, value in reply.headers:
-            if name.lower() == "content-length":
+            lname = name.lower()
+            if lname == "content-length":
                 content_length = int(value) if value.isdigit() else None
-                continue
-            resp.headers.add(name, value)
-        resp.headers["X-Edgeproxy-Region"] = region.name
-        resp.headers["X-Request-Id"] = ctx.request_id
+            elif lname not in own:
+                headers.append((name, value))
+        headers.append(("X-Edgeproxy-Region", region.name))
+        headers.append(("X-Request-Id", ctx.request_id))
         if ctx.cache:
-            resp.headers["X-Edgeproxy-Cache"] = ctx.cache
+            headers.append(("X-Edgeproxy-Cache", ctx.cache))
+        resp = web.StreamResponse(status=reply.status, headers=headers)
+        if close_connection:
+            resp.force_close()
         # A transformed body has an unknown length: let aiohttp chunk it.
         if content_length is not None and reply.status not in _NO_BODY_STATUS and not transform:
             resp.content_length = content_length

@@ -171,7 +171,9 @@ class Plugins:
         return cached
 
     def has(self, hook: str) -> bool:
-        return bool(self.impls(hook))
+        # Asked several times per request: the cached list without a call to impls().
+        cached = self._cache.get(hook)
+        return bool(cached if cached is not None else self.impls(hook))
 
     # The call_* methods inline the per-implementation call instead of sharing
     # a helper coroutine: with several plugins on every hook, one coroutine per

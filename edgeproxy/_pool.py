@@ -135,7 +135,7 @@ class AiohttpResponse:
         self._resp = resp
         self._pool = pool
         self.status = resp.status
-        self.headers: Headers = [(k, v) for k, v in resp.headers.items()]
+        self.headers: Headers = list(resp.headers.items())
         self.http_version = f"{resp.version.major}.{resp.version.minor}" if resp.version else "1.1"
 
     async def aiter_bytes(self) -> AsyncIterator[bytes]:
