@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -45,11 +45,23 @@ def proxy_config(regions: list[dict[str, Any]], **sections: dict[str, Any]) -> d
 
 @pytest.fixture
 async def make_proxy() -> AsyncIterator[ProxyFactory]:
-    """Start an EdgeProxy on ephemeral ports in front of the given regions."""
+    """Start an EdgeProxy on ephemeral ports in front of the given regions.
+
+    ``routes=[...]``, ``plugins=[...]`` and any config section may be given.
+    """
     started: list[EdgeProxy] = []
 
-    async def factory(regions: list[dict[str, Any]], **sections: dict[str, Any]) -> EdgeProxy:
-        proxy = EdgeProxy(config_from_mapping(proxy_config(regions, **sections), environ={}))
+    async def factory(
+        regions: list[dict[str, Any]],
+        *,
+        routes: list[dict[str, Any]] | None = None,
+        plugins: Sequence[object] = (),
+        **sections: dict[str, Any],
+    ) -> EdgeProxy:
+        data = proxy_config(regions, **sections)
+        if routes:
+            data["routes"] = routes
+        proxy = EdgeProxy(config_from_mapping(data, environ={}), plugins=list(plugins))
         await proxy.start()
         started.append(proxy)
         return proxy

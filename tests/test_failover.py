@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -12,43 +11,16 @@ import orjson
 import pytest
 from aiohttp import web
 
-from edgeproxy import EdgeProxy, hookimpl
-from edgeproxy._config import config_from_mapping
+from edgeproxy import hookimpl
 from edgeproxy._failover import Budget
 
-from .conftest import RegionFactory, eventually, proxy_config
+from .conftest import ProxyFactory, RegionFactory, eventually
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 SIN = {"lat": 1.29, "lon": 103.85}
 TOKYO = {"lat": 35.68, "lon": 139.69}
 FRANKFURT = {"lat": 50.11, "lon": 8.68}
-
-Start = Callable[..., Awaitable[EdgeProxy]]
-
-
-@pytest.fixture
-async def start() -> AsyncIterator[Start]:
-    started: list[EdgeProxy] = []
-
-    async def factory(
-        regions: list[dict[str, Any]],
-        *,
-        routes: list[dict[str, Any]] | None = None,
-        plugins: tuple[object, ...] = (),
-        **sections: dict[str, Any],
-    ) -> EdgeProxy:
-        data = proxy_config(regions, **sections)
-        if routes:
-            data["routes"] = routes
-        proxy = EdgeProxy(config_from_mapping(data, environ={}), plugins=plugins)
-        await proxy.start()
-        started.append(proxy)
-        return proxy
-
-    yield factory
-    for proxy in started:
-        await proxy.stop(grace=2.0)
 
 
 def chat_route(**keys: Any) -> list[dict[str, Any]]:
@@ -74,11 +46,11 @@ def test_budget_is_a_share_of_recent_requests_plus_a_reserve() -> None:
 
 
 async def test_killing_a_region_mid_run_loses_no_request_that_had_not_started_streaming(
-    make_region: RegionFactory, start: Start
+    make_region: RegionFactory, make_proxy: ProxyFactory
 ) -> None:
     doomed = await make_region("doomed", ttft=0.05, inter_token_delay=0.02)
     backup = await make_region("backup", ttft=0.05, inter_token_delay=0.02)
-    proxy = await start(
+    proxy = await make_proxy(
         [
             {"name": "doomed", "url": doomed.url, **SIN},
             {"name": "backup", "url": backup.url, **SIN},
@@ -126,11 +98,11 @@ async def test_killing_a_region_mid_run_loses_no_request_that_had_not_started_st
 
 
 async def test_connect_failure_fails_over_with_attempts_header(
-    make_region: RegionFactory, start: Start
+    make_region: RegionFactory, make_proxy: ProxyFactory
 ) -> None:
     near = await make_region("near")
     far = await make_region("far")
-    proxy = await start(
+    proxy = await make_proxy(
         [{"name": "near", "url": near.url, **SIN}, {"name": "far", "url": far.url, **TOKYO}]
     )
     await near.kill()  # the proxy still believes it is up
@@ -147,11 +119,11 @@ async def test_connect_failure_fails_over_with_attempts_header(
 
 
 async def test_reset_before_the_first_byte_is_retried_but_not_after(
-    make_region: RegionFactory, start: Start
+    make_region: RegionFactory, make_proxy: ProxyFactory
 ) -> None:
     near = await make_region("near", fault="reset", fault_after_tokens=0)
     far = await make_region("far")
-    proxy = await start(
+    proxy = await make_proxy(
         [{"name": "near", "url": near.url, **SIN}, {"name": "far", "url": far.url, **TOKYO}],
         health={"outlier_detection": False},
     )
@@ -175,11 +147,11 @@ async def test_reset_before_the_first_byte_is_retried_but_not_after(
 
 
 async def test_5xx_is_retried_for_llm_posts_and_idempotent_methods_only(
-    make_region: RegionFactory, start: Start
+    make_region: RegionFactory, make_proxy: ProxyFactory
 ) -> None:
     near = await make_region("near", fault="5xx", fault_status=503)
     far = await make_region("far")
-    proxy = await start(
+    proxy = await make_proxy(
         [{"name": "near", "url": near.url, **SIN}, {"name": "far", "url": far.url, **TOKYO}],
         health={"outlier_detection": False},
         routing={"probe_decay": 0.001, "retry_budget_min": 100},
@@ -200,9 +172,11 @@ async def test_5xx_is_retried_for_llm_posts_and_idempotent_methods_only(
     assert "near answered 503" in error["message"]
 
 
-async def test_single_region_5xx_keeps_its_status(make_region: RegionFactory, start: Start) -> None:
+async def test_single_region_5xx_keeps_its_status(
+    make_region: RegionFactory, make_proxy: ProxyFactory
+) -> None:
     region = await make_region("r1", fault="5xx", fault_status=502)
-    proxy = await start([{"name": "r1", "url": region.url}])
+    proxy = await make_proxy([{"name": "r1", "url": region.url}])
     async with aiohttp.ClientSession() as client:
         async with client.post(proxy.url + CHAT, json=BODY) as resp:
             assert resp.status == 502
@@ -210,10 +184,10 @@ async def test_single_region_5xx_keeps_its_status(make_region: RegionFactory, st
 
 
 async def test_retry_budget_caps_retries_under_a_full_outage(
-    make_region: RegionFactory, start: Start
+    make_region: RegionFactory, make_proxy: ProxyFactory
 ) -> None:
     regions = [await make_region(f"r{i}", fault="5xx") for i in range(3)]
-    proxy = await start(
+    proxy = await make_proxy(
         [{"name": r.name, "url": r.url} for r in regions],
         routes=chat_route(retries=2),
         routing={"retry_budget": 0.1, "retry_budget_min": 0.0},
@@ -230,10 +204,12 @@ async def test_retry_budget_caps_retries_under_a_full_outage(
     assert sum(r["retries_total"] for r in proxy.status()["regions"]) == upstream - 40
 
 
-async def test_streamed_upload_gets_one_attempt(make_region: RegionFactory, start: Start) -> None:
+async def test_streamed_upload_gets_one_attempt(
+    make_region: RegionFactory, make_proxy: ProxyFactory
+) -> None:
     near = await make_region("near", fault="5xx")
     far = await make_region("far")
-    proxy = await start(
+    proxy = await make_proxy(
         [{"name": "near", "url": near.url, **SIN}, {"name": "far", "url": far.url, **TOKYO}]
     )
     payload = b"x" * 200_000  # large and not JSON: streamed upstream, cannot be replayed
@@ -257,10 +233,12 @@ class Degrade:
 
 
 async def test_deadline_expiry_is_a_504_that_reaches_the_fallback(
-    make_region: RegionFactory, start: Start
+    make_region: RegionFactory, make_proxy: ProxyFactory
 ) -> None:
     stalled = await make_region("stalled", fault="stall")
-    proxy = await start([{"name": "stalled", "url": stalled.url}], routes=chat_route(deadline=0.3))
+    proxy = await make_proxy(
+        [{"name": "stalled", "url": stalled.url}], routes=chat_route(deadline=0.3)
+    )
     async with aiohttp.ClientSession() as client:
         async with client.post(proxy.url + CHAT, json=BODY) as resp:
             assert resp.status == 504
@@ -269,7 +247,7 @@ async def test_deadline_expiry_is_a_504_that_reaches_the_fallback(
     await eventually(lambda: stalled.in_flight == 0 and stalled.cancelled_total == 1)
 
     degrade = Degrade()
-    proxy = await start(
+    proxy = await make_proxy(
         [{"name": "stalled", "url": stalled.url}],
         routes=chat_route(deadline=0.3),
         plugins=(degrade,),
@@ -282,11 +260,11 @@ async def test_deadline_expiry_is_a_504_that_reaches_the_fallback(
 
 
 async def test_attempts_exhausted_reach_the_fallback(
-    make_region: RegionFactory, start: Start
+    make_region: RegionFactory, make_proxy: ProxyFactory
 ) -> None:
     regions = [await make_region(f"r{i}", fault="5xx") for i in range(2)]
     degrade = Degrade()
-    proxy = await start(
+    proxy = await make_proxy(
         [{"name": r.name, "url": r.url} for r in regions],
         plugins=(degrade,),
         routing={"retry_budget_min": 10},
@@ -302,11 +280,11 @@ async def test_attempts_exhausted_reach_the_fallback(
 
 
 async def test_hedge_wins_against_a_stalled_region_and_the_loser_is_cancelled(
-    make_region: RegionFactory, start: Start
+    make_region: RegionFactory, make_proxy: ProxyFactory
 ) -> None:
     stalled = await make_region("stalled", fault="stall")
     healthy = await make_region("healthy", ttft=0.01)
-    proxy = await start(
+    proxy = await make_proxy(
         [
             {"name": "stalled", "url": stalled.url, **SIN},
             {"name": "healthy", "url": healthy.url, **TOKYO},
@@ -329,11 +307,11 @@ async def test_hedge_wins_against_a_stalled_region_and_the_loser_is_cancelled(
 
 
 async def test_hedge_after_the_regions_p95_and_within_its_budget(
-    make_region: RegionFactory, start: Start
+    make_region: RegionFactory, make_proxy: ProxyFactory
 ) -> None:
     near = await make_region("near", ttft=0.01)
     far = await make_region("far", ttft=0.01)
-    proxy = await start(
+    proxy = await make_proxy(
         [{"name": "near", "url": near.url, **SIN}, {"name": "far", "url": far.url, **FRANKFURT}],
         routes=chat_route(hedge=True, deadline=2.0),
         routing={"hedge_budget": 0.0, "hedge_budget_min": 0.1},  # one hedge per 10 s window
@@ -356,10 +334,12 @@ async def test_hedge_after_the_regions_p95_and_within_its_budget(
     await eventually(lambda: near.in_flight == 0 and near.cancelled_total >= 1)
 
 
-async def test_hedging_is_off_without_budget(make_region: RegionFactory, start: Start) -> None:
+async def test_hedging_is_off_without_budget(
+    make_region: RegionFactory, make_proxy: ProxyFactory
+) -> None:
     stalled = await make_region("stalled", fault="stall")
     healthy = await make_region("healthy")
-    proxy = await start(
+    proxy = await make_proxy(
         [
             {"name": "stalled", "url": stalled.url, **SIN},
             {"name": "healthy", "url": healthy.url, **TOKYO},
@@ -376,10 +356,10 @@ async def test_hedging_is_off_without_budget(make_region: RegionFactory, start: 
 
 
 async def test_deadline_race_hands_the_running_attempt_to_the_fallback(
-    make_region: RegionFactory, start: Start
+    make_region: RegionFactory, make_proxy: ProxyFactory
 ) -> None:
     slow = await make_region("slow", ttft=0.6)
-    proxy = await start(
+    proxy = await make_proxy(
         [{"name": "slow", "url": slow.url}],
         routes=chat_route(deadline=0.2, deadline_action="race"),
     )

@@ -5,7 +5,6 @@ from __future__ import annotations
 import ipaddress
 import struct
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,36 +12,19 @@ import aiohttp
 import pytest
 from multidict import CIMultiDict
 
-from edgeproxy import ConfigError, EdgeProxy
+from edgeproxy import ConfigError
 from edgeproxy._config import config_from_mapping
 from edgeproxy._geo import GeoResolver, Residency, parse_lat_lon
 from edgeproxy._headers import trace_context
 from edgeproxy._pipeline import RequestContext
 
-from .conftest import RegionFactory, proxy_config
+from .conftest import ProxyFactory, RegionFactory, proxy_config
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 SIN = {"lat": 1.29, "lon": 103.85}
 FRANKFURT = {"lat": 50.11, "lon": 8.68}
 VIRGINIA = {"lat": 38.9, "lon": -77.4}
-
-Start = Callable[..., Awaitable[EdgeProxy]]
-
-
-@pytest.fixture
-async def start() -> AsyncIterator[Start]:
-    started: list[EdgeProxy] = []
-
-    async def factory(regions: list[dict[str, Any]], **sections: dict[str, Any]) -> EdgeProxy:
-        proxy = EdgeProxy(config_from_mapping(proxy_config(regions, **sections), environ={}))
-        await proxy.start()
-        started.append(proxy)
-        return proxy
-
-    yield factory
-    for proxy in started:
-        await proxy.stop(grace=2.0)
 
 
 def config(regions: list[dict[str, Any]] | None = None, **sections: Any) -> Any:
@@ -250,11 +232,11 @@ def test_residency_rules_compile_to_region_sets() -> None:
 
 
 async def test_residency_holds_and_an_empty_allowed_set_is_a_503(
-    make_region: RegionFactory, start: Start
+    make_region: RegionFactory, make_proxy: ProxyFactory
 ) -> None:
     eu = await make_region("eu", ttft=0.02)
     us = await make_region("us", ttft=0.001)
-    proxy = await start(
+    proxy = await make_proxy(
         [
             {"name": "eu", "url": eu.url, "jurisdiction": "eu", **FRANKFURT},
             # Nearer to the PoP and faster: without the rule it would win.
@@ -287,15 +269,17 @@ async def test_residency_holds_and_an_empty_allowed_set_is_a_503(
     assert us.requests_by_path.get(CHAT) == 12
 
 
-async def test_geo_prior_from_the_client(make_region: RegionFactory, start: Start) -> None:
+async def test_geo_prior_from_the_client(
+    make_region: RegionFactory, make_proxy: ProxyFactory
+) -> None:
     eu = await make_region("eu")
     us = await make_region("us")
     regions = [
         {"name": "eu", "url": eu.url, **FRANKFURT},
         {"name": "us", "url": us.url, **VIRGINIA},
     ]
-    from_pop = await start(regions, pop={"lat": 48.8, "lon": 2.3})
-    from_client = await start(
+    from_pop = await make_proxy(regions, pop={"lat": 48.8, "lon": 2.3})
+    from_client = await make_proxy(
         regions, pop={"lat": 48.8, "lon": 2.3}, routing={"prior_from": "client"}
     )
     headers = {"X-Client-Geo": "40.7,-74.0"}  # New York

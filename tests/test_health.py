@@ -3,39 +3,20 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
-import pytest
 
 from edgeproxy import EdgeProxy
 from edgeproxy._config import config_from_mapping
 from edgeproxy._regions import RegionSet
 
-from .conftest import RegionFactory, eventually, proxy_config
+from .conftest import ProxyFactory, RegionFactory, eventually, proxy_config
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 SIN = {"lat": 1.29, "lon": 103.85}
 TOKYO = {"lat": 35.68, "lon": 139.69}
-
-Start = Callable[..., Awaitable[EdgeProxy]]
-
-
-@pytest.fixture
-async def start() -> AsyncIterator[Start]:
-    started: list[EdgeProxy] = []
-
-    async def factory(regions: list[dict[str, Any]], **sections: dict[str, Any]) -> EdgeProxy:
-        proxy = EdgeProxy(config_from_mapping(proxy_config(regions, **sections), environ={}))
-        await proxy.start()
-        started.append(proxy)
-        return proxy
-
-    yield factory
-    for proxy in started:
-        await proxy.stop(grace=2.0)
 
 
 def region_set(n: int, **health: Any) -> RegionSet:
@@ -114,11 +95,11 @@ async def test_max_ejection_percent_keeps_regions_in_service() -> None:
 
 
 async def test_5xx_burst_ejects_the_region_and_it_returns_after_the_ejection_time(
-    make_region: RegionFactory, start: Start
+    make_region: RegionFactory, make_proxy: ProxyFactory
 ) -> None:
     near = await make_region("near", fault="5xx", fault_paths=["/v1/"])
     far = await make_region("far")
-    proxy = await start(
+    proxy = await make_proxy(
         [{"name": "near", "url": near.url, **SIN}, {"name": "far", "url": far.url, **TOKYO}],
         health={"consecutive_failures": 3, "base_ejection_time": 1.0},
         routing={"probe_decay": 0.2, "retry_budget_min": 100},
@@ -156,11 +137,11 @@ async def test_5xx_burst_ejects_the_region_and_it_returns_after_the_ejection_tim
 
 
 async def test_active_checks_take_a_region_out_and_back(
-    make_region: RegionFactory, start: Start
+    make_region: RegionFactory, make_proxy: ProxyFactory
 ) -> None:
     near = await make_region("near")
     far = await make_region("far")
-    proxy = await start(
+    proxy = await make_proxy(
         [{"name": "near", "url": near.url, **SIN}, {"name": "far", "url": far.url, **TOKYO}],
         health={
             "active": True,
@@ -187,9 +168,11 @@ async def test_active_checks_take_a_region_out_and_back(
             assert resp.headers["X-Edgeproxy-Region"] == "near"
 
 
-async def test_active_check_of_a_killed_region(make_region: RegionFactory, start: Start) -> None:
+async def test_active_check_of_a_killed_region(
+    make_region: RegionFactory, make_proxy: ProxyFactory
+) -> None:
     region = await make_region("r1")
-    proxy = await start(
+    proxy = await make_proxy(
         [{"name": "r1", "url": region.url}],
         health={"active": True, "interval": 0.05, "timeout": 0.3, "unhealthy_threshold": 2},
     )
@@ -202,10 +185,10 @@ async def test_active_check_of_a_killed_region(make_region: RegionFactory, start
 
 
 async def test_circuit_breaker_caps_concurrent_and_pending_requests(
-    make_region: RegionFactory, start: Start
+    make_region: RegionFactory, make_proxy: ProxyFactory
 ) -> None:
     region = await make_region("r1", fault="stall")
-    proxy = await start(
+    proxy = await make_proxy(
         [{"name": "r1", "url": region.url}],
         health={"max_concurrent": 2, "max_pending": 5},
     )
@@ -230,11 +213,11 @@ async def test_circuit_breaker_caps_concurrent_and_pending_requests(
 
 
 async def test_breaker_on_pending_sends_the_overflow_to_the_next_region(
-    make_region: RegionFactory, start: Start
+    make_region: RegionFactory, make_proxy: ProxyFactory
 ) -> None:
     slow = await make_region("slow", fault="stall")
     other = await make_region("other")
-    proxy = await start(
+    proxy = await make_proxy(
         [{"name": "slow", "url": slow.url, **SIN}, {"name": "other", "url": other.url, **TOKYO}],
         health={"max_pending": 1},
     )

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
 
 import aiohttp
 import pytest
@@ -15,42 +13,15 @@ from edgeproxy._config import config_from_mapping
 from edgeproxy._regions import LatencyWindow, PeakEwma, Region, RegionSet
 from edgeproxy._routing import Router, great_circle_km
 
-from .conftest import RegionFactory, eventually, proxy_config
+from .conftest import ProxyFactory, RegionFactory, eventually, proxy_config
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-
-Start = Callable[..., Awaitable[EdgeProxy]]
 
 # The test PoP is Singapore (conftest): these are near, medium and far from it.
 SIN = {"lat": 1.29, "lon": 103.85}
 TOKYO = {"lat": 35.68, "lon": 139.69}
 FRANKFURT = {"lat": 50.11, "lon": 8.68}
-
-
-@pytest.fixture
-async def start() -> AsyncIterator[Start]:
-    """Start a proxy; ``routes=[...]`` and any config section may be given."""
-    started: list[EdgeProxy] = []
-
-    async def factory(
-        regions: list[dict[str, Any]],
-        *,
-        routes: list[dict[str, Any]] | None = None,
-        plugins: list[object] = (),  # type: ignore[assignment]
-        **sections: dict[str, Any],
-    ) -> EdgeProxy:
-        data = proxy_config(regions, **sections)
-        if routes:
-            data["routes"] = routes
-        proxy = EdgeProxy(config_from_mapping(data, environ={}), plugins=plugins)
-        await proxy.start()
-        started.append(proxy)
-        return proxy
-
-    yield factory
-    for proxy in started:
-        await proxy.stop(grace=2.0)
 
 
 async def chat(client: aiohttp.ClientSession, proxy: EdgeProxy, **headers: str) -> str:
@@ -195,10 +166,10 @@ async def test_a_stalled_region_looks_slow_before_it_answers() -> None:
 
 
 async def test_nearest_region_wins_before_any_traffic(
-    make_region: RegionFactory, start: Start
+    make_region: RegionFactory, make_proxy: ProxyFactory
 ) -> None:
     regions = [await make_region(n) for n in ("frankfurt", "tokyo", "singapore")]
-    proxy = await start(
+    proxy = await make_proxy(
         [
             {"name": "frankfurt", "url": regions[0].url, **FRANKFURT},
             {"name": "tokyo", "url": regions[1].url, **TOKYO},
@@ -215,12 +186,12 @@ async def test_nearest_region_wins_before_any_traffic(
 
 
 async def test_traffic_converges_to_the_faster_region(
-    make_region: RegionFactory, start: Start
+    make_region: RegionFactory, make_proxy: ProxyFactory
 ) -> None:
     fast = await make_region("fast", ttft=0.005)
     slow = await make_region("slow", ttft=0.12)
     # Same place: only measured latency tells them apart.
-    proxy = await start([{"name": "slow", "url": slow.url}, {"name": "fast", "url": fast.url}])
+    proxy = await make_proxy([{"name": "slow", "url": slow.url}, {"name": "fast", "url": fast.url}])
     await served_by(proxy, 20, concurrency=2)
     counts = await served_by(proxy, 40, concurrency=2)
     assert counts["fast"] >= 36, counts
@@ -229,11 +200,11 @@ async def test_traffic_converges_to_the_faster_region(
 
 
 async def test_slowing_a_region_moves_traffic_away_and_back(
-    make_region: RegionFactory, start: Start
+    make_region: RegionFactory, make_proxy: ProxyFactory
 ) -> None:
     a = await make_region("a", ttft=0.01)
     b = await make_region("b", ttft=0.01)
-    proxy = await start(
+    proxy = await make_proxy(
         [{"name": "a", "url": a.url}, {"name": "b", "url": b.url}],
         routing={"decay": 1.0, "probe_decay": 0.3},
     )
@@ -256,7 +227,7 @@ async def test_slowing_a_region_moves_traffic_away_and_back(
 
 
 async def test_route_hook_can_still_reorder_candidates(
-    make_region: RegionFactory, start: Start
+    make_region: RegionFactory, make_proxy: ProxyFactory
 ) -> None:
     near = await make_region("near")
     far = await make_region("far")
@@ -266,7 +237,7 @@ async def test_route_hook_can_still_reorder_candidates(
         def edgeproxy_route(self, candidates: list[Region]) -> list[Region]:
             return list(reversed(candidates))
 
-    proxy = await start(
+    proxy = await make_proxy(
         [{"name": "near", "url": near.url, **SIN}, {"name": "far", "url": far.url, **FRANKFURT}],
         plugins=[Reverse()],
     )
@@ -275,11 +246,11 @@ async def test_route_hook_can_still_reorder_candidates(
 
 
 async def test_status_shows_latency_load_health_and_share(
-    make_region: RegionFactory, start: Start
+    make_region: RegionFactory, make_proxy: ProxyFactory
 ) -> None:
     a = await make_region("a", ttft=0.005)
     b = await make_region("b", ttft=0.005)
-    proxy = await start(
+    proxy = await make_proxy(
         [
             {"name": "a", "url": a.url, "jurisdiction": "eu", "tags": ["gpu"], **SIN},
             {"name": "b", "url": b.url, "urls": [a.url], "priority": 1, **TOKYO},
@@ -318,11 +289,11 @@ async def test_status_shows_latency_load_health_and_share(
 
 
 async def test_region_with_several_endpoints_spreads_and_survives_one_dying(
-    make_region: RegionFactory, start: Start
+    make_region: RegionFactory, make_proxy: ProxyFactory
 ) -> None:
     e1 = await make_region("e1", ttft=0.05)
     e2 = await make_region("e2", ttft=0.05)
-    proxy = await start([{"name": "multi", "url": e1.url, "urls": [e2.url]}])
+    proxy = await make_proxy([{"name": "multi", "url": e1.url, "urls": [e2.url]}])
     await served_by(proxy, 20, concurrency=4)
     assert e1.requests_total > 0 and e2.requests_total > 0
     await e1.kill()
