@@ -41,6 +41,34 @@ REQUEST_JSON = (
 )
 
 
+def edgeproxy_toml(port: int, admin: int, origin: str, *sections: str) -> str:
+    """An ``edgeproxy serve`` config for a bench: loopback listeners, one HTTP/1.1 region
+    called ``origin``, no entry-point plugins, then ``sections`` (TOML text) as given."""
+    base = f"""
+[server]
+host = "{LOOPBACK}"
+port = {port}
+grace_period = 2.0
+backlog = 4096
+
+[admin]
+host = "{LOOPBACK}"
+port = {admin}
+
+[upstream]
+http2 = false
+max_connections = 100
+
+[[regions]]
+name = "origin"
+url = "{origin}"
+
+[plugins]
+entry_points = false
+"""
+    return base + "".join(sections)
+
+
 def free_port() -> int:
     """A port the kernel just handed out; the tiny reuse race is fine on a bench box."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -69,30 +69,7 @@ def wrk_script(directory: Path, name: str, body: str, *, unique: bool = False) -
 
 def proxy_toml(port: int, admin: int, origin: str, cache: dict[str, Any]) -> str:
     cache_lines = "\n".join(f"{k} = {json.dumps(v)}" for k, v in cache.items())
-    return f"""
-[server]
-host = "{u.LOOPBACK}"
-port = {port}
-grace_period = 2.0
-backlog = 4096
-
-[admin]
-host = "{u.LOOPBACK}"
-port = {admin}
-
-[upstream]
-http2 = false
-
-[[regions]]
-name = "origin"
-url = "{origin}"
-
-[plugins]
-entry_points = false
-
-[cache]
-{cache_lines}
-"""
+    return u.edgeproxy_toml(port, admin, origin, f"\n[cache]\n{cache_lines}\n")
 
 
 # -- 1. throughput and latency ------------------------------------------------------

@@ -47,31 +47,8 @@ CONFIGS = {
 
 def proxy_toml(port: int, admin: int, origin: str, *, metrics: bool, log: Path | None) -> str:
     access = f'\n[access_log]\nenabled = true\npath = "{log}"\n' if log else ""
-    return f"""
-[server]
-host = "{u.LOOPBACK}"
-port = {port}
-grace_period = 2.0
-backlog = 4096
-
-[admin]
-host = "{u.LOOPBACK}"
-port = {admin}
-
-[upstream]
-http2 = false
-max_connections = 100
-
-[[regions]]
-name = "origin"
-url = "{origin}"
-
-[plugins]
-entry_points = false
-
-[metrics]
-enabled = {"true" if metrics else "false"}
-{access}"""
+    metrics_on = "true" if metrics else "false"
+    return u.edgeproxy_toml(port, admin, origin, f"\n[metrics]\nenabled = {metrics_on}\n", access)
 
 
 class Scraper:

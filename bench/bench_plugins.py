@@ -69,33 +69,6 @@ def edgeproxy_stream_chunk(request, ctx, chunk):
 """
 
 
-def proxy_toml(port: int, admin: int, origin: str, plugins: list[Path]) -> str:
-    enabled = ", ".join(f'"{p}"' for p in plugins)
-    return f"""
-[server]
-host = "{u.LOOPBACK}"
-port = {port}
-grace_period = 2.0
-backlog = 4096
-
-[admin]
-host = "{u.LOOPBACK}"
-port = {admin}
-
-[upstream]
-http2 = false
-max_connections = 100
-
-[[regions]]
-name = "origin"
-url = "{origin}"
-
-[plugins]
-enabled = [{enabled}]
-entry_points = false
-"""
-
-
 def hook_cost_us(files: list[Path], requests: int = 20000) -> float:
     """CPU microseconds per request of the per-request hook calls, measured in process.
 
@@ -202,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, files in configs.items():
             port, admin = u.free_port(), u.free_port()
             toml = work / f"{len(services)}.toml"
-            toml.write_text(proxy_toml(port, admin, origin_url, files))
+            enabled = ", ".join(f'"{p}"' for p in files)
+            toml.write_text(u.edgeproxy_toml(port, admin, origin_url, f"enabled = [{enabled}]\n"))
             service = u.Service(
                 name,
                 [
