@@ -22,6 +22,7 @@ from ._config import (
     UpstreamConfig,
     load_config,
 )
+from ._geo import parse_lat_lon
 from ._pipeline import RequestContext, UpstreamReply
 from ._plugins import PluginError, PluginLoadError
 from ._pool import (
@@ -69,4 +70,5 @@ __all__ = [
     "__version__",
     "hookimpl",
     "load_config",
+    "parse_lat_lon",
 ]

@@ -33,22 +33,19 @@ goes upstream, so clients cannot use them to talk to the regions.
 from __future__ import annotations
 
 import ipaddress
-import math
 import re
 from collections.abc import Iterable
 from typing import Any
 
 from aiohttp import web
 
-from edgeproxy import RequestContext, hookimpl
+from edgeproxy import RequestContext, hookimpl, parse_lat_lon
 
 __all__ = ["GeoTenant", "edgeproxy_plugin", "parse_lat_lon"]
 
 _COUNTRY_RE = re.compile(r"[A-Za-z]{2}")
 _TENANT_RE = re.compile(r"[A-Za-z0-9._:@-]{1,128}")
 _PRIORITY_RE = re.compile(r"[+-]?[0-9]{1,4}")
-_NUMBER = r"[+-]?[0-9]{1,3}(?:\.[0-9]{1,12})?"
-_LAT_LON_RE = re.compile(rf"\s*({_NUMBER})\s*,\s*({_NUMBER})\s*")
 _NOT_COUNTRIES = frozenset({"XX", "T1"})
 
 _Network = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -114,19 +111,6 @@ class GeoTenant:
         if _PRIORITY_RE.fullmatch(priority):
             ctx.priority = int(priority)
         return None
-
-
-def parse_lat_lon(value: str) -> tuple[float, float] | None:
-    """``"1.35,103.82"`` as ``(lat, lon)``; None when malformed or out of range."""
-    match = _LAT_LON_RE.fullmatch(value)
-    if match is None:
-        return None
-    lat, lon = float(match.group(1)), float(match.group(2))
-    if not (math.isfinite(lat) and math.isfinite(lon)):
-        return None
-    if not (-90.0 <= lat <= 90.0 and -180.0 <= lon <= 180.0):
-        return None
-    return lat, lon
 
 
 def edgeproxy_plugin(settings: dict[str, Any]) -> GeoTenant:
