@@ -217,7 +217,7 @@ async def _burst(url: str, body: dict[str, Any], n: int) -> tuple[list[int], lis
 
 async def stampede(n: int) -> list[dict[str, Any]]:
     from edgeproxy import EdgeProxy
-    from edgeproxy._config import config_from_mapping
+    from edgeproxy._core.config import config_from_mapping
     from edgeproxy.testing import Behavior, FakeRegion
 
     rows = []
@@ -263,9 +263,9 @@ async def stampede(n: int) -> list[dict[str, Any]]:
 
 
 async def tier_latency(redis_url: str, n: int) -> dict[str, dict[str, float]]:
-    from edgeproxy._cache_backends import make_backend
-    from edgeproxy._cache_entry import Entry
-    from edgeproxy._config import CacheConfig
+    from edgeproxy._core.config import CacheConfig
+    from edgeproxy._stages.cache.backends import make_backend
+    from edgeproxy._stages.cache.entry import Entry
 
     entry = Entry.build(
         status=200,

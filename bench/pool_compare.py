@@ -11,7 +11,7 @@ Clients:
 * ``aiohttp``  - aiohttp.ClientSession, HTTP/1.1 (the baseline)
 * ``httpx-h1`` - httpx.AsyncClient, HTTP/1.1, limits sized to the concurrency
 * ``httpx-h2`` - httpx.AsyncClient, HTTP/2
-* ``h2pool``   - edgeproxy._h2pool.H2Pool, HTTP/2
+* ``h2pool``   - edgeproxy._upstream.h2pool.H2Pool, HTTP/2
 
 Usage::
 
@@ -44,8 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import aiohttp  # noqa: E402
 import httpx  # noqa: E402
 
-from edgeproxy._h2pool import H2Pool  # noqa: E402
-from edgeproxy._pool import PoolLimits  # noqa: E402
+from edgeproxy._upstream.h2pool import H2Pool  # noqa: E402
+from edgeproxy._upstream.pool import PoolLimits  # noqa: E402
 
 HOST = "127.0.0.1"
 BODY = b'{"ok":true}'

@@ -1,6 +1,6 @@
 """edgeproxy: an asyncio edge-to-region reverse proxy for OpenAI-compatible LLM APIs."""
 
-from ._config import (
+from edgeproxy._core.config import (
     AccessLogConfig,
     AdminConfig,
     AdmissionConfig,
@@ -22,20 +22,19 @@ from ._config import (
     UpstreamConfig,
     load_config,
 )
-from ._geo import parse_lat_lon
-from ._pipeline import RequestContext, UpstreamReply
-from ._plugins import PluginError, PluginLoadError
-from ._pool import (
+from edgeproxy._core.context import RequestContext, UpstreamReply
+from edgeproxy._core.version import __version__
+from edgeproxy._plugins import PluginError, PluginLoadError
+from edgeproxy._server.app import EdgeProxy
+from edgeproxy._stages.geo import parse_lat_lon
+from edgeproxy._upstream.pool import (
     PoolLimits,
     UpstreamConnectError,
     UpstreamError,
     UpstreamProtocolError,
     UpstreamTimeout,
 )
-from ._server import EdgeProxy
-from .hookspecs import hookimpl
-
-__version__ = "0.1.0"
+from edgeproxy.hookspecs import hookimpl
 
 __all__ = [
     "AccessLogConfig",

@@ -10,8 +10,14 @@ import sys
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
-from . import __version__
-from ._config import Config, ConfigError, config_docs_markdown, config_from_mapping, load_config
+from edgeproxy._core.config import (
+    Config,
+    ConfigError,
+    config_docs_markdown,
+    config_from_mapping,
+    load_config,
+)
+from edgeproxy._core.version import __version__
 
 __all__ = ["main"]
 
@@ -65,7 +71,7 @@ def _add_listener_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from ._server import serve
+    from edgeproxy._server.app import serve
 
     _setup_logging(args.log_level)
     try:
@@ -93,7 +99,7 @@ def _cmd_config_docs(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from ._demo import run_demo
+    from edgeproxy._demo import run_demo
 
     _setup_logging(args.log_level)
     try:

@@ -9,8 +9,8 @@ import os
 import signal
 from typing import Any
 
-from ._config import config_from_mapping
-from ._server import EdgeProxy
+from edgeproxy._core.config import config_from_mapping
+from edgeproxy._server.app import EdgeProxy
 
 # Singapore PoP; regions at realistic coordinates so geo routing has something to do.
 _DEMO_REGIONS: list[dict[str, Any]] = [
@@ -32,7 +32,7 @@ def _demo_local_model() -> tuple[dict[str, Any] | None, str]:
     if importlib.util.find_spec("llama_cpp") is None:
         return None, "off (pip install 'edgeproxy[local]' for llama-cpp-python)"
     try:
-        from .testing import tiny_llama_gguf
+        from edgeproxy.testing import tiny_llama_gguf
 
         path = tiny_llama_gguf("Q8_0")
     except ImportError as exc:
@@ -45,7 +45,7 @@ def _demo_local_model() -> tuple[dict[str, Any] | None, str]:
 
 
 async def run_demo(args: argparse.Namespace) -> int:
-    from .testing import Behavior, FakeRegion
+    from edgeproxy.testing import Behavior, FakeRegion
 
     count = max(1, min(args.regions, len(_DEMO_REGIONS)))
     fakes = [

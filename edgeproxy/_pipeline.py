@@ -2,7 +2,7 @@
 
 :meth:`Pipeline.handle` is the single place to read to follow a request.
 Each stage is a small object with one narrow method; stages raise
-:class:`~edgeproxy._errors.ProxyError` for answers they give themselves, and
+:class:`~edgeproxy._core.errors.ProxyError` for answers they give themselves, and
 plugin hooks are called at the points :mod:`edgeproxy.hookspecs` documents.
 """
 
@@ -13,39 +13,25 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from typing import Any
 
-import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
-from ._admission import AdmissionStage, Admitted, Overloaded
-from ._cache import CacheRecorder, CacheStage
-from ._config import Config, RouteConfig
-from ._errors import ProxyError, error_response
-from ._failover import AttemptResponse, Failover
-from ._fallback import FallbackStage
-from ._headers import (
-    CLIENT_CREDENTIAL_HEADERS,
-    EDGEPROXY_PREFIX,
-    HOP_BY_HOP,
-    REQUEST_OWNED,
-    TraceContext,
-    append_forwarded_for,
-    append_via,
-    connection_tokens,
-    request_id,
-    strip_hop_by_hop,
-    trace_context,
-)
-from ._plugins import PluginError, Plugins
-from ._pool import Body, Headers, UpstreamError, UpstreamResponse
-from ._regions import Endpoint, Region, RegionSet
-from ._routing import Router
-from ._usage import UsageTracker
+from edgeproxy._core.config import Config
+from edgeproxy._core.context import RequestContext
+from edgeproxy._core.errors import ProxyError, error_response
+from edgeproxy._plugins import PluginError, Plugins
+from edgeproxy._protocol.headers import request_id, trace_context
+from edgeproxy._stages.admission import AdmissionStage, Admitted, Overloaded
+from edgeproxy._stages.cache.stage import CacheRecorder, CacheStage
+from edgeproxy._stages.failover import AttemptResponse, Failover
+from edgeproxy._stages.fallback import FallbackStage
+from edgeproxy._stages.relay import StreamStage
+from edgeproxy._stages.routing import Router
+from edgeproxy._stages.upstream import UpstreamStage
+from edgeproxy._upstream.regions import Region, RegionSet
 
-__all__ = ["Pipeline", "RequestContext", "UpstreamReply"]
+__all__ = ["JSON_BODY_LIMIT", "Pipeline"]
 
 logger = logging.getLogger("edgeproxy")
 
@@ -56,291 +42,25 @@ logger = logging.getLogger("edgeproxy")
 SMALL_BODY = 64 * 1024
 JSON_BODY_LIMIT = 4 * 1024 * 1024
 
-_NO_BODY_STATUS = frozenset({204, 304})
-_NO_TOKENS: frozenset[str] = frozenset()
-# Response headers the stream stage sets itself (lower-cased), replacing a region's.
-_OWN = frozenset({"x-edgeproxy-region", "x-request-id"})
-_OWN_WITH_CACHE = _OWN | {"x-edgeproxy-cache"}
-_UNSET: Any = object()
 
-
-@dataclass(slots=True)
-class RequestContext:
-    """What the pipeline knows about one request as it moves through the stages.
-
-    Plugins read and rewrite the request through it: ``target`` (path and
-    query), ``headers`` (a mutable copy of the client's), ``json`` and
-    :meth:`set_json`, ``tenant`` and ``priority``.
-    """
-
-    request_id: str
-    trace: TraceContext
-    method: str
-    target: str
-    headers: CIMultiDict[str]
-    client_ip: str | None
-    started: float
-    route: RouteConfig
-    body: bytes | None = None
-    body_read: bool = False
-    tenant: str | None = None
-    priority: int = 0
-    client_country: str | None = None
-    client_geo: tuple[float, float] | None = None
-    region: str | None = None
-    attempts: int = 0
-    hedged: bool = False
-    status: int = 0
-    bytes_out: int = 0
-    upstream_ttfb: float | None = None
-    first_byte_at: float | None = None
-    finished_at: float | None = None
-    response_is_sse: bool = False
-    cache: str | None = None
-    cache_key: str | None = None
-    degraded: str | None = None
-    usage: dict[str, Any] | None = None
-    error: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-    _json: Any = _UNSET
-
-    @classmethod
-    def from_request(
-        cls, request: web.Request, config: Config, *, strip_prefix: str = ""
-    ) -> RequestContext:
-        headers = request.headers
-        target = request.raw_path
-        if strip_prefix and target.startswith(strip_prefix):
-            target = target[len(strip_prefix) :] or "/"
-            if target[0] == "?":
-                target = "/" + target
-        return cls(
-            request_id=request_id(headers.get("x-request-id")),
-            trace=trace_context(headers.get("traceparent")),
-            method=request.method,
-            target=target,
-            headers=CIMultiDict(headers),
-            client_ip=request.remote,
-            started=time.monotonic(),
-            route=config.route_for(request.method, target.split("?", 1)[0]),
-        )
-
-    @property
-    def path(self) -> str:
-        """``target`` without its query string."""
-        return self.target.split("?", 1)[0]
-
-    @property
-    def json(self) -> Any:
-        """The request body parsed as JSON, or None when it is not a buffered JSON body."""
-        if self._json is _UNSET:
-            self._json = None
-            if self.body and "json" in self.headers.get("content-type", ""):
-                try:
-                    self._json = orjson.loads(self.body)
-                except orjson.JSONDecodeError:
-                    pass
-        return self._json
-
-    def set_json(self, value: Any) -> None:
-        """Replace the request body with ``value`` serialized as JSON."""
-        self.body = orjson.dumps(value)
-        self.body_read = True
-        self._json = value
-        self.headers["content-type"] = "application/json"
-
-
-@dataclass(slots=True)
-class UpstreamReply:
-    """Status and headers of a region's response, editable by plugins before they are sent."""
-
-    status: int
-    headers: Headers
-
-
-class UpstreamStage:
-    """Builds the upstream request from the client's and sends it to one region."""
-
-    def __init__(self, config: Config, plugins: Plugins) -> None:
-        self.config = config
-        self.plugins = plugins
-        self.via_name = config.server.via_name or config.pop.name
-        drop = set(HOP_BY_HOP) | REQUEST_OWNED | {"x-forwarded-for", "x-request-id", "expect"}
-        if not config.server.forward_client_credentials:
-            drop |= CLIENT_CREDENTIAL_HEADERS
-        self._drop = frozenset(drop)
-
-    def headers(self, request: web.Request, ctx: RequestContext, region: Region) -> Headers:
-        """The client's end-to-end headers plus forwarding, tracing and region credentials."""
-        connection = ctx.headers.getall("connection", None)
-        named = connection_tokens(connection) if connection else _NO_TOKENS
-        out: Headers = []
-        for name, value in ctx.headers.items():
-            lname = name.lower()
-            if lname in self._drop or lname in named or lname.startswith(EDGEPROXY_PREFIX):
-                continue
-            out.append((lname, value))
-        if ctx.body_read:
-            if ctx.body:
-                out.append(("content-length", str(len(ctx.body))))
-        elif request.content_length is not None:
-            out.append(("content-length", str(request.content_length)))
-        xff = append_forwarded_for(ctx.headers.get("x-forwarded-for"), ctx.client_ip)
-        if xff:
-            out.append(("x-forwarded-for", xff))
-        out.append(("x-forwarded-proto", request.scheme))
-        version = f"{request.version.major}.{request.version.minor}"
-        out.append(("via", append_via(ctx.headers.get("via"), version, self.via_name)))
-        out.append(("x-request-id", ctx.request_id))
-        out.append(("traceparent", ctx.trace.traceparent))
-        # Region credentials go last and replace anything of the same name.
-        if region.credential_headers:
-            injected = {k for k, _ in region.credential_headers}
-            out = [(k, v) for k, v in out if k not in injected]
-            out.extend(region.credential_headers)
-        return out
-
-    def body(self, request: web.Request, ctx: RequestContext) -> Body:
-        if ctx.body_read:
-            return ctx.body or None
-        return request.content.iter_any()
-
-    async def send(
-        self, request: web.Request, ctx: RequestContext, region: Region, endpoint: Endpoint
-    ) -> UpstreamResponse:
-        """One attempt: send to ``endpoint`` of ``region``; raises :class:`UpstreamError`.
-
-        The attempt loop around it (failover, hedging, accounting) is
-        :class:`~edgeproxy._failover.Failover`.
-        """
-        headers = self.headers(request, ctx, region)
-        if self.plugins.has("edgeproxy_upstream_request"):
-            await self.plugins.call_all(
-                "edgeproxy_upstream_request",
-                request=request,
-                ctx=ctx,
-                region=region,
-                headers=headers,
-            )
-        authority = request.host if self.config.server.preserve_host else endpoint.authority
-        upstream = await endpoint.pool.request(
-            ctx.method,
-            endpoint.base_path + ctx.target,
-            headers,
-            self.body(request, ctx),
-            authority=authority,
-        )
-        endpoint.mark_up()
-        return upstream
-
-
-class StreamStage:
-    """Relays the upstream response to the client chunk by chunk, never buffering it."""
-
-    def __init__(self, plugins: Plugins) -> None:
-        self.plugins = plugins
-
-    async def relay(
-        self,
-        request: web.Request,
-        ctx: RequestContext,
-        region: Region,
-        upstream: UpstreamResponse,
-        *,
-        close_connection: bool = False,
-        recorder: CacheRecorder | None = None,
-    ) -> web.StreamResponse:
-        """Send the region's answer on; ``recorder`` (the cache's) sees the headers and each
-        chunk as it passes, and is told when the body ended cleanly."""
-        reply = UpstreamReply(upstream.status, strip_hop_by_hop(upstream.headers))
-        if self.plugins.has("edgeproxy_upstream_response"):
-            await self.plugins.call_all(
-                "edgeproxy_upstream_response", request=request, ctx=ctx, region=region, reply=reply
-            )
-        if recorder is not None:
-            recorder.start(reply, region.name)
-        transform = self.plugins.has("edgeproxy_stream_chunk")
-        # The headers go into one list that becomes the response's CIMultiDict in a
-        # single step; the proxy's own names replace any the region sent.
-        own = _OWN_WITH_CACHE if ctx.cache else _OWN
-        headers: Headers = []
-        content_length: int | None = None
-        for name, value in reply.headers:
-            lname = name.lower()
-            if lname == "content-length":
-                content_length = int(value) if value.isdigit() else None
-            elif lname not in own:
-                headers.append((name, value))
-        headers.append(("X-Edgeproxy-Region", region.name))
-        headers.append(("X-Request-Id", ctx.request_id))
-        if ctx.cache:
-            headers.append(("X-Edgeproxy-Cache", ctx.cache))
-        resp = web.StreamResponse(status=reply.status, headers=headers)
-        if close_connection:
-            resp.force_close()
-        # A transformed body has an unknown length: let aiohttp chunk it.
-        if content_length is not None and reply.status not in _NO_BODY_STATUS and not transform:
-            resp.content_length = content_length
-        content_type = resp.headers.get("content-type", "")
-        ctx.response_is_sse = content_type.startswith("text/event-stream")
-        usage = UsageTracker.for_response(ctx.path, content_type, reply.status)
-        ctx.status = reply.status
-        try:
-            # Inside the try: the client may already be gone when headers go out.
-            await resp.prepare(request)
-            ctx.first_byte_at = time.monotonic()
-            async for chunk in upstream.aiter_bytes():
-                if usage is not None:
-                    usage.feed(chunk)
-                if transform:
-                    chunk = await self.plugins.call_chain(
-                        "edgeproxy_stream_chunk", "chunk", request=request, ctx=ctx, chunk=chunk
-                    )
-                if chunk:
-                    if recorder is not None:
-                        recorder.feed(chunk)
-                    await resp.write(chunk)
-                    ctx.bytes_out += len(chunk)
-            if recorder is not None:
-                recorder.finish()
-            if usage is not None:
-                ctx.usage = usage.result()
-            await resp.write_eof()
-        except UpstreamError as exc:
-            ctx.error = f"upstream broke mid-body: {exc}"
-            region.errors_total += 1
-            await self._abort(request, resp, exc)
-            return resp
-        except ConnectionResetError:
-            # The client went away: the pipeline's finally cancels the upstream stream.
-            ctx.error = "client disconnected"
-            return resp
-        except PluginError as exc:
-            # Too late for a 500: end the response so it cannot pass for complete.
-            ctx.error = str(exc)
-            logger.error("%s", exc, exc_info=exc.error)
-            await self._abort(request, resp, exc)
-            return resp
-        return resp
-
-    async def _abort(self, request: web.Request, resp: web.StreamResponse, exc: Exception) -> None:
-        """End a response that already started, so the client cannot take it as complete.
-
-        SSE clients get a well-formed ``error`` event first; then the connection
-        is closed without the final chunk, which every client reads as a
-        truncated body rather than a clean end.
-        """
-        content_type = resp.headers.get("content-type", "")
-        if content_type.startswith("text/event-stream"):
-            event = error_response(502, "upstream_error", f"upstream stream broke: {exc}")
-            assert isinstance(event.body, bytes)
-            try:
-                await resp.write(b"event: error\ndata: " + event.body + b"\n\n")
-            except ConnectionResetError:
-                pass
-        resp.force_close()
-        if request.transport is not None:
-            request.transport.close()
+def _context(request: web.Request, config: Config, strip_prefix: str) -> RequestContext:
+    """The request's context, as the stages and hooks will see it."""
+    headers = request.headers
+    target = request.raw_path
+    if strip_prefix and target.startswith(strip_prefix):
+        target = target[len(strip_prefix) :] or "/"
+        if target[0] == "?":
+            target = "/" + target
+    return RequestContext(
+        request_id=request_id(headers.get("x-request-id")),
+        trace=trace_context(headers.get("traceparent")),
+        method=request.method,
+        target=target,
+        headers=CIMultiDict(headers),
+        client_ip=request.remote,
+        started=time.monotonic(),
+        route=config.route_for(request.method, target.split("?", 1)[0]),
+    )
 
 
 class Pipeline:
@@ -365,7 +85,7 @@ class Pipeline:
         self._idle.set()
 
     async def handle(self, request: web.Request, *, strip_prefix: str = "") -> web.StreamResponse:
-        ctx = RequestContext.from_request(request, self.config, strip_prefix=strip_prefix)
+        ctx = _context(request, self.config, strip_prefix)
         self._enter()
         upstream: AttemptResponse | None = None
         region: Region | None = None

@@ -23,8 +23,8 @@ from typing import Any
 
 import pluggy
 
-from . import hookspecs
-from ._config import PluginsConfig
+from edgeproxy import hookspecs
+from edgeproxy._core.config import PluginsConfig
 
 __all__ = ["PluginError", "PluginLoadError", "Plugins"]
 

@@ -28,9 +28,9 @@ import pluggy
 if TYPE_CHECKING:
     from aiohttp import web
 
-    from ._pipeline import RequestContext, UpstreamReply
-    from ._regions import Region
-    from ._server import EdgeProxy
+    from edgeproxy._core.context import RequestContext, UpstreamReply
+    from edgeproxy._server.app import EdgeProxy
+    from edgeproxy._upstream.regions import Region
 
 __all__ = ["hookimpl", "hookspec"]
 

@@ -23,7 +23,7 @@ from typing import Any
 from aiohttp import web
 
 from edgeproxy import RequestContext, UpstreamReply, hookimpl
-from edgeproxy._errors import error_response
+from edgeproxy._core.errors import error_response
 
 
 class TenantPolicy:

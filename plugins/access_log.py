@@ -43,7 +43,7 @@ from aiohttp import web
 from edgeproxy import RequestContext, hookimpl
 
 if TYPE_CHECKING:
-    from edgeproxy._config import AccessLogConfig
+    from edgeproxy._core.config import AccessLogConfig
 
 __all__ = ["AccessLog", "edgeproxy_plugin", "from_config", "record"]
 

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from edgeproxy import EdgeProxy
-from edgeproxy._config import config_from_mapping
+from edgeproxy._core.config import config_from_mapping
 from edgeproxy.testing import Behavior, FakeRegion
 
 ProxyFactory = Callable[..., Awaitable[EdgeProxy]]

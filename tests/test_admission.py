@@ -18,8 +18,8 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from edgeproxy import EdgeProxy, hookimpl
-from edgeproxy._admission import AdmissionStage
-from edgeproxy._config import config_from_mapping
+from edgeproxy._core.config import config_from_mapping
+from edgeproxy._stages.admission import AdmissionStage
 
 from .conftest import eventually, proxy_config
 

@@ -17,7 +17,7 @@ import pytest
 from aiohttp import web
 
 from edgeproxy import EdgeProxy, RequestContext, UpstreamReply, hookimpl
-from edgeproxy._config import config_from_mapping
+from edgeproxy._core.config import config_from_mapping
 from edgeproxy.testing import FakeRegion
 
 from .conftest import RegionFactory, eventually, proxy_config
@@ -728,8 +728,8 @@ async def test_disabled_cache_adds_nothing(
 
 
 def test_which_answers_may_be_stored() -> None:
-    from edgeproxy._cache import CachePlan, CacheStage
     from edgeproxy._plugins import Plugins
+    from edgeproxy._stages.cache.stage import CachePlan, CacheStage
 
     config = config_from_mapping(
         proxy_config([{"name": "r", "url": "http://127.0.0.1:1"}]), environ={}

@@ -6,7 +6,8 @@ import time
 
 import pytest
 
-from edgeproxy._cache_backends import (
+from edgeproxy._core.config import CacheConfig
+from edgeproxy._stages.cache.backends import (
     BytesSerializer,
     CircuitBreaker,
     LRUMemoryCache,
@@ -16,8 +17,7 @@ from edgeproxy._cache_backends import (
     _redis_options,
     make_backend,
 )
-from edgeproxy._cache_entry import Entry
-from edgeproxy._config import CacheConfig
+from edgeproxy._stages.cache.entry import Entry
 
 
 class Clock:
@@ -166,7 +166,7 @@ def test_redis_options_from_url_auth_and_tls(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_cache_config_errors_name_the_key() -> None:
-    from edgeproxy._config import ConfigError, config_from_mapping
+    from edgeproxy._core.config import ConfigError, config_from_mapping
 
     with pytest.raises(ConfigError) as info:
         config_from_mapping(

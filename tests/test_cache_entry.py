@@ -8,7 +8,7 @@ from typing import Any
 import orjson
 import pytest
 
-from edgeproxy._cache_entry import (
+from edgeproxy._stages.cache.entry import (
     BadEntry,
     Entry,
     assemble,

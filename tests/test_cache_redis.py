@@ -16,7 +16,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from edgeproxy import EdgeProxy
-from edgeproxy._config import config_from_mapping
+from edgeproxy._core.config import config_from_mapping
 
 from .conftest import RegionFactory, eventually, proxy_config
 from .test_cache import CHAT, cache_status, chat, post, sse_data, upstream_calls

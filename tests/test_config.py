@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from edgeproxy import Config, ConfigError, RegionConfig, load_config
-from edgeproxy._config import config_docs_markdown, config_from_mapping, iter_config_keys
+from edgeproxy._core.config import config_docs_markdown, config_from_mapping, iter_config_keys
 
 GOOD = """
 [server]

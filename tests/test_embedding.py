@@ -19,7 +19,7 @@ from edgeproxy import (
     RegionConfig,
     ServerConfig,
 )
-from edgeproxy._config import config_from_mapping
+from edgeproxy._core.config import config_from_mapping
 
 from .conftest import RegionFactory, eventually, proxy_config
 

@@ -12,7 +12,7 @@ import pytest
 from aiohttp import web
 
 from edgeproxy import hookimpl
-from edgeproxy._failover import Budget
+from edgeproxy._stages.failover import Budget
 
 from .conftest import ProxyFactory, RegionFactory, eventually
 

@@ -20,8 +20,8 @@ import pytest
 from aiohttp import web
 
 from edgeproxy import EdgeProxy, RequestContext, hookimpl
-from edgeproxy._config import config_from_mapping
-from edgeproxy._local_model import LocalAnswer
+from edgeproxy._core.config import config_from_mapping
+from edgeproxy._local.model import LocalAnswer
 
 from .conftest import RegionFactory, eventually, proxy_config
 
@@ -365,9 +365,9 @@ async def race_server(
 ) -> tuple[Any, Any, list[Any]]:
     from aiohttp.test_utils import TestClient, TestServer
 
-    from edgeproxy._errors import ProxyError, error_response
-    from edgeproxy._fallback import PENDING_UPSTREAM, FallbackStage
+    from edgeproxy._core.errors import ProxyError, error_response
     from edgeproxy._plugins import Plugins
+    from edgeproxy._stages.fallback import PENDING_UPSTREAM, FallbackStage
 
     data = proxy_config(
         [dead_region()], local_model={"path": str(tiny_model), "n_ctx": 256, "max_tokens": 32}

@@ -29,9 +29,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from edgeproxy import EdgeProxy
-from edgeproxy._config import ConfigError, config_from_mapping, load_config
-from edgeproxy._errors import ProxyError
-from edgeproxy._limits import (
+from edgeproxy._core.config import ConfigError, config_from_mapping, load_config
+from edgeproxy._core.errors import ProxyError
+from edgeproxy._protocol.bodies import (
     check_json_content_type,
     estimate_prompt_tokens,
     parse_json_object,

@@ -13,10 +13,10 @@ import pytest
 from multidict import CIMultiDict
 
 from edgeproxy import ConfigError
-from edgeproxy._config import config_from_mapping
-from edgeproxy._geo import GeoResolver, Residency, parse_lat_lon
-from edgeproxy._headers import trace_context
-from edgeproxy._pipeline import RequestContext
+from edgeproxy._core.config import config_from_mapping
+from edgeproxy._core.context import RequestContext
+from edgeproxy._protocol.headers import trace_context
+from edgeproxy._stages.geo import GeoResolver, Residency, parse_lat_lon
 
 from .conftest import ProxyFactory, RegionFactory, proxy_config
 

@@ -1,4 +1,4 @@
-"""Tests for :class:`edgeproxy._h2pool.H2Pool` against real HTTP/2 servers.
+"""Tests for :class:`edgeproxy._upstream.h2pool.H2Pool` against real HTTP/2 servers.
 
 Three servers are used:
 
@@ -36,8 +36,8 @@ import pytest
 from hypercorn.asyncio import serve
 from hypercorn.config import Config
 
-from edgeproxy._h2pool import H2Pool
-from edgeproxy._pool import (
+from edgeproxy._upstream.h2pool import H2Pool
+from edgeproxy._upstream.pool import (
     PoolLimits,
     UpstreamConnectError,
     UpstreamError,

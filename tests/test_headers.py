@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from edgeproxy._headers import (
+from edgeproxy._protocol.headers import (
     append_forwarded_for,
     append_via,
     request_id,

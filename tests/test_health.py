@@ -8,8 +8,8 @@ from typing import Any
 import aiohttp
 
 from edgeproxy import EdgeProxy
-from edgeproxy._config import config_from_mapping
-from edgeproxy._regions import RegionSet
+from edgeproxy._core.config import config_from_mapping
+from edgeproxy._upstream.regions import RegionSet
 
 from .conftest import ProxyFactory, RegionFactory, eventually, proxy_config
 

@@ -12,9 +12,9 @@ import pytest
 from aiohttp import web
 
 from edgeproxy import EdgeProxy, RequestContext, UpstreamReply, hookimpl
-from edgeproxy._config import config_from_mapping
+from edgeproxy._core.config import config_from_mapping
 from edgeproxy._plugins import Plugins
-from edgeproxy._regions import Region
+from edgeproxy._upstream.regions import Region
 from edgeproxy.hookspecs import hook_names
 
 from .conftest import RegionFactory, proxy_config

@@ -19,9 +19,9 @@ import orjson
 import pytest
 
 from edgeproxy import EdgeProxy, hookimpl
-from edgeproxy._config import ConfigError, config_from_mapping
-from edgeproxy._errors import ProxyError
-from edgeproxy._local_model import LocalAnswer, LocalModel, parse_generation_request
+from edgeproxy._core.config import ConfigError, config_from_mapping
+from edgeproxy._core.errors import ProxyError
+from edgeproxy._local.model import LocalAnswer, LocalModel, parse_generation_request
 
 from .conftest import eventually, proxy_config
 

@@ -18,8 +18,8 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from edgeproxy import EdgeProxy, RequestContext, hookimpl
-from edgeproxy._config import ConfigError, config_from_mapping
-from edgeproxy._metrics import LABELS, LatencyWindow, StatusCollector, flatten_status
+from edgeproxy._core.config import ConfigError, config_from_mapping
+from edgeproxy._observability.metrics import LABELS, LatencyWindow, StatusCollector, flatten_status
 
 from .conftest import RegionFactory, eventually, proxy_config
 
@@ -469,7 +469,7 @@ WORKER = textwrap.dedent(
     """
     import asyncio, json, sys
     from edgeproxy import EdgeProxy
-    from edgeproxy._config import config_from_mapping
+    from edgeproxy._core.config import config_from_mapping
 
     async def main():
         data = json.loads(sys.argv[1])

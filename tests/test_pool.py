@@ -7,7 +7,9 @@ import asyncio
 import pytest
 
 from edgeproxy import PoolLimits, UpstreamConnectError, UpstreamTimeout
-from edgeproxy._pool import AiohttpPool, make_pool, split_origin
+from edgeproxy._upstream.factory import make_pool
+from edgeproxy._upstream.http1 import AiohttpPool
+from edgeproxy._upstream.pool import split_origin
 
 from .conftest import RegionFactory, eventually
 

@@ -15,8 +15,15 @@ import pytest
 from multidict import CIMultiDict
 
 from edgeproxy import EdgeProxy, hookimpl
-from edgeproxy._config import AdmissionConfig, config_from_mapping
-from edgeproxy._ratelimit import Charge, Limit, LocalBuckets, RateLimiter, RedisBuckets, client_ip
+from edgeproxy._core.config import AdmissionConfig, config_from_mapping
+from edgeproxy._stages.ratelimit import (
+    Charge,
+    Limit,
+    LocalBuckets,
+    RateLimiter,
+    RedisBuckets,
+    client_ip,
+)
 
 from .conftest import ProxyFactory, RegionFactory, eventually, proxy_config
 

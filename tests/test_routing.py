@@ -9,9 +9,9 @@ import aiohttp
 import pytest
 
 from edgeproxy import EdgeProxy, hookimpl
-from edgeproxy._config import config_from_mapping
-from edgeproxy._regions import LatencyWindow, PeakEwma, Region, RegionSet
-from edgeproxy._routing import Router, great_circle_km
+from edgeproxy._core.config import config_from_mapping
+from edgeproxy._stages.routing import Router, great_circle_km
+from edgeproxy._upstream.regions import LatencyWindow, PeakEwma, Region, RegionSet
 
 from .conftest import ProxyFactory, RegionFactory, eventually, proxy_config
 

@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 from edgeproxy import EdgeProxy
-from edgeproxy._config import config_from_mapping
+from edgeproxy._core.config import config_from_mapping
 
 from .conftest import ProxyFactory, RegionFactory, eventually, proxy_config
 

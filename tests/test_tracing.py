@@ -14,8 +14,8 @@ import pytest
 from aiohttp import web
 
 from edgeproxy import EdgeProxy, hookimpl
-from edgeproxy._config import config_from_mapping
-from edgeproxy._tracing import Tracing, otel_available
+from edgeproxy._core.config import config_from_mapping
+from edgeproxy._observability.tracing import Tracing, otel_available
 
 from .conftest import RegionFactory, eventually, proxy_config
 
@@ -333,7 +333,7 @@ async def test_otel_missing_still_propagates_traceparent(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     # Uninstalling the SDK is not an option in a test run; pretend it is missing.
-    monkeypatch.setattr("edgeproxy._tracing.otel_available", lambda: False)
+    monkeypatch.setattr("edgeproxy._observability.tracing.otel_available", lambda: False)
     caplog.set_level(logging.WARNING, logger="edgeproxy.tracing")
     region = await make_region("ap-1")
     proxy = await start(proxies, [{"name": "ap-1", "url": region.url}], tracing={"otel": True})
@@ -354,8 +354,8 @@ def test_a_no_op_tracer_leaves_the_w3c_context_alone() -> None:
     from multidict import CIMultiDict
     from opentelemetry.trace import NoOpTracer
 
-    from edgeproxy._headers import trace_context
-    from edgeproxy._pipeline import RequestContext
+    from edgeproxy._core.context import RequestContext
+    from edgeproxy._protocol.headers import trace_context
 
     config = config_from_mapping(proxy_config([{"name": "r", "url": "http://r"}]), environ={})
     tracing = Tracing(config.tracing)

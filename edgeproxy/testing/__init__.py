@@ -27,10 +27,10 @@ Requires hypercorn (the ``test`` or ``bench`` extra); the model needs numpy
 and gguf (the ``testing`` extra).
 """
 
-from ._app import Counters
-from ._behavior import FAULTS, Behavior, Fault
-from ._gguf import TinyLlamaSpec, tiny_llama_gguf, write_tiny_llama_gguf
-from ._upstream import FakeRegion
+from edgeproxy.testing._app import Counters
+from edgeproxy.testing._behavior import FAULTS, Behavior, Fault
+from edgeproxy.testing._gguf import TinyLlamaSpec, tiny_llama_gguf, write_tiny_llama_gguf
+from edgeproxy.testing._upstream import FakeRegion
 
 __all__ = [
     "FAULTS",

@@ -9,8 +9,8 @@ import sys
 import threading
 from types import FrameType
 
-from ._behavior import FAULTS, Behavior
-from ._upstream import FakeRegion
+from edgeproxy.testing._behavior import FAULTS, Behavior
+from edgeproxy.testing._upstream import FakeRegion
 
 
 def _parser() -> argparse.ArgumentParser:

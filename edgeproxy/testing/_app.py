@@ -21,9 +21,9 @@ from urllib.parse import parse_qs
 
 import orjson
 
-from . import _content as content
-from ._behavior import Behavior, Fault, behavior_from_mapping
-from ._hypercorn import HTTP_1_1_REQUIRED, REFUSED_STREAM, StreamHandle
+from edgeproxy.testing import _content as content
+from edgeproxy.testing._behavior import Behavior, Fault, behavior_from_mapping
+from edgeproxy.testing._hypercorn import HTTP_1_1_REQUIRED, REFUSED_STREAM, StreamHandle
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

@@ -13,8 +13,8 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any, Final, cast
 
-from ._app import Counters, RegionApp
-from ._behavior import Behavior
+from edgeproxy.testing._app import Counters, RegionApp
+from edgeproxy.testing._behavior import Behavior
 
 try:
     from hypercorn.asyncio import serve

@@ -9,7 +9,7 @@ import pytest
 from aiohttp import web
 
 from edgeproxy import EdgeProxy, RequestContext, hookimpl
-from edgeproxy._config import config_from_mapping
+from edgeproxy._core.config import config_from_mapping
 
 from ..conftest import eventually, proxy_config
 

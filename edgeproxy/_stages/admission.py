@@ -32,13 +32,18 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from ._config import Config, RouteConfig
-from ._errors import ProxyError
-from ._limits import estimate_prompt_tokens, is_llm_request, read_json_body, requires_json
-from ._ratelimit import RateLimiter, RateTicket, client_ip
+from edgeproxy._core.config import Config, RouteConfig
+from edgeproxy._core.errors import ProxyError
+from edgeproxy._protocol.bodies import (
+    estimate_prompt_tokens,
+    is_llm_request,
+    read_json_body,
+    requires_json,
+)
+from edgeproxy._stages.ratelimit import RateLimiter, RateTicket, client_ip
 
 if TYPE_CHECKING:
-    from ._pipeline import RequestContext
+    from edgeproxy._core.context import RequestContext
 
 __all__ = ["Admitted", "AdmissionStage", "Overloaded"]
 

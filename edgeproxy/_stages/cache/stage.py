@@ -39,17 +39,30 @@ from typing import TYPE_CHECKING, Any, Final
 import orjson
 from aiohttp import web
 
-from ._cache_backends import CacheBackend, make_backend
-from ._cache_entry import Entry, ReplayResponse, replay_parts, response_headers, stream_complete
-from ._cache_flight import DONE, FAILED, Coalescer, Flight, stream_live, wait_finished, wait_started
-from ._config import Config
-from ._errors import error_response
-from ._headers import CLIENT_CREDENTIAL_HEADERS, request_id, strip_hop_by_hop
+from edgeproxy._core.config import Config
+from edgeproxy._core.context import RequestContext, UpstreamReply
+from edgeproxy._protocol.headers import CLIENT_CREDENTIAL_HEADERS, request_id, strip_hop_by_hop
+from edgeproxy._stages.cache.backends import CacheBackend, make_backend
+from edgeproxy._stages.cache.entry import (
+    Entry,
+    ReplayResponse,
+    replay_parts,
+    response_headers,
+    stream_complete,
+)
+from edgeproxy._stages.cache.flight import (
+    DONE,
+    FAILED,
+    Coalescer,
+    Flight,
+    stream_live,
+    wait_finished,
+    wait_started,
+)
 
 if TYPE_CHECKING:
-    from ._pipeline import RequestContext, UpstreamReply
-    from ._plugins import Plugins
-    from ._pool import UpstreamResponse
+    from edgeproxy._plugins import Plugins
+    from edgeproxy._upstream.pool import UpstreamResponse
 
 __all__ = ["CachePlan", "CacheRecorder", "CacheStage", "default_cache_key", "hash_key"]
 
@@ -84,6 +97,11 @@ def _short_hash(material: str) -> str:
 _CREDENTIAL_ORDER = tuple(sorted(CLIENT_CREDENTIAL_HEADERS))
 
 
+def tenant_scope(tenant: str) -> str:
+    """The scope, and so the key prefix (``<scope>:``), of every entry of ``tenant``."""
+    return "t" + _short_hash("tenant:" + tenant)
+
+
 def cache_scope(ctx: RequestContext) -> str:
     """Who may share an entry: the tenant, else the credential the client sent, else anyone.
 
@@ -91,7 +109,7 @@ def cache_scope(ctx: RequestContext) -> str:
     appear in key names.
     """
     if ctx.tenant:
-        return "t" + _short_hash("tenant:" + ctx.tenant)
+        return tenant_scope(ctx.tenant)
     for name in _CREDENTIAL_ORDER:
         value = ctx.headers.get(name)
         if value:
@@ -761,8 +779,6 @@ class CacheStage:
         return True
 
     async def _refresh(self, request: web.Request, ctx: RequestContext, plan: CachePlan) -> None:
-        from ._pipeline import UpstreamReply  # the pipeline imports this module
-
         assert self.fetch is not None
         rctx = dataclasses.replace(
             ctx,
@@ -821,11 +837,15 @@ class CacheStage:
 
     # -- admin -------------------------------------------------------------------
 
-    async def purge(self, *, key: str | None = None, prefix: str | None = None) -> int:
-        """Delete the entry named ``key``, or every entry whose key starts with ``prefix``
-        (``""``: all of them). Returns how many went."""
+    async def purge(
+        self, *, key: str | None = None, prefix: str | None = None, tenant: str | None = None
+    ) -> int:
+        """Delete the entry named ``key``, every entry of ``tenant``, or every entry whose key
+        starts with ``prefix`` (``""``: all of them). Returns how many went."""
         if self.backend is None:
             return 0
+        if tenant is not None:
+            prefix = tenant_scope(tenant) + ":"
         if key is not None:
             count = await self.backend.delete(key)
         else:
@@ -870,45 +890,3 @@ def _errors(tiers: dict[str, Any]) -> dict[str, int]:
             elif isinstance(value, dict):
                 stack.append(value)
     return dict(total)
-
-
-async def purge_response(cache: CacheStage | None, request: web.Request) -> web.Response:
-    """The admin ``POST /cache/purge``: JSON (or query) ``key``, ``prefix`` or ``tenant``.
-
-    ``key`` is an entry's name as ``X-Edgeproxy-Cache-Key`` shows it;
-    ``prefix`` matches the start of names (``""`` purges everything);
-    ``tenant`` purges every entry of that tenant.
-    """
-    if cache is None:
-        return error_response(503, "unavailable", "the proxy is not open", code="not_open")
-    params: dict[str, Any] = dict(request.query)
-    if request.body_exists:
-        try:
-            body = orjson.loads(await request.read())
-        except orjson.JSONDecodeError as exc:
-            return error_response(400, "invalid_request_error", f"body is not JSON: {exc}")
-        if not isinstance(body, dict):
-            return error_response(400, "invalid_request_error", "body must be a JSON object")
-        params.update(body)
-    given = [name for name in ("key", "prefix", "tenant") if name in params]
-    if len(given) != 1:
-        return error_response(
-            400, "invalid_request_error", "give exactly one of 'key', 'prefix' or 'tenant'"
-        )
-    value = params[given[0]]
-    if not isinstance(value, str) or (given[0] != "prefix" and not value):
-        return error_response(
-            400, "invalid_request_error", f"'{given[0]}' must be a non-empty string"
-        )
-    try:
-        if given[0] == "key":
-            purged = await cache.purge(key=value)
-        elif given[0] == "tenant":
-            purged = await cache.purge(prefix="t" + _short_hash("tenant:" + value) + ":")
-        else:
-            purged = await cache.purge(prefix=value)
-    except Exception as exc:  # noqa: BLE001 - Redis down: say so
-        return error_response(502, "cache_error", f"purge failed: {exc}", code="cache_error")
-    return web.Response(
-        body=orjson.dumps({"purged": purged, given[0]: value}), content_type="application/json"
-    )

@@ -31,11 +31,11 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ._pool import UpstreamError
+from edgeproxy._upstream.pool import UpstreamError
 
 if TYPE_CHECKING:
-    from ._config import HealthConfig
-    from ._regions import Endpoint, Region
+    from edgeproxy._core.config import HealthConfig
+    from edgeproxy._upstream.regions import Endpoint, Region
 
 __all__ = ["Health", "RegionHealth"]
 

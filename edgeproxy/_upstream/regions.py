@@ -5,7 +5,7 @@ with its own keep-alive pool), where it is, its weight, jurisdiction, tags
 and priority tier, and what the proxy has learnt about it: a peak-EWMA of its
 latency, a window of recent times to first byte (for hedging), the requests
 in flight and those still waiting for their first byte, and its
-:class:`~edgeproxy._health.RegionHealth`.
+:class:`~edgeproxy._upstream.health.RegionHealth`.
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ from collections.abc import Collection, Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
-from ._config import Config, RegionConfig
-from ._health import Health, RegionHealth
-from ._pool import PoolLimits, UpstreamError, UpstreamPool, make_pool, split_origin
+from edgeproxy._core.config import Config, RegionConfig
+from edgeproxy._upstream.factory import make_pool
+from edgeproxy._upstream.health import Health, RegionHealth
+from edgeproxy._upstream.pool import PoolLimits, UpstreamError, UpstreamPool, split_origin
 
 __all__ = ["Endpoint", "LatencyWindow", "PeakEwma", "Region", "RegionSet"]
 

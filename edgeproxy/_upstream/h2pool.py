@@ -44,7 +44,7 @@ import h2.exceptions
 import h2.settings
 from hpack import NeverIndexedHeaderTuple
 
-from ._pool import (
+from edgeproxy._upstream.pool import (
     Body,
     Headers,
     PoolLimits,
@@ -309,7 +309,7 @@ class _Stream:
 
 
 class H2Response:
-    """:class:`~edgeproxy._pool.UpstreamResponse` for one HTTP/2 stream."""
+    """:class:`~edgeproxy._upstream.pool.UpstreamResponse` for one HTTP/2 stream."""
 
     __slots__ = ("_stream", "_read_timeout", "status", "headers", "http_version")
 
@@ -679,7 +679,7 @@ def _set_response_headers(stream: _Stream, raw: list[Any]) -> None:
 
 
 class H2Pool:
-    """HTTP/2 :class:`~edgeproxy._pool.UpstreamPool` for one origin, built on ``h2``.
+    """HTTP/2 :class:`~edgeproxy._upstream.pool.UpstreamPool` for one origin, built on ``h2``.
 
     ``http://`` origins use h2c with prior knowledge; ``https://`` origins use
     TLS and require the server to pick ``h2`` by ALPN. A caller-supplied

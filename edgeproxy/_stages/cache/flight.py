@@ -16,8 +16,8 @@ from typing import Final
 
 from aiohttp import web
 
-from ._cache_entry import Entry, is_usage_event, split_events
-from ._errors import error_response
+from edgeproxy._core.errors import error_response
+from edgeproxy._stages.cache.entry import Entry, is_usage_event, split_events
 
 __all__ = ["Coalescer", "Flight"]
 

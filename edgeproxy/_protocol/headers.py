@@ -6,7 +6,8 @@ import os
 import random
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+
+from edgeproxy._core.types import TraceContext
 
 # RFC 9110 §7.6.1 connection-specific fields, plus the legacy ones that
 # proxies in the wild still send. HTTP/2 forbids all of them (RFC 9113 §8.2.2).
@@ -75,20 +76,6 @@ def request_id(incoming: str | None) -> str:
     if incoming and _REQUEST_ID_RE.match(incoming):
         return incoming
     return f"{_bits(128):032x}"
-
-
-@dataclass(frozen=True, slots=True)
-class TraceContext:
-    """A W3C trace context for one hop: ``trace_id`` is kept, ``span_id`` is this proxy's."""
-
-    trace_id: str
-    span_id: str
-    parent_id: str | None
-    flags: str
-
-    @property
-    def traceparent(self) -> str:
-        return f"00-{self.trace_id}-{self.span_id}-{self.flags}"
 
 
 def trace_context(incoming: str | None) -> TraceContext:

@@ -3,7 +3,7 @@
 *Always*, with no dependency: each request continues the caller's
 ``traceparent`` (same trace id) or starts a trace, and the region receives a
 ``traceparent`` whose parent is the proxy's own span
-(:func:`edgeproxy._headers.trace_context`). The access log records the trace
+(:func:`edgeproxy._protocol.headers.trace_context`). The access log records the trace
 id, so a slow request can be found in the logs of every hop.
 
 *With* ``[tracing] otel = true`` and the ``otel`` extra installed
@@ -39,13 +39,14 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ._headers import TraceContext
-from .hookspecs import hookimpl
+from edgeproxy._core.version import __version__
+from edgeproxy._protocol.headers import TraceContext
+from edgeproxy.hookspecs import hookimpl
 
 if TYPE_CHECKING:
-    from ._config import TracingConfig
-    from ._pipeline import RequestContext, UpstreamReply
-    from ._regions import Region
+    from edgeproxy._core.config import TracingConfig
+    from edgeproxy._core.context import RequestContext, UpstreamReply
+    from edgeproxy._upstream.regions import Region
 
 __all__ = ["Tracing", "otel_available"]
 
@@ -119,8 +120,6 @@ class Tracing:
         if self.tracer is not None:
             return
         from opentelemetry import trace
-
-        from . import __version__
 
         if self.config.exporter == "global":
             self.tracer = trace.get_tracer("edgeproxy", __version__)

@@ -2,10 +2,10 @@
 
 For each request the router:
 
-1. locates the client (:class:`~edgeproxy._geo.GeoResolver`) and applies the
+1. locates the client (:class:`~edgeproxy._stages.geo.GeoResolver`) and applies the
    residency rules: a request under a rule only ever sees allowed regions;
 2. keeps the regions that are available (reachable, not ejected, passing
-   active checks: :class:`~edgeproxy._health.Health`); when none is, a
+   active checks: :class:`~edgeproxy._upstream.health.Health`); when none is, a
    request under a residency rule gets a 503, and any other request tries
    every region anyway (Envoy's "panic" routing: a guess beats a refusal);
 3. scores each one: expected latency x (requests in flight + 1).
@@ -30,12 +30,12 @@ import random
 import time
 from typing import TYPE_CHECKING
 
-from ._geo import GeoResolver, Residency
-from ._regions import Region, RegionSet
+from edgeproxy._stages.geo import GeoResolver, Residency
+from edgeproxy._upstream.regions import Region, RegionSet
 
 if TYPE_CHECKING:
-    from ._config import Config
-    from ._pipeline import RequestContext
+    from edgeproxy._core.config import Config
+    from edgeproxy._core.context import RequestContext
 
 __all__ = ["Router", "great_circle_km"]
 

@@ -34,13 +34,13 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from ._config import Config
-from ._errors import ProxyError
-from ._local_model import LocalAnswer, LocalModel
-from ._plugins import Plugins
+from edgeproxy._core.config import Config
+from edgeproxy._core.errors import ProxyError
+from edgeproxy._local.model import LocalAnswer, LocalModel
+from edgeproxy._plugins import Plugins
 
 if TYPE_CHECKING:
-    from ._pipeline import RequestContext
+    from edgeproxy._core.context import RequestContext
 
 __all__ = ["PENDING_UPSTREAM", "FallbackStage"]
 
@@ -58,7 +58,7 @@ PENDING_UPSTREAM = "pending_upstream"
 class FallbackStage:
     """Runs the degradation ladder for requests the regions could not answer.
 
-    Owns the :class:`~edgeproxy._local_model.LocalModel`, which opens and
+    Owns the :class:`~edgeproxy._local.model.LocalModel`, which opens and
     closes with the proxy (:meth:`open`, :meth:`close`).
     """
 

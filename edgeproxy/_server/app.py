@@ -3,27 +3,27 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import importlib
 import logging
+import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
-import orjson
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 from aiohttp.web_urldispatcher import AbstractResource
 
-from ._cache import purge_response
-from ._config import Config
-from ._limits import ConnectionGuard, GuardedSite, limits_middleware
-from ._metrics import Metrics
-from ._pipeline import JSON_BODY_LIMIT, Pipeline
-from ._plugins import Plugins
-from ._regions import RegionSet
-from ._statuspage import StatusPage
-from ._tracing import Tracing
+from edgeproxy._core.config import Config
+from edgeproxy._observability.metrics import Metrics
+from edgeproxy._observability.tracing import Tracing
+from edgeproxy._pipeline import JSON_BODY_LIMIT, Pipeline
+from edgeproxy._plugins import Plugins
+from edgeproxy._server.admin import admin_app
+from edgeproxy._server.listener import ConnectionGuard, GuardedSite, limits_middleware
+from edgeproxy._upstream.regions import RegionSet
 
 __all__ = ["EdgeProxy", "PROXY_KEY"]
 
@@ -57,6 +57,7 @@ class EdgeProxy:
         self.started_at = time.time()
         self._regions: RegionSet | None = None
         self._pipeline: Pipeline | None = None
+        self._stack: contextlib.AsyncExitStack | None = None
         self._users = 0
         self._runner: web.AppRunner | None = None
         self._admin_runner: web.AppRunner | None = None
@@ -73,7 +74,7 @@ class EdgeProxy:
         self.app.router.add_route("*", "/{tail:.*}", self._handle)
         # The prefix _handle strips, by the route's resource.
         self._prefixes: dict[AbstractResource | None, str] = {}
-        self.admin_app = _admin_app(self)
+        self.admin_app = admin_app(self)
 
     def _register_observability(self) -> None:
         """Built-in metrics, tracing and access log: plugins on the same hooks as any other.
@@ -125,57 +126,63 @@ class EdgeProxy:
         app.cleanup_ctx.append(self._lifespan)
 
     async def open(self) -> None:
-        """Open the pools and warm them. Counted, so several host apps may share one proxy."""
+        """Open the pools and warm them. Counted, so several host apps may share one proxy.
+
+        Every resource is entered on one exit stack, so a failed start and
+        :meth:`close` undo the same steps in the same (reverse) order.
+        """
         self._users += 1
         if self._users > 1:
             return
-        regions = RegionSet(self.config)
-        self._regions = regions
-        self._pipeline = Pipeline(self.config, regions, self.plugins)
-        # The local model loads in a worker thread while the pools warm; never waited for.
-        self._pipeline.fallback.open()
-        # Rate-limit buckets: Redis when configured (its absence only means local limits).
-        await self._pipeline.admission.open()
-        # The cache's backend: a Redis that does not answer is a warning (it fails open).
-        await self._pipeline.cache.open()
-        await regions.open()
-        for region in regions:
-            if not region.up:
-                logger.warning(
-                    "region %s (%s) is not reachable at startup; /readyz reports it",
-                    region.name,
-                    region.config.url,
-                )
+        stack = contextlib.AsyncExitStack()
         try:
+            regions = RegionSet(self.config)
+            pipeline = Pipeline(self.config, regions, self.plugins)
+            # The local model loads in a worker thread while the pools warm; never waited for.
+            pipeline.fallback.open()
+            stack.push_async_callback(pipeline.fallback.close)
+            # Rate-limit buckets: Redis when configured (its absence only means local limits).
+            await pipeline.admission.open()
+            stack.push_async_callback(pipeline.admission.close)
+            # The router lets go of its geo database once the regions are closed.
+            stack.callback(pipeline.router.close)
+            # Closing the regions stops the health checks too.
+            stack.push_async_callback(regions.close)
+            await regions.open()
+            # The cache's backend: a Redis that does not answer is a warning (it fails open).
+            # It closes before the pools, which its background refreshes use.
+            await pipeline.cache.open()
+            stack.push_async_callback(pipeline.cache.close)
+            for region in regions:
+                if not region.up:
+                    logger.warning(
+                        "region %s (%s) is not reachable at startup; /readyz reports it",
+                        region.name,
+                        region.config.url,
+                    )
+            # Plugins that did start get their shutdown hook, also when a later one fails.
+            stack.push_async_callback(
+                self.plugins.call_all_logged, "edgeproxy_shutdown", proxy=self
+            )
+            self._regions, self._pipeline = regions, pipeline
             await self.plugins.call_all("edgeproxy_startup", proxy=self)
         except BaseException:
-            # Plugins that did start get their shutdown hook.
-            await self.plugins.call_all_logged("edgeproxy_shutdown", proxy=self)
-            await self._pipeline.fallback.close()
-            await self._pipeline.admission.close()
-            await self._pipeline.cache.close()
-            await regions.close()
-            self._regions = None
-            self._pipeline = None
+            self._regions = self._pipeline = None
             self._users -= 1
+            await stack.aclose()
             raise
+        self._stack = stack
 
     async def close(self) -> None:
+        """Close what :meth:`open` opened, in reverse order, once its last user closes."""
         self._users -= 1
-        if self._users > 0 or self._regions is None:
+        if self._users > 0 or self._stack is None:
             return
-        await self.plugins.call_all_logged("edgeproxy_shutdown", proxy=self)
-        if self._pipeline is not None:
-            await self._pipeline.fallback.close()
-            await self._pipeline.admission.close()
-            # Before the pools: background cache refreshes use them.
-            await self._pipeline.cache.close()
-        # Stops the health checks too; then the router lets go of its geo database.
-        await self._regions.close()
-        if self._pipeline is not None:
-            self._pipeline.router.close()
-        self._regions = None
-        self._pipeline = None
+        stack, self._stack = self._stack, None
+        try:
+            await stack.aclose()
+        finally:
+            self._regions = self._pipeline = None
 
     # -- serving ---------------------------------------------------------
 
@@ -226,18 +233,59 @@ class EdgeProxy:
 
     @property
     def ready(self) -> bool:
-        return (
-            self._regions is not None
-            and self._regions.ready
-            and not self.draining
-            and self._local_model_ready()
-        )
+        """Whether the proxy takes traffic: open, pools warmed, a region up, not draining."""
+        return self.readiness()[0]
 
-    def _local_model_ready(self) -> bool:
-        """False only while ``local_model.ready_requires_model`` waits for the model."""
-        if not self.config.local_model.ready_requires_model or self._pipeline is None:
-            return True
-        return self._pipeline.fallback.local.ready
+    def readiness(self) -> tuple[bool, dict[str, Any]]:
+        """Readiness and the admin ``/readyz`` body: its reasons when not ready."""
+        model = self._local_model_state()
+        model_ready = (
+            model is None
+            or not self.config.local_model.ready_requires_model
+            or model["state"] == "ready"
+        )
+        regions = self._regions
+        if regions is not None and regions.ready and not self.draining and model_ready:
+            body: dict[str, Any] = {"status": "ready"}
+            if model is not None:
+                body["local_model"] = model
+                if model["state"] in ("failed", "unavailable"):
+                    body["warnings"] = [f"local model {model['state']}: {model['error']}"]
+            return True, body
+        reasons = []
+        if not model_ready and model is not None:
+            error = f": {model['error']}" if model["error"] else ""
+            reasons.append(f"local model {model['state']}{error}")
+        if self.draining:
+            reasons.append("draining")
+        if regions is None:
+            reasons.append("not started")
+        elif not regions.warmed:
+            reasons.append("pools warming")
+        else:
+            for region in regions:
+                if not region.up:
+                    reasons.append(f"region {region.name} unreachable: {region.last_error}")
+            if not any(r.up for r in regions):
+                reasons.append("no region is reachable")
+        body = {"status": "not ready", "reasons": reasons}
+        if model is not None:
+            body["local_model"] = model
+        return False, body
+
+    def _local_model_state(self) -> dict[str, Any] | None:
+        """The local model's state; None when no model is configured or the proxy is closed."""
+        if self._pipeline is None or not self._pipeline.fallback.local.enabled:
+            return None
+        local = self._pipeline.fallback.local
+        return {"state": local.state, "error": local.error, "model": local.model_name}
+
+    async def purge_cache(
+        self, *, key: str | None = None, prefix: str | None = None, tenant: str | None = None
+    ) -> int:
+        """Delete cache entries: the one named ``key``, those of ``tenant``, or those whose key
+        starts with ``prefix`` (``""``: all). Returns how many went."""
+        return await self.pipeline.cache.purge(key=key, prefix=prefix, tenant=tenant)
 
     async def start(self) -> None:
         """Listen on ``[server]`` and, when enabled, ``[admin]``; returns once both listen."""
@@ -334,79 +382,12 @@ def _runner_url(runner: web.AppRunner | None) -> str:
     return f"http://{host}:{port}"
 
 
-def _json(data: Any, status: int = 200) -> web.Response:
-    return web.Response(status=status, body=orjson.dumps(data), content_type="application/json")
-
-
-def _local_model_readiness(proxy: EdgeProxy) -> dict[str, Any] | None:
-    """The local model's state for /readyz; None when no model is configured."""
-    if proxy._pipeline is None or not proxy._pipeline.fallback.local.enabled:
-        return None
-    local = proxy._pipeline.fallback.local
-    return {"state": local.state, "error": local.error, "model": local.model_name}
-
-
-def _admin_app(proxy: EdgeProxy) -> web.Application:
-    async def healthz(request: web.Request) -> web.Response:
-        return _json({"status": "ok"})
-
-    async def readyz(request: web.Request) -> web.Response:
-        model = _local_model_readiness(proxy)
-        if proxy.ready:
-            ready: dict[str, Any] = {"status": "ready"}
-            if model is not None:
-                ready["local_model"] = model
-                if model["state"] in ("failed", "unavailable"):
-                    ready["warnings"] = [f"local model {model['state']}: {model['error']}"]
-            return _json(ready)
-        reasons = []
-        if model is not None and not proxy._local_model_ready():
-            error = f": {model['error']}" if model["error"] else ""
-            reasons.append(f"local model {model['state']}{error}")
-        if proxy.draining:
-            reasons.append("draining")
-        if proxy._regions is None:
-            reasons.append("not started")
-        elif not proxy._regions.warmed:
-            reasons.append("pools warming")
-        else:
-            for region in proxy._regions:
-                if not region.up:
-                    reasons.append(f"region {region.name} unreachable: {region.last_error}")
-            if not any(r.up for r in proxy._regions):
-                reasons.append("no region is reachable")
-        body: dict[str, Any] = {"status": "not ready", "reasons": reasons}
-        if model is not None:
-            body["local_model"] = model
-        return _json(body, status=503)
-
-    async def status(request: web.Request) -> web.Response:
-        return _json(proxy.status())
-
-    app = web.Application()
-    app[PROXY_KEY] = proxy
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/readyz", readyz)
-    app.router.add_get("/status", status)
-
-    async def cache_purge(request: web.Request) -> web.Response:
-        return await purge_response(proxy._pipeline.cache if proxy._pipeline else None, request)
-
-    app.router.add_post("/cache/purge", cache_purge)
-    app.router.add_get("/", StatusPage().handle)
-    if proxy.metrics is not None:
-        app.router.add_get("/metrics", proxy.metrics.handle)
-    return app
-
-
 # Allocations (net of frees) between young-generation collections in `serve`.
 _GC_YOUNG_THRESHOLD = 7000
 
 
 async def serve(config: Config) -> int:
     """Run until SIGTERM or SIGINT, then drain. Returns the process exit code."""
-    import signal
-
     proxy = EdgeProxy(config)
     await proxy.start()
     # Garbage collector tuning for a serving process (embedding apps keep their own).

@@ -16,7 +16,7 @@ import re
 import tomllib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Final, Literal
 from urllib.parse import urlsplit
 
 from pydantic import (
@@ -56,6 +56,13 @@ __all__ = [
 ENV_PREFIX = "EDGEPROXY_"
 # RFC 9110 field-name token.
 _HEADER_NAME_RE = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+
+_EU: Final = "AT BE BG HR CY CZ DK EE FI FR DE GR IE IT LV LT LU MT NL PL PT RO SK SI ES SE".split()
+BUILTIN_GROUPS: Final[dict[str, frozenset[str]]] = {
+    "EU": frozenset(_EU),
+    "EEA": frozenset([*_EU, "IS", "LI", "NO"]),
+}
+"""Country groups residency rules may name without defining them."""
 
 
 class ConfigError(ValueError):
@@ -629,8 +636,6 @@ class GeoConfig(_Section):
 
     @model_validator(mode="after")
     def _check_residency_keys(self) -> GeoConfig:
-        from ._geo import BUILTIN_GROUPS
-
         groups = set(BUILTIN_GROUPS) | set(self.country_groups)
         rules: dict[str, list[str]] = {}
         for key, allowed in self.residency.items():

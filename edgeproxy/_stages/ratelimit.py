@@ -31,8 +31,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ._config import AdmissionConfig
-from ._errors import ProxyError
+from edgeproxy._core.config import AdmissionConfig
+from edgeproxy._core.errors import ProxyError
 
 __all__ = ["Charge", "Limit", "LocalBuckets", "RateLimiter", "RateTicket", "client_ip"]
 

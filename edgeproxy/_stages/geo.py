@@ -20,24 +20,19 @@ import logging
 import math
 import re
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any
 
-from ._errors import ProxyError
+from edgeproxy._core.config import BUILTIN_GROUPS
+from edgeproxy._core.errors import ProxyError
 
 if TYPE_CHECKING:
-    from ._config import GeoConfig, RegionConfig
-    from ._pipeline import RequestContext
+    from edgeproxy._core.config import GeoConfig, RegionConfig
+    from edgeproxy._core.context import RequestContext
 
-__all__ = ["BUILTIN_GROUPS", "GeoResolver", "Residency", "parse_lat_lon"]
+__all__ = ["GeoResolver", "Residency", "parse_lat_lon"]
 
 logger = logging.getLogger("edgeproxy.geo")
 
-_EU: Final = "AT BE BG HR CY CZ DK EE FI FR DE GR IE IT LV LT LU MT NL PL PT RO SK SI ES SE".split()
-BUILTIN_GROUPS: Final[dict[str, frozenset[str]]] = {
-    "EU": frozenset(_EU),
-    "EEA": frozenset([*_EU, "IS", "LI", "NO"]),
-}
-"""Country groups residency rules may name without defining them."""
 
 _COUNTRY_RE = re.compile(r"[A-Za-z]{2}")
 # Cloudflare's "unknown" and "Tor" pseudo-countries say nothing about residency.

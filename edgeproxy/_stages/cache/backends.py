@@ -30,8 +30,8 @@ from aiocache.backends.memory import SimpleMemoryBackend
 from aiocache.serializers import BaseSerializer, NullSerializer
 from redis.asyncio import BlockingConnectionPool
 
-from ._cache_entry import BadEntry, Entry
-from ._config import CacheConfig
+from edgeproxy._core.config import CacheConfig
+from edgeproxy._stages.cache.entry import BadEntry, Entry
 
 __all__ = [
     "BytesSerializer",

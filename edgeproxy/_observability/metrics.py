@@ -47,11 +47,12 @@ from prometheus_client.metrics_core import (
 )
 from prometheus_client.utils import floatToGoString
 
-from .hookspecs import hookimpl
+from edgeproxy._core.version import __version__
+from edgeproxy.hookspecs import hookimpl
 
 if TYPE_CHECKING:
-    from ._config import Config
-    from ._pipeline import RequestContext
+    from edgeproxy._core.config import Config
+    from edgeproxy._core.context import RequestContext
 
 __all__ = ["LatencyWindow", "Metrics", "StatusCollector", "flatten_status"]
 
@@ -769,7 +770,6 @@ class Metrics:
     """
 
     def __init__(self, config: Config, status: Callable[[], dict[str, Any]]) -> None:
-        from . import __version__
 
         self.config = config.metrics
         self._status = status

@@ -41,11 +41,11 @@ from typing import TYPE_CHECKING, Any, Literal, TextIO
 import orjson
 from aiohttp import web
 
-from ._config import LocalModelConfig
-from ._errors import ProxyError
+from edgeproxy._core.config import LocalModelConfig
+from edgeproxy._core.errors import ProxyError
 
 if TYPE_CHECKING:
-    from ._pipeline import RequestContext
+    from edgeproxy._core.context import RequestContext
 
 __all__ = ["LocalAnswer", "LocalModel", "GenerationRequest", "parse_generation_request"]
 

@@ -37,15 +37,22 @@ from typing import TYPE_CHECKING
 
 import orjson
 
-from ._errors import ProxyError
-from ._pool import Headers, UpstreamConnectError, UpstreamError, UpstreamResponse, UpstreamTimeout
-from ._regions import Endpoint, Region, RegionSet
+from edgeproxy._core.errors import ProxyError
+from edgeproxy._upstream.pool import (
+    Headers,
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamResponse,
+    UpstreamTimeout,
+)
+from edgeproxy._upstream.regions import Endpoint, Region, RegionSet
 
 if TYPE_CHECKING:
     from aiohttp import web
 
-    from ._config import Config
-    from ._pipeline import RequestContext, UpstreamStage
+    from edgeproxy._core.config import Config
+    from edgeproxy._core.context import RequestContext
+    from edgeproxy._stages.upstream import UpstreamStage
 
 __all__ = ["AttemptResponse", "Budget", "Failover"]
 

@@ -1,128 +1,25 @@
-"""Upstream connection pools: the narrow interface the pipeline talks to.
-
-One pool per region endpoint. A pool sends one request and hands back a
-response whose body is read incrementally, so nothing is buffered whole.
-HTTP/2 endpoints use :class:`edgeproxy._h2pool.H2Pool` (built directly on
-``h2``; see ``bench/pool_compare.py`` for why not ``httpx``); HTTP/1.1
-endpoints use :class:`AiohttpPool`.
-"""
+"""The HTTP/1.1 keep-alive pool, on aiohttp's client, for regions without HTTP/2."""
 
 from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import AsyncIterable, AsyncIterator
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import AsyncIterator
 
 import aiohttp
 
-Headers = list[tuple[str, str]]
-Body = bytes | AsyncIterable[bytes] | None
+from edgeproxy._core.types import Body, Headers
+from edgeproxy._upstream.pool import (
+    PoolLimits,
+    PoolStats,
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamProtocolError,
+    UpstreamResponse,
+    UpstreamTimeout,
+)
 
-
-class UpstreamError(Exception):
-    """Base class for failures talking to an upstream.
-
-    ``retryable`` is true when the upstream certainly did not start
-    processing the request (connect failure, refused stream, GOAWAY before the
-    stream was accepted), so a retry elsewhere cannot duplicate work.
-    """
-
-    retryable: bool = False
-
-
-class UpstreamConnectError(UpstreamError):
-    """The connection could not be opened (refused, DNS, TLS handshake)."""
-
-    retryable = True
-
-
-class UpstreamTimeout(UpstreamError):
-    """A connect, read, write or pool timeout expired."""
-
-    def __init__(self, message: str, *, phase: str) -> None:
-        super().__init__(message)
-        self.phase = phase
-        self.retryable = phase in ("connect", "pool")
-
-
-class UpstreamProtocolError(UpstreamError):
-    """The connection broke or the peer misbehaved (reset, GOAWAY, bad frames)."""
-
-    def __init__(self, message: str, *, retryable: bool = False) -> None:
-        super().__init__(message)
-        self.retryable = retryable
-
-
-@dataclass(frozen=True, slots=True)
-class PoolLimits:
-    """Sizing and timeouts for one pool. All durations are seconds."""
-
-    max_connections: int = 8
-    http1_max_connections: int = 256
-    keepalive_expiry: float = 60.0
-    connect_timeout: float = 3.0
-    read_timeout: float = 60.0
-    write_timeout: float = 10.0
-    pool_timeout: float = 5.0
-    warm_connections: int = 1
-    ping_interval: float = 15.0
-
-
-@dataclass(frozen=True, slots=True)
-class PoolStats:
-    """A snapshot for ``/status`` and metrics."""
-
-    connections_open: int
-    streams_in_use: int
-    requests_total: int
-    http_version: str
-
-
-class UpstreamResponse(Protocol):
-    """A response whose headers have arrived and whose body is still streaming."""
-
-    status: int
-    headers: Headers
-    http_version: str
-
-    def aiter_bytes(self) -> AsyncIterator[bytes]:
-        """Yield body chunks as they arrive. Raises :class:`UpstreamError` on a broken body."""
-        ...
-
-    async def aclose(self) -> None:
-        """Release the stream. Before the body ended, this cancels the request upstream."""
-        ...
-
-
-class UpstreamPool(Protocol):
-    """A keep-alive pool to one upstream origin (scheme, host, port)."""
-
-    async def start(self) -> None:
-        """Open ``warm_connections`` connections. Raises :class:`UpstreamError` if none opens."""
-        ...
-
-    async def request(
-        self,
-        method: str,
-        target: str,
-        headers: Headers,
-        body: Body = None,
-        *,
-        authority: str | None = None,
-    ) -> UpstreamResponse:
-        """Send a request and return once response headers have arrived.
-
-        ``target`` is the path with its query string. ``headers`` must not
-        contain hop-by-hop headers or ``Host``; ``authority`` sets the Host
-        (HTTP/1.1) or ``:authority`` (HTTP/2), defaulting to the origin's.
-        """
-        ...
-
-    def stats(self) -> PoolStats: ...
-
-    async def aclose(self) -> None: ...
+__all__ = ["AiohttpPool", "AiohttpResponse"]
 
 
 class AiohttpResponse:
@@ -286,27 +183,3 @@ class AiohttpPool:
         if self._session is not None:
             await self._session.close()
             self._session = None
-
-
-def make_pool(
-    origin: str,
-    *,
-    http2: bool,
-    limits: PoolLimits,
-    ssl_context: ssl.SSLContext | None = None,
-) -> UpstreamPool:
-    """Build the pool for one origin: HTTP/2 (h2c or TLS+ALPN) or HTTP/1.1."""
-    if http2:
-        from ._h2pool import H2Pool
-
-        return H2Pool(origin, limits, ssl_context=ssl_context)
-    return AiohttpPool(origin, limits, ssl_context=ssl_context)
-
-
-def split_origin(url: str) -> tuple[str, str]:
-    """Split ``http://host:port/base`` into the origin and a base path ('' or '/base')."""
-    from urllib.parse import urlsplit
-
-    parts = urlsplit(url)
-    origin = f"{parts.scheme}://{parts.netloc}"
-    return origin, parts.path.rstrip("/")

@@ -1,0 +1,1 @@
+"""The bottom layer: the request model, errors and the config schema."""

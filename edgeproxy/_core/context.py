@@ -1,0 +1,89 @@
+"""The request model every stage and hook sees: the request context and the upstream reply."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from multidict import CIMultiDict
+
+from edgeproxy._core.config import RouteConfig
+from edgeproxy._core.types import Headers, TraceContext
+
+__all__ = ["RequestContext", "UpstreamReply"]
+
+_UNSET: Any = object()
+
+
+@dataclass(slots=True)
+class RequestContext:
+    """What the pipeline knows about one request as it moves through the stages.
+
+    Plugins read and rewrite the request through it: ``target`` (path and
+    query), ``headers`` (a mutable copy of the client's), ``json`` and
+    :meth:`set_json`, ``tenant`` and ``priority``.
+    """
+
+    request_id: str
+    trace: TraceContext
+    method: str
+    target: str
+    headers: CIMultiDict[str]
+    client_ip: str | None
+    started: float
+    route: RouteConfig
+    body: bytes | None = None
+    body_read: bool = False
+    tenant: str | None = None
+    priority: int = 0
+    client_country: str | None = None
+    client_geo: tuple[float, float] | None = None
+    region: str | None = None
+    attempts: int = 0
+    hedged: bool = False
+    status: int = 0
+    bytes_out: int = 0
+    upstream_ttfb: float | None = None
+    first_byte_at: float | None = None
+    finished_at: float | None = None
+    response_is_sse: bool = False
+    cache: str | None = None
+    cache_key: str | None = None
+    degraded: str | None = None
+    usage: dict[str, Any] | None = None
+    error: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    _json: Any = _UNSET
+
+    @property
+    def path(self) -> str:
+        """``target`` without its query string."""
+        return self.target.split("?", 1)[0]
+
+    @property
+    def json(self) -> Any:
+        """The request body parsed as JSON, or None when it is not a buffered JSON body."""
+        if self._json is _UNSET:
+            self._json = None
+            if self.body and "json" in self.headers.get("content-type", ""):
+                try:
+                    self._json = orjson.loads(self.body)
+                except orjson.JSONDecodeError:
+                    pass
+        return self._json
+
+    def set_json(self, value: Any) -> None:
+        """Replace the request body with ``value`` serialized as JSON."""
+        self.body = orjson.dumps(value)
+        self.body_read = True
+        self._json = value
+        self.headers["content-type"] = "application/json"
+
+
+@dataclass(slots=True)
+class UpstreamReply:
+    """Status and headers of a region's response, editable by plugins before they are sent."""
+
+    status: int
+    headers: Headers

@@ -1,0 +1,1 @@
+"""The local llama.cpp model: request mapping, binding, scheduling, answers."""

@@ -1,0 +1,1 @@
+"""Protocol helpers: OpenAI endpoints and bodies, headers, SSE, usage, client IPs."""

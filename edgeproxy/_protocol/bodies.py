@@ -1,0 +1,212 @@
+"""OpenAI request bodies: which must be JSON objects, their validation, the prompt estimate."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from edgeproxy._core.config import RouteConfig
+from edgeproxy._core.errors import ProxyError
+
+__all__ = [
+    "BodyTimeout",
+    "BodyTooLarge",
+    "check_json_content_type",
+    "estimate_prompt_tokens",
+    "is_llm_request",
+    "parse_json_object",
+    "read_json_body",
+    "requires_json",
+]
+
+# OpenAI endpoints whose bodies are JSON objects and whose answers carry token usage.
+LLM_ENDPOINTS = ("/chat/completions", "/completions", "/embeddings", "/responses")
+_BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+# Methods a reverse proxy must not forward: CONNECT would tunnel, TRACE reflects
+# the request (cookies and credentials included) back to a script (XST).
+_REFUSED_METHODS = frozenset({"CONNECT", "TRACE"})
+# Codings a server may receive in Transfer-Encoding; the proxy only decodes chunked.
+_KNOWN_CODINGS = frozenset({"chunked", "gzip", "x-gzip", "deflate", "compress", "identity"})
+# Error messages echo at most this much of what the client sent.
+_ECHO_LIMIT = 120
+
+
+class BodyTooLarge(ProxyError):
+    """The request body passed ``limits.max_body_size`` (413)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(
+            413,
+            "invalid_request_error",
+            f"Request body too large: the limit is {limit} bytes.",
+            code="request_too_large",
+            headers={"Connection": "close"},
+        )
+
+
+class BodyTimeout(ProxyError):
+    """The client stopped sending its body for ``limits.body_timeout`` (408)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(
+            408,
+            "invalid_request_error",
+            f"The request body stalled for {seconds:g} seconds.",
+            code="request_timeout",
+            headers={"Connection": "close"},
+        )
+
+
+# -- JSON bodies of LLM routes ------------------------------------------------------
+
+
+def is_llm_request(method: str, path: str) -> bool:
+    """Whether this is a POST to an OpenAI LLM endpoint (chat, completions, embeddings...)."""
+    return method == "POST" and path.endswith(LLM_ENDPOINTS)
+
+
+def requires_json(method: str, path: str, route: RouteConfig) -> bool:
+    """Whether the body must be a JSON object: the route's ``require_json``, else LLM POSTs."""
+    if method not in _BODY_METHODS:
+        return False
+    if route.require_json is not None:
+        return route.require_json
+    return is_llm_request(method, path)
+
+
+def _bad_body(message: str, code: str) -> ProxyError:
+    return ProxyError(400, "invalid_request_error", message, code=code)
+
+
+def check_json_content_type(content_type: str | None, content_encoding: str | None) -> None:
+    """Raise a 400 unless the body is declared as uncompressed UTF-8 JSON."""
+    media, _, params = (content_type or "").partition(";")
+    media = media.strip().lower()
+    is_json = media == "application/json" or (
+        media.startswith("application/") and media.endswith("+json")
+    )
+    if not is_json:
+        shown = (content_type or "none")[:_ECHO_LIMIT]
+        raise _bad_body(
+            f"Invalid Content-Type {shown!r}: this endpoint takes 'application/json'.",
+            "invalid_content_type",
+        )
+    for param in params.split(";"):
+        name, _, value = param.partition("=")
+        if name.strip().lower() == "charset":
+            charset = value.strip().strip('"').lower()
+            if charset not in ("utf-8", "utf8"):
+                raise _bad_body(
+                    f"Invalid charset {charset[:_ECHO_LIMIT]!r}: JSON bodies must be UTF-8.",
+                    "invalid_content_type",
+                )
+    if content_encoding and content_encoding.strip().lower() not in ("", "identity"):
+        raise _bad_body(
+            "Compressed request bodies (Content-Encoding) are not accepted on this endpoint.",
+            "unsupported_content_encoding",
+        )
+
+
+def parse_json_object(body: bytes | None) -> dict[str, Any]:
+    """The body as a JSON object, or a 400 saying why it is not one."""
+    if not body:
+        raise _bad_body(
+            "The request body is empty: this endpoint takes a JSON object.", "invalid_body"
+        )
+    try:
+        value = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        # orjson reports invalid UTF-8 and lone surrogates as decode errors too.
+        raise _bad_body(
+            f"The request body is not valid JSON: {str(exc)[:_ECHO_LIMIT]}", "invalid_json"
+        ) from None
+    if not isinstance(value, dict):
+        raise _bad_body(
+            f"The request body must be a JSON object, not {_json_kind(value)}.", "invalid_body"
+        )
+    return value
+
+
+def _json_kind(value: Any) -> str:
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, str):
+        return "a string"
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    return "a number"
+
+
+async def read_json_body(request: web.Request, ctx: Any, max_size: int) -> dict[str, Any]:
+    """Validate an LLM route's body as a JSON object, reading it first if the pipeline did not.
+
+    ``ctx`` is the request's :class:`~edgeproxy.RequestContext`; a body the
+    pipeline left to stream (chunked, or large) is read here, up to
+    ``max_size`` bytes (0: no limit), and kept on ``ctx``.
+    """
+    check_json_content_type(ctx.headers.get("content-type"), ctx.headers.get("content-encoding"))
+    if not ctx.body_read:
+        ctx.body = await _read_bounded(request, max_size)
+        ctx.body_read = True
+    value = parse_json_object(ctx.body)
+    # Parsed once: plugins and later stages read ctx.json without parsing again.
+    ctx._json = value
+    return value
+
+
+async def _read_bounded(request: web.Request, max_size: int) -> bytes:
+    length = request.content_length
+    if max_size and length is not None and length > max_size:
+        raise BodyTooLarge(max_size)
+    parts: list[bytes] = []
+    total = 0
+    while chunk := await request.content.readany():
+        total += len(chunk)
+        if max_size and total > max_size:
+            raise BodyTooLarge(max_size)
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def estimate_prompt_tokens(body: dict[str, Any]) -> int:
+    """A cheap upper-ish estimate of a request's prompt tokens: about 4 characters each.
+
+    Counts the text of ``messages`` (strings and text parts), ``prompt``,
+    ``input`` and ``instructions``, plus a few tokens of framing per message.
+    The rate limiter settles the difference with the upstream's usage.
+    """
+    chars = 0
+    framing = 0
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        for message in messages[:10_000]:
+            framing += 4
+            if isinstance(message, dict):
+                chars += _text_chars(message.get("content"), 0)
+                name = message.get("name")
+                if isinstance(name, str):
+                    chars += len(name)
+    for key in ("prompt", "input", "instructions"):
+        chars += _text_chars(body.get(key), 0)
+    return max(1, framing + (chars + 3) // 4)
+
+
+def _text_chars(value: Any, depth: int) -> int:
+    if isinstance(value, str):
+        return len(value)
+    if depth > 4:
+        return 0
+    if isinstance(value, list):
+        return sum(_text_chars(item, depth + 1) for item in value[:10_000])
+    if isinstance(value, dict):
+        # Content parts: {"type": "text", "text": ...}; images count as nothing here.
+        return _text_chars(value.get("text"), depth + 1) + _text_chars(
+            value.get("content"), depth + 1
+        )
+    if isinstance(value, int) and not isinstance(value, bool):
+        return 1  # a token id of a pre-tokenized prompt
+    return 0

@@ -1,0 +1,1 @@
+"""The aiohttp server: the proxy app, the guarded listener, the admin listener."""

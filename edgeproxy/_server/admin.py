@@ -1,0 +1,83 @@
+"""The admin listener's app: health, readiness, status, metrics, the status page, cache purge.
+
+Every handler goes through :class:`~edgeproxy.EdgeProxy`'s public methods.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from aiohttp import web
+
+from edgeproxy._core.errors import ProxyError, error_response
+from edgeproxy._observability.statuspage import StatusPage
+
+if TYPE_CHECKING:
+    from edgeproxy._server.app import EdgeProxy
+
+__all__ = ["admin_app"]
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(data), content_type="application/json")
+
+
+async def _purge_params(request: web.Request) -> tuple[str, str]:
+    """The one of ``key``, ``prefix`` or ``tenant`` a purge names, from JSON or the query."""
+    params: dict[str, Any] = dict(request.query)
+    if request.body_exists:
+        try:
+            body = orjson.loads(await request.read())
+        except orjson.JSONDecodeError as exc:
+            raise ProxyError(400, "invalid_request_error", f"body is not JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise ProxyError(400, "invalid_request_error", "body must be a JSON object")
+        params.update(body)
+    given = [name for name in ("key", "prefix", "tenant") if name in params]
+    if len(given) != 1:
+        raise ProxyError(
+            400, "invalid_request_error", "give exactly one of 'key', 'prefix' or 'tenant'"
+        )
+    value = params[given[0]]
+    if not isinstance(value, str) or (given[0] != "prefix" and not value):
+        raise ProxyError(400, "invalid_request_error", f"'{given[0]}' must be a non-empty string")
+    return given[0], value
+
+
+def admin_app(proxy: EdgeProxy) -> web.Application:
+    """The admin listener's application for ``proxy``."""
+
+    async def healthz(request: web.Request) -> web.Response:
+        return _json({"status": "ok"})
+
+    async def readyz(request: web.Request) -> web.Response:
+        ready, body = proxy.readiness()
+        return _json(body, status=200 if ready else 503)
+
+    async def status(request: web.Request) -> web.Response:
+        return _json(proxy.status())
+
+    async def cache_purge(request: web.Request) -> web.Response:
+        """``POST /cache/purge``: JSON (or query) ``key``, ``prefix`` or ``tenant``.
+
+        ``key`` is an entry's name as ``X-Edgeproxy-Cache-Key`` shows it;
+        ``prefix`` matches the start of names (``""`` purges everything);
+        ``tenant`` purges every entry of that tenant.
+        """
+        try:
+            name, value = await _purge_params(request)
+            purged = await proxy.purge_cache(**{name: value})
+        except ProxyError as err:
+            return error_response(err.status, err.type, err.message, code=err.code)
+        return _json({"purged": purged, name: value})
+
+    app = web.Application()
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/status", status)
+    app.router.add_post("/cache/purge", cache_purge)
+    app.router.add_get("/", StatusPage().handle)
+    if proxy.metrics is not None:
+        app.router.add_get("/metrics", proxy.metrics.handle)
+    return app

@@ -1,0 +1,1 @@
+"""The pipeline's stages: admission, cache, routing, failover, relay, fallback."""

@@ -1,0 +1,1 @@
+"""The hot-answer cache: stage, entries, backends, coalescing."""

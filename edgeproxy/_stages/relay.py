@@ -1,0 +1,136 @@
+"""The relay: a region's answer to the client chunk by chunk, never buffered."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from aiohttp import web
+
+from edgeproxy._core.context import RequestContext, UpstreamReply
+from edgeproxy._core.errors import error_response
+from edgeproxy._core.types import Headers
+from edgeproxy._plugins import PluginError, Plugins
+from edgeproxy._protocol.headers import strip_hop_by_hop
+from edgeproxy._protocol.usage import UsageTracker
+from edgeproxy._stages.cache.stage import CacheRecorder
+from edgeproxy._upstream.pool import UpstreamError, UpstreamResponse
+from edgeproxy._upstream.regions import Region
+
+__all__ = ["StreamStage"]
+
+logger = logging.getLogger("edgeproxy")
+
+_NO_BODY_STATUS = frozenset({204, 304})
+# Response headers the stream stage sets itself (lower-cased), replacing a region's.
+_OWN = frozenset({"x-edgeproxy-region", "x-request-id"})
+_OWN_WITH_CACHE = _OWN | {"x-edgeproxy-cache"}
+
+
+class StreamStage:
+    """Relays the upstream response to the client chunk by chunk, never buffering it."""
+
+    def __init__(self, plugins: Plugins) -> None:
+        self.plugins = plugins
+
+    async def relay(
+        self,
+        request: web.Request,
+        ctx: RequestContext,
+        region: Region,
+        upstream: UpstreamResponse,
+        *,
+        close_connection: bool = False,
+        recorder: CacheRecorder | None = None,
+    ) -> web.StreamResponse:
+        """Send the region's answer on; ``recorder`` (the cache's) sees the headers and each
+        chunk as it passes, and is told when the body ended cleanly."""
+        reply = UpstreamReply(upstream.status, strip_hop_by_hop(upstream.headers))
+        if self.plugins.has("edgeproxy_upstream_response"):
+            await self.plugins.call_all(
+                "edgeproxy_upstream_response", request=request, ctx=ctx, region=region, reply=reply
+            )
+        if recorder is not None:
+            recorder.start(reply, region.name)
+        transform = self.plugins.has("edgeproxy_stream_chunk")
+        # The headers go into one list that becomes the response's CIMultiDict in a
+        # single step; the proxy's own names replace any the region sent.
+        own = _OWN_WITH_CACHE if ctx.cache else _OWN
+        headers: Headers = []
+        content_length: int | None = None
+        for name, value in reply.headers:
+            lname = name.lower()
+            if lname == "content-length":
+                content_length = int(value) if value.isdigit() else None
+            elif lname not in own:
+                headers.append((name, value))
+        headers.append(("X-Edgeproxy-Region", region.name))
+        headers.append(("X-Request-Id", ctx.request_id))
+        if ctx.cache:
+            headers.append(("X-Edgeproxy-Cache", ctx.cache))
+        resp = web.StreamResponse(status=reply.status, headers=headers)
+        if close_connection:
+            resp.force_close()
+        # A transformed body has an unknown length: let aiohttp chunk it.
+        if content_length is not None and reply.status not in _NO_BODY_STATUS and not transform:
+            resp.content_length = content_length
+        content_type = resp.headers.get("content-type", "")
+        ctx.response_is_sse = content_type.startswith("text/event-stream")
+        usage = UsageTracker.for_response(ctx.path, content_type, reply.status)
+        ctx.status = reply.status
+        try:
+            # Inside the try: the client may already be gone when headers go out.
+            await resp.prepare(request)
+            ctx.first_byte_at = time.monotonic()
+            async for chunk in upstream.aiter_bytes():
+                if usage is not None:
+                    usage.feed(chunk)
+                if transform:
+                    chunk = await self.plugins.call_chain(
+                        "edgeproxy_stream_chunk", "chunk", request=request, ctx=ctx, chunk=chunk
+                    )
+                if chunk:
+                    if recorder is not None:
+                        recorder.feed(chunk)
+                    await resp.write(chunk)
+                    ctx.bytes_out += len(chunk)
+            if recorder is not None:
+                recorder.finish()
+            if usage is not None:
+                ctx.usage = usage.result()
+            await resp.write_eof()
+        except UpstreamError as exc:
+            ctx.error = f"upstream broke mid-body: {exc}"
+            region.errors_total += 1
+            await self._abort(request, resp, exc)
+            return resp
+        except ConnectionResetError:
+            # The client went away: the pipeline's finally cancels the upstream stream.
+            ctx.error = "client disconnected"
+            return resp
+        except PluginError as exc:
+            # Too late for a 500: end the response so it cannot pass for complete.
+            ctx.error = str(exc)
+            logger.error("%s", exc, exc_info=exc.error)
+            await self._abort(request, resp, exc)
+            return resp
+        return resp
+
+    async def _abort(self, request: web.Request, resp: web.StreamResponse, exc: Exception) -> None:
+        """End a response that already started, so the client cannot take it as complete.
+
+        SSE clients get a well-formed ``error`` event first; then the connection
+        is closed without the final chunk, which every client reads as a
+        truncated body rather than a clean end.
+        """
+        content_type = resp.headers.get("content-type", "")
+        if content_type.startswith("text/event-stream"):
+            event = error_response(502, "upstream_error", f"upstream stream broke: {exc}")
+            assert isinstance(event.body, bytes)
+            try:
+                await resp.write(b"event: error\ndata: " + event.body + b"\n\n")
+            except ConnectionResetError:
+                pass
+        resp.force_close()
+        if request.transport is not None:
+            request.transport.close()

@@ -1,0 +1,101 @@
+"""One upstream attempt: the region's request built from the client's, sent on its pool."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from edgeproxy._core.config import Config
+from edgeproxy._core.context import RequestContext
+from edgeproxy._core.types import Body, Headers
+from edgeproxy._plugins import Plugins
+from edgeproxy._protocol.headers import (
+    CLIENT_CREDENTIAL_HEADERS,
+    EDGEPROXY_PREFIX,
+    HOP_BY_HOP,
+    REQUEST_OWNED,
+    append_forwarded_for,
+    append_via,
+    connection_tokens,
+)
+from edgeproxy._upstream.pool import UpstreamResponse
+from edgeproxy._upstream.regions import Endpoint, Region
+
+__all__ = ["UpstreamStage"]
+
+_NO_TOKENS: frozenset[str] = frozenset()
+
+
+class UpstreamStage:
+    """Builds the upstream request from the client's and sends it to one region."""
+
+    def __init__(self, config: Config, plugins: Plugins) -> None:
+        self.config = config
+        self.plugins = plugins
+        self.via_name = config.server.via_name or config.pop.name
+        drop = set(HOP_BY_HOP) | REQUEST_OWNED | {"x-forwarded-for", "x-request-id", "expect"}
+        if not config.server.forward_client_credentials:
+            drop |= CLIENT_CREDENTIAL_HEADERS
+        self._drop = frozenset(drop)
+
+    def headers(self, request: web.Request, ctx: RequestContext, region: Region) -> Headers:
+        """The client's end-to-end headers plus forwarding, tracing and region credentials."""
+        connection = ctx.headers.getall("connection", None)
+        named = connection_tokens(connection) if connection else _NO_TOKENS
+        out: Headers = []
+        for name, value in ctx.headers.items():
+            lname = name.lower()
+            if lname in self._drop or lname in named or lname.startswith(EDGEPROXY_PREFIX):
+                continue
+            out.append((lname, value))
+        if ctx.body_read:
+            if ctx.body:
+                out.append(("content-length", str(len(ctx.body))))
+        elif request.content_length is not None:
+            out.append(("content-length", str(request.content_length)))
+        xff = append_forwarded_for(ctx.headers.get("x-forwarded-for"), ctx.client_ip)
+        if xff:
+            out.append(("x-forwarded-for", xff))
+        out.append(("x-forwarded-proto", request.scheme))
+        version = f"{request.version.major}.{request.version.minor}"
+        out.append(("via", append_via(ctx.headers.get("via"), version, self.via_name)))
+        out.append(("x-request-id", ctx.request_id))
+        out.append(("traceparent", ctx.trace.traceparent))
+        # Region credentials go last and replace anything of the same name.
+        if region.credential_headers:
+            injected = {k for k, _ in region.credential_headers}
+            out = [(k, v) for k, v in out if k not in injected]
+            out.extend(region.credential_headers)
+        return out
+
+    def body(self, request: web.Request, ctx: RequestContext) -> Body:
+        if ctx.body_read:
+            return ctx.body or None
+        return request.content.iter_any()
+
+    async def send(
+        self, request: web.Request, ctx: RequestContext, region: Region, endpoint: Endpoint
+    ) -> UpstreamResponse:
+        """One attempt: send to ``endpoint`` of ``region``; raises :class:`UpstreamError`.
+
+        The attempt loop around it (failover, hedging, accounting) is
+        :class:`~edgeproxy._stages.failover.Failover`.
+        """
+        headers = self.headers(request, ctx, region)
+        if self.plugins.has("edgeproxy_upstream_request"):
+            await self.plugins.call_all(
+                "edgeproxy_upstream_request",
+                request=request,
+                ctx=ctx,
+                region=region,
+                headers=headers,
+            )
+        authority = request.host if self.config.server.preserve_host else endpoint.authority
+        upstream = await endpoint.pool.request(
+            ctx.method,
+            endpoint.base_path + ctx.target,
+            headers,
+            self.body(request, ctx),
+            authority=authority,
+        )
+        endpoint.mark_up()
+        return upstream
