@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from edgeproxy._core.version import __version__
-from edgeproxy._protocol.headers import TraceContext
+from edgeproxy._core.types import TraceContext
 from edgeproxy.hookspecs import hookimpl
 
 if TYPE_CHECKING:
