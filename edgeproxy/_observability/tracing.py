@@ -39,8 +39,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from edgeproxy._core.version import __version__
 from edgeproxy._core.types import TraceContext
+from edgeproxy._core.version import __version__
 from edgeproxy.hookspecs import hookimpl
 
 if TYPE_CHECKING:
