@@ -216,8 +216,7 @@ async def _burst(url: str, body: dict[str, Any], n: int) -> tuple[list[int], lis
 
 
 async def stampede(n: int) -> list[dict[str, Any]]:
-    from edgeproxy import EdgeProxy
-    from edgeproxy._core.config import config_from_mapping
+    from edgeproxy import Config, EdgeProxy
     from edgeproxy.testing import Behavior, FakeRegion
 
     rows = []
@@ -231,7 +230,7 @@ async def stampede(n: int) -> list[dict[str, Any]]:
                     "regions": [{"name": "r1", "url": region.url}],
                     "cache": {"coalesce": coalesce, "xfetch_beta": 0.0},
                 }
-                proxy = EdgeProxy(config_from_mapping(data, environ={}))
+                proxy = EdgeProxy(Config.from_mapping(data, environ={}))
                 await proxy.start()
                 region.reset_counters()
                 body = {

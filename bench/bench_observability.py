@@ -255,14 +255,14 @@ def hook_cost_us(work: Path, n: int = 20000) -> dict[str, float]:
 
     from multidict import CIMultiDict
 
-    from edgeproxy._core.config import config_from_mapping
+    from edgeproxy import Config
     from edgeproxy._core.context import RequestContext
     from edgeproxy._observability.metrics import Metrics
     from edgeproxy._plugins import Plugins
     from edgeproxy._protocol.headers import trace_context
     from edgeproxy.plugins.access_log import AccessLog
 
-    config = config_from_mapping({"regions": [{"name": "origin", "url": "http://x"}]}, environ={})
+    config = Config.from_mapping({"regions": [{"name": "origin", "url": "http://x"}]}, environ={})
     out: dict[str, float] = {}
     for name, spec in CONFIGS.items():
         plugins = Plugins()

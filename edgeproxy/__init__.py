@@ -23,6 +23,7 @@ from edgeproxy._core.config import (
     load_config,
 )
 from edgeproxy._core.context import RequestContext, UpstreamReply
+from edgeproxy._core.errors import ProxyError, error_response
 from edgeproxy._core.version import __version__
 from edgeproxy._plugins import PluginError, PluginLoadError
 from edgeproxy._server.app import EdgeProxy
@@ -54,6 +55,7 @@ __all__ = [
     "PluginsConfig",
     "PoolLimits",
     "PopConfig",
+    "ProxyError",
     "RegionConfig",
     "RequestContext",
     "RouteConfig",
@@ -67,6 +69,7 @@ __all__ = [
     "UpstreamReply",
     "UpstreamTimeout",
     "__version__",
+    "error_response",
     "hookimpl",
     "load_config",
     "parse_lat_lon",

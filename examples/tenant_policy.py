@@ -22,8 +22,7 @@ from typing import Any
 
 from aiohttp import web
 
-from edgeproxy import RequestContext, UpstreamReply, hookimpl
-from edgeproxy._core.errors import error_response
+from edgeproxy import RequestContext, UpstreamReply, error_response, hookimpl
 
 
 class TenantPolicy:

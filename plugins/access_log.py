@@ -35,15 +35,12 @@ import os
 import queue
 import threading
 import time
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, Any
 
 import orjson
 from aiohttp import web
 
-from edgeproxy import RequestContext, hookimpl
-
-if TYPE_CHECKING:
-    from edgeproxy._core.config import AccessLogConfig
+from edgeproxy import AccessLogConfig, RequestContext, hookimpl
 
 __all__ = ["AccessLog", "edgeproxy_plugin", "from_config", "record"]
 

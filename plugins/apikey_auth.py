@@ -51,10 +51,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
-import orjson
 from aiohttp import web
 
-from edgeproxy import RequestContext, hookimpl
+from edgeproxy import RequestContext, error_response, hookimpl
 
 __all__ = ["ApiKeyAuth", "edgeproxy_plugin"]
 
@@ -231,13 +230,11 @@ def _bearer(value: str) -> str | None:
 
 
 def _unauthorized(message: str, code: str) -> web.Response:
-    body = {
-        "error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}
-    }
-    return web.Response(
-        status=401,
-        body=orjson.dumps(body),
-        content_type="application/json",
+    return error_response(
+        401,
+        "invalid_request_error",
+        message,
+        code=code,
         headers={"WWW-Authenticate": 'Bearer realm="edgeproxy"'},
     )
 

@@ -6,8 +6,7 @@ from typing import Any
 
 import pytest
 
-from edgeproxy import EdgeProxy
-from edgeproxy._core.config import config_from_mapping
+from edgeproxy import Config, EdgeProxy
 from edgeproxy.testing import Behavior, FakeRegion
 
 ProxyFactory = Callable[..., Awaitable[EdgeProxy]]
@@ -61,7 +60,7 @@ async def make_proxy() -> AsyncIterator[ProxyFactory]:
         data = proxy_config(regions, **sections)
         if routes:
             data["routes"] = routes
-        proxy = EdgeProxy(config_from_mapping(data, environ={}), plugins=list(plugins))
+        proxy = EdgeProxy(Config.from_mapping(data, environ={}), plugins=list(plugins))
         await proxy.start()
         started.append(proxy)
         return proxy

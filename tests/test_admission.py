@@ -17,8 +17,7 @@ import pytest
 from aiohttp import web
 from multidict import CIMultiDict
 
-from edgeproxy import EdgeProxy, hookimpl
-from edgeproxy._core.config import config_from_mapping
+from edgeproxy import Config, EdgeProxy, hookimpl
 from edgeproxy._stages.admission import AdmissionStage
 
 from .conftest import eventually, proxy_config
@@ -73,7 +72,7 @@ async def start_proxy() -> AsyncIterator[Callable[..., Awaitable[EdgeProxy]]]:
         data = proxy_config(regions, **sections)
         if routes:
             data["routes"] = routes
-        proxy = EdgeProxy(config_from_mapping(data, environ={}), plugins=plugins or [])
+        proxy = EdgeProxy(Config.from_mapping(data, environ={}), plugins=plugins or [])
         await proxy.start()
         started.append(proxy)
         return proxy

@@ -16,8 +16,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from edgeproxy import EdgeProxy, RequestContext, UpstreamReply, hookimpl
-from edgeproxy._core.config import config_from_mapping
+from edgeproxy import Config, EdgeProxy, RequestContext, UpstreamReply, hookimpl
 from edgeproxy.testing import FakeRegion
 
 from .conftest import RegionFactory, eventually, proxy_config
@@ -71,7 +70,7 @@ async def start_proxy() -> AsyncIterator[StartProxy]:
         data["cache"] = {"xfetch_beta": 0.0, **(cache or {})}
         if routes:
             data["routes"] = routes
-        proxy = EdgeProxy(config_from_mapping(data, environ={}), plugins=plugins)
+        proxy = EdgeProxy(Config.from_mapping(data, environ={}), plugins=plugins)
         await proxy.start()
         started.append(proxy)
         return proxy
@@ -731,7 +730,7 @@ def test_which_answers_may_be_stored() -> None:
     from edgeproxy._plugins import Plugins
     from edgeproxy._stages.cache.stage import CachePlan, CacheStage
 
-    config = config_from_mapping(
+    config = Config.from_mapping(
         proxy_config([{"name": "r", "url": "http://127.0.0.1:1"}]), environ={}
     )
     stage = CacheStage(config, Plugins())

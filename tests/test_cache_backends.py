@@ -166,10 +166,11 @@ def test_redis_options_from_url_auth_and_tls(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_cache_config_errors_name_the_key() -> None:
-    from edgeproxy._core.config import ConfigError, config_from_mapping
+    from edgeproxy import Config
+    from edgeproxy._core.config import ConfigError
 
     with pytest.raises(ConfigError) as info:
-        config_from_mapping(
+        Config.from_mapping(
             {
                 "regions": [{"name": "r", "url": "http://127.0.0.1:1"}],
                 "cache": {"redis_url": "http://x", "backend": "disk", "max_entry_bytes": 0},
@@ -178,7 +179,7 @@ def test_cache_config_errors_name_the_key() -> None:
             environ={},
         )
     errors = "\n".join(info.value.errors)
-    assert "cache.redis_url: must be a redis:// or rediss:// URL" in errors
+    assert "cache.redis_url: must be a redis://, rediss:// or unix:// URL" in errors
     assert "cache.backend:" in errors and "cache.max_entry_bytes:" in errors
     assert "routes[0].cache:" in errors and "routes[0].cache_ttl:" in errors
 

@@ -15,8 +15,7 @@ import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
-from edgeproxy import EdgeProxy
-from edgeproxy._core.config import config_from_mapping
+from edgeproxy import Config, EdgeProxy
 
 from .conftest import RegionFactory, eventually, proxy_config
 from .test_cache import CHAT, cache_status, chat, post, sse_data, upstream_calls
@@ -116,7 +115,7 @@ async def proxies() -> AsyncIterator[list[EdgeProxy]]:
 async def start(started: list[EdgeProxy], region_url: str, **cache: Any) -> EdgeProxy:
     data = proxy_config([{"name": "r1", "url": region_url}])
     data["cache"] = {"xfetch_beta": 0.0, **cache}
-    proxy = EdgeProxy(config_from_mapping(data, environ={}))
+    proxy = EdgeProxy(Config.from_mapping(data, environ={}))
     await proxy.start()
     started.append(proxy)
     return proxy

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from edgeproxy import Config, ConfigError, RegionConfig, load_config
-from edgeproxy._core.config import config_docs_markdown, config_from_mapping, iter_config_keys
+from edgeproxy._core.config import config_docs_markdown, iter_config_keys
 
 GOOD = """
 [server]
@@ -138,7 +138,7 @@ def test_config_in_code_without_a_file() -> None:
 
 
 def test_secrets_not_in_repr() -> None:
-    config = config_from_mapping(
+    config = Config.from_mapping(
         {"regions": [{"name": "r", "url": "http://h:1", "api_key": "sk-secret"}]}, environ={}
     )
     assert "sk-secret" not in repr(config)
@@ -157,7 +157,7 @@ def _with_routes(routes: list[dict[str, object]]) -> dict[str, object]:
 
 
 def test_routes_longest_prefix_on_segment_boundaries() -> None:
-    config = config_from_mapping(
+    config = Config.from_mapping(
         _with_routes(
             [
                 {"name": "v1", "path": "/v1"},
@@ -175,21 +175,21 @@ def test_routes_longest_prefix_on_segment_boundaries() -> None:
 
 def test_route_errors_name_the_key() -> None:
     with pytest.raises(ConfigError) as info:
-        config_from_mapping(
+        Config.from_mapping(
             _with_routes([{"name": "a", "path": "v1"}, {"name": "b", "path": "/x", "extra": 1}]),
             environ={},
         )
     assert "routes[0].path: must start with '/'" in info.value.errors
     assert "routes[1].extra: unknown key" in info.value.errors
     with pytest.raises(ConfigError, match="duplicate route name 'a'"):
-        config_from_mapping(
+        Config.from_mapping(
             _with_routes([{"name": "a", "path": "/x"}, {"name": "a", "path": "/y"}]), environ={}
         )
 
 
 def test_region_url_with_credentials_is_refused_without_echoing_them() -> None:
     with pytest.raises(ConfigError) as info:
-        config_from_mapping(
+        Config.from_mapping(
             {
                 "regions": [
                     {"name": "a", "url": "http://user:s3cret@127.0.0.1:1"},
@@ -206,7 +206,7 @@ def test_region_url_with_credentials_is_refused_without_echoing_them() -> None:
 
 def test_empty_or_odd_unknown_keys_are_named_quoted() -> None:
     with pytest.raises(ConfigError) as info:
-        config_from_mapping(
+        Config.from_mapping(
             {"": 1, "a b": 2, "regions": [{"name": "a", "url": "http://127.0.0.1:1"}]},
             environ={},
         )

@@ -19,7 +19,6 @@ from edgeproxy import (
     RegionConfig,
     ServerConfig,
 )
-from edgeproxy._core.config import config_from_mapping
 
 from .conftest import RegionFactory, eventually, proxy_config
 
@@ -177,7 +176,7 @@ async def test_plugin_loaded_from_a_file_path_with_settings(
     region = await make_region("ap-1")
     path = tmp_path / "hdr_plugin.py"
     path.write_text(PLUGIN_SOURCE)
-    config = config_from_mapping(
+    config = Config.from_mapping(
         proxy_config(
             [{"name": "ap-1", "url": region.url}],
             plugins={
@@ -209,7 +208,7 @@ def test_plugin_that_fails_to_load_is_a_clear_error(tmp_path: Path) -> None:
         str(tmp_path / "absent.py"): "no such file",
     }
     for spec, reason in cases.items():
-        config = config_from_mapping({**base, "plugins": {"enabled": [spec]}}, environ={})
+        config = Config.from_mapping({**base, "plugins": {"enabled": [spec]}}, environ={})
         with pytest.raises(PluginLoadError) as info:
             EdgeProxy(config)
         assert spec in str(info.value)
@@ -224,7 +223,7 @@ def test_plugin_with_a_bad_hook_name_is_rejected(tmp_path: Path) -> None:
         "def edgeproxy_request_recieved(ctx):\n"
         "    pass\n"
     )
-    config = config_from_mapping(
+    config = Config.from_mapping(
         {
             "regions": [{"name": "a", "url": "http://127.0.0.1:1"}],
             "plugins": {"enabled": [str(bad)]},

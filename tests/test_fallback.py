@@ -19,8 +19,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from edgeproxy import EdgeProxy, RequestContext, hookimpl
-from edgeproxy._core.config import config_from_mapping
+from edgeproxy import Config, EdgeProxy, RequestContext, hookimpl
 from edgeproxy._local.model import LocalAnswer
 
 from .conftest import RegionFactory, eventually, proxy_config
@@ -80,7 +79,7 @@ async def proxy_with(tiny_model: Path) -> AsyncIterator[ProxyMaker]:
             }
         data = proxy_config(regions, **sections)
         data["routes"] = routes or []
-        proxy = EdgeProxy(config_from_mapping(data, environ={}), plugins=plugins or [])
+        proxy = EdgeProxy(Config.from_mapping(data, environ={}), plugins=plugins or [])
         await proxy.start()
         started.append(proxy)
         local = proxy.pipeline.fallback.local
@@ -373,7 +372,7 @@ async def race_server(
         [dead_region()], local_model={"path": str(tiny_model), "n_ctx": 256, "max_tokens": 32}
     )
     data["routes"] = [{"name": "chat", "path": CHAT, "deadline_action": action}]
-    config = config_from_mapping(data, environ={})
+    config = Config.from_mapping(data, environ={})
     stage = FallbackStage(config, Plugins())
     relayed: list[Any] = []
 

@@ -28,8 +28,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from edgeproxy import EdgeProxy
-from edgeproxy._core.config import ConfigError, config_from_mapping, load_config
+from edgeproxy import Config, EdgeProxy
+from edgeproxy._core.config import ConfigError, load_config
 from edgeproxy._core.errors import ProxyError
 from edgeproxy._protocol.bodies import (
     check_json_content_type,
@@ -207,7 +207,7 @@ class ProxyThread:
 
     async def _start(self) -> None:
         await self.region.start()
-        config = config_from_mapping(
+        config = Config.from_mapping(
             {
                 "server": {"host": "127.0.0.1", "port": 0},
                 "admin": {"enabled": False},
@@ -448,7 +448,7 @@ _ERROR_LINE = re.compile(r"^.+: \S", re.DOTALL)
 def check_config(data: dict[str, Any], environ: dict[str, str]) -> None:
     """The property: a Config, or a ConfigError listing ``key: reason`` lines."""
     try:
-        config_from_mapping(data, environ=environ)
+        Config.from_mapping(data, environ=environ)
     except ConfigError as exc:
         assert exc.errors
         for line in exc.errors:

@@ -12,8 +12,7 @@ import aiohttp
 import pytest
 from multidict import CIMultiDict
 
-from edgeproxy import ConfigError
-from edgeproxy._core.config import config_from_mapping
+from edgeproxy import Config, ConfigError
 from edgeproxy._core.context import RequestContext
 from edgeproxy._protocol.headers import trace_context
 from edgeproxy._stages.geo import GeoResolver, Residency, parse_lat_lon
@@ -29,7 +28,7 @@ VIRGINIA = {"lat": 38.9, "lon": -77.4}
 
 def config(regions: list[dict[str, Any]] | None = None, **sections: Any) -> Any:
     regions = regions or [{"name": "r1", "url": "http://127.0.0.1:9"}]
-    return config_from_mapping(proxy_config(regions, **sections), environ={})
+    return Config.from_mapping(proxy_config(regions, **sections), environ={})
 
 
 def context(headers: dict[str, str] | None = None, client_ip: str = "127.0.0.1") -> RequestContext:
@@ -296,7 +295,7 @@ async def test_geo_prior_from_the_client(
 def errors_of(regions: list[dict[str, Any]], **sections: Any) -> list[str]:
     data = proxy_config(regions, **sections)
     with pytest.raises(ConfigError) as info:
-        config_from_mapping(data, environ={})
+        Config.from_mapping(data, environ={})
     return info.value.errors
 
 
@@ -353,7 +352,7 @@ def test_bad_routing_and_health_values_are_config_errors() -> None:
     data = proxy_config(regions)
     data["routes"] = [{"name": "chat", "path": CHAT, "deadline": 0, "hedge_delay": -1}]
     with pytest.raises(ConfigError) as info:
-        config_from_mapping(data, environ={})
+        Config.from_mapping(data, environ={})
     assert info.value.errors == [
         "routes[0].deadline: Input should be greater than 0",
         "routes[0].hedge_delay: Input should be greater than 0",

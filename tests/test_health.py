@@ -7,8 +7,7 @@ from typing import Any
 
 import aiohttp
 
-from edgeproxy import EdgeProxy
-from edgeproxy._core.config import config_from_mapping
+from edgeproxy import Config, EdgeProxy
 from edgeproxy._upstream.regions import RegionSet
 
 from .conftest import ProxyFactory, RegionFactory, eventually, proxy_config
@@ -21,7 +20,7 @@ TOKYO = {"lat": 35.68, "lon": 139.69}
 
 def region_set(n: int, **health: Any) -> RegionSet:
     regions = [{"name": f"r{i}", "url": "http://127.0.0.1:9"} for i in range(n)]
-    regions_set = RegionSet(config_from_mapping(proxy_config(regions, health=health), environ={}))
+    regions_set = RegionSet(Config.from_mapping(proxy_config(regions, health=health), environ={}))
     for region in regions_set:
         region.endpoints[0].mark_up()
     return regions_set

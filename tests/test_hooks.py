@@ -11,8 +11,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from edgeproxy import EdgeProxy, RequestContext, UpstreamReply, hookimpl
-from edgeproxy._core.config import config_from_mapping
+from edgeproxy import Config, EdgeProxy, RequestContext, UpstreamReply, hookimpl
 from edgeproxy._plugins import Plugins
 from edgeproxy._upstream.regions import Region
 from edgeproxy.hookspecs import hook_names
@@ -116,7 +115,7 @@ async def started() -> AsyncIterator[list[EdgeProxy]]:
 async def start_proxy(
     started: list[EdgeProxy], regions: list[dict[str, Any]], *plugins: object, **sections: Any
 ) -> EdgeProxy:
-    config = config_from_mapping(proxy_config(regions, **sections), environ={})
+    config = Config.from_mapping(proxy_config(regions, **sections), environ={})
     proxy = EdgeProxy(config, plugins=plugins)
     await proxy.start()
     started.append(proxy)
@@ -334,7 +333,7 @@ async def test_fail_open_plugin_is_skipped(
 ) -> None:
     region = await make_region("ap-1")
     boom = Boom()
-    config = config_from_mapping(
+    config = Config.from_mapping(
         proxy_config([{"name": "ap-1", "url": region.url}], plugins={"fail_open": ["boom"]}),
         environ={},
     )

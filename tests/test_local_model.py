@@ -18,8 +18,8 @@ import aiohttp
 import orjson
 import pytest
 
-from edgeproxy import EdgeProxy, hookimpl
-from edgeproxy._core.config import ConfigError, config_from_mapping
+from edgeproxy import Config, EdgeProxy, hookimpl
+from edgeproxy._core.config import ConfigError
 from edgeproxy._core.errors import ProxyError
 from edgeproxy._local.model import LocalAnswer, LocalModel, parse_generation_request
 
@@ -69,7 +69,7 @@ async def local_proxy(tiny_model: Path) -> AsyncIterator[LocalProxyFactory]:
         data = proxy_config(
             [{"name": "dead", "url": f"http://127.0.0.1:{closed_port()}"}], local_model=settings
         )
-        proxy = EdgeProxy(config_from_mapping(data, environ={}), plugins=plugins or [])
+        proxy = EdgeProxy(Config.from_mapping(data, environ={}), plugins=plugins or [])
         await proxy.start()
         started.append(proxy)
         if wait:
@@ -197,24 +197,24 @@ def test_messages_are_normalized_for_chat_templates() -> None:
 def test_config_errors_name_the_key() -> None:
     regions = [{"name": "r", "url": "http://127.0.0.1:1"}]
     with pytest.raises(ConfigError) as info:
-        config_from_mapping(
+        Config.from_mapping(
             {"regions": regions, "local_model": {"n_ctx": 256, "max_tokens": 256}}, environ={}
         )
     assert any(e.startswith("local_model:") and "n_ctx" in e for e in info.value.errors)
     with pytest.raises(ConfigError) as info:
-        config_from_mapping(
+        Config.from_mapping(
             {"regions": regions, "local_model": {"on_overflow": "drop", "n_gpu_layers": -2}},
             environ={},
         )
     keys = {e.split(":")[0] for e in info.value.errors}
     assert {"local_model.on_overflow", "local_model.n_gpu_layers"} <= keys
     env = {"EDGEPROXY_LOCAL_MODEL__N_GPU_LAYERS": "-1", "EDGEPROXY_LOCAL_MODEL__PATH": "m.gguf"}
-    config = config_from_mapping({"regions": regions}, environ=env)
+    config = Config.from_mapping({"regions": regions}, environ=env)
     assert config.local_model.n_gpu_layers == -1 and config.local_model.path == "m.gguf"
 
 
 def test_no_model_configured_is_off() -> None:
-    config = config_from_mapping({"regions": [{"name": "r", "url": "http://h:1"}]}, environ={})
+    config = Config.from_mapping({"regions": [{"name": "r", "url": "http://h:1"}]}, environ={})
     model = LocalModel(config.local_model)
     assert model.state == "off" and not model.enabled
     assert model.snapshot()["state"] == "off"
@@ -583,7 +583,7 @@ class TestStartup:
         if kind == "corrupt":
             path.write_bytes(b"this is not a gguf file" * 100)
         region = await make_region("ap-1")
-        config = config_from_mapping(
+        config = Config.from_mapping(
             proxy_config([{"name": "ap-1", "url": region.url}], local_model={"path": str(path)}),
             environ={},
         )
@@ -621,7 +621,7 @@ class TestStartup:
         regions = [{"name": "ap-1", "url": region.url}]
         missing = {"path": str(tiny_model) + ".missing", "ready_requires_model": True}
         proxy = EdgeProxy(
-            config_from_mapping(proxy_config(regions, local_model=missing), environ={})
+            Config.from_mapping(proxy_config(regions, local_model=missing), environ={})
         )
         await proxy.start()
         try:
@@ -633,7 +633,7 @@ class TestStartup:
         finally:
             await proxy.stop(grace=2.0)
         good = {"path": str(tiny_model), "ready_requires_model": True}
-        proxy = EdgeProxy(config_from_mapping(proxy_config(regions, local_model=good), environ={}))
+        proxy = EdgeProxy(Config.from_mapping(proxy_config(regions, local_model=good), environ={}))
         await proxy.start()
         try:
             local = proxy.pipeline.fallback.local

@@ -17,8 +17,8 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from edgeproxy import EdgeProxy, RequestContext, hookimpl
-from edgeproxy._core.config import ConfigError, config_from_mapping
+from edgeproxy import Config, EdgeProxy, RequestContext, hookimpl
+from edgeproxy._core.config import ConfigError
 from edgeproxy._observability.metrics import LABELS, LatencyWindow, StatusCollector, flatten_status
 
 from .conftest import RegionFactory, eventually, proxy_config
@@ -51,7 +51,7 @@ async def start_proxy() -> AsyncIterator[StartProxy]:
         data = proxy_config(regions, **sections)
         if routes is not None:
             data["routes"] = routes
-        proxy = EdgeProxy(config_from_mapping(data, environ={}), plugins=list(plugins))
+        proxy = EdgeProxy(Config.from_mapping(data, environ={}), plugins=list(plugins))
         await proxy.start()
         started.append(proxy)
         return proxy
@@ -444,13 +444,13 @@ def test_config_errors_name_the_key_and_the_reason(
 ) -> None:
     data = proxy_config([{"name": "r", "url": "http://127.0.0.1:1"}], **{section: values})
     with pytest.raises(ConfigError) as info:
-        config_from_mapping(data, environ={})
+        Config.from_mapping(data, environ={})
     assert any(line.startswith(error) for line in info.value.errors), info.value.errors
 
 
 def test_environment_overrides_reach_the_new_sections() -> None:
     data = proxy_config([{"name": "r", "url": "http://127.0.0.1:1"}])
-    config = config_from_mapping(
+    config = Config.from_mapping(
         data,
         environ={
             "EDGEPROXY_METRICS__ENABLED": "false",
@@ -469,11 +469,11 @@ WORKER = textwrap.dedent(
     """
     import asyncio, json, sys
     from edgeproxy import EdgeProxy
-    from edgeproxy._core.config import config_from_mapping
+    from edgeproxy import Config
 
     async def main():
         data = json.loads(sys.argv[1])
-        proxy = EdgeProxy(config_from_mapping(data, environ={}))
+        proxy = EdgeProxy(Config.from_mapping(data, environ={}))
         await proxy.start()
         print(json.dumps({"url": proxy.url, "admin": proxy.admin_url}), flush=True)
         # Serve until the test closes stdin.

@@ -14,8 +14,8 @@ import aiohttp
 import pytest
 from multidict import CIMultiDict
 
-from edgeproxy import EdgeProxy, hookimpl
-from edgeproxy._core.config import AdmissionConfig, config_from_mapping
+from edgeproxy import Config, EdgeProxy, hookimpl
+from edgeproxy._core.config import AdmissionConfig
 from edgeproxy._stages.ratelimit import (
     Charge,
     Limit,
@@ -108,7 +108,7 @@ async def test_tenant_set_by_a_plugin_keys_the_limit(
         [{"name": "r1", "url": region.url}],
         admission={"key_requests_per_second": 0.1, "key_burst": 2},
     )
-    proxy = EdgeProxy(config_from_mapping(config, environ={}), plugins=[Tenant()])
+    proxy = EdgeProxy(Config.from_mapping(config, environ={}), plugins=[Tenant()])
     await proxy.start()
     try:
         async with aiohttp.ClientSession() as client:

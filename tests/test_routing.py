@@ -8,8 +8,7 @@ from collections import Counter
 import aiohttp
 import pytest
 
-from edgeproxy import EdgeProxy, hookimpl
-from edgeproxy._core.config import config_from_mapping
+from edgeproxy import Config, EdgeProxy, hookimpl
 from edgeproxy._stages.routing import Router, great_circle_km
 from edgeproxy._upstream.regions import LatencyWindow, PeakEwma, Region, RegionSet
 
@@ -79,7 +78,7 @@ def test_latency_window_p95() -> None:
 
 
 async def test_weights_share_traffic_among_equals() -> None:
-    config = config_from_mapping(
+    config = Config.from_mapping(
         proxy_config(
             [
                 {"name": "heavy", "url": "http://127.0.0.1:9", "weight": 3},
@@ -106,7 +105,7 @@ async def test_weights_share_traffic_among_equals() -> None:
 
 
 async def test_priority_tiers_and_panic_routing() -> None:
-    config = config_from_mapping(
+    config = Config.from_mapping(
         proxy_config(
             [
                 {"name": "backup", "url": "http://127.0.0.1:9", "priority": 1, **SIN},
@@ -136,7 +135,7 @@ def _region(regions: RegionSet, name: str) -> Region:
 
 
 async def test_a_stalled_region_looks_slow_before_it_answers() -> None:
-    config = config_from_mapping(
+    config = Config.from_mapping(
         proxy_config(
             [{"name": "a", "url": "http://127.0.0.1:9"}, {"name": "b", "url": "http://127.0.0.1:9"}]
         ),

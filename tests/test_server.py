@@ -10,8 +10,7 @@ import aiohttp
 import orjson
 import pytest
 
-from edgeproxy import EdgeProxy
-from edgeproxy._core.config import config_from_mapping
+from edgeproxy import Config, EdgeProxy
 
 from .conftest import ProxyFactory, RegionFactory, eventually, proxy_config
 
@@ -458,7 +457,7 @@ async def test_two_proxies_share_a_port_with_reuse_port(make_region: RegionFacto
         for _ in range(2):
             data = proxy_config([{"name": "r1", "url": region.url}])
             data["server"].update({"port": port, "reuse_port": True})
-            proxy = EdgeProxy(config_from_mapping(data, environ={}))
+            proxy = EdgeProxy(Config.from_mapping(data, environ={}))
             await proxy.start()
             proxies.append(proxy)
         assert proxies[0].url == proxies[1].url == f"http://127.0.0.1:{port}"

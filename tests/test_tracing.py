@@ -13,8 +13,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from edgeproxy import EdgeProxy, hookimpl
-from edgeproxy._core.config import config_from_mapping
+from edgeproxy import Config, EdgeProxy, hookimpl
 from edgeproxy._observability.tracing import Tracing, otel_available
 
 from .conftest import RegionFactory, eventually, proxy_config
@@ -41,7 +40,7 @@ async def start(
     started: list[EdgeProxy], regions: list[dict[str, Any]], *plugins: object, **sections: Any
 ) -> EdgeProxy:
     proxy = EdgeProxy(
-        config_from_mapping(proxy_config(regions, **sections), environ={}), plugins=list(plugins)
+        Config.from_mapping(proxy_config(regions, **sections), environ={}), plugins=list(plugins)
     )
     await proxy.start()
     started.append(proxy)
@@ -344,7 +343,7 @@ async def test_otel_missing_still_propagates_traceparent(
 
 
 def test_tracing_is_off_by_default() -> None:
-    config = config_from_mapping(proxy_config([{"name": "r", "url": "http://r"}]), environ={})
+    config = Config.from_mapping(proxy_config([{"name": "r", "url": "http://r"}]), environ={})
     assert Tracing.from_config(config.tracing) is None
 
 
@@ -357,7 +356,7 @@ def test_a_no_op_tracer_leaves_the_w3c_context_alone() -> None:
     from edgeproxy._core.context import RequestContext
     from edgeproxy._protocol.headers import trace_context
 
-    config = config_from_mapping(proxy_config([{"name": "r", "url": "http://r"}]), environ={})
+    config = Config.from_mapping(proxy_config([{"name": "r", "url": "http://r"}]), environ={})
     tracing = Tracing(config.tracing)
     tracing.tracer = NoOpTracer()
     incoming = trace_context(f"00-{TRACE_ID}-{CLIENT_SPAN}-01")

@@ -8,8 +8,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from edgeproxy import EdgeProxy, RequestContext, hookimpl
-from edgeproxy._core.config import config_from_mapping
+from edgeproxy import Config, EdgeProxy, RequestContext, hookimpl
 
 from ..conftest import eventually, proxy_config
 
@@ -43,7 +42,7 @@ def build_proxy(
     regions: list[dict[str, Any]], *, extra: Iterable[object] = (), **sections: dict[str, Any]
 ) -> EdgeProxy:
     """An EdgeProxy as users get it: ``[plugins]`` from config, plus ``extra`` plugin objects."""
-    config = config_from_mapping(proxy_config(regions, **sections), environ={})
+    config = Config.from_mapping(proxy_config(regions, **sections), environ={})
     return EdgeProxy(config, plugins=list(extra))
 
 

@@ -1,0 +1,145 @@
+"""Rate limits, in-flight caps, the priority queue and load shedding: ``[admission]``."""
+
+from __future__ import annotations
+
+import ipaddress
+
+from pydantic import Field, field_validator
+
+from edgeproxy._core.config.base import Section
+from edgeproxy._core.config.checks import check_header_name, check_redis_url
+
+__all__ = ["AdmissionConfig"]
+
+
+class AdmissionConfig(Section):
+    """Admission control: rate limits, in-flight caps, the priority queue and load shedding.
+
+    A request passes, in order: the token buckets of its API key or tenant
+    and of its client IP (429 past them), then the global and per-route
+    in-flight caps. Beyond a cap it waits in a priority queue, higher
+    priority first, for at most ``max_queue_time``; past ``max_queue`` the
+    lowest priority is shed with a 503 and Retry-After, or, on a route with
+    ``on_overload = "degrade"``, answered by the fallback ladder.
+    """
+
+    max_in_flight: int = Field(
+        0, ge=0, description="Most requests in flight at once over every route; 0 means no cap."
+    )
+    max_queue: int = Field(
+        1000,
+        ge=0,
+        description="Most requests waiting for a slot; when full, the lowest priority is shed "
+        "(503). 0 sheds at once.",
+    )
+    max_queue_time: float = Field(
+        5.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="Seconds a request may wait for a slot before a 503; a route's "
+        "max_queue_time or deadline may shorten it.",
+    )
+    priority_header: str = Field(
+        "X-Priority",
+        description="Request header with an integer priority (-9999..9999, higher first), used "
+        "when no plugin set ctx.priority; '' ignores it.",
+    )
+    deadline_header: str = Field(
+        "X-Request-Timeout-Ms",
+        description="Header sent upstream with the milliseconds left of the route's deadline "
+        "when the request leaves the queue (a client's own is replaced); '' sends none.",
+    )
+    key_header: str = Field(
+        "Authorization",
+        description="Header whose value, hashed, keys the per-key rate limits when no plugin "
+        "set a tenant; '' keys them by tenant only.",
+    )
+    key_requests_per_second: float = Field(
+        0.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="Requests per second per API key or tenant; 0 means no limit.",
+    )
+    key_burst: float = Field(
+        0.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="Requests a key may send at once (bucket size); 0 means one second's worth.",
+    )
+    key_tokens_per_minute: float = Field(
+        0.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="LLM tokens per minute per API key or tenant: the prompt estimate is "
+        "charged up front, then settled with the upstream's usage; 0 means no limit.",
+    )
+    ip_requests_per_second: float = Field(
+        0.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="Requests per second per client IP; 0 means no limit.",
+    )
+    ip_burst: float = Field(
+        0.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="Requests an IP may send at once (bucket size); 0 means one second's worth.",
+    )
+    ip_tokens_per_minute: float = Field(
+        0.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="LLM tokens per minute per client IP, settled like key_tokens_per_minute; "
+        "0 means no limit.",
+    )
+    trusted_proxies: list[str] = Field(
+        default_factory=list,
+        description="Networks (CIDR) of proxies in front of this one: X-Forwarded-For is "
+        "believed only from them when finding the client IP.",
+    )
+    redis_url: str = Field(
+        "",
+        description="Share the buckets between workers and PoPs through this Redis: "
+        "redis://host[:port][/db], rediss:// (TLS) or unix:///path/to/redis.sock[?db=N]; '' "
+        "keeps them in the process.",
+        repr=False,
+    )
+    redis_prefix: str = Field("edgeproxy:rl:", description="Prefix of the bucket keys in Redis.")
+    redis_timeout: float = Field(
+        0.25,
+        gt=0,
+        allow_inf_nan=False,
+        description="Seconds a Redis call may take before the request is limited locally.",
+    )
+    redis_retry_interval: float = Field(
+        5.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Seconds between attempts to reach Redis again once it failed; buckets are "
+        "local meanwhile.",
+    )
+    max_local_buckets: int = Field(
+        100_000,
+        ge=1,
+        description="Most keys and IPs tracked in the process; the least recently seen go first.",
+    )
+
+    @field_validator("priority_header", "deadline_header", "key_header")
+    @classmethod
+    def _check_header_name(cls, value: str) -> str:
+        return check_header_name(value)
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _check_networks(cls, value: list[str]) -> list[str]:
+        for entry in value:
+            try:
+                ipaddress.ip_network(entry, strict=False)
+            except ValueError:
+                raise ValueError(f"{entry!r} is not an IP address or CIDR network") from None
+        return value
+
+    @field_validator("redis_url")
+    @classmethod
+    def _check_redis_url(cls, value: str) -> str:
+        return check_redis_url(value, allow_empty=True)

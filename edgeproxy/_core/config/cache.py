@@ -1,0 +1,129 @@
+"""The hot-answer cache: ``[cache]``."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from edgeproxy._core.config.base import Section
+from edgeproxy._core.config.checks import check_redis_url
+
+__all__ = ["CacheConfig"]
+
+
+class CacheConfig(Section):
+    """The hot-answer cache: where entries live, their bounds, and how Redis faults are contained.
+
+    Per-route freshness (``cache``, ``cache_ttl``, ``stale_while_revalidate``,
+    ``stale_if_error``) lives on ``[[routes]]``.
+    """
+
+    enabled: bool = Field(True, description="Look up and store cacheable answers.")
+    backend: Literal["memory", "redis", "tiered"] = Field(
+        "memory",
+        description="Where entries live: 'memory' (this process, LRU-bounded), 'redis' (shared "
+        "by every PoP and worker) or 'tiered' (memory, then Redis; a Redis hit fills memory).",
+    )
+    redis_url: str = Field(
+        "redis://127.0.0.1:6379/0",
+        description="Redis for the redis and tiered backends: redis:// or rediss:// (TLS), "
+        "optionally with user:password@ and a /db number, or unix:///path/to/redis.sock[?db=N].",
+        repr=False,
+    )
+    key_prefix: str = Field(
+        "edgeproxy:",
+        description="Prefix of every key the cache writes, so deployments can share one Redis.",
+    )
+    redis_username: str | None = Field(None, description="Redis ACL user name (AUTH).")
+    redis_password: str | None = Field(
+        None, description="Redis password (AUTH). Prefer redis_password_env.", repr=False
+    )
+    redis_password_env: str | None = Field(
+        None, description="Name of the environment variable that holds the Redis password."
+    )
+    redis_tls: bool = Field(False, description="Use TLS for a redis:// URL too (rediss:// does).")
+    redis_tls_ca_file: str | None = Field(
+        None, description="CA bundle that verifies the Redis server; the system's if unset."
+    )
+    redis_tls_cert_file: str | None = Field(
+        None, description="Client certificate for Redis mutual TLS (PEM)."
+    )
+    redis_tls_key_file: str | None = Field(
+        None, description="Private key of redis_tls_cert_file (PEM)."
+    )
+    redis_tls_verify: bool = Field(
+        True, description="Verify the Redis server's certificate and host name."
+    )
+    redis_timeout: float = Field(
+        0.25,
+        gt=0,
+        allow_inf_nan=False,
+        description="Seconds one Redis call may take; past it the cache gives up on that call "
+        "and the request goes upstream (fail open).",
+    )
+    redis_connect_timeout: float = Field(
+        0.5, gt=0, allow_inf_nan=False, description="Seconds to open a Redis connection."
+    )
+    redis_max_connections: int = Field(
+        64, ge=1, description="Most connections in the Redis pool of each proxy process."
+    )
+    breaker_failures: int = Field(
+        5,
+        ge=1,
+        description="Consecutive failed Redis calls (errors, timeouts) that open the circuit "
+        "breaker: Redis is then not called at all for breaker_cooldown.",
+    )
+    breaker_cooldown: float = Field(
+        10.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Seconds the breaker stays open before one probe call may close it again.",
+    )
+    max_entries: int = Field(
+        10_000, ge=1, description="Most answers in the memory tier; least recently used go first."
+    )
+    max_bytes: int = Field(
+        256 * 2**20,
+        ge=1,
+        description="Most bytes of answers in the memory tier; least recently used go first.",
+    )
+    max_entry_bytes: int = Field(
+        4 * 2**20,
+        ge=1,
+        description="Largest answer stored; a bigger one is served but not cached (counted as "
+        "too_large in /status).",
+    )
+    coalesce: bool = Field(
+        True,
+        description="Identical cacheable requests arriving while one is in flight wait for its "
+        "answer (streams included) instead of going upstream.",
+    )
+    xfetch_beta: float = Field(
+        1.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="Early probabilistic refresh (XFetch) against stampedes at expiry: higher "
+        "refreshes hot entries earlier; 0 turns it off.",
+    )
+
+    @field_validator("redis_url")
+    @classmethod
+    def _check_redis_url(cls, value: str) -> str:
+        return check_redis_url(value)
+
+    @model_validator(mode="after")
+    def _check_sizes(self) -> CacheConfig:
+        if self.max_entry_bytes > self.max_bytes:
+            raise ValueError("max_entry_bytes must not exceed max_bytes")
+        return self
+
+    def resolved_redis_password(self, environ: Mapping[str, str] | None = None) -> str | None:
+        """``redis_password``, else the variable ``redis_password_env`` names, else None."""
+        if self.redis_password:
+            return self.redis_password
+        if self.redis_password_env:
+            return (os.environ if environ is None else environ).get(self.redis_password_env)
+        return None

@@ -1,0 +1,57 @@
+"""Field checks shared by several sections: header names and Redis URLs."""
+
+from __future__ import annotations
+
+import re
+from urllib.parse import parse_qs, urlsplit
+
+__all__ = ["REDIS_SCHEMES", "check_header_name", "check_redis_url"]
+
+# RFC 9110 field-name token.
+_HEADER_NAME_RE = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+
+REDIS_SCHEMES = ("redis", "rediss", "unix")
+"""URL schemes a ``redis_url`` may use: TCP, TCP with TLS, and a Unix socket."""
+
+
+def check_header_name(value: str) -> str:
+    """``value`` if it is an HTTP header name or ``''`` (turned off); else ``ValueError``."""
+    if value and not _HEADER_NAME_RE.fullmatch(value):
+        raise ValueError("must be an HTTP header name, or '' to turn it off")
+    return value
+
+
+def check_redis_url(value: str, *, allow_empty: bool = False) -> str:
+    """``value`` if it is a Redis URL redis-py can connect to; else ``ValueError`` with the reason.
+
+    ``redis://[user:password@]host[:port][/db]`` and ``rediss://`` (TLS) need
+    a host, a valid port and a numeric database; ``unix:///path/to/redis.sock
+    [?db=N]`` needs a socket path. ``''`` passes only with ``allow_empty``
+    (the key then turns Redis off). Messages never repeat the URL, which
+    may hold a password; pydantic prefixes them with the key.
+    """
+    expected = "must be a redis://, rediss:// or unix:// URL" + (", or ''" if allow_empty else "")
+    if not value:
+        if allow_empty:
+            return value
+        raise ValueError(expected)
+    parts = urlsplit(value)
+    if parts.scheme not in REDIS_SCHEMES:
+        raise ValueError(expected)
+    if parts.fragment:
+        raise ValueError("must not have a fragment")
+    if parts.scheme == "unix":
+        if not parts.path.strip("/"):
+            raise ValueError("has no socket path: write unix:///path/to/redis.sock")
+        db = ",".join(parse_qs(parts.query).get("db", []))
+    else:
+        if not parts.hostname:
+            raise ValueError("has no host")
+        try:
+            parts.port  # noqa: B018 - raises on an invalid port
+        except ValueError as exc:
+            raise ValueError(f"has an invalid port ({exc})") from None
+        db = parts.path.strip("/")
+    if db and not db.isdigit():
+        raise ValueError(f"database must be a number, not {db!r}")
+    return value

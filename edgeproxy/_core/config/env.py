@@ -1,0 +1,53 @@
+"""``EDGEPROXY_*`` environment overrides of config keys."""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["ENV_PREFIX", "apply_env", "deep_copy"]
+
+ENV_PREFIX = "EDGEPROXY_"
+
+
+def _coerce_env_value(raw: str) -> Any:
+    """Parse an environment value as a TOML value, falling back to a plain string."""
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def apply_env(data: dict[str, Any], environ: Mapping[str, str]) -> None:
+    """Apply ``EDGEPROXY_SECTION__KEY`` and ``EDGEPROXY_REGIONS__<name|index>__KEY`` overrides."""
+    for name, raw in environ.items():
+        if not name.startswith(ENV_PREFIX) or "__" not in name:
+            continue
+        path = name[len(ENV_PREFIX) :].lower().split("__")
+        value = _coerce_env_value(raw)
+        if path[0] == "regions" and len(path) == 3:
+            regions = data.setdefault("regions", [])
+            target = None
+            if path[1].isdigit() and int(path[1]) < len(regions):
+                target = regions[int(path[1])]
+            else:
+                for region in regions:
+                    if str(region.get("name", "")).lower().replace("-", "_") == path[1]:
+                        target = region
+            if target is not None:
+                target[path[2]] = value
+            continue
+        if len(path) == 2:
+            section = data.setdefault(path[0], {})
+            if isinstance(section, dict):
+                section[path[1]] = value
+
+
+def deep_copy(data: Any) -> Any:
+    """A copy of nested mappings and lists, so that overrides never touch the caller's data."""
+    if isinstance(data, Mapping):
+        return {k: deep_copy(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [deep_copy(v) for v in data]
+    return data

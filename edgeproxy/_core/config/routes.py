@@ -1,0 +1,157 @@
+"""Per-route policy: ``[[routes]]``."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from edgeproxy._core.config.base import Section
+
+__all__ = ["DEFAULT_FALLBACK", "FallbackRung", "RouteConfig"]
+
+
+FallbackRung = Literal["stale", "local"]
+DEFAULT_FALLBACK: tuple[FallbackRung, ...] = ("stale", "local")
+
+
+class RouteConfig(Section):
+    """Per-route policy, matched on the request path.
+
+    The longest ``path`` prefix that matches wins; a request that matches no
+    ``[[routes]]`` entry uses a built-in route named ``default`` with every
+    key at its default. Feature sections (cache, routing, admission,
+    fallback) read their per-route keys from here.
+    """
+
+    name: str = Field(..., min_length=1, description="Unique route name, used in metrics and logs.")
+    path: str = Field(
+        ..., description="Path prefix this route matches, e.g. '/v1/chat/completions'."
+    )
+    methods: list[str] = Field(
+        default_factory=list,
+        description="HTTP methods this route matches; empty means every method.",
+    )
+    retries: int = Field(
+        2,
+        ge=0,
+        le=10,
+        description="Most extra attempts on other regions when one fails before the first "
+        "byte (idempotent methods and LLM POSTs only), within [routing] retry_budget.",
+    )
+    deadline: float = Field(
+        30.0,
+        gt=0,
+        description="Seconds from arrival to the first response byte, all attempts and hedges "
+        "included; past it the client gets 504 (or the fallback answer).",
+    )
+    hedge: bool = Field(
+        False,
+        description="Hedge requests: with no first byte after hedge_delay, send a copy to the "
+        "next-best region and keep the first to answer, within [routing] hedge_budget.",
+    )
+    hedge_delay: float | None = Field(
+        None,
+        gt=0,
+        description="Seconds before hedging; unset means the region's recent p95 time to first "
+        "byte.",
+    )
+    fallback: list[FallbackRung] = Field(
+        default_factory=lambda: list(DEFAULT_FALLBACK),
+        description="The degradation ladder when no region can answer, in order: 'stale' (an "
+        "expired cache entry) and 'local' (the [local_model]); empty turns fallback off.",
+    )
+    deadline_action: Literal["cancel", "race"] = Field(
+        "cancel",
+        description="No first byte by the deadline: 'cancel' the upstream attempt and answer "
+        "from the fallback, or 'race' them and keep whichever produces a byte first.",
+    )
+    fallback_retry_after: int = Field(
+        2,
+        ge=0,
+        description="Retry-After seconds of the 503 sent when neither a region nor the "
+        "fallback ladder can answer.",
+    )
+
+    cache: Literal["auto", "always", "off"] = Field(
+        "auto",
+        description="Hot-answer cache on this route: 'auto' caches deterministic LLM requests "
+        "(temperature 0 or a seed) and GETs the upstream marks public; 'always' caches any JSON "
+        "POST answer as well; 'off' neither looks up nor stores.",
+    )
+    cache_ttl: float = Field(
+        300.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Seconds a cached answer of this route stays fresh.",
+    )
+    stale_while_revalidate: float = Field(
+        0.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="Seconds past cache_ttl during which the stale answer is served (marked "
+        "STALE) while one background request refreshes it.",
+    )
+    stale_if_error: float = Field(
+        0.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="Seconds past cache_ttl during which the stale answer is served, marked "
+        "degraded, when every region fails or the deadline passes.",
+    )
+
+    max_in_flight: int | None = Field(
+        None,
+        ge=1,
+        description="Most requests of this route in flight at once, within [admission] "
+        "max_in_flight; unset means no route cap.",
+    )
+    max_queue_time: float | None = Field(
+        None,
+        ge=0,
+        allow_inf_nan=False,
+        description="Seconds a request of this route may wait for a slot; unset means "
+        "[admission] max_queue_time.",
+    )
+    on_overload: Literal["shed", "degrade"] = Field(
+        "shed",
+        description="When the queue cannot take the request: 'shed' answers 503 with "
+        "Retry-After; 'degrade' answers from the fallback ladder (stale cache, local model).",
+    )
+    require_json: bool | None = Field(
+        None,
+        description="Require a JSON object body (400 otherwise) before any upstream work; unset "
+        "means yes for POSTs to OpenAI LLM endpoints (chat/completions, completions, "
+        "embeddings, responses).",
+    )
+
+    @field_validator("path")
+    @classmethod
+    def _check_path(cls, value: str) -> str:
+        if not value.startswith("/"):
+            raise ValueError("must start with '/'")
+        return value
+
+    @field_validator("methods")
+    @classmethod
+    def _upper_methods(cls, value: list[str]) -> list[str]:
+        return [m.upper() for m in value]
+
+    @field_validator("fallback")
+    @classmethod
+    def _unique_rungs(cls, value: list[str]) -> list[str]:
+        for rung in value:
+            if value.count(rung) > 1:
+                raise ValueError(f"lists {rung!r} twice")
+        return value
+
+    def matches(self, method: str, path: str) -> bool:
+        """Whether a request with ``method`` and ``path`` belongs to this route.
+
+        Prefixes match on segment boundaries: ``/v1/chat`` matches
+        ``/v1/chat/completions`` but not ``/v1/chatter``.
+        """
+        if self.methods and method not in self.methods:
+            return False
+        prefix = self.path.rstrip("/")
+        return not prefix or path == prefix or path.startswith(prefix + "/")

@@ -1,0 +1,152 @@
+"""Region choice and region health: ``[routing]`` and ``[health]``."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from edgeproxy._core.config.base import Section
+
+__all__ = ["HealthConfig", "RoutingConfig"]
+
+
+class RoutingConfig(Section):
+    """How a region is chosen: latency history, load, geo prior, retry and hedge budgets."""
+
+    decay: float = Field(
+        10.0,
+        gt=0,
+        description="Seconds over which a region's peak-EWMA latency forgets old samples "
+        "(a slower sample counts at once).",
+    )
+    min_samples: int = Field(
+        3,
+        ge=1,
+        description="Samples before a region's own latency fully replaces its geo prior.",
+    )
+    ms_per_1000km: float = Field(
+        10.0,
+        ge=0,
+        description="Geo prior: expected round-trip milliseconds per 1000 km of great-circle "
+        "distance, so that before any traffic the nearest region wins.",
+    )
+    prior_from: Literal["pop", "client"] = Field(
+        "pop",
+        description="Measure the geo prior from the PoP, or from the client's location when "
+        "known (a proxy serving clients from far away).",
+    )
+    equal_within: float = Field(
+        1.5,
+        ge=1,
+        description="Regions whose score (latency x (in flight + 1)) is within this factor of "
+        "the best are equals: two of them are drawn by weight and the better wins.",
+    )
+    probe_decay: float = Field(
+        10.0,
+        gt=0,
+        description="Seconds over which the latency penalty of a region that gets no traffic "
+        "fades towards its prior, so that a recovered region is probed again.",
+    )
+    retry_budget: float = Field(
+        0.2,
+        ge=0,
+        le=1,
+        description="Retries may be at most this share of requests over budget_window.",
+    )
+    retry_budget_min: float = Field(
+        1.0,
+        ge=0,
+        description="Retries per second allowed whatever the traffic (for quiet PoPs).",
+    )
+    hedge_budget: float = Field(
+        0.05,
+        ge=0,
+        le=1,
+        description="Hedged copies may be at most this share of requests over budget_window.",
+    )
+    hedge_budget_min: float = Field(
+        0.1,
+        ge=0,
+        description="Hedged copies per second allowed whatever the traffic.",
+    )
+    budget_window: float = Field(
+        10.0, gt=0, description="Seconds over which the retry and hedge budgets are counted."
+    )
+    retry_statuses: list[int] = Field(
+        default_factory=lambda: [502, 503, 504],
+        description="Region answers that count as a failure before the first byte and are "
+        "retried on the next region.",
+    )
+
+    @field_validator("retry_statuses")
+    @classmethod
+    def _check_statuses(cls, value: list[int]) -> list[int]:
+        for status in value:
+            if not 500 <= status <= 599:
+                raise ValueError(f"{status} is not a 5xx status")
+        return value
+
+
+class HealthConfig(Section):
+    """Active health checks, passive outlier ejection and per-region circuit breakers."""
+
+    active: bool = Field(False, description="Probe every region's health path in the background.")
+    path: str = Field("/healthz", description="Path of the active health check (GET, 2xx = ok).")
+    interval: float = Field(5.0, gt=0, description="Seconds between two active checks.")
+    timeout: float = Field(1.0, gt=0, description="Seconds an active check may take.")
+    healthy_threshold: int = Field(
+        2, ge=1, description="Passed checks in a row that make an unhealthy region healthy."
+    )
+    unhealthy_threshold: int = Field(
+        3, ge=1, description="Failed checks in a row that make a region unhealthy."
+    )
+    outlier_detection: bool = Field(
+        True, description="Eject regions that fail requests in a row (Envoy's model)."
+    )
+    consecutive_failures: int = Field(
+        5,
+        ge=1,
+        description="5xx answers or connect/reset/timeout failures in a row that eject a region.",
+    )
+    base_ejection_time: float = Field(
+        30.0,
+        gt=0,
+        description="Seconds of the first ejection; each further ejection lasts one base more.",
+    )
+    max_ejection_time: float = Field(
+        300.0, gt=0, description="Longest ejection, however often a region was ejected."
+    )
+    max_ejection_percent: float = Field(
+        50.0,
+        ge=0,
+        le=100,
+        description="Most regions ejected at once, in percent (at least one may always be).",
+    )
+    outlier_interval: float = Field(
+        10.0,
+        gt=0,
+        description="Seconds without an ejection after which a region's ejection multiplier "
+        "goes down by one.",
+    )
+    max_concurrent: int = Field(
+        1024, ge=1, description="Circuit breaker: most requests in flight per region."
+    )
+    max_pending: int = Field(
+        1024,
+        ge=1,
+        description="Circuit breaker: most requests per region still waiting for their first byte.",
+    )
+
+    @field_validator("path")
+    @classmethod
+    def _check_path(cls, value: str) -> str:
+        if not value.startswith("/"):
+            raise ValueError("must start with '/'")
+        return value
+
+    @model_validator(mode="after")
+    def _check_ejection_times(self) -> HealthConfig:
+        if self.max_ejection_time < self.base_ejection_time:
+            raise ValueError("max_ejection_time must not be shorter than base_ejection_time")
+        return self

@@ -1,0 +1,115 @@
+"""The listeners and what a client may send: ``[server]``, ``[admin]``, ``[pop]``, ``[limits]``."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from edgeproxy._core.config.base import Section
+
+__all__ = ["AdminConfig", "LimitsConfig", "PopConfig", "ServerConfig"]
+
+
+class ServerConfig(Section):
+    """The client-facing listener."""
+
+    host: str = Field("127.0.0.1", description="Address the proxy listens on.")
+    port: int = Field(8080, ge=0, le=65535, description="Port the proxy listens on (0 picks one).")
+    grace_period: float = Field(
+        30.0,
+        ge=0,
+        description="Seconds that in-flight requests, streams included, get to finish on SIGTERM.",
+    )
+    preserve_host: bool = Field(
+        False,
+        description="Forward the client's Host header instead of rewriting it to the upstream's.",
+    )
+    forward_client_credentials: bool = Field(
+        False,
+        description=(
+            "Forward the client's Authorization and api-key headers upstream. Off by default: "
+            "regions get their own credentials from [[regions]]."
+        ),
+    )
+    via_name: str = Field(
+        "",
+        description="Pseudonym used in the Via header; empty means the PoP name.",
+    )
+    backlog: int = Field(1024, ge=1, description="Listen backlog of the server socket.")
+    reuse_port: bool = Field(
+        False,
+        description=(
+            "Bind with SO_REUSEPORT, so that several edgeproxy processes (one per core) share "
+            "the port and the kernel spreads connections; give each its own admin port."
+        ),
+    )
+
+
+class AdminConfig(Section):
+    """The admin listener: health, readiness and status. Keep it off the public network."""
+
+    enabled: bool = Field(True, description="Serve the admin listener.")
+    host: str = Field(
+        "127.0.0.1", description="Address of the admin listener (loopback by default)."
+    )
+    port: int = Field(9901, ge=0, le=65535, description="Port of the admin listener (0 picks one).")
+
+
+class PopConfig(Section):
+    """Where this edge runs."""
+
+    name: str = Field(
+        "edge", min_length=1, description="Name of this PoP, shown in Via and /status."
+    )
+    lat: float = Field(0.0, ge=-90, le=90, description="Latitude of the PoP in degrees.")
+    lon: float = Field(0.0, ge=-180, le=180, description="Longitude of the PoP in degrees.")
+
+
+class LimitsConfig(Section):
+    """What a client may send, and how slowly; enforced by the proxy's own listener."""
+
+    max_request_line: int = Field(
+        8190,
+        ge=256,
+        le=1_048_576,
+        description="Longest request line (method, target, version) in bytes; longer gets 414.",
+    )
+    max_header_size: int = Field(
+        8190,
+        ge=256,
+        le=1_048_576,
+        description="Longest header field in bytes; longer gets 431.",
+    )
+    max_headers: int = Field(
+        100, ge=8, le=10_000, description="Most header fields in a request; more gets 431."
+    )
+    max_body_size: int = Field(
+        10 * 1024 * 1024,
+        ge=0,
+        description="Largest request body in bytes; larger gets 413, before it is read when "
+        "Content-Length says so. 0 means no limit.",
+    )
+    header_timeout: float = Field(
+        10.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Seconds a client has to send a whole request head, from its first byte "
+        "(or from connecting); then 408 and the connection closes.",
+    )
+    body_timeout: float = Field(
+        30.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Seconds the request body may stall between two reads (slowloris); then "
+        "408 and the connection closes.",
+    )
+    keepalive_timeout: float = Field(
+        75.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Seconds an idle keep-alive connection is kept open.",
+    )
+    max_connections: int = Field(
+        10_000,
+        ge=1,
+        description="Most client connections open at once; more get 503 and are closed.",
+    )

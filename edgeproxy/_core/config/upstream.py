@@ -1,0 +1,171 @@
+"""The regions and their connection pools: ``[upstream]`` and ``[[regions]]``."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from urllib.parse import urlsplit
+
+from pydantic import Field, field_validator
+
+from edgeproxy._core.config.base import Section
+
+__all__ = ["RegionConfig", "UpstreamConfig"]
+
+
+class UpstreamConfig(Section):
+    """Pool defaults for every region; a region may override ``http2``."""
+
+    http2: bool = Field(
+        True, description="Talk HTTP/2 to regions (h2c for http://, ALPN for https://)."
+    )
+    max_connections: int = Field(
+        8,
+        ge=1,
+        description="Most connections per HTTP/2 region (each multiplexes many streams).",
+    )
+    http1_max_connections: int = Field(
+        256,
+        ge=1,
+        description=(
+            "Most connections per HTTP/1.1 region; each carries one request at a time, "
+            "so this caps that region's concurrency, SSE streams included."
+        ),
+    )
+    keepalive_expiry: float = Field(
+        60.0, gt=0, description="Seconds an idle connection is kept before it is closed."
+    )
+    connect_timeout: float = Field(3.0, gt=0, description="Seconds to open a connection.")
+    read_timeout: float = Field(
+        60.0,
+        gt=0,
+        description="Seconds to wait for response headers and between body chunks.",
+    )
+    write_timeout: float = Field(10.0, gt=0, description="Seconds to send a request body chunk.")
+    pool_timeout: float = Field(
+        5.0, gt=0, description="Seconds to wait for a free connection or stream slot."
+    )
+    warm_connections: int = Field(
+        1, ge=0, description="Connections opened per region at startup, before any request."
+    )
+    ping_interval: float = Field(
+        15.0, gt=0, description="Seconds between HTTP/2 PINGs on idle connections."
+    )
+    verify_tls: bool = Field(True, description="Verify upstream TLS certificates.")
+    ca_file: str | None = Field(
+        None, description="CA bundle for upstream TLS; the system's if unset."
+    )
+
+
+class RegionConfig(Section):
+    """One regional cluster."""
+
+    name: str = Field(
+        ..., min_length=1, description="Unique region name, sent in X-Edgeproxy-Region."
+    )
+    url: str = Field(..., description="Base URL of the region: http:// (h2c) or https:// (ALPN).")
+    http2: bool | None = Field(None, description="Override [upstream] http2 for this region.")
+    urls: list[str] = Field(
+        default_factory=list,
+        description=(
+            "More endpoints of the same region (same scheme rules as url); each gets its own "
+            "pool and a request goes to the reachable endpoint with the fewest in flight."
+        ),
+    )
+    lat: float = Field(0.0, description="Latitude of the region in degrees (-90..90).")
+    lon: float = Field(0.0, description="Longitude of the region in degrees (-180..180).")
+    weight: float = Field(
+        1.0, description="Relative share of traffic among regions that perform alike (> 0)."
+    )
+    jurisdiction: str | None = Field(
+        None,
+        description="Legal jurisdiction of the region, e.g. 'eu' or 'us'; [geo] residency "
+        "rules match it.",
+    )
+    tags: list[str] = Field(
+        default_factory=list,
+        description="More labels of the region; residency rules may name them like a jurisdiction.",
+    )
+    priority: int = Field(
+        0,
+        ge=0,
+        description="Priority tier: tier 0 serves first; a higher tier gets requests only when "
+        "no region of a lower tier is available, or as a failover target.",
+    )
+    api_key: str | None = Field(
+        None,
+        description="Credential sent as 'Authorization: Bearer …'. Prefer api_key_env.",
+        repr=False,
+    )
+    api_key_env: str | None = Field(
+        None, description="Name of the environment variable that holds the region's API key."
+    )
+    headers: dict[str, str] = Field(
+        default_factory=dict,
+        description="Extra headers injected into every upstream request to this region.",
+        repr=False,
+    )
+    host_header: str | None = Field(
+        None, description="Host (or :authority) to send; defaults to the URL's host."
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, value: str) -> str:
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https"):
+            raise ValueError("must be an http:// or https:// URL")
+        if not parts.hostname:
+            raise ValueError("has no host")
+        try:
+            parts.port  # noqa: B018 - raises on an invalid port
+        except ValueError as exc:
+            raise ValueError(f"has an invalid port ({exc})") from None
+        if parts.query or parts.fragment:
+            raise ValueError("must not have a query or fragment")
+        if parts.username is not None or parts.password is not None:
+            # URLs end up in errors, logs and /status: credentials belong in
+            # api_key_env or headers, which are never shown.
+            raise ValueError("must not contain credentials; use api_key_env or headers")
+        return value
+
+    @field_validator("urls")
+    @classmethod
+    def _check_urls(cls, value: list[str]) -> list[str]:
+        for index, url in enumerate(value):
+            try:
+                cls._check_url(url)
+            except ValueError as exc:
+                # By position, not by value: the URL itself may hold a secret.
+                raise ValueError(f"entry {index} {exc}") from None
+        return value
+
+    @field_validator("lat")
+    @classmethod
+    def _check_lat(cls, value: float) -> float:
+        if not (math.isfinite(value) and -90.0 <= value <= 90.0):
+            raise ValueError(f"must be a latitude in degrees between -90 and 90, not {value}")
+        return value
+
+    @field_validator("lon")
+    @classmethod
+    def _check_lon(cls, value: float) -> float:
+        if not (math.isfinite(value) and -180.0 <= value <= 180.0):
+            raise ValueError(f"must be a longitude in degrees between -180 and 180, not {value}")
+        return value
+
+    @field_validator("weight")
+    @classmethod
+    def _check_weight(cls, value: float) -> float:
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"must be a positive finite number, not {value}")
+        return value
+
+    def resolved_api_key(self, environ: Mapping[str, str] | None = None) -> str | None:
+        """The credential for this region: ``api_key``, else the variable ``api_key_env`` names."""
+        if self.api_key:
+            return self.api_key
+        if self.api_key_env:
+            return (os.environ if environ is None else environ).get(self.api_key_env) or None
+        return None
