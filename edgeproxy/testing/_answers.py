@@ -1,0 +1,233 @@
+"""The fake region's routes and their answers.
+
+OpenAI-style completions and embeddings (deterministic, from
+:mod:`edgeproxy.testing._content`), models, health, echo and status-code
+endpoints. Each answer is a :class:`~edgeproxy.testing._exchange.Reply`; a
+request it cannot answer raises :class:`~edgeproxy.testing._exchange.BadRequest`.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import time
+from collections.abc import Callable
+from typing import Any, Final, TypeVar
+from urllib.parse import parse_qs
+
+from edgeproxy.testing import _content as content
+from edgeproxy.testing._behavior import Behavior
+from edgeproxy.testing._exchange import (
+    BadRequest,
+    Exchange,
+    Headers,
+    Reply,
+    json_reply,
+    parse_json_object,
+)
+
+MAX_TOKENS: Final = 100_000
+MAX_ECHO_SIZE: Final = 256 * 2**20
+_ECHO_PART: Final = 64 * 2**10
+_ECHO_PATTERN: Final = bytes(range(33, 127))  # printable, so bodies are easy to eyeball
+
+
+def route(ex: Exchange, body: bytes, behavior: Behavior, *, region_model: str) -> Reply:
+    path, method = ex.path, ex.method
+    if path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings"):
+        _require_method(method, "POST")
+        request = parse_json_object(body)
+        if path == "/v1/embeddings":
+            return _embeddings(request, behavior, region_model)
+        return _completion(request, behavior, region_model, chat=path == "/v1/chat/completions")
+    if path == "/v1/models":
+        _require_method(method, "GET", "HEAD")
+        models = {
+            "object": "list",
+            "data": [
+                {"id": region_model, "object": "model", "created": 0, "owned_by": "edgeproxy"}
+            ],
+        }
+        return json_reply(200, models)
+    if path == "/healthz":
+        _require_method(method, "GET", "HEAD")
+        return json_reply(200, {"status": "ok"})
+    if path.startswith("/status/"):
+        return _status(path.removeprefix("/status/"))
+    raise BadRequest(f"no route for {method} {path}", status=404)
+
+
+def _completion(
+    request: dict[str, Any], behavior: Behavior, region_model: str, *, chat: bool
+) -> Reply:
+    prompt_key = "messages" if chat else "prompt"
+    if prompt_key not in request:
+        raise BadRequest(f"'{prompt_key}' is required")
+    prompt = request[prompt_key]
+    if chat and not isinstance(prompt, list):
+        raise BadRequest("'messages' must be an array")
+    n_tokens = _max_tokens(request, behavior.tokens)
+    stream = request.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest("'stream' must be a boolean")
+    model = request.get("model")
+    model = model if isinstance(model, str) and model else region_model
+
+    words = list(content.tokens(content.digest(prompt), n_tokens))
+    usage = content.usage(max(1, content.count_words(prompt)), n_tokens)
+    created = int(time.time())
+    id_ = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+
+    if not stream:
+        text = "".join(words)
+        payload = (
+            content.chat_completion(id_, created, model, text, usage)
+            if chat
+            else content.text_completion(id_, created, model, text, usage)
+        )
+        reply = json_reply(200, payload)
+        reply.first_delay = behavior.ttft
+        return reply
+
+    parts: list[bytes] = []
+    for index, word in enumerate(words):
+        if chat:
+            delta = {"role": "assistant", "content": word} if index == 0 else {"content": word}
+            parts.append(content.sse_event(content.chat_chunk(id_, created, model, delta)))
+        else:
+            parts.append(content.sse_event(content.text_chunk(id_, created, model, word)))
+    if chat:
+        final = content.chat_chunk(id_, created, model, {} if words else {"role": "assistant"})
+        final["choices"][0]["finish_reason"] = "stop"
+    else:
+        final = content.text_chunk(id_, created, model, "", "stop")
+    parts.append(content.sse_event(final))
+    options = request.get("stream_options")
+    if isinstance(options, dict) and options.get("include_usage") is True:
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        parts.append(content.usage_chunk(id_, created, model, obj, usage))
+    parts.append(content.SSE_DONE)
+    headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+    return Reply(
+        200,
+        headers,
+        parts,
+        first_delay=behavior.ttft,
+        gap=behavior.inter_token_delay,
+        gap_units=len(words),
+    )
+
+
+def _embeddings(request: dict[str, Any], behavior: Behavior, region_model: str) -> Reply:
+    if "input" not in request:
+        raise BadRequest("'input' is required")
+    raw = request["input"]
+    inputs: list[object] = raw if isinstance(raw, list) and raw else [raw]
+    model = request.get("model")
+    payload = {
+        "object": "list",
+        "data": [
+            {"object": "embedding", "index": i, "embedding": content.embedding(item)}
+            for i, item in enumerate(inputs)
+        ],
+        "model": model if isinstance(model, str) and model else region_model,
+        "usage": {
+            "prompt_tokens": content.count_words(inputs),
+            "total_tokens": content.count_words(inputs),
+        },
+    }
+    reply = json_reply(200, payload)
+    reply.first_delay = behavior.ttft
+    return reply
+
+
+def echo(ex: Exchange, length: int, sha256: str, *, region: str) -> Reply:
+    query = parse_qs(ex.query_string, keep_blank_values=True)
+    size = _query_number(query, "size", int, 0, MAX_ECHO_SIZE)
+    chunks = _query_number(query, "chunks", int, 1, 100_000)
+    delay = _query_number(query, "delay", float, 0.0, 3600.0)
+    headers: Headers = [
+        (b"x-echo-method", ex.method.encode("latin-1")),
+        (b"x-echo-body-length", str(length).encode()),
+        (b"x-echo-body-sha256", sha256.encode()),
+    ]
+    if size is None and chunks is None:
+        payload = {
+            "region": region,
+            "method": ex.method,
+            "path": ex.path,
+            "raw_path": ex.raw_path,
+            "query_string": ex.query_string,
+            "http_version": ex.scope["http_version"],
+            "headers": [[k.decode("latin-1"), v.decode("latin-1")] for k, v in ex.scope["headers"]],
+            "body_length": length,
+            "body_sha256": sha256,
+        }
+        reply = json_reply(200, payload)
+        reply.headers.extend(headers)
+        return reply
+
+    if size is None:
+        assert chunks is not None
+        parts = [b"chunk %d\n" % i for i in range(chunks)]
+    else:
+        body = (_ECHO_PATTERN * (size // len(_ECHO_PATTERN) + 1))[:size]
+        count = chunks if chunks is not None else max(1, math.ceil(size / _ECHO_PART))
+        step = max(1, math.ceil(size / count))
+        parts = [body[i : i + step] for i in range(0, size, step)] or [b""]
+    total = sum(len(p) for p in parts)
+    headers += [
+        (b"content-type", b"application/octet-stream"),
+        (b"content-length", str(total).encode()),
+    ]
+    return Reply(200, headers, parts, gap=delay or 0.0, gap_units=len(parts))
+
+
+def _status(raw: str) -> Reply:
+    try:
+        status = int(raw)
+    except ValueError:
+        raise BadRequest(f"not a status code: {raw!r}") from None
+    if not 200 <= status <= 599:
+        raise BadRequest(f"status must be 200-599, not {status}")
+    if status in (204, 304):
+        return Reply(status, [], [])
+    return json_reply(status, {"status": status})
+
+
+def _require_method(method: str, *allowed: str) -> None:
+    if method not in allowed:
+        raise BadRequest(f"method {method} not allowed; use {' or '.join(allowed)}", status=405)
+
+
+def _max_tokens(request: dict[str, Any], default: int) -> int:
+    for key in ("max_tokens", "max_completion_tokens"):
+        value = request.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise BadRequest(f"'{key}' must be a non-negative integer")
+        return min(value, MAX_TOKENS)
+    return default
+
+
+_Number = TypeVar("_Number", int, float)
+
+
+def _query_number(
+    query: dict[str, list[str]],
+    name: str,
+    kind: Callable[[str], _Number],
+    low: _Number,
+    high: _Number,
+) -> _Number | None:
+    values = query.get(name)
+    if not values:
+        return None
+    try:
+        value = kind(values[-1])
+    except ValueError:
+        raise BadRequest(f"query parameter {name}={values[-1]!r} is not a number") from None
+    if not low <= value <= high:
+        raise BadRequest(f"query parameter {name} must be between {low} and {high}")
+    return value

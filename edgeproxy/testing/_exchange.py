@@ -1,0 +1,262 @@
+"""One request/response of the fake region: the ASGI plumbing under every route.
+
+:class:`Exchange` reads the request body, watches for the client leaving and
+writes a :class:`Reply`, applying the response-side faults (slow headers,
+resets, stalled bodies) on the way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final
+
+import orjson
+
+from edgeproxy.testing import _content as content
+from edgeproxy.testing._behavior import Behavior, Fault
+from edgeproxy.testing._hypercorn import StreamHandle
+
+if TYPE_CHECKING:
+    from edgeproxy.testing._app import RegionApp
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+Headers = list[tuple[bytes, bytes]]
+
+MAX_REQUEST_BODY: Final = 16 * 2**20
+
+_JSON: Final = (b"content-type", b"application/json")
+
+
+@dataclass(slots=True)
+class Reply:
+    status: int
+    headers: Headers
+    parts: list[bytes]
+    first_delay: float = 0.0
+    gap: float = 0.0
+    # The first ``gap_units`` parts are separated by ``gap``; later parts (an
+    # SSE stream's closing events) follow without delay.
+    gap_units: int = 0
+
+
+def json_reply(status: int, payload: object) -> Reply:
+    body = orjson.dumps(payload)
+    return Reply(status, [_JSON, (b"content-length", str(len(body)).encode())], [body])
+
+
+def error_reply(status: int, message: str, type_: str = "invalid_request_error") -> Reply:
+    body = content.error_body(message, type_=type_)
+    return Reply(status, [_JSON, (b"content-length", str(len(body)).encode())], [body])
+
+
+class ClientGone(Exception):
+    """The client disconnected; unwinds a handler."""
+
+
+class BadRequest(Exception):
+    """A request the fake answers with a 4xx OpenAI error."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def parse_json_object(body: bytes) -> dict[str, Any]:
+    try:
+        value = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise BadRequest("request body must be a JSON object")
+    return value
+
+
+class Exchange:
+    """One request/response, with the disconnect and fault plumbing."""
+
+    def __init__(
+        self,
+        app: RegionApp,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        handle: StreamHandle | None,
+    ) -> None:
+        self.app = app
+        self.scope = scope
+        self.path: str = scope["path"]
+        self.method: str = scope["method"]
+        raw_path = scope.get("raw_path")
+        self.raw_path = raw_path.decode("latin-1") if raw_path else self.path
+        self.query_string: str = scope.get("query_string", b"").decode("latin-1")
+        self.receive = receive
+        self.send = send
+        self.handle = handle
+        self.close_connection = False
+        self.cancelled = False
+        # Once the response is complete or deliberately aborted, a disconnect
+        # is expected and must not cancel the handler or count as a cancel.
+        self._settled = False
+        self._task: asyncio.Task[Any] | None = None
+        self._watcher: asyncio.Task[None] | None = None
+        self._gone = asyncio.Event()
+        self._cancel_requested = False
+
+    async def run(self, handler: Awaitable[None]) -> None:
+        """Run ``handler``, turning a client disconnect into a normal return."""
+        self._task = asyncio.current_task()
+        try:
+            await handler
+        except ClientGone:
+            self.cancelled = True
+        except asyncio.CancelledError:
+            assert self._task is not None
+            if self._cancel_requested and self._task.uncancel() == 0:
+                self.cancelled = True
+            else:
+                raise
+        finally:
+            if self._watcher is not None:
+                self._watcher.cancel()
+
+    # -- request body ---------------------------------------------------
+
+    async def read_body(self) -> bytes:
+        """The whole request body; ``BadRequest`` (413) past ``MAX_REQUEST_BODY``.
+
+        The body is always read to its end, even when it is refused: see the
+        hypercorn note in ``RegionApp._http``.
+        """
+        body = bytearray()
+        too_large = False
+        while True:
+            message = await self.receive()
+            if message["type"] == "http.disconnect":
+                raise ClientGone
+            if not too_large:
+                body += message.get("body", b"")
+                too_large = len(body) > MAX_REQUEST_BODY
+            if not message.get("more_body", False):
+                if too_large:
+                    raise BadRequest("request body too large", status=413)
+                return bytes(body)
+
+    async def consume_body(self) -> tuple[int, str]:
+        """Read the body without keeping it; return its length and sha256."""
+        hasher = hashlib.sha256()
+        length = 0
+        while True:
+            message = await self.receive()
+            if message["type"] == "http.disconnect":
+                raise ClientGone
+            chunk = message.get("body", b"")
+            hasher.update(chunk)
+            length += len(chunk)
+            if not message.get("more_body", False):
+                return length, hasher.hexdigest()
+
+    def watch_disconnect(self) -> None:
+        """From now on, a client disconnect cancels the handler."""
+        self._watcher = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        while True:
+            message = await self.receive()
+            if message["type"] == "http.disconnect":
+                break
+        self._gone.set()
+        if not self._settled and self._task is not None and not self._task.done():
+            self._cancel_requested = True
+            self._task.cancel()
+
+    # -- response -------------------------------------------------------
+
+    async def pause(self, seconds: float) -> None:
+        if self._gone.is_set() and not self._settled:
+            raise ClientGone
+        if seconds > 0:
+            await asyncio.sleep(seconds)
+
+    async def hang(self) -> None:
+        """Wait for the client to leave (which cancels us) or the region to stop."""
+        await self.app.wait_stopping()
+        await self.abort()
+
+    async def abort(self, error_code: int | None = None) -> None:
+        """Reset the response (HTTP/2) or drop the connection (HTTP/1.1)."""
+        self._settled = True
+        if self.handle is None:
+            return  # without hypercorn's internals, ending the handler is all we can do
+        if error_code is None:
+            await self.handle.reset()
+        else:
+            await self.handle.reset(error_code)
+        if not self.handle.http2:
+            # Hypercorn would answer 500 on a connection whose request
+            # handler returns early; wait until it has noticed the close.
+            try:
+                await asyncio.wait_for(self._gone.wait(), 5.0)
+            except TimeoutError:
+                pass
+
+    async def start(self, status: int, headers: Headers) -> None:
+        headers = [*headers, self.app.region_header]
+        if self.close_connection:
+            headers.append((b"connection", b"close"))
+        await self._send({"type": "http.response.start", "status": status, "headers": headers})
+
+    async def write(self, data: bytes, *, more: bool) -> None:
+        if not more:
+            self._settled = True
+        await self._send({"type": "http.response.body", "body": data, "more_body": more})
+        if more and self.handle is not None:
+            await self.handle.flush()
+
+    async def _send(self, message: Message) -> None:
+        if self._gone.is_set() and not self._settled:
+            raise ClientGone
+        try:
+            await self.send(message)
+        except (OSError, RuntimeError) as exc:
+            # Hypercorn lets a write to a connection the client just closed
+            # surface as one of these; the disconnect watcher has not run yet.
+            raise ClientGone from exc
+
+    async def send_reply(self, reply: Reply, fault: Fault | None, behavior: Behavior) -> None:
+        parts = reply.parts
+        if fault in ("reset", "stall_body") and len(parts) == 1 and len(parts[0]) >= 2:
+            half = len(parts[0]) // 2
+            parts = [parts[0][:half], parts[0][half:]]
+
+        delay = reply.first_delay
+        if fault == "slow_headers":
+            delay += behavior.slow_headers_delay
+        await self.pause(delay)
+
+        reset_at = None
+        if fault == "reset":
+            reset_at = min(behavior.fault_after_tokens, max(len(parts) - 1, 0))
+            if reset_at == 0:
+                await self.abort()
+                return
+
+        await self.start(reply.status, reply.headers)
+        if fault == "stall_body":
+            await self.write(parts[0] if parts else b"", more=True)
+            await self.hang()
+            return
+        for index, part in enumerate(parts):
+            if 0 < index < reply.gap_units:
+                await self.pause(reply.gap)
+            if index == reset_at:
+                await self.abort()
+                return
+            await self.write(part, more=index < len(parts) - 1)
+        if not parts:
+            await self.write(b"", more=False)
