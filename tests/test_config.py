@@ -4,8 +4,13 @@ from pathlib import Path
 
 import pytest
 
-from edgeproxy import Config, ConfigError, RegionConfig, load_config
-from edgeproxy._core.config import config_docs_markdown, iter_config_keys
+from edgeproxy import AdmissionConfig, CacheConfig, Config, ConfigError, RegionConfig, load_config
+from edgeproxy._core.config import (
+    check_redis_url,
+    config_docs_markdown,
+    config_from_mapping,
+    iter_config_keys,
+)
 
 GOOD = """
 [server]
@@ -212,3 +217,142 @@ def test_empty_or_odd_unknown_keys_are_named_quoted() -> None:
         )
     assert '"": unknown key' in info.value.errors
     assert '"a b": unknown key' in info.value.errors
+
+
+# -- Config.from_mapping ---------------------------------------------------------------
+
+MINIMAL: dict[str, object] = {"regions": [{"name": "r-1", "url": "http://127.0.0.1:1"}]}
+
+
+def test_from_mapping_validates_without_touching_the_data() -> None:
+    data = {"server": {"port": 8181}, "regions": [{"name": "r-1", "url": "http://127.0.0.1:1"}]}
+    env = {"EDGEPROXY_SERVER__PORT": "9191", "EDGEPROXY_REGIONS__R_1__WEIGHT": "3"}
+    config = Config.from_mapping(data, environ=env)
+    assert isinstance(config, Config)
+    assert config.server.port == 9191 and config.regions[0].weight == 3
+    assert data == {
+        "server": {"port": 8181},
+        "regions": [{"name": "r-1", "url": "http://127.0.0.1:1"}],
+    }
+    assert config.base_dir is None
+
+
+def test_from_mapping_reads_os_environ_unless_given_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EDGEPROXY_SERVER__PORT", "8282")
+    assert Config.from_mapping(MINIMAL).server.port == 8282
+    assert Config.from_mapping(MINIMAL, environ={}).server.port == 8080
+
+
+def test_from_mapping_base_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert (
+        Config.from_mapping(MINIMAL, environ={}, base_dir=tmp_path).base_dir == tmp_path.resolve()
+    )
+    monkeypatch.chdir(tmp_path)
+    relative = Config.from_mapping(MINIMAL, environ={}, base_dir="conf")
+    assert relative.base_dir == tmp_path.resolve() / "conf"
+    loaded = load_config(write(tmp_path, GOOD), environ={})
+    assert loaded.base_dir == tmp_path.resolve()
+
+
+def test_from_mapping_errors_name_every_key_and_the_source() -> None:
+    data = {"server": {"port": -1}, "regions": [{"name": "r", "url": "ftp://h"}]}
+    with pytest.raises(ConfigError) as info:
+        Config.from_mapping(data, environ={}, source="edge.yaml")
+    assert info.value.source == "edge.yaml"
+    assert "invalid configuration in edge.yaml" in str(info.value)
+    assert any(e.startswith("server.port:") for e in info.value.errors)
+    assert "regions[0].url: must be an http:// or https:// URL" in info.value.errors
+    # The old name is the same function, errors and all.
+    with pytest.raises(ConfigError) as old:
+        config_from_mapping(data, environ={}, source="edge.yaml")
+    assert old.value.errors == info.value.errors
+
+
+# -- Redis URLs: one check for [cache] and [admission] ----------------------------------
+
+GOOD_REDIS_URLS = [
+    "redis://127.0.0.1:6379/0",
+    "redis://user:pass@cache.internal",
+    "rediss://cache.internal:6380/3",
+    "unix:///run/redis/redis.sock",
+    "unix:///run/redis/redis.sock?db=2",
+]
+BAD_REDIS_URLS = [
+    ("http://cache.internal:6379", "must be a redis://, rediss:// or unix:// URL"),
+    ("cache.internal:6379", "must be a redis://, rediss:// or unix:// URL"),
+    ("redis://", "has no host"),
+    ("rediss://:6380/0", "has no host"),
+    ("redis://cache.internal:99999", "has an invalid port"),
+    ("redis://cache.internal/zero", "database must be a number, not 'zero'"),
+    ("unix://", "has no socket path"),
+    ("unix://redis.sock", "has no socket path"),
+    ("unix:///run/redis.sock?db=x", "database must be a number, not 'x'"),
+    ("redis://cache.internal#x", "must not have a fragment"),
+]
+
+
+@pytest.mark.parametrize("section", ["cache", "admission"])
+@pytest.mark.parametrize("url", GOOD_REDIS_URLS)
+def test_redis_url_schemes_accepted_by_both_keys(section: str, url: str) -> None:
+    config = Config.from_mapping({**MINIMAL, section: {"redis_url": url}}, environ={})
+    assert getattr(config, section).redis_url == url
+
+
+@pytest.mark.parametrize("section", ["cache", "admission"])
+@pytest.mark.parametrize(("url", "reason"), BAD_REDIS_URLS)
+def test_bad_redis_url_names_the_key_and_the_reason(section: str, url: str, reason: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        Config.from_mapping({**MINIMAL, section: {"redis_url": url}}, environ={})
+    [error] = info.value.errors
+    assert error.startswith(f"{section}.redis_url: {reason}"), error
+
+
+def test_redis_url_errors_never_show_the_password() -> None:
+    with pytest.raises(ConfigError) as info:
+        Config.from_mapping(
+            {
+                **MINIMAL,
+                "cache": {"redis_url": "redis://u:s3cret@h:99999"},
+                "admission": {"redis_url": "http://u:s3cret@h"},
+            },
+            environ={},
+        )
+    assert len(info.value.errors) == 2
+    assert "s3cret" not in str(info.value)
+
+
+def test_empty_redis_url_turns_admission_redis_off_but_not_the_cache_url() -> None:
+    assert AdmissionConfig(redis_url="").redis_url == ""
+    with pytest.raises(ConfigError) as info:
+        Config.from_mapping({**MINIMAL, "cache": {"redis_url": ""}}, environ={})
+    assert info.value.errors == ["cache.redis_url: must be a redis://, rediss:// or unix:// URL"]
+    with pytest.raises(ConfigError) as info:
+        Config.from_mapping({**MINIMAL, "admission": {"redis_url": "ftp://h"}}, environ={})
+    assert info.value.errors == [
+        "admission.redis_url: must be a redis://, rediss:// or unix:// URL, or ''"
+    ]
+
+
+def test_both_sections_share_the_one_check() -> None:
+    for url in GOOD_REDIS_URLS:
+        assert check_redis_url(url) == url
+        assert CacheConfig(redis_url=url).redis_url == AdmissionConfig(redis_url=url).redis_url
+    for url, reason in BAD_REDIS_URLS:
+        with pytest.raises(ValueError, match=reason.replace("(", r"\(")):
+            check_redis_url(url)
+        with pytest.raises(ValueError, match=reason.replace("(", r"\(")):
+            check_redis_url(url, allow_empty=True)
+    assert check_redis_url("", allow_empty=True) == ""
+
+
+# -- [geo] trusted_peers ----------------------------------------------------------------
+
+
+def test_geo_trusted_peers_default_trusts_nobody_and_says_so() -> None:
+    config = Config.from_mapping(MINIMAL, environ={})
+    assert config.geo.trusted_peers == []
+    docs = {key: description for key, _type, _default, description in iter_config_keys()}
+    assert "empty believes no peer" in docs["geo.trusted_peers"]
+    assert "empty trusts every peer" not in docs["geo.trusted_peers"]
+    everyone = Config.from_mapping({**MINIMAL, "geo": {"trusted_peers": ["0.0.0.0/0", "::/0"]}})
+    assert everyone.geo.trusted_peers == ["0.0.0.0/0", "::/0"]
