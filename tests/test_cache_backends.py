@@ -138,6 +138,15 @@ def test_bytes_serializer_keeps_bytes() -> None:
     assert serializer.loads(None) is None
 
 
+def test_redis_options_for_a_unix_socket() -> None:
+    options = _redis_options(CacheConfig(redis_url="unix:///run/redis/redis.sock?db=3"))
+    pool = options["connection_pool_kwargs"]
+    assert pool["path"] == "/run/redis/redis.sock" and options["db"] == 3
+    # aiocache passes host and port to every connection class; this one takes them.
+    connection = pool["connection_class"](host="127.0.0.1", port=6379, path=pool["path"])
+    assert connection.path == "/run/redis/redis.sock"
+
+
 def test_redis_options_from_url_auth_and_tls(monkeypatch: pytest.MonkeyPatch) -> None:
     plain = _redis_options(CacheConfig(redis_url="redis://u:p%40ss@cache.internal:6380/3"))
     assert (plain["endpoint"], plain["port"], plain["db"]) == ("cache.internal", 6380, 3)

@@ -24,11 +24,11 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 from aiocache.backends.memory import SimpleMemoryBackend
 from aiocache.serializers import BaseSerializer, NullSerializer
-from redis.asyncio import BlockingConnectionPool
+from redis.asyncio import BlockingConnectionPool, UnixDomainSocketConnection
 
 from edgeproxy._core.config import CacheConfig
 from edgeproxy._stages.cache.entry import BadEntry, Entry
@@ -371,6 +371,13 @@ class CircuitBreaker:
         return {"state": self.state, "failures": self.failures, "opens_total": self.opens_total}
 
 
+class _UnixSocketConnection(UnixDomainSocketConnection):
+    """A Unix-socket connection that ignores the host and port aiocache always passes."""
+
+    def __init__(self, *, host: str = "", port: int = 0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+
+
 def _redis_options(config: CacheConfig) -> dict[str, Any]:
     """aiocache ``RedisCache`` arguments from ``[cache]``: URL, auth and TLS."""
     url = urlsplit(config.redis_url)
@@ -394,6 +401,10 @@ def _redis_options(config: CacheConfig) -> dict[str, Any]:
             pool["ssl_keyfile"] = config.redis_tls_key_file
     password = config.resolved_redis_password() or (unquote(url.password) if url.password else None)
     db = url.path.strip("/")
+    if url.scheme == "unix":  # unix:///path/to/redis.sock[?db=N]
+        pool["connection_class"] = _UnixSocketConnection
+        pool["path"] = url.path
+        db = parse_qs(url.query).get("db", [""])[0]
     return {
         "endpoint": url.hostname or "127.0.0.1",
         "port": url.port or 6379,
