@@ -3,12 +3,28 @@
 pluggy has no async support: an ``async def`` implementation returns a
 coroutine, which pluggy would count as a non-None result. So edgeproxy uses
 pluggy for registration, ordering and validation, and calls the
-implementations itself: it awaits coroutines and implements *first result
-wins* and *chained* semantics over awaited values.
+implementations itself, in pluggy's order, through one dispatch loop
+(:meth:`Plugins._dispatch`) that awaits what is awaitable and honours each
+spec's ``firstresult``:
+
+- ``firstresult`` specs are called with :meth:`Plugins.call_first`: the first
+  non-None result wins and later implementations do not run;
+- the other specs are called with :meth:`Plugins.call_all` (every
+  implementation runs; the non-None results are returned),
+  :meth:`Plugins.call_all_logged` (the same, but failures are only logged) or
+  :meth:`Plugins.call_chain` (each implementation receives the previous one's
+  result).
+
+Calling a hook through the wrong method is a :class:`TypeError`, so the
+specs and the call sites cannot drift apart. pluggy's wrappers
+(``wrapper=True`` / ``hookwrapper=True``) are generators around a synchronous
+call and cannot wrap awaited implementations: a plugin that declares one is
+refused at registration, as is one that implements a hook with no spec.
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.metadata
 import importlib.util
@@ -16,7 +32,7 @@ import inspect
 import logging
 import operator
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -33,14 +49,16 @@ logger = logging.getLogger("edgeproxy.plugins")
 ENTRY_POINT_GROUP = "edgeproxy.plugins"
 # A plugin module may define this factory to build its plugin object from its settings.
 FACTORY_NAME = "edgeproxy_plugin"
+HOOK_PREFIX = "edgeproxy_"
 
 
 class PluginLoadError(RuntimeError):
-    """A configured plugin could not be loaded; the message names it."""
+    """A configured plugin could not be loaded; the message names it (and the hook, if any)."""
 
-    def __init__(self, plugin: str, reason: str) -> None:
+    def __init__(self, plugin: str, reason: str, *, hook: str | None = None) -> None:
         super().__init__(f"plugin {plugin!r} failed to load: {reason}")
         self.plugin = plugin
+        self.hook = hook
 
 
 class PluginError(RuntimeError):
@@ -53,15 +71,32 @@ class PluginError(RuntimeError):
         self.error = error
 
 
+# How the dispatch loop combines results, named after the public methods.
+# Plain strings: an Enum member lookup costs more than the rest of a small call.
+_FIRST = "call_first"
+_ALL = "call_all"
+_LOGGED = "call_all_logged"
+_CHAIN = "call_chain"
+
+
 class _Impl:
     """One hook implementation, with what is needed to call it quickly."""
 
-    __slots__ = ("plugin", "function", "argnames", "args", "is_async", "fail_open")
+    __slots__ = ("plugin", "function", "argnames", "kwargnames", "args", "is_async")
 
-    def __init__(self, plugin: str, function: Any, argnames: tuple[str, ...], fail_open: bool):
+    def __init__(
+        self,
+        plugin: str,
+        function: Callable[..., Any],
+        argnames: tuple[str, ...],
+        kwargnames: tuple[str, ...] = (),
+    ) -> None:
         self.plugin = plugin
         self.function = function
+        # As in pluggy: parameters without a default are passed by position,
+        # those with a default by keyword, and only when the call provides them.
         self.argnames = argnames
+        self.kwargnames = kwargnames
         # itemgetter picks the arguments out of the call's kwargs in C; it
         # returns a bare value for one name, so normalise to a tuple.
         if len(argnames) == 1:
@@ -72,16 +107,24 @@ class _Impl:
         else:
             self.args = lambda kw: ()
         self.is_async = inspect.iscoroutinefunction(function)
-        self.fail_open = fail_open
 
-    def failed(self, hook: str, exc: Exception) -> None:
-        """Handle an exception from this implementation: skip if fail_open, else raise."""
-        if self.fail_open:
-            logger.warning(
-                "plugin %s failed in %s (fail_open, skipped): %r", self.plugin, hook, exc
-            )
-            return
-        raise PluginError(self.plugin, hook, exc) from exc
+    def keywords(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The defaulted parameters that this call provides."""
+        return {name: kwargs[name] for name in self.kwargnames if name in kwargs}
+
+
+class _Hook:
+    """A hook's spec options and its implementations in call order."""
+
+    __slots__ = ("name", "firstresult", "argnames", "impls")
+
+    def __init__(
+        self, name: str, firstresult: bool, argnames: tuple[str, ...], impls: list[_Impl]
+    ) -> None:
+        self.name = name
+        self.firstresult = firstresult
+        self.argnames = argnames
+        self.impls = impls
 
 
 class Plugins:
@@ -95,18 +138,66 @@ class Plugins:
         self.pm = pluggy.PluginManager("edgeproxy")
         self.pm.add_hookspecs(hookspecs)
         self.fail_open = set(fail_open)
-        self._cache: dict[str, list[_Impl]] = {}
+        self._cache: dict[str, _Hook] = {}
 
     # -- registration ----------------------------------------------------
 
     def register(self, plugin: object, name: str | None = None) -> str:
-        """Register a module or object holding ``edgeproxy_*`` implementations."""
-        registered = self.pm.register(plugin, name=name)
+        """Register a module or object holding ``edgeproxy_*`` implementations.
+
+        Raises :class:`PluginLoadError` naming the plugin (and the hook) for an
+        implementation of a hook that has no spec, a ``wrapper=True`` or
+        ``hookwrapper=True`` implementation, or one whose arguments are not in
+        the spec; the plugin is then not registered.
+        """
+        label = name or getattr(plugin, "__name__", None) or type(plugin).__name__
+        self._check_impls(plugin, label)
+        try:
+            registered = self.pm.register(plugin, name=name)
+        except pluggy.PluginValidationError as exc:
+            # pluggy 1.7 validates every implementation before it changes any
+            # state; older releases (>=1.5 is allowed) leave the plugin half
+            # registered. A plugin registered before makes pluggy raise
+            # ValueError instead, so this never removes someone else's.
+            if self.pm.is_registered(plugin):
+                self.pm.unregister(plugin)
+            # pluggy's message spans lines; one line reads better in a log.
+            reason = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+            raise PluginLoadError(label, reason) from exc
         if registered is None:
-            raise PluginLoadError(name or repr(plugin), "already registered or blocked")
-        self.pm.check_pending()
+            raise PluginLoadError(label, "already registered or blocked")
         self._cache.clear()
         return registered
+
+    def _check_impls(self, plugin: object, label: str) -> None:
+        """Refuse what the dispatcher cannot call: wrappers and hooks without a spec.
+
+        Implementations are found as pluggy finds them when it registers.
+        """
+        for attr in dir(plugin):
+            opts = self.pm.parse_hookimpl_opts(plugin, attr)
+            if opts is None:
+                continue
+            hook = opts.get("specname") or attr
+            for option in ("wrapper", "hookwrapper"):
+                if opts.get(option):
+                    raise PluginLoadError(
+                        label,
+                        f"{hook} is declared with @hookimpl({option}=True); edgeproxy awaits "
+                        "implementations itself and supports no wrapper or hookwrapper "
+                        "implementations",
+                        hook=hook,
+                    )
+            caller = getattr(self.pm.hook, hook, None)
+            if caller is not None and caller.has_spec():
+                continue
+            # optionalhook is pluggy's way to implement another project's hook;
+            # the edgeproxy_* names are all edgeproxy's own.
+            if opts.get("optionalhook") and not hook.startswith(HOOK_PREFIX):
+                continue
+            close = difflib.get_close_matches(hook, hookspecs.hook_names(), n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise PluginLoadError(label, f"{hook} is not an edgeproxy hook{hint}", hook=hook)
 
     def unregister(self, name: str) -> None:
         self.pm.unregister(name=name)
@@ -153,89 +244,125 @@ class Plugins:
 
     # -- calling ---------------------------------------------------------
 
-    def impls(self, hook: str) -> list[_Impl]:
-        """Implementations of ``hook`` in call order (pluggy's: last registered first)."""
+    def _hook(self, hook: str) -> _Hook:
+        """The hook's spec options and implementations, resolved once and cached."""
         cached = self._cache.get(hook)
         if cached is None:
-            caller = getattr(self.pm.hook, hook)
-            cached = [
-                _Impl(
-                    impl.plugin_name,
-                    impl.function,
-                    tuple(impl.argnames),
-                    impl.plugin_name in self.fail_open,
-                )
-                for impl in reversed(caller.get_hookimpls())
-            ]
+            caller = getattr(self.pm.hook, hook, None)
+            if caller is None or caller.spec is None:
+                raise TypeError(f"{hook} is not an edgeproxy hook")
+            cached = _Hook(
+                hook,
+                bool(caller.spec.opts.get("firstresult")),
+                tuple(caller.spec.argnames),
+                # pluggy's call order: last registered first, tryfirst/trylast honoured.
+                [
+                    _Impl(
+                        impl.plugin_name,
+                        impl.function,
+                        tuple(impl.argnames),
+                        tuple(impl.kwargnames),
+                    )
+                    for impl in reversed(caller.get_hookimpls())
+                ],
+            )
             self._cache[hook] = cached
         return cached
 
+    def impls(self, hook: str) -> list[_Impl]:
+        """Implementations of ``hook`` in call order (pluggy's: last registered first)."""
+        return self._hook(hook).impls
+
     def has(self, hook: str) -> bool:
-        # Asked several times per request: the cached list without a call to impls().
+        # Asked several times per request: the cached entry without a call to _hook().
         cached = self._cache.get(hook)
-        return bool(cached if cached is not None else self.impls(hook))
+        return bool((cached if cached is not None else self._hook(hook)).impls)
 
-    # The call_* methods inline the per-implementation call instead of sharing
-    # a helper coroutine: with several plugins on every hook, one coroutine per
-    # implementation per request was most of the plugin overhead. A sync
-    # implementation is called directly; an async one (or a sync one that
-    # returns an awaitable) is awaited.
+    # The call_* methods hand back _dispatch's coroutine rather than awaiting
+    # it in one of their own: one coroutine per hook call, not two, on a path
+    # that runs several times per request and once per streamed chunk.
 
-    async def call_all(self, hook: str, **kwargs: Any) -> list[Any]:
-        """*All run*: call every implementation; return their non-None results."""
-        results = []
-        for impl in self.impls(hook):
+    def call_first(self, hook: str, **kwargs: Any) -> Coroutine[Any, Any, Any]:
+        """A ``firstresult`` hook: the first non-None result wins (later ones do not run)."""
+        return self._dispatch(hook, kwargs, _FIRST)
+
+    def call_all(self, hook: str, **kwargs: Any) -> Coroutine[Any, Any, list[Any]]:
+        """Every implementation runs; their non-None results, in call order."""
+        return self._dispatch(hook, kwargs, _ALL)
+
+    def call_all_logged(self, hook: str, **kwargs: Any) -> Coroutine[Any, Any, None]:
+        """Every implementation runs; a failing one is logged and the others still run."""
+        return self._dispatch(hook, kwargs, _LOGGED)
+
+    def call_chain(self, hook: str, value_arg: str, **kwargs: Any) -> Coroutine[Any, Any, Any]:
+        """Every implementation runs, fed the previous one's non-None result as ``value_arg``."""
+        return self._dispatch(hook, kwargs, _CHAIN, value_arg)
+
+    async def _dispatch(
+        self, hook: str, kwargs: dict[str, Any], mode: str, value_arg: str = ""
+    ) -> Any:
+        """The one loop every ``call_*`` method goes through (pluggy's multicall, awaited).
+
+        A sync implementation is called directly; an async one (or a sync one
+        that returns an awaitable) is awaited. A failing implementation of a
+        plugin in ``fail_open`` is logged and skipped; any other raises
+        :class:`PluginError` naming it (through ``call_all_logged``, it is logged instead).
+        """
+        entry = self._cache.get(hook) or self._hook(hook)
+        first = mode == _FIRST
+        chain = mode == _CHAIN
+        if entry.firstresult is not first:
+            right = _FIRST if entry.firstresult else f"{_ALL}, {_LOGGED} or {_CHAIN}"
+            raise TypeError(
+                f"{hook} is {'a' if entry.firstresult else 'not a'} firstresult hook: "
+                f"call it with {right}, not {mode}"
+            )
+        if chain and value_arg not in entry.argnames:
+            raise TypeError(f"{hook} has no argument {value_arg!r} to chain")
+        results: list[Any] = []
+        for impl in entry.impls:
             try:
-                result = impl.function(*impl.args(kwargs))
+                args = impl.args(kwargs)
+            except KeyError as exc:
+                # The caller's mistake, not the plugin's.
+                raise pluggy.HookCallError(
+                    f"{hook} call must provide argument {exc.args[0]!r}"
+                ) from None
+            try:
+                if impl.kwargnames:
+                    result = impl.function(*args, **impl.keywords(kwargs))
+                else:
+                    result = impl.function(*args)
                 if impl.is_async or (result is not None and inspect.isawaitable(result)):
                     result = await result
             except Exception as exc:
-                impl.failed(hook, exc)
+                self._failed(impl, hook, exc, mode)
                 continue
-            if result is not None:
-                results.append(result)
-        return results
-
-    async def call_first(self, hook: str, **kwargs: Any) -> Any:
-        """*First result wins*: the first non-None awaited result, or None."""
-        for impl in self.impls(hook):
-            try:
-                result = impl.function(*impl.args(kwargs))
-                if impl.is_async or (result is not None and inspect.isawaitable(result)):
-                    result = await result
-            except Exception as exc:
-                impl.failed(hook, exc)
+            if result is None:
                 continue
-            if result is not None:
+            if first:
                 return result
-        return None
-
-    async def call_chain(self, hook: str, value_arg: str, **kwargs: Any) -> Any:
-        """*Chained*: feed each implementation the previous one's non-None output."""
-        for impl in self.impls(hook):
-            try:
-                result = impl.function(*impl.args(kwargs))
-                if impl.is_async or (result is not None and inspect.isawaitable(result)):
-                    result = await result
-            except Exception as exc:
-                impl.failed(hook, exc)
-                continue
-            if result is not None:
+            if chain:
                 kwargs[value_arg] = result
-        return kwargs[value_arg]
+            else:
+                results.append(result)
+        if chain:
+            return kwargs[value_arg]
+        # call_first found no result; call_all_logged returns nothing.
+        return results if mode == _ALL else None
 
-    async def call_all_logged(self, hook: str, **kwargs: Any) -> None:
-        """*All run*, but a failing implementation is logged and the others still run."""
-        for impl in self.impls(hook):
-            try:
-                result = impl.function(*impl.args(kwargs))
-                if impl.is_async or (result is not None and inspect.isawaitable(result)):
-                    await result
-            except Exception as exc:
-                try:
-                    impl.failed(hook, exc)
-                except PluginError as err:
-                    logger.error("%s", err, exc_info=err.error)
+    def _failed(self, impl: _Impl, hook: str, exc: Exception, mode: str) -> None:
+        """An implementation raised: log and skip it if fail_open (or when logged), else raise."""
+        if impl.plugin in self.fail_open:
+            logger.warning(
+                "plugin %s failed in %s (fail_open, skipped): %r", impl.plugin, hook, exc
+            )
+            return
+        error = PluginError(impl.plugin, hook, exc)
+        if mode == _LOGGED:
+            logger.error("%s", error, exc_info=exc)
+            return
+        raise error from exc
 
 
 def _plugin_name(spec: str) -> str:

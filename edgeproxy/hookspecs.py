@@ -8,14 +8,18 @@ edgeproxy always calls hooks with keyword arguments.
 
 Each spec's docstring says how results combine:
 
-- *first result wins*: implementations run in order until one returns
-  something other than ``None``; that value is used and the rest are skipped;
+- *first result wins* (the specs marked ``firstresult=True``):
+  implementations run in order until one returns something other than
+  ``None``; that value is used and the rest are skipped;
 - *all run*: every implementation runs; return values are ignored;
 - *chained*: every implementation runs, each receiving the previous one's
-  output.
+  non-``None`` result; the last value is used.
 
 Order follows pluggy: the plugin registered last runs first, and
 ``tryfirst``/``trylast`` move an implementation to the front or back.
+Wrappers (``wrapper=True``, ``hookwrapper=True``) are refused when the plugin
+is registered: they are generators around a synchronous call and cannot wrap
+awaited implementations. So is an implementation of a hook with no spec.
 """
 
 from __future__ import annotations
@@ -42,7 +46,8 @@ hookimpl = pluggy.HookimplMarker("edgeproxy")
 def edgeproxy_startup(proxy: EdgeProxy) -> Awaitable[None] | None:
     """The proxy opened its resources (pools warm) and is about to serve.
 
-    *All run*, in order; an exception aborts startup with the plugin's name.
+    *All run*, in order; return values are ignored. An exception aborts
+    startup with the plugin's name.
     """
 
 
@@ -50,7 +55,8 @@ def edgeproxy_startup(proxy: EdgeProxy) -> Awaitable[None] | None:
 def edgeproxy_shutdown(proxy: EdgeProxy) -> Awaitable[None] | None:
     """The proxy is closing, after the last request drained.
 
-    *All run*; exceptions are logged and do not stop the other plugins.
+    *All run*; return values are ignored. Exceptions are logged and do not
+    stop the other plugins.
     """
 
 
@@ -65,8 +71,8 @@ def edgeproxy_request_received(
     for JSON bodies, ``ctx.tenant`` and ``ctx.priority``. Return a response
     (for example a 401, or a static answer) to answer directly.
 
-    *First result wins*: the first response returned is sent, and later
-    implementations do not run.
+    *First result wins*: the first non-``None`` result (a response) is
+    sent, and later implementations do not run.
     """
 
 
@@ -79,7 +85,8 @@ def edgeproxy_route(
     Return a new list to override or filter them (an empty list answers 503
     ``no_region``), or ``None`` to keep the router's choice.
 
-    *First result wins*.
+    *First result wins*: the first non-``None`` result is used, and later
+    implementations do not run.
     """
 
 
@@ -92,7 +99,8 @@ def edgeproxy_cache_key(
     Return a string to use instead (it is hashed before it reaches a backend),
     or ``None`` to keep the default.
 
-    *First result wins*.
+    *First result wins*: the first non-``None`` result is used, and later
+    implementations do not run.
     """
 
 
@@ -107,7 +115,7 @@ def edgeproxy_upstream_request(
 
     Called once per attempt. Header names are lower-case.
 
-    *All run*.
+    *All run*: every implementation runs; return values are ignored.
     """
 
 
@@ -119,7 +127,7 @@ def edgeproxy_upstream_response(
 
     Edit ``reply.status`` and ``reply.headers`` (a list of pairs) in place.
 
-    *All run*.
+    *All run*: every implementation runs; return values are ignored.
     """
 
 
@@ -135,7 +143,8 @@ def edgeproxy_stream_chunk(
     proxy cannot send a ``Content-Length`` it cannot trust, so responses are
     chunked.
 
-    *Chained*: each implementation receives the previous one's output.
+    *Chained*: every implementation runs, each receiving the previous one's
+    non-``None`` result as ``chunk``; the last value is sent.
     """
 
 
@@ -150,7 +159,8 @@ def edgeproxy_response_complete(
     ``ctx.bytes_out``, ``ctx.region``, ``ctx.attempts``, ``ctx.error`` and,
     for LLM answers, ``ctx.usage`` (the upstream's token counts).
 
-    *All run*; exceptions are logged and never reach the client.
+    *All run*; return values are ignored. Exceptions are logged and never
+    reach the client.
     """
 
 
@@ -169,7 +179,8 @@ def edgeproxy_fallback(
     instead; a held slot goes back unused), a response to replace it (or to
     answer when ``answer`` is ``None``), or ``None`` to let it through.
 
-    *First result wins*.
+    *First result wins*: the first non-``None`` result is used, and later
+    implementations do not run.
     """
 
 
