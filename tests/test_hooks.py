@@ -356,15 +356,3 @@ def test_every_hookspec_has_a_docstring_and_keyword_arguments() -> None:
         assert any(phrase in doc for phrase in ("*First result wins*", "*All run*", "*Chained*")), (
             f"{name} does not say how its results combine"
         )
-
-
-def test_every_hook_is_documented_in_the_readme() -> None:
-    from pathlib import Path
-
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    from edgeproxy import hookspecs
-
-    for name in hook_names():
-        assert f"#### `{name}(" in readme, f"{name} is not documented in the README"
-        first_line = (inspect.getdoc(getattr(hookspecs, name)) or "").splitlines()[0]
-        assert first_line.replace("``", "`") in readme, f"{name}'s README entry is out of date"
