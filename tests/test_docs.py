@@ -180,6 +180,19 @@ def test_readme_links_into_docs_exist() -> None:
         assert (ROOT / link).is_file(), f"the README links to {link}, which is missing"
 
 
+def test_readme_commands_are_the_ci_and_getting_started_ones() -> None:
+    readme = (ROOT / "README.md").read_text()
+    commands = [line for line in readme.splitlines() if line.startswith("python3 -m venv .venv")]
+    assert len(commands) == 2, "the README's quick start has the demo and the test command"
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert any("pytest" in command and command in ci for command in commands), (
+        "the README's test command is not the one .ci/run runs"
+    )
+    getting_started = (DOCS / "getting-started.md").read_text().splitlines()
+    for command in commands:
+        assert command in getting_started, f"docs/getting-started.md lacks {command!r}"
+
+
 def test_mkdocs_build_strict(tmp_path: Path) -> None:
     if importlib.util.find_spec("mkdocs") is None:
         reason = "mkdocs is not importable: install the test extra (pip install -e '.[test]')"
