@@ -26,6 +26,7 @@ from edgeproxy._core.context import RequestContext, UpstreamReply
 from edgeproxy._core.errors import ProxyError, error_response
 from edgeproxy._core.version import __version__
 from edgeproxy._plugins import PluginError, PluginLoadError
+from edgeproxy._protocol.clientip import ClientIPResolver
 from edgeproxy._server.app import EdgeProxy
 from edgeproxy._stages.geo import parse_lat_lon
 from edgeproxy._upstream.pool import (
@@ -42,6 +43,7 @@ __all__ = [
     "AdminConfig",
     "AdmissionConfig",
     "CacheConfig",
+    "ClientIPResolver",
     "Config",
     "ConfigError",
     "EdgeProxy",

@@ -20,9 +20,10 @@ ignore that header:
 ``trusted_peers``
     List of addresses or CIDR networks (``["10.0.0.0/8", "::1"]``) of the
     CDN or gateway that sets these headers. Requests from any other peer have
-    the headers removed and ignored. Default: empty, which trusts every peer:
-    then the proxy must only be reachable through something that overwrites
-    the headers, or clients choose their own tenant and priority.
+    the headers removed and ignored. Default: empty, which trusts nobody (as
+    everywhere in edgeproxy, see :class:`edgeproxy.ClientIPResolver`): the
+    headers are only removed until the peers that set them are listed, so
+    that clients never choose their own tenant and priority.
 
 Malformed values are ignored rather than rejected: a CDN header is a hint,
 never a reason to fail a request. A header sent more than once is ambiguous
@@ -32,14 +33,13 @@ goes upstream, so clients cannot use them to talk to the regions.
 
 from __future__ import annotations
 
-import ipaddress
 import re
 from collections.abc import Iterable
 from typing import Any
 
 from aiohttp import web
 
-from edgeproxy import RequestContext, hookimpl, parse_lat_lon
+from edgeproxy import ClientIPResolver, RequestContext, hookimpl, parse_lat_lon
 
 __all__ = ["GeoTenant", "edgeproxy_plugin", "parse_lat_lon"]
 
@@ -47,8 +47,6 @@ _COUNTRY_RE = re.compile(r"[A-Za-z]{2}")
 _TENANT_RE = re.compile(r"[A-Za-z0-9._:@-]{1,128}")
 _PRIORITY_RE = re.compile(r"[+-]?[0-9]{1,4}")
 _NOT_COUNTRIES = frozenset({"XX", "T1"})
-
-_Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
 class GeoTenant:
@@ -68,23 +66,11 @@ class GeoTenant:
         self.headers = tuple(
             h for h in (country_header, geo_header, tenant_header, priority_header) if h
         )
-        self.trusted_peers: tuple[_Network, ...] = tuple(
-            ipaddress.ip_network(peer, strict=False) for peer in trusted_peers
-        )
+        self.peers = ClientIPResolver(trusted_peers)
 
     def trusts(self, client_ip: str | None) -> bool:
         """Whether headers from the peer ``client_ip`` are believed."""
-        if not self.trusted_peers:
-            return True
-        if not client_ip:
-            return False
-        try:
-            address = ipaddress.ip_address(client_ip.split("%", 1)[0])
-        except ValueError:
-            return False
-        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-            address = address.ipv4_mapped
-        return any(address in network for network in self.trusted_peers)
+        return self.peers.trusts(client_ip)
 
     @hookimpl
     def edgeproxy_request_received(self, request: web.Request, ctx: RequestContext) -> None:
@@ -125,9 +111,8 @@ def edgeproxy_plugin(settings: dict[str, Any]) -> GeoTenant:
     peers = settings.get("trusted_peers", [])
     if isinstance(peers, str) or not isinstance(peers, list | tuple):
         raise ValueError("trusted_peers must be a list of addresses or CIDR networks")
-    for peer in peers:
-        try:
-            ipaddress.ip_network(peer, strict=False)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"trusted_peers: {peer!r} is not an address or network") from exc
-    return GeoTenant(**{k: v for k, v in settings.items() if k in names}, trusted_peers=list(peers))
+    headers = {k: v for k, v in settings.items() if k in names}
+    try:
+        return GeoTenant(**headers, trusted_peers=list(peers))
+    except ValueError as exc:  # only the peers can be wrong by now
+        raise ValueError(f"trusted_peers: {exc}") from None

@@ -24,6 +24,8 @@ BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_toke
 SIN = {"lat": 1.29, "lon": 103.85}
 FRANKFURT = {"lat": 50.11, "lon": 8.68}
 VIRGINIA = {"lat": 38.9, "lon": -77.4}
+# The tests' clients connect from here; geo headers are believed only from trusted peers.
+LOCAL_PEERS = ["127.0.0.0/8", "::1"]
 
 
 def config(regions: list[dict[str, Any]] | None = None, **sections: Any) -> Any:
@@ -56,7 +58,7 @@ def test_parse_lat_lon() -> None:
 
 
 def test_headers_give_country_and_location() -> None:
-    geo = GeoResolver(config().geo)
+    geo = GeoResolver(config(geo={"trusted_peers": LOCAL_PEERS}).geo)
     assert geo.locate(context({"CF-IPCountry": "de", "X-Client-Geo": "52.5,13.4"})) == (
         "DE",
         (52.5, 13.4),
@@ -73,6 +75,13 @@ def test_headers_give_country_and_location() -> None:
     ctx.client_country = "JP"
     assert geo.locate(ctx) == ("JP", None)
     assert ctx.client_geo is None  # the resolver never writes into ctx
+
+
+def test_geo_headers_are_believed_from_no_peer_by_default() -> None:
+    geo = GeoResolver(config().geo)
+    headers = {"CF-IPCountry": "de", "X-Client-Geo": "52.5,13.4"}
+    assert geo.locate(context(headers)) == (None, None)
+    assert geo.locate(context(headers, client_ip="10.1.2.3")) == (None, None)
 
 
 def test_configured_headers_and_trusted_peers() -> None:
@@ -170,18 +179,24 @@ def test_maxmind_lookup_for_clients_without_headers(tmp_path: Path) -> None:
             "2.0.0.0/8": {"registered_country": {"iso_code": "FR"}},
         },
     )
-    geo = GeoResolver(config(geo={"maxmind_db": str(db)}).geo)
+    geo = GeoResolver(config(geo={"maxmind_db": str(db), "trusted_peers": ["10.0.0.0/8"]}).geo)
     assert geo.has_database
     try:
         assert geo.locate(context(client_ip="81.2.69.160")) == ("GB", (51.5, -0.12))
         assert geo.locate(context(client_ip="2.3.4.5")) == ("FR", None)
+        assert geo.locate(context(client_ip="::ffff:2.3.4.5")) == ("FR", None)
         assert geo.locate(context(client_ip="192.0.2.1")) == (None, None)
         assert geo.locate(context(client_ip="::1")) == (None, None)  # not in an IPv4 database
-        # Headers come first; the database fills in what they leave unknown.
-        assert geo.locate(context({"CF-IPCountry": "IE"}, client_ip="81.2.69.1")) == (
-            "IE",
-            (51.5, -0.12),
+        # Behind a trusted peer: its headers come first, and the database looks up
+        # the client it forwarded, filling in what the headers leave unknown.
+        forwarded = {"CF-IPCountry": "IE", "X-Forwarded-For": "81.2.69.1"}
+        assert geo.locate(context(forwarded, client_ip="10.0.0.1")) == ("IE", (51.5, -0.12))
+        assert geo.locate(context({"X-Forwarded-For": "2.3.4.5"}, client_ip="10.0.0.1")) == (
+            "FR",
+            None,
         )
+        # From any other peer: headers ignored, the peer itself looked up.
+        assert geo.locate(context(forwarded, client_ip="2.3.4.5")) == ("FR", None)
     finally:
         geo.close()
 
@@ -192,7 +207,7 @@ def test_missing_or_corrupt_maxmind_database_is_a_warning(
     bad = tmp_path / "bad.mmdb"
     bad.write_bytes(b"not a database")
     for path in (tmp_path / "missing.mmdb", bad):
-        geo = GeoResolver(config(geo={"maxmind_db": str(path)}).geo)
+        geo = GeoResolver(config(geo={"maxmind_db": str(path), "trusted_peers": LOCAL_PEERS}).geo)
         assert not geo.has_database
         assert geo.locate(context({"CF-IPCountry": "DE"})) == ("DE", None)
     assert any("maxmind" in r.getMessage() for r in caplog.records)
@@ -241,7 +256,7 @@ async def test_residency_holds_and_an_empty_allowed_set_is_a_503(
             # Nearer to the PoP and faster: without the rule it would win.
             {"name": "us", "url": us.url, "jurisdiction": "us", **SIN},
         ],
-        geo={"residency": {"EU": ["eu"]}},
+        geo={"residency": {"EU": ["eu"]}, "trusted_peers": LOCAL_PEERS},
     )
     async with aiohttp.ClientSession() as client:
 
@@ -277,9 +292,10 @@ async def test_geo_prior_from_the_client(
         {"name": "eu", "url": eu.url, **FRANKFURT},
         {"name": "us", "url": us.url, **VIRGINIA},
     ]
-    from_pop = await make_proxy(regions, pop={"lat": 48.8, "lon": 2.3})
+    trusting = {"trusted_peers": LOCAL_PEERS}
+    from_pop = await make_proxy(regions, pop={"lat": 48.8, "lon": 2.3}, geo=trusting)
     from_client = await make_proxy(
-        regions, pop={"lat": 48.8, "lon": 2.3}, routing={"prior_from": "client"}
+        regions, pop={"lat": 48.8, "lon": 2.3}, routing={"prior_from": "client"}, geo=trusting
     )
     headers = {"X-Client-Geo": "40.7,-74.0"}  # New York
     async with aiohttp.ClientSession() as client:

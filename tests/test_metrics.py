@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from edgeproxy import Config, EdgeProxy, RequestContext, hookimpl
 from edgeproxy._core.config import ConfigError
-from edgeproxy._observability.metrics import LABELS, LatencyWindow, StatusCollector, flatten_status
+from edgeproxy._observability.metrics import LABELS, RecentTraffic, StatusCollector, flatten_status
 
 from .conftest import RegionFactory, eventually, proxy_config
 
@@ -337,7 +337,7 @@ async def test_a_metrics_fault_never_fails_a_request(
 
 def test_latency_window_percentiles_rotation_and_hit_ratio() -> None:
     now = [1000.0]
-    window = LatencyWindow(60, 10, clock=lambda: now[0])
+    window = RecentTraffic(60, 10, clock=lambda: now[0])
     for ms in range(1, 101):
         window.observe(ms / 1000, ms / 2000, region="r1", cache="miss", error=ms > 98, tokens=3)
     for _ in range(3):

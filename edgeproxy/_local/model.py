@@ -27,7 +27,6 @@ import io
 import logging
 import math
 import re
-import secrets
 import sys
 import threading
 import time
@@ -43,6 +42,20 @@ from aiohttp import web
 
 from edgeproxy._core.config import LocalModelConfig
 from edgeproxy._core.errors import ProxyError
+from edgeproxy._protocol.endpoints import CHAT_COMPLETIONS, endpoint_has, openai_endpoint
+from edgeproxy._protocol.openai import (
+    SSE_DONE,
+    AnswerHead,
+    chat_choice,
+    chat_chunk_choice,
+    chunk,
+    completion,
+    completion_id,
+    sse_event,
+    text_choice,
+    usage,
+    usage_chunk,
+)
 
 if TYPE_CHECKING:
     from edgeproxy._core.context import RequestContext
@@ -51,10 +64,6 @@ __all__ = ["LocalAnswer", "LocalModel", "GenerationRequest", "parse_generation_r
 
 logger = logging.getLogger("edgeproxy.local_model")
 llama_logger = logging.getLogger("edgeproxy.local_model.llama")
-
-CHAT_PATH = "/v1/chat/completions"
-COMPLETIONS_PATH = "/v1/completions"
-SERVED_PATHS = frozenset({CHAT_PATH, COMPLETIONS_PATH})
 
 DEGRADED = "local-model"
 WARNING_HEADER = "X-Edgeproxy-Warning"
@@ -195,7 +204,7 @@ def parse_generation_request(path: str, body: Any) -> GenerationRequest:
     """
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object")
-    chat = path == CHAT_PATH
+    chat = openai_endpoint(path) is CHAT_COMPLETIONS
     stream_options = body.get("stream_options")
     req = GenerationRequest(
         chat=chat,
@@ -638,7 +647,7 @@ class LocalModel:
 
     def serves(self, method: str, path: str) -> bool:
         """Whether the model can answer this kind of request at all."""
-        return method == "POST" and path in SERVED_PATHS
+        return method == "POST" and endpoint_has(path, "local")
 
     def _busy(self, why: str) -> ProxyError:
         self.rejected_total += 1
@@ -952,15 +961,16 @@ class LocalAnswer(web.StreamResponse):
         assert generation is not None
         model = self.model
         req = self.req
-        ident = ("chatcmpl-" if req.chat else "cmpl-") + secrets.token_hex(12)
-        created = int(time.time())
+        head = AnswerHead(
+            completion_id(chat=req.chat), int(time.time()), model.model_name, req.chat
+        )
         prompt_tokens = len(self.plan.tokens)
         model.prompt_tokens_total += prompt_tokens
         try:
             if req.stream:
-                await self._stream(request, ctx, generation, ident, created)
+                await self._stream(request, ctx, generation, head)
             else:
-                await self._json(request, ctx, generation, ident, created)
+                await self._json(request, ctx, generation, head)
         except asyncio.CancelledError:
             model.cancelled_total += 1
             ctx.error = "client disconnected"
@@ -988,25 +998,14 @@ class LocalAnswer(web.StreamResponse):
         return self
 
     def _usage(self, generation: _Generation) -> dict[str, int]:
-        prompt = len(self.plan.tokens)
-        completion = generation.completion_tokens
-        return {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-        }
+        return usage(len(self.plan.tokens), generation.completion_tokens)
 
     def _client_gone(self, request: web.Request) -> bool:
         transport = request.transport
         return transport is None or transport.is_closing()
 
     async def _json(
-        self,
-        request: web.Request,
-        ctx: RequestContext,
-        generation: _Generation,
-        ident: str,
-        created: int,
+        self, request: web.Request, ctx: RequestContext, generation: _Generation, head: AnswerHead
     ) -> None:
         parts: list[str] = []
         async for text in generation.texts():
@@ -1016,26 +1015,11 @@ class LocalAnswer(web.StreamResponse):
                 raise ConnectionResetError("client disconnected")
         text = "".join(parts)
         finish = generation.finish_reason
-        choice: dict[str, Any]
-        if self.req.chat:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None,
-                "finish_reason": finish,
-            }
+        if head.chat:
+            choice = chat_choice(0, text, finish)
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-        body = orjson.dumps(
-            {
-                "id": ident,
-                "object": "chat.completion" if self.req.chat else "text_completion",
-                "created": created,
-                "model": self.model.model_name,
-                "choices": [choice],
-                "usage": self._usage(generation),
-            }
-        )
+            choice = text_choice(0, text, finish)
+        body = orjson.dumps(completion(head, [choice], self._usage(generation)))
         self.content_length = len(body)
         await self.prepare(request)
         ctx.first_byte_at = time.monotonic()
@@ -1044,53 +1028,33 @@ class LocalAnswer(web.StreamResponse):
         await self.write_eof()
 
     async def _stream(
-        self,
-        request: web.Request,
-        ctx: RequestContext,
-        generation: _Generation,
-        ident: str,
-        created: int,
+        self, request: web.Request, ctx: RequestContext, generation: _Generation, head: AnswerHead
     ) -> None:
-        chat = self.req.chat
-        base: dict[str, Any] = {
-            "id": ident,
-            "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": created,
-            "model": self.model.model_name,
-        }
-
-        async def event(choices: list[dict[str, Any]], **extra: Any) -> None:
-            data = b"data: " + orjson.dumps({**base, "choices": choices, **extra}) + b"\n\n"
+        async def event(data: bytes) -> None:
             await self.write(data)
             ctx.bytes_out += len(data)
 
-        def choice(text: str | None, finish: str | None) -> dict[str, Any]:
-            if chat:
+        def piece(text: str | None, finish: str | None) -> bytes:
+            if head.chat:
                 delta: dict[str, Any] = {} if text is None else {"content": text}
-                return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+                choice = chat_chunk_choice(0, delta, finish)
+            else:
+                choice = text_choice(0, text or "", finish)
+            return sse_event(chunk(head, [choice]))
 
         ctx.response_is_sse = True
         await self.prepare(request)
         ctx.first_byte_at = time.monotonic()
-        if chat:
+        if head.chat:
             await event(
-                [
-                    {
-                        "index": 0,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                ]
+                sse_event(chunk(head, [chat_chunk_choice(0, {"role": "assistant", "content": ""})]))
             )
         async for text in generation.texts():
-            await event([choice(text, None)])
+            await event(piece(text, None))
             if self._client_gone(request):
                 raise ConnectionResetError("client disconnected")
-        await event([choice(None, generation.finish_reason)])
+        await event(piece(None, generation.finish_reason))
         if self.req.include_usage:
-            await event([], usage=self._usage(generation))
-        await self.write(b"data: [DONE]\n\n")
-        ctx.bytes_out += 14
+            await event(sse_event(usage_chunk(head, self._usage(generation))))
+        await event(SSE_DONE)
         await self.write_eof()

@@ -48,7 +48,7 @@ from edgeproxy._observability.multiprocess import (
     multiprocess_dir,
     shared_series,
 )
-from edgeproxy._observability.recent import LatencyWindow
+from edgeproxy._observability.recent import RecentTraffic
 from edgeproxy._observability.requestmetrics import LABELS, LocalSeries, Observation
 from edgeproxy._observability.statusmetrics import InfoOnly, StatusCollector, flatten_status
 from edgeproxy.hookspecs import hookimpl
@@ -57,7 +57,7 @@ if TYPE_CHECKING:
     from edgeproxy._core.config import Config
     from edgeproxy._core.context import RequestContext
 
-__all__ = ["LABELS", "LatencyWindow", "Metrics", "StatusCollector", "flatten_status"]
+__all__ = ["LABELS", "Metrics", "RecentTraffic", "StatusCollector", "flatten_status"]
 
 logger = logging.getLogger("edgeproxy.metrics")
 
@@ -116,7 +116,7 @@ class Metrics:
 
         self.config = config.metrics
         self._status = status
-        self.window = LatencyWindow(self.config.window, self.config.window_step)
+        self.window = RecentTraffic(self.config.window, self.config.window_step)
         self.multiprocess_dir = multiprocess_dir()
         self.registry = CollectorRegistry()
         self.collector = StatusCollector(status, config.pop.name, __version__)

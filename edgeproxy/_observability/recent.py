@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["LatencyWindow"]
+__all__ = ["RecentTraffic"]
 
 
 class _LogHistogram:
@@ -85,7 +85,7 @@ def _ms(value: float | None) -> float | None:
     return None if value is None else round(value * 1000.0, 3)
 
 
-class LatencyWindow:
+class RecentTraffic:
     """Latency percentiles and traffic over the last ``window`` seconds, in ``step`` slots.
 
     Cheap to feed (a logarithm and a few increments per request) and fixed in

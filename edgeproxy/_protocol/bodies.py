@@ -9,6 +9,7 @@ from aiohttp import web
 
 from edgeproxy._core.config import RouteConfig
 from edgeproxy._core.errors import ProxyError
+from edgeproxy._protocol.endpoints import endpoint_has
 
 __all__ = [
     "BodyTimeout",
@@ -21,8 +22,6 @@ __all__ = [
     "requires_json",
 ]
 
-# OpenAI endpoints whose bodies are JSON objects and whose answers carry token usage.
-LLM_ENDPOINTS = ("/chat/completions", "/completions", "/embeddings", "/responses")
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 # Methods a reverse proxy must not forward: CONNECT would tunnel, TRACE reflects
 # the request (cookies and credentials included) back to a script (XST).
@@ -63,17 +62,21 @@ class BodyTimeout(ProxyError):
 
 
 def is_llm_request(method: str, path: str) -> bool:
-    """Whether this is a POST to an OpenAI LLM endpoint (chat, completions, embeddings...)."""
-    return method == "POST" and path.endswith(LLM_ENDPOINTS)
+    """Whether this is a POST to an endpoint whose answers carry token usage (chat, embeddings...).
+
+    Such requests have their prompt tokens estimated for the token limits.
+    """
+    return method == "POST" and endpoint_has(path, "usage")
 
 
 def requires_json(method: str, path: str, route: RouteConfig) -> bool:
-    """Whether the body must be a JSON object: the route's ``require_json``, else LLM POSTs."""
+    """Whether the body must be a JSON object: the route's ``require_json``, else the
+    endpoint table's say for POSTs (chat, completions, embeddings, responses, moderations)."""
     if method not in _BODY_METHODS:
         return False
     if route.require_json is not None:
         return route.require_json
-    return is_llm_request(method, path)
+    return method == "POST" and endpoint_has(path, "json_body")
 
 
 def _bad_body(message: str, code: str) -> ProxyError:

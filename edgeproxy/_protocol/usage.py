@@ -6,6 +6,8 @@ from typing import Any
 
 import orjson
 
+from edgeproxy._protocol.endpoints import endpoint_has
+
 __all__ = ["UsageTracker"]
 
 # A JSON answer longer than this is not kept for usage parsing.
@@ -30,7 +32,7 @@ class UsageTracker:
 
     @classmethod
     def for_response(cls, path: str, content_type: str, status: int) -> UsageTracker | None:
-        if status != 200 or not path.startswith("/v1/"):
+        if status != 200 or not endpoint_has(path, "usage"):
             return None
         if content_type.startswith("text/event-stream"):
             return cls(sse=True)

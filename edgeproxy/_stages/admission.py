@@ -40,7 +40,7 @@ from edgeproxy._protocol.bodies import (
     read_json_body,
     requires_json,
 )
-from edgeproxy._stages.ratelimit import RateLimiter, RateTicket, client_ip
+from edgeproxy._stages.ratelimit import RateLimiter, RateTicket
 
 if TYPE_CHECKING:
     from edgeproxy._core.context import RequestContext
@@ -192,7 +192,8 @@ class AdmissionStage:
             if body is not None:
                 estimate = estimate_prompt_tokens(body)
         key_value = ctx.headers.get(self.config.key_header) if self.config.key_header else None
-        ip = client_ip(ctx.client_ip, ctx.headers.getall("x-forwarded-for", ()), rate.trusted)
+        forwarded = ctx.headers.getall("x-forwarded-for", ())
+        ip = rate.clients.resolve(ctx.client_ip, forwarded) or "unknown"
         key, ip_id = rate.identities(ctx.tenant, key_value, ip)
         charges = rate.charges(key, ip_id, estimate)
         if not charges:

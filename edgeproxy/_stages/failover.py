@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 import orjson
 
 from edgeproxy._core.errors import ProxyError
+from edgeproxy._protocol.endpoints import endpoint_suffixes
 from edgeproxy._upstream.pool import (
     Headers,
     UpstreamConnectError,
@@ -59,7 +60,7 @@ __all__ = ["AttemptResponse", "Budget", "Failover"]
 IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE", "TRACE"})
 # OpenAI-style endpoints where a repeated POST only costs compute: nothing
 # was returned, so nothing can be applied twice.
-LLM_SUFFIXES = ("/completions", "/embeddings", "/responses", "/moderations")
+LLM_SUFFIXES = endpoint_suffixes("retry_safe")
 # The attribute of a deadline ProxyError carrying the attempts still running, as a task
 # (see _fallback.PENDING_UPSTREAM).
 PENDING_UPSTREAM = "pending_upstream"

@@ -6,6 +6,11 @@ headers a CDN adds (``CF-IPCountry``, ``X-Client-Geo: lat,lon``), and last
 from a MaxMind GeoLite2/GeoIP2 database when ``[geo] maxmind_db`` names one
 and the ``maxminddb`` package is installed.
 
+The headers are believed only from the peers ``[geo] trusted_peers`` lists;
+empty (the default) trusts nobody. The database looks up the client's
+address: the peer, or behind trusted peers the address they forwarded
+(``X-Forwarded-For``).
+
 Residency rules map a client's country to the jurisdictions (or tags, or
 region names) allowed to serve it. A request under a rule never leaves the
 allowed set: when no allowed region is healthy it gets a 503, not a quiet
@@ -15,7 +20,6 @@ cross-border route.
 from __future__ import annotations
 
 import importlib
-import ipaddress
 import logging
 import math
 import re
@@ -24,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from edgeproxy._core.config import BUILTIN_GROUPS
 from edgeproxy._core.errors import ProxyError
+from edgeproxy._protocol.clientip import ClientIPResolver
 
 if TYPE_CHECKING:
     from edgeproxy._core.config import GeoConfig, RegionConfig
@@ -39,8 +44,6 @@ _COUNTRY_RE = re.compile(r"[A-Za-z]{2}")
 _NOT_COUNTRIES = frozenset({"XX", "T1"})
 _NUMBER = r"[+-]?[0-9]{1,3}(?:\.[0-9]{1,12})?"
 _LAT_LON_RE = re.compile(rf"\s*({_NUMBER})\s*,\s*({_NUMBER})\s*")
-
-_Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
 def parse_lat_lon(value: str) -> tuple[float, float] | None:
@@ -73,9 +76,7 @@ class GeoResolver:
     def __init__(self, config: GeoConfig) -> None:
         self.country_headers = tuple(h for h in config.country_headers if h)
         self.geo_header = config.geo_header
-        self.trusted_peers: tuple[_Network, ...] = tuple(
-            ipaddress.ip_network(p, strict=False) for p in config.trusted_peers
-        )
+        self.clients = ClientIPResolver(config.trusted_peers)
         self._reader: Any = None
         if config.maxmind_db:
             self._reader = _open_maxmind(config.maxmind_db)
@@ -94,7 +95,7 @@ class GeoResolver:
         country, geo = ctx.client_country, ctx.client_geo
         if country is not None and geo is not None:
             return country, geo
-        if self._trusts(ctx.client_ip):
+        if self.clients.trusts(ctx.client_ip):
             headers = ctx.headers
             if country is None:
                 for name in self.country_headers:
@@ -105,21 +106,17 @@ class GeoResolver:
                 found = headers.getall(self.geo_header, ())
                 if len(found) == 1:
                     geo = parse_lat_lon(found[0])
-        if self._reader is not None and ctx.client_ip and (country is None or geo is None):
-            found_country, found_geo = self._lookup(ctx.client_ip)
-            country = country or found_country
-            geo = geo or found_geo
+        if self._reader is not None and (country is None or geo is None):
+            client = self.clients.resolve(ctx.client_ip, ctx.headers.getall("x-forwarded-for", ()))
+            if client:
+                found_country, found_geo = self._lookup(client)
+                country = country or found_country
+                geo = geo or found_geo
         return country, geo
-
-    def _trusts(self, client_ip: str | None) -> bool:
-        if not self.trusted_peers:
-            return True
-        address = _address(client_ip)
-        return address is not None and any(address in net for net in self.trusted_peers)
 
     def _lookup(self, client_ip: str) -> tuple[str | None, tuple[float, float] | None]:
         try:
-            record = self._reader.get(client_ip.split("%", 1)[0])
+            record = self._reader.get(client_ip)
         except (ValueError, OSError, RuntimeError) as exc:
             # A corrupt database or an odd address costs the geo hint, not the request.
             logger.debug("maxmind lookup of %s failed: %s", client_ip, exc)
@@ -138,20 +135,6 @@ class GeoResolver:
             if isinstance(lat, int | float) and isinstance(lon, int | float):
                 geo = (float(lat), float(lon))
         return country, geo
-
-
-def _address(
-    client_ip: str | None,
-) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
-    if not client_ip:
-        return None
-    try:
-        address = ipaddress.ip_address(client_ip.split("%", 1)[0])
-    except ValueError:
-        return None
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        return address.ipv4_mapped
-    return address
 
 
 def _open_maxmind(path: str) -> Any:

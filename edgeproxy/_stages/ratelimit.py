@@ -22,23 +22,21 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import ipaddress
 import logging
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from edgeproxy._core.config import AdmissionConfig
 from edgeproxy._core.errors import ProxyError
+from edgeproxy._protocol.clientip import ClientIPResolver
 
-__all__ = ["Charge", "Limit", "LocalBuckets", "RateLimiter", "RateTicket", "client_ip"]
+__all__ = ["Charge", "Limit", "LocalBuckets", "RateLimiter", "RateTicket"]
 
 logger = logging.getLogger("edgeproxy")
-
-_Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 # KEYS: one bucket each. ARGV[1]: "take" (all or nothing) or "settle" (always
 # applied; costs may be negative, a refund). Then rate, burst, cost per key.
@@ -233,50 +231,6 @@ class RateTicket:
     estimate: int
 
 
-def client_ip(peer: str | None, forwarded_for: Iterable[str], trusted: Sequence[_Network]) -> str:
-    """The client's address: the peer, or from a trusted peer the rightmost untrusted hop.
-
-    ``X-Forwarded-For`` is read right to left, each hop having been appended
-    by the proxy before it; hops inside ``trusted`` are skipped. An entry
-    that is not an address ends the walk at the last trusted hop, since a
-    trusted proxy would not have written it.
-    """
-    if not peer:
-        return "unknown"
-    if not trusted or not _in(peer, trusted):
-        return peer
-    hops = [h.strip() for value in forwarded_for for h in value.split(",")]
-    current = peer
-    for hop in reversed(hops):
-        address = _parse_hop(hop)
-        if address is None:
-            return current
-        current = address
-        if not _in(address, trusted):
-            return address
-    return current
-
-
-def _parse_hop(hop: str) -> str | None:
-    # Forms seen in the wild: "1.2.3.4", "1.2.3.4:5678", "[2001:db8::1]:80", "2001:db8::1".
-    if hop.startswith("["):
-        hop = hop[1 : hop.find("]")] if "]" in hop else ""
-    elif hop.count(":") == 1:
-        hop = hop.split(":", 1)[0]
-    try:
-        return str(ipaddress.ip_address(hop))
-    except ValueError:
-        return None
-
-
-def _in(address: str, networks: Sequence[_Network]) -> bool:
-    try:
-        ip = ipaddress.ip_address(address)
-    except ValueError:
-        return False
-    return any(ip in net for net in networks)
-
-
 def _identity(value: str) -> str:
     # Raw API keys never become Redis keys or log lines.
     return hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()[:24]
@@ -297,9 +251,8 @@ class RateLimiter:
         self.counts_tokens = any(
             lim.unit == "tokens" for lim in (*self.key_limits, *self.ip_limits)
         )
-        self.trusted: tuple[_Network, ...] = tuple(
-            ipaddress.ip_network(n, strict=False) for n in config.trusted_proxies
-        )
+        # Whose X-Forwarded-For is believed when finding the client IP: nobody by default.
+        self.clients = ClientIPResolver(config.trusted_proxies)
         self.local = LocalBuckets(config.max_local_buckets)
         self.redis: RedisBuckets | None = None
         self.redis_up = False

@@ -15,6 +15,8 @@ from ..conftest import RegionFactory
 from .conftest import PluginProxyFactory, Recorder, build_proxy, plugins_section
 
 GEO_HEADERS = ("cf-ipcountry", "x-client-geo", "x-tenant-id", "x-priority")
+# The tests' clients connect from here: the CDN or gateway the plugin believes.
+TRUSTING = {"trusted_peers": ["127.0.0.0/8", "::1"]}
 
 
 async def echo(
@@ -35,7 +37,7 @@ async def test_headers_set_ctx_and_are_not_forwarded(
     proxy = await make_plugin_proxy(
         [{"name": "r1", "url": region.url}],
         extra=[recorder],
-        plugins=plugins_section(geo_tenant={}),
+        plugins=plugins_section(geo_tenant=TRUSTING),
     )
     headers = {
         "CF-IPCountry": "sg",
@@ -53,6 +55,25 @@ async def test_headers_set_ctx_and_are_not_forwarded(
     assert ctx.priority == -5
     assert not set(GEO_HEADERS) & set(seen)
     assert seen["x-other"] == "kept"
+
+
+async def test_no_peer_is_trusted_by_default(
+    make_region: RegionFactory, make_plugin_proxy: PluginProxyFactory
+) -> None:
+    region = await make_region("r1")
+    recorder = Recorder()
+    proxy = await make_plugin_proxy(
+        [{"name": "r1", "url": region.url}],
+        extra=[recorder],
+        plugins=plugins_section(geo_tenant={}),
+    )
+    headers = {"CF-IPCountry": "sg", "X-Client-Geo": "1,2", "X-Tenant-Id": "t", "X-Priority": "5"}
+    async with aiohttp.ClientSession() as client:
+        seen = await echo(client, proxy.url, headers)
+    ctx = await recorder.next()
+    # Ignored, and still removed: clients never choose their own tenant or priority.
+    assert (ctx.client_country, ctx.client_geo, ctx.tenant, ctx.priority) == (None, None, None, 0)
+    assert not set(GEO_HEADERS) & set(seen)
 
 
 @pytest.mark.parametrize(
@@ -79,7 +100,7 @@ async def test_malformed_values_are_ignored_and_still_removed(
     proxy = await make_plugin_proxy(
         [{"name": "r1", "url": region.url}],
         extra=[recorder],
-        plugins=plugins_section(geo_tenant={}),
+        plugins=plugins_section(geo_tenant=TRUSTING),
     )
     async with aiohttp.ClientSession() as client:
         seen = await echo(client, proxy.url, headers)
@@ -96,7 +117,7 @@ async def test_repeated_header_is_ambiguous(
     proxy = await make_plugin_proxy(
         [{"name": "r1", "url": region.url}],
         extra=[recorder],
-        plugins=plugins_section(geo_tenant={}),
+        plugins=plugins_section(geo_tenant=TRUSTING),
     )
     headers = [("X-Tenant-Id", "mine"), ("X-Tenant-Id", "theirs"), ("X-Priority", "3")]
     async with aiohttp.ClientSession() as client:
@@ -118,7 +139,7 @@ async def test_api_key_tenant_wins_over_the_header(
     proxy = await make_plugin_proxy(
         [{"name": "r1", "url": region.url}],
         extra=[recorder],
-        plugins=plugins_section(geo_tenant={}, apikey_auth={}),
+        plugins=plugins_section(geo_tenant=TRUSTING, apikey_auth={}),
     )
     async with aiohttp.ClientSession() as client:
         for key, tenant in (("sk-with-tenant", "paying"), ("sk-without", None)):

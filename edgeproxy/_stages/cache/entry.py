@@ -20,6 +20,16 @@ from typing import Any, Final
 import orjson
 from aiohttp import web
 
+from edgeproxy._protocol.openai import (
+    SSE_DONE,
+    AnswerHead,
+    chat_chunk_choice,
+    chunk,
+    sse_event,
+    text_choice,
+    usage_chunk,
+)
+
 __all__ = ["BadEntry", "Entry", "ReplayResponse", "replay_parts"]
 
 # Encoded entries start with this magic and version: anything else is garbage.
@@ -27,8 +37,6 @@ _MAGIC: Final = b"EPC1"
 _META_LEN: Final = 4
 # Rough per-entry overhead beyond the body, for the memory tier's byte budget.
 _OVERHEAD: Final = 256
-
-SSE_DONE: Final = b"data: [DONE]"
 
 # Headers that describe one particular delivery, not the answer: never stored.
 _NOT_STORED: Final = frozenset(
@@ -334,61 +342,44 @@ def _pieces(text: str) -> list[str]:
     return _PIECES.findall(text) or [text]
 
 
-def _chat_choice(index: int, delta: dict[str, Any], finish: Any = None) -> dict[str, Any]:
-    return {"index": index, "delta": delta, "finish_reason": finish}
-
-
-def _text_choice(index: int, text: str, finish: Any = None) -> dict[str, Any]:
-    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
-
-
 def explode(answer: dict[str, Any], *, include_usage: bool) -> list[bytes] | None:
     """Cut a chat or text completion into the SSE events a streamed answer would have had.
 
     None when ``answer`` is not a completion this knows how to stream.
     """
-    obj = answer.get("object")
-    if obj not in ("chat.completion", "text_completion"):
+    head = AnswerHead.of(answer)
+    if head is None:
         return None
-    chat = obj == "chat.completion"
-    base: dict[str, Any] = {
-        "id": answer.get("id"),
-        "object": "chat.completion.chunk" if chat else "text_completion",
-        "created": answer.get("created"),
-        "model": answer.get("model"),
-    }
-    if answer.get("system_fingerprint") is not None:
-        base["system_fingerprint"] = answer["system_fingerprint"]
     events: list[bytes] = []
 
-    def emit(choices: list[dict[str, Any]], **extra: Any) -> None:
-        events.append(b"data: " + orjson.dumps({**base, "choices": choices, **extra}) + b"\n\n")
+    def emit(choice: dict[str, Any]) -> None:
+        events.append(sse_event(chunk(head, [choice])))
 
     for choice in answer.get("choices") or []:
         if not isinstance(choice, dict):
             return None
         index = choice.get("index", 0)
         finish = choice.get("finish_reason")
-        if chat:
+        if head.chat:
             message = choice.get("message") or {}
             role = message.get("role", "assistant")
-            emit([_chat_choice(index, {"role": role, "content": ""})])
+            emit(chat_chunk_choice(index, {"role": role, "content": ""}))
             content = message.get("content")
             if isinstance(content, str) and content:
                 for piece in _pieces(content):
-                    emit([_chat_choice(index, {"content": piece})])
+                    emit(chat_chunk_choice(index, {"content": piece}))
             for i, call in enumerate(message.get("tool_calls") or []):
-                emit([_chat_choice(index, {"tool_calls": [{**call, "index": i}]})])
-            emit([_chat_choice(index, {}, finish)])
+                emit(chat_chunk_choice(index, {"tool_calls": [{**call, "index": i}]}))
+            emit(chat_chunk_choice(index, {}, finish))
         else:
             text = choice.get("text")
             if isinstance(text, str) and text:
                 for piece in _pieces(text):
-                    emit([_text_choice(index, piece)])
-            emit([_text_choice(index, "", finish)])
+                    emit(text_choice(index, piece))
+            emit(text_choice(index, "", finish))
     if include_usage and isinstance(answer.get("usage"), dict):
-        emit([], usage=answer["usage"])
-    events.append(SSE_DONE + b"\n\n")
+        events.append(sse_event(usage_chunk(head, answer["usage"])))
+    events.append(SSE_DONE)
     return events
 
 

@@ -41,6 +41,7 @@ from aiohttp import web
 
 from edgeproxy._core.config import Config
 from edgeproxy._core.context import RequestContext, UpstreamReply
+from edgeproxy._protocol.endpoints import endpoint_paths
 from edgeproxy._protocol.headers import CLIENT_CREDENTIAL_HEADERS, request_id, strip_hop_by_hop
 from edgeproxy._stages.cache.backends import CacheBackend, make_backend
 from edgeproxy._stages.cache.entry import (
@@ -68,7 +69,7 @@ __all__ = ["CachePlan", "CacheRecorder", "CacheStage", "default_cache_key", "has
 
 logger = logging.getLogger("edgeproxy.cache")
 
-CACHEABLE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
+CACHEABLE_PATHS = endpoint_paths("cacheable")
 
 # Fields that do not change the answer: who asked, how it is delivered, tracing ids.
 NON_SEMANTIC_FIELDS = frozenset(
@@ -118,7 +119,7 @@ def cache_scope(ctx: RequestContext) -> str:
 
 
 def _deterministic(path: str, body: dict[str, Any]) -> bool:
-    if path == "/v1/embeddings":
+    if path in endpoint_paths("deterministic"):
         return True
     if body.get("seed") is not None:
         return True

@@ -1,0 +1,170 @@
+"""The OpenAI endpoints the proxy knows, and what each one means to the stages.
+
+This table is the one answer to "is this an LLM endpoint": admission reads
+it to validate JSON bodies and estimate prompt tokens, failover to know
+which POSTs may be retried, the cache which answers it may store, the local
+model what it can answer, and the usage tracker which answers to scan for
+``usage``.
+
+A path names an endpoint when it ends with the endpoint's suffix: not only
+``/v1/chat/completions``, but ``/openai/deployments/gpt-4o/chat/completions``
+(Azure OpenAI) or ``/api/v1/chat/completions`` as well. The longest suffix
+wins, so ``/v1/chat/completions`` is chat, never text completions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+from typing import Final, Literal
+
+__all__ = [
+    "CHAT_COMPLETIONS",
+    "COMPLETIONS",
+    "EMBEDDINGS",
+    "ENDPOINTS",
+    "EndpointPaths",
+    "MODERATIONS",
+    "OpenAIEndpoint",
+    "Property",
+    "RESPONSES",
+    "endpoint_has",
+    "endpoint_paths",
+    "endpoint_suffixes",
+    "openai_endpoint",
+]
+
+Property = Literal["json_body", "usage", "retry_safe", "cacheable", "deterministic", "local"]
+
+
+@dataclass(frozen=True, slots=True)
+class OpenAIEndpoint:
+    """One OpenAI endpoint (a POST) and the properties the stages act on."""
+
+    name: str
+    """The API's name for it: ``chat.completions``, ``embeddings``..."""
+    suffix: str
+    """How its paths end: ``/chat/completions``."""
+    json_body: bool
+    """The body is a JSON object: admission validates it (400) and reads it for the stages."""
+    usage: bool
+    """Answers carry token ``usage``: the prompt is estimated for token limits, then settled."""
+    retry_safe: bool
+    """A repeated POST only costs compute: when nothing came back, failover may retry it."""
+    cacheable: bool
+    """Answers may be cached when the request is deterministic."""
+    deterministic: bool
+    """Every request is deterministic (no sampling): cacheable without temperature 0 or a seed."""
+    local: bool
+    """The local model can answer it."""
+
+
+CHAT_COMPLETIONS: Final = OpenAIEndpoint(
+    "chat.completions",
+    "/chat/completions",
+    json_body=True,
+    usage=True,
+    retry_safe=True,
+    cacheable=True,
+    deterministic=False,
+    local=True,
+)
+COMPLETIONS: Final = OpenAIEndpoint(
+    "completions",
+    "/completions",
+    json_body=True,
+    usage=True,
+    retry_safe=True,
+    cacheable=True,
+    deterministic=False,
+    local=True,
+)
+EMBEDDINGS: Final = OpenAIEndpoint(
+    "embeddings",
+    "/embeddings",
+    json_body=True,
+    usage=True,
+    retry_safe=True,
+    cacheable=True,
+    deterministic=True,
+    local=False,
+)
+# Not cacheable: answers may be stored server-side and chained (previous_response_id).
+RESPONSES: Final = OpenAIEndpoint(
+    "responses",
+    "/responses",
+    json_body=True,
+    usage=True,
+    retry_safe=True,
+    cacheable=False,
+    deterministic=False,
+    local=False,
+)
+# Answers carry no token usage: a moderation is not charged against token limits.
+MODERATIONS: Final = OpenAIEndpoint(
+    "moderations",
+    "/moderations",
+    json_body=True,
+    usage=False,
+    retry_safe=True,
+    cacheable=False,
+    deterministic=False,
+    local=False,
+)
+
+ENDPOINTS: Final[tuple[OpenAIEndpoint, ...]] = (
+    CHAT_COMPLETIONS,
+    COMPLETIONS,
+    EMBEDDINGS,
+    RESPONSES,
+    MODERATIONS,
+)
+
+# Longest suffix first: "/chat/completions" must be tried before "/completions".
+_BY_SUFFIX: Final = tuple(sorted(ENDPOINTS, key=lambda e: len(e.suffix), reverse=True))
+
+
+def openai_endpoint(path: str) -> OpenAIEndpoint | None:
+    """The endpoint ``path`` (without its query) names, or None for any other path."""
+    for endpoint in _BY_SUFFIX:
+        if path.endswith(endpoint.suffix):
+            return endpoint
+    return None
+
+
+def endpoint_has(path: str, prop: Property) -> bool:
+    """Whether ``path`` names an endpoint with the property ``prop``."""
+    endpoint = openai_endpoint(path)
+    return endpoint is not None and bool(getattr(endpoint, prop))
+
+
+class EndpointPaths:
+    """The paths of the endpoints with one property, as a container: ``path in paths``."""
+
+    __slots__ = ("prop",)
+
+    def __init__(self, prop: Property) -> None:
+        self.prop: Property = prop
+
+    def __contains__(self, path: object) -> bool:
+        return isinstance(path, str) and endpoint_has(path, self.prop)
+
+    def __repr__(self) -> str:
+        return f"EndpointPaths({self.prop!r}: {', '.join(endpoint_suffixes(self.prop))})"
+
+
+@cache
+def endpoint_paths(prop: Property) -> EndpointPaths:
+    """The paths of the endpoints that have ``prop``, matched as :func:`openai_endpoint` does."""
+    return EndpointPaths(prop)
+
+
+@cache
+def endpoint_suffixes(prop: Property) -> tuple[str, ...]:
+    """The suffixes of the endpoints that have ``prop``, for ``str.endswith``.
+
+    Right only while no endpoint without ``prop`` has a suffix ending with the
+    suffix of one that has it (tests check the table for that); otherwise
+    use :func:`endpoint_has`.
+    """
+    return tuple(e.suffix for e in _BY_SUFFIX if getattr(e, prop))
