@@ -1,18 +1,22 @@
-"""One request, top to bottom: received, admission, cache, route, upstream, stream, fallback.
+"""One request, top to bottom: received, admission, cache, route, upstream, fallback, stream.
 
 :meth:`Pipeline.handle` is the single place to read to follow a request.
 Each stage is a small object with one narrow method; stages raise
 :class:`~edgeproxy._core.errors.ProxyError` for answers they give themselves, and
 plugin hooks are called at the points :mod:`edgeproxy.hookspecs` documents.
+
+The pipeline owns what a request holds and lets go of it on every way out
+(an answer, an error, the client leaving, shutdown): its admission slot, the
+cache's recording, the upstream answer it relays, the attempts kept running
+past the deadline for the fallback to race, and a local answer's generation
+slot. Stages borrow them; none releases what it does not own.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
 
 from aiohttp import web
 from multidict import CIMultiDict
@@ -20,12 +24,18 @@ from multidict import CIMultiDict
 from edgeproxy._core.config import Config
 from edgeproxy._core.context import RequestContext
 from edgeproxy._core.errors import ProxyError, error_response
+from edgeproxy._local.model import LocalAnswer
 from edgeproxy._plugins import PluginError, Plugins
 from edgeproxy._protocol.headers import request_id, trace_context
 from edgeproxy._stages.admission import AdmissionStage, Admitted, Overloaded
 from edgeproxy._stages.cache.stage import CacheRecorder, CacheStage
-from edgeproxy._stages.failover import AttemptResponse, Failover
-from edgeproxy._stages.fallback import FallbackStage
+from edgeproxy._stages.failover import (
+    AttemptResponse,
+    DeadlineExceeded,
+    Failover,
+    PendingUpstream,
+)
+from edgeproxy._stages.fallback import Degraded, FallbackStage, UpstreamWon
 from edgeproxy._stages.relay import StreamStage
 from edgeproxy._stages.routing import Router
 from edgeproxy._stages.upstream import UpstreamStage
@@ -58,20 +68,23 @@ def _context(request: web.Request, config: Config, strip_prefix: str) -> Request
         target=target,
         headers=CIMultiDict(headers),
         client_ip=request.remote,
+        scheme=request.scheme,
+        http_version=f"{request.version.major}.{request.version.minor}",
+        host=request.host,
         started=time.monotonic(),
         route=config.route_for(request.method, target.split("?", 1)[0]),
     )
 
 
 class Pipeline:
-    """received → admission → cache → route → upstream → stream → fallback, for every request."""
+    """received → admission → cache → route → upstream → fallback → stream, for every request."""
 
     def __init__(self, config: Config, regions: RegionSet, plugins: Plugins) -> None:
         self.config = config
         self.regions = regions
         self.plugins = plugins
         self.router = Router(config, regions)
-        self.cache = CacheStage(config, plugins, fetch=self._refresh_upstream)
+        self.cache = CacheStage(config, plugins, fetch=self._refresh)
         self.upstream = UpstreamStage(config, plugins)
         self.failover = Failover(config, regions, self.upstream)
         self.stream = StreamStage(plugins)
@@ -87,11 +100,15 @@ class Pipeline:
     async def handle(self, request: web.Request, *, strip_prefix: str = "") -> web.StreamResponse:
         ctx = _context(request, self.config, strip_prefix)
         self._enter()
-        upstream: AttemptResponse | None = None
-        region: Region | None = None
-        response: web.StreamResponse | None = None
-        recorder: CacheRecorder | None = None
+        # What the request holds, each let go of in `finally` whatever happens: its
+        # admission slot, the cache's recording, the upstream answer relayed, the attempts
+        # still running past the deadline (deadline_action = "race") and a local answer.
         admitted: Admitted | None = None
+        recorder: CacheRecorder | None = None
+        upstream: AttemptResponse | None = None
+        pending: PendingUpstream | None = None
+        degraded: web.StreamResponse | None = None
+        response: web.StreamResponse | None = None
         try:
             await self._read_body(request, ctx)
             # received: plugins may rewrite the request through ctx, or answer it.
@@ -105,34 +122,52 @@ class Pipeline:
                 # A plugin may have rewritten the path: match the route again.
                 ctx.route = self.config.route_for(ctx.method, ctx.path)
             # admission: body validation, rate limits, then a slot (may queue, or shed).
+            failure: ProxyError | None = None
             try:
                 admitted = await self.admission.admit(request, ctx)
             except Overloaded as err:
                 if ctx.route.on_overload != "degrade":
                     raise
-                response = await self._fallback(request, ctx, err)
-                return response
-            # cache: a stored answer, or that of an identical request in flight; else a
-            # cacheable request leads, and `recorder` stores what the stream stage relays.
-            answer, recorder = await self.cache.lookup(request, ctx)
-            if answer is not None:
-                response = answer
-                return response
-            # route + upstream: the first byte from the best region, failing over (or
-            # hedging) until then; residency violations are refused, never degraded.
-            try:
-                candidates = await self._candidates(request, ctx)
-                upstream = await self.failover.send(request, ctx, candidates)
-            except ProxyError as err:
-                if err.code == "residency":
-                    raise
-                # fallback: the regions cannot answer; a plugin may give the answer.
-                response = await self._fallback(request, ctx, err)
-                return response
-            region = upstream.region
+                failure = err  # shed: to the fallback, never upstream
+            if failure is None:
+                # cache: a stored answer, or that of an identical request in flight; else a
+                # cacheable request leads, and `recorder` stores what the stream stage relays.
+                answer, recorder = await self.cache.lookup(request, ctx)
+                if answer is not None:
+                    response = answer
+                    return response
+                # route + upstream: the first byte from the best region, failing over (or
+                # hedging) until then; residency violations are refused, never degraded.
+                try:
+                    candidates = await self._candidates(request, ctx)
+                    upstream = await self.failover.send(
+                        request, ctx, candidates, keep_late=ctx.route.deadline_action == "race"
+                    )
+                except DeadlineExceeded as err:
+                    failure, pending = err, err.pending
+                except ProxyError as err:
+                    if err.code == "residency":
+                        raise
+                    failure = err
+            if failure is not None:
+                # fallback: the regions cannot answer; the stale cache, the local model or
+                # a plugin may. A local answer races the attempts `pending` past the deadline.
+                stale = await self.cache.serve_stale(request, ctx)
+                outcome = await self.fallback.respond(
+                    request, ctx, failure, stale=stale, pending=pending
+                )
+                if isinstance(outcome, UpstreamWon):
+                    upstream = outcome.upstream  # relayed below, like any winner
+                if pending is not None:
+                    await pending.aclose()  # the race is over: what it left is cancelled
+                if isinstance(outcome, Degraded):
+                    degraded = outcome.response
+                    response = await self._send_degraded(request, ctx, degraded)
+                    return response
             # stream: relay chunk by chunk to the client.
+            assert upstream is not None
             response = await self.stream.relay(
-                request, ctx, region, upstream, close_connection=self.draining, recorder=recorder
+                request, ctx, upstream, close_connection=self.draining, recorder=recorder
             )
             return response
         except ProxyError as err:
@@ -146,6 +181,8 @@ class Pipeline:
             )
             return response
         finally:
+            if isinstance(degraded, LocalAnswer):
+                degraded.abandon()  # its generation slot, unless it was sent
             if recorder is not None:
                 # An answer that did not complete is not stored; its followers wake up.
                 recorder.release()
@@ -155,6 +192,9 @@ class Pipeline:
                 await upstream.aclose()
             if admitted is not None:
                 admitted.release(ctx)
+            if pending is not None:
+                # Cancels each attempt at once; then waits for them to let go.
+                await pending.aclose()
             ctx.finished_at = time.monotonic()
             if response is not None and not ctx.status:
                 ctx.status = response.status
@@ -164,19 +204,18 @@ class Pipeline:
                 )
             self._exit()
 
-    @contextlib.asynccontextmanager
-    async def _refresh_upstream(
-        self, request: web.Request, ctx: RequestContext
-    ) -> AsyncIterator[AttemptResponse]:
-        """The region's answer for a background cache refresh (stale-while-revalidate, early
-        refresh): routed and sent as :meth:`handle` does, with no client to relay to."""
-        upstream = await self.failover.send(request, ctx, await self._candidates(request, ctx))
+    async def _refresh(self, ctx: RequestContext, recorder: CacheRecorder) -> None:
+        """A background cache refresh (stale-while-revalidate, early refresh), with no client:
+        routed and sent as :meth:`handle` does, and its answer read into the cache's
+        ``recorder`` by the stream stage's own loop. The hooks get ``request=None``."""
+        candidates = await self._candidates(None, ctx)
+        upstream = await self.failover.send(None, ctx, candidates)
         try:
-            yield upstream
+            await self.stream.drain(ctx, upstream, recorder)
         finally:
             await upstream.aclose()
 
-    async def _candidates(self, request: web.Request, ctx: RequestContext) -> list[Region]:
+    async def _candidates(self, request: web.Request | None, ctx: RequestContext) -> list[Region]:
         """The regions this request may use, best first; the edgeproxy_route hook may override."""
         candidates = self.router.candidates(ctx)
         if self.plugins.has("edgeproxy_route"):
@@ -202,33 +241,14 @@ class Pipeline:
             ctx.body = await request.read()
             ctx.body_read = True
 
-    async def _fallback(
-        self, request: web.Request, ctx: RequestContext, err: ProxyError
+    async def _send_degraded(
+        self, request: web.Request, ctx: RequestContext, answer: web.StreamResponse
     ) -> web.StreamResponse:
-        """No region answered before the first byte: the degradation ladder, else the error."""
-        # The cache's stale-if-error answer (rung 3), when it has one.
-        stale = await self.cache.serve_stale(request, ctx)
-
-        async def relay(upstream: AttemptResponse) -> web.StreamResponse:
-            # An attempt that beat the local model after the deadline (deadline_action = "race").
-            try:
-                ctx.region = upstream.region.name
-                return await self.stream.relay(
-                    request, ctx, upstream.region, upstream, close_connection=self.draining
-                )
-            finally:
-                await upstream.aclose()
-
-        # Rungs 3 and 4 as the route orders them, the edgeproxy_fallback hook, then the error.
-        return await self.fallback.respond(
-            request,
-            ctx,
-            err,
-            stale=stale,
-            finish=self._local_answer,
-            fail=self._error_response,
-            relay=relay,
-        )
+        """A fallback answer with the proxy's headers; a local answer is generated and sent."""
+        self._local_answer(ctx, answer)
+        if isinstance(answer, LocalAnswer):
+            await answer.send(request, ctx)
+        return answer
 
     def _local_answer(self, ctx: RequestContext, answer: web.StreamResponse) -> web.StreamResponse:
         """A response the proxy (or a plugin) gives itself, with the proxy's headers."""

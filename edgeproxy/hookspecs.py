@@ -20,6 +20,12 @@ Order follows pluggy: the plugin registered last runs first, and
 Wrappers (``wrapper=True``, ``hookwrapper=True``) are refused when the plugin
 is registered: they are generators around a synchronous call and cannot wrap
 awaited implementations. So is an implementation of a hook with no spec.
+
+A background cache refresh (stale-while-revalidate, early refresh) has no
+client: ``edgeproxy_route``, ``edgeproxy_upstream_request``,
+``edgeproxy_upstream_response`` and ``edgeproxy_stream_chunk`` get
+``request=None`` for it, and ``ctx.cache == "REFRESH"``; read the request
+through ``ctx``.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import pytest
 from aiohttp import web
 
 from edgeproxy import hookimpl
-from edgeproxy._stages.failover import Budget
+from edgeproxy._stages.failover import Budget, DeadlineExceeded, PendingUpstream
 
 from .conftest import ProxyFactory, RegionFactory, eventually
 
@@ -344,15 +344,23 @@ async def test_hedging_is_off_without_budget(
             {"name": "stalled", "url": stalled.url, **SIN},
             {"name": "healthy", "url": healthy.url, **TOKYO},
         ],
-        routes=chat_route(hedge=True, hedge_delay=0.05, deadline=0.5),
+        routes=chat_route(hedge=True, hedge_delay=0.05, deadline=0.3),
         routing={"hedge_budget": 0.0, "hedge_budget_min": 0.0},
+        # Far beyond the wait below: only the deadline's cancellation can end the attempt.
+        upstream={"read_timeout": 60.0},
     )
     async with aiohttp.ClientSession() as client:
         async with client.post(proxy.url + CHAT, json=BODY) as resp:
             assert resp.status == 504
             assert "X-Edgeproxy-Attempts" not in resp.headers
     assert healthy.requests_by_path.get(CHAT, 0) == 0
-    await eventually(lambda: stalled.in_flight == 0)
+    # The lone attempt was cancelled at the deadline: its stream reset, its slot freed.
+    region = proxy.regions.by_name["stalled"]
+    await eventually(
+        lambda: stalled.cancelled_total == 1 and stalled.in_flight == 0 and region.in_flight == 0,
+        timeout=5.0,
+    )
+    assert region.pool.stats().streams_in_use == 0
 
 
 async def test_deadline_race_hands_the_running_attempt_to_the_fallback(
@@ -370,8 +378,8 @@ async def test_deadline_race_hands_the_running_attempt_to_the_fallback(
     async def spy(*args: Any, **kwargs: Any) -> Any:
         try:
             return await send(*args, **kwargs)
-        except Exception as exc:
-            handed.append(getattr(exc, "pending_upstream", None))
+        except DeadlineExceeded as exc:
+            handed.append(exc.pending)
             raise
 
     failover.send = spy  # type: ignore[method-assign]
@@ -380,6 +388,6 @@ async def test_deadline_race_hands_the_running_attempt_to_the_fallback(
             # No local model to race against: the attempt is dropped, the deadline answers.
             assert resp.status == 504
             assert (await resp.json())["error"]["code"] == "deadline_exceeded"
-    assert len(handed) == 1 and isinstance(handed[0], asyncio.Task)
+    assert len(handed) == 1 and isinstance(handed[0], PendingUpstream)
     await eventually(lambda: slow.in_flight == 0 and slow.cancelled_total == 1)
     await eventually(lambda: proxy.regions.by_name["slow"].in_flight == 0)

@@ -344,112 +344,51 @@ async def test_hook_is_told_why_and_sees_the_degraded_answer(proxy_with: ProxyMa
 
 # -- deadline races ---------------------------------------------------------------------
 #
-# With deadline_action = "race", the failover hands the attempt still running at the
-# deadline to the fallback as the error's `pending_upstream`. The stage is driven here
-# through a real aiohttp server, with a future standing in for that attempt.
+# With deadline_action = "race", the attempt still running at the deadline is kept and
+# raced against the local answer: the first to produce a byte (or token) is sent.
 
 
-class StandIn:
-    """What the pending attempt resolves to: closed when it loses, relayed when it wins."""
+class UpstreamFirst:
+    """Holds the fallback until the late attempt has its first byte: the region wins."""
 
     def __init__(self) -> None:
-        self.closed = False
+        self.proxy: EdgeProxy | None = None
 
-    async def aclose(self) -> None:
-        self.closed = True
+    @hookimpl
+    async def edgeproxy_fallback(self, answer: web.StreamResponse | None) -> None:
+        assert self.proxy is not None and isinstance(answer, LocalAnswer)
+        region = self.proxy.regions.by_name["ap-1"]
+        await eventually(lambda: region.pending == 0, timeout=5.0)
 
 
-async def race_server(
-    tiny_model: Path, action: str, pending: asyncio.Future[Any]
-) -> tuple[Any, Any, list[Any]]:
-    from aiohttp.test_utils import TestClient, TestServer
-
-    from edgeproxy._core.errors import ProxyError, error_response
-    from edgeproxy._plugins import Plugins
-    from edgeproxy._stages.fallback import PENDING_UPSTREAM, FallbackStage
-
-    data = proxy_config(
-        [dead_region()], local_model={"path": str(tiny_model), "n_ctx": 256, "max_tokens": 32}
+async def test_deadline_race_the_region_answers_first(
+    make_region: RegionFactory, proxy_with: ProxyMaker
+) -> None:
+    region = await make_region("ap-1", ttft=0.4)
+    routes = [
+        {"name": "chat", "path": CHAT, "deadline": 0.1, "retries": 0, "deadline_action": "race"}
+    ]
+    hold = UpstreamFirst()
+    proxy = await proxy_with(
+        [{"name": "ap-1", "url": region.url}],
+        routes=routes,
+        plugins=[hold],
+        upstream={"read_timeout": 60.0},
     )
-    data["routes"] = [{"name": "chat", "path": CHAT, "deadline_action": action}]
-    config = Config.from_mapping(data, environ={})
-    stage = FallbackStage(config, Plugins())
-    relayed: list[Any] = []
-
-    async def relay(upstream: Any) -> web.StreamResponse:
-        relayed.append(upstream)
-        await upstream.aclose()
-        return web.json_response({"from": "region"})
-
-    async def handler(request: web.Request) -> web.StreamResponse:
-        ctx = RequestContext.from_request(request, config)
-        ctx.body, ctx.body_read = await request.read(), True
-        err = ProxyError(504, "upstream_timeout", "deadline passed", code="deadline_exceeded")
-        setattr(err, PENDING_UPSTREAM, pending)
-        return await stage.respond(
-            request,
-            ctx,
-            err,
-            stale=None,
-            finish=lambda c, a: a,
-            fail=lambda c, e: error_response(e.status, e.type, e.message),
-            relay=relay,
-        )
-
-    app = web.Application()
-    app.router.add_post(CHAT, handler)
-    stage.open()
-    await eventually(lambda: stage.local.ready)
-    client = TestClient(TestServer(app))
-    await client.start_server()
-    return stage, client, relayed
-
-
-async def test_race_the_region_answers_first(tiny_model: Path) -> None:
-    upstream = StandIn()
-    pending: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-    pending.set_result(upstream)  # its first byte is already there
-    stage, client, relayed = await race_server(tiny_model, "race", pending)
-    try:
-        resp = await client.post(CHAT, json=HELLO)
-        assert resp.status == 200
-        assert await resp.json() == {"from": "region"}
-        assert "X-Edgeproxy-Degraded" not in resp.headers
-        assert relayed == [upstream]
-        assert stage.races == {"upstream": 1}
-        await eventually(lambda: stage.local.busy == 0)  # the local answer was dropped
-        assert stage.local.answered_total == 0
-    finally:
-        await client.close()
-        await stage.close()
-
-
-async def test_race_the_local_model_answers_first(tiny_model: Path) -> None:
-    pending: asyncio.Future[Any] = asyncio.get_running_loop().create_future()  # never answers
-    stage, client, relayed = await race_server(tiny_model, "race", pending)
-    try:
-        resp = await client.post(CHAT, json=HELLO)
-        assert resp.status == 200
-        assert resp.headers["X-Edgeproxy-Degraded"] == "local-model"
-        assert (await resp.json())["usage"]["completion_tokens"] == 4
-        assert relayed == []
-        assert pending.cancelled()  # the losing upstream attempt is cancelled
-        assert stage.races == {"local": 1}
-    finally:
-        await client.close()
-        await stage.close()
-
-
-async def test_cancel_action_drops_the_attempt_without_racing(tiny_model: Path) -> None:
-    upstream = StandIn()
-    pending: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-    pending.set_result(upstream)
-    stage, client, relayed = await race_server(tiny_model, "cancel", pending)
-    try:
-        resp = await client.post(CHAT, json=HELLO)
-        assert resp.headers["X-Edgeproxy-Degraded"] == "local-model"
-        assert relayed == [] and upstream.closed
-        assert stage.races == {}
-    finally:
-        await client.close()
-        await stage.close()
+    hold.proxy = proxy
+    status, headers, body = await post(proxy, HELLO)
+    assert status == 200
+    assert headers["X-Edgeproxy-Region"] == "ap-1"
+    assert "X-Edgeproxy-Degraded" not in headers
+    assert orjson.loads(body)["choices"]  # the region's answer, relayed
+    fallback = proxy.pipeline.fallback
+    assert fallback.races == {"upstream": 1} and fallback.served == {}
+    # The local answer was dropped before it was sent, its slot given back.
+    await eventually(lambda: fallback.local.busy == 0)
+    assert fallback.local.answered_total == 0
+    # The relayed attempt was let go of once its answer was complete.
+    ap1 = proxy.regions.by_name["ap-1"]
+    await eventually(
+        lambda: ap1.in_flight == 0 and ap1.pool.stats().streams_in_use == 0, timeout=5.0
+    )
+    assert region.cancelled_total == 0 and region.requests_total == 1

@@ -35,6 +35,11 @@ class RequestContext:
     route: RouteConfig
     body: bytes | None = None
     body_read: bool = False
+    # The client's scheme, HTTP version and Host, copied from the request so that work
+    # outliving its handler (a background cache refresh) never holds the request.
+    scheme: str = "http"
+    http_version: str = "1.1"
+    host: str = ""
     tenant: str | None = None
     priority: int = 0
     client_country: str | None = None

@@ -15,7 +15,8 @@ still go to the next region:
   ``retry_budget`` of the requests plus ``retry_budget_min`` per second, so
   an outage does not multiply the load on what is left;
 * the route's ``deadline`` bounds everything up to the first byte; past it
-  the request fails with 504 (which the fallback ladder may still answer);
+  the request fails with :class:`DeadlineExceeded`, a 504 (which the fallback
+  ladder may still answer);
 * with the route's ``hedge`` on, a request with no first byte after
   ``hedge_delay`` (or the region's recent p95) sends a copy to the next-best
   region; the first to answer wins and the other is cancelled (HTTP/2
@@ -24,6 +25,24 @@ still go to the next region:
 
 Once the winner is handed to the stream stage there is no retry: a stream
 that breaks later ends with an SSE error event and a truncated body.
+
+Every attempt has exactly one owner, which cancels it upstream and stops
+counting it on every way out (a failure, the deadline, a plugin's
+exception, the client leaving, the proxy shutting down):
+
+* while the request waits for a first byte, the request's :class:`_Plan`;
+  whatever it still holds when :meth:`Failover.send` returns or raises is
+  cancelled before it does;
+* the winner, once returned as an :class:`AttemptResponse`: the caller,
+  which relays it and then calls :meth:`AttemptResponse.aclose`;
+* with ``keep_late`` (the route's ``deadline_action = "race"``), the
+  attempts still running at the deadline: the :class:`PendingUpstream` in
+  the :class:`DeadlineExceeded` raised, owned by whoever catches it and
+  closed with :meth:`PendingUpstream.aclose`; :meth:`PendingUpstream.take`
+  hands its winner over as an :class:`AttemptResponse`.
+
+An attempt's task that is cancelled lets go of its response itself
+(``_Attempt.run``); one that had finished is let go by its owner.
 """
 
 from __future__ import annotations
@@ -38,9 +57,9 @@ from typing import TYPE_CHECKING
 import orjson
 
 from edgeproxy._core.errors import ProxyError
+from edgeproxy._core.types import Headers
 from edgeproxy._protocol.endpoints import endpoint_suffixes
 from edgeproxy._upstream.pool import (
-    Headers,
     UpstreamConnectError,
     UpstreamError,
     UpstreamResponse,
@@ -55,15 +74,12 @@ if TYPE_CHECKING:
     from edgeproxy._core.context import RequestContext
     from edgeproxy._stages.upstream import UpstreamStage
 
-__all__ = ["AttemptResponse", "Budget", "Failover"]
+__all__ = ["AttemptResponse", "Budget", "DeadlineExceeded", "Failover", "PendingUpstream"]
 
 IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE", "TRACE"})
 # OpenAI-style endpoints where a repeated POST only costs compute: nothing
 # was returned, so nothing can be applied twice.
 LLM_SUFFIXES = endpoint_suffixes("retry_safe")
-# The attribute of a deadline ProxyError carrying the attempts still running, as a task
-# (see _fallback.PENDING_UPSTREAM).
-PENDING_UPSTREAM = "pending_upstream"
 # Hedging waits for this much history before trusting a region's p95.
 HEDGE_MIN_SAMPLES = 20
 _NO_BODY = frozenset({204, 304})
@@ -158,19 +174,12 @@ class _Attempt:
     def ok(self) -> bool:
         return self.response is not None and not self.failed_status
 
-    async def run(self, request: web.Request, ctx: RequestContext) -> None:
+    async def run(self, request: web.Request | None, ctx: RequestContext) -> None:
         """Send, wait for the headers and (for a 2xx) the first body chunk."""
         region, endpoint = self.region, self.endpoint
         now = self.started = time.monotonic()
-        region.in_flight += 1
-        endpoint.in_flight += 1
+        region.attempt_started(endpoint, self.id, self.kind, now)
         self._released = False
-        region.pending_since[self.id] = now
-        region.count_request(now)
-        if self.kind == "retry":
-            region.retries_total += 1
-        elif self.kind == "hedge":
-            region.hedges_total += 1
         ctx.attempts += 1
         ctx.region = region.name
         failover = self.failover
@@ -190,12 +199,13 @@ class _Attempt:
         except UpstreamError as exc:
             self.error = exc
         except BaseException:
-            # Cancelled (a hedge lost, the client left, the deadline) or a plugin failed.
-            region.pending_since.pop(self.id, None)
+            # Cancelled (a hedge lost, the client left, the deadline, shutdown) or a
+            # plugin failed: this task lets go of the attempt itself.
+            region.attempt_answered(self.id)
             await self.discard()
             raise
         now = time.monotonic()
-        region.pending_since.pop(self.id, None)
+        region.attempt_answered(self.id)
         if self.error is not None or self.failed_status:
             self._failed(now)
             return
@@ -208,7 +218,7 @@ class _Attempt:
 
     def _failed(self, now: float) -> None:
         region, failover = self.region, self.failover
-        region.errors_total += 1
+        region.record_error()
         failover.health.record(region, failed=True, now=now)
         elapsed = now - self.started
         # A failure counts as a slow answer, so that traffic leaves before the
@@ -229,20 +239,17 @@ class _Attempt:
             self.region.latency.observe(now - self.started, now)
 
     def broke(self, exc: UpstreamError) -> None:
-        """The body failed after the first byte: no retry, but it counts against the region.
-
-        (The stream stage counts it in ``errors_total``.)
-        """
+        """The body failed after the first byte: no retry, but it counts against the region."""
+        self.region.record_error()
         self.failover.health.record(self.region, failed=True)
 
     def release(self) -> None:
         if not self._released:
             self._released = True
-            self.region.in_flight -= 1
-            self.endpoint.in_flight -= 1
+            self.region.attempt_released(self.endpoint)
 
     async def discard(self) -> None:
-        """Cancel whatever is left upstream and stop counting this attempt."""
+        """Cancel whatever is left upstream and stop counting this attempt (idempotent)."""
         try:
             iterator = self.iterator
             if iterator is not None and hasattr(iterator, "aclose"):
@@ -299,6 +306,97 @@ class AttemptResponse:
         await self.attempt.discard()
 
 
+class DeadlineExceeded(ProxyError):
+    """504 ``deadline_exceeded``: no first byte by the route's deadline.
+
+    ``pending`` is set when :meth:`Failover.send` was asked to keep the
+    attempts still running (``keep_late``): whoever catches the error owns
+    them and must :meth:`~PendingUpstream.aclose` it. Otherwise they were
+    cancelled before the error was raised.
+    """
+
+    def __init__(
+        self,
+        deadline: float,
+        *,
+        headers: dict[str, str],
+        pending: PendingUpstream | None = None,
+    ) -> None:
+        super().__init__(
+            504,
+            "upstream_timeout",
+            f"no region answered within the route's deadline of {deadline:g}s",
+            code="deadline_exceeded",
+            headers=headers,
+        )
+        self.pending: PendingUpstream | None = pending
+
+
+class PendingUpstream:
+    """Attempts still running past the deadline, kept for the fallback to race.
+
+    Its holder owns them: :meth:`aclose` cancels every one that
+    :meth:`take` did not hand over, and must be called on every path (it is
+    idempotent).
+    """
+
+    __slots__ = ("_plan", "_running", "_winner")
+
+    def __init__(self, plan: _Plan, running: dict[asyncio.Task[None], _Attempt]) -> None:
+        self._plan = plan
+        self._running = running
+        self._winner: _Attempt | None = None
+
+    async def ready(self) -> bool:
+        """Wait until an attempt has its first byte (True) or every one failed (False).
+
+        Failed attempts are let go as they end; a plugin's exception is raised.
+        """
+        while self._winner is None and self._running:
+            running = self._running
+            done = {task for task in running if task.done()}
+            if not done:
+                done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                attempt = running.pop(task)
+                task.result()  # a plugin failed: its attempt already let itself go
+                if attempt.ok and self._winner is None:
+                    self._winner = attempt
+                else:
+                    await attempt.discard()
+        return self._winner is not None
+
+    def take(self) -> AttemptResponse:
+        """The attempt :meth:`ready` found, handed over: the caller owns it from now on."""
+        winner, self._winner = self._winner, None
+        if winner is None:
+            raise RuntimeError("no attempt is ready to be taken")
+        return self._plan.win(winner)
+
+    async def aclose(self) -> None:
+        """Cancel every attempt still held, upstream, and stop counting it."""
+        running, self._running = self._running, {}
+        winner, self._winner = self._winner, None
+        if winner is not None:
+            await winner.discard()
+        await _cancel(running)
+
+
+async def _cancel(running: dict[asyncio.Task[None], _Attempt]) -> None:
+    """Cancel the attempts of ``running`` upstream and stop counting them; it is emptied."""
+    attempts = list(running.items())
+    running.clear()
+    for task, _ in attempts:
+        task.cancel()
+    # A task that had already finished holds its attempt's response: let go of it here. A
+    # cancelled one lets go of its own (_Attempt.run); one that never started holds nothing.
+    for task, attempt in attempts:
+        if task.done():
+            await attempt.discard()
+    if attempts:
+        await asyncio.gather(*(task for task, _ in attempts), return_exceptions=True)
+
+
 def _is_sse(headers: Headers) -> bool:
     for name, value in headers:
         if name.lower() == "content-type":
@@ -323,20 +421,31 @@ class Failover:
         )
 
     async def send(
-        self, request: web.Request, ctx: RequestContext, candidates: list[Region]
+        self,
+        request: web.Request | None,
+        ctx: RequestContext,
+        candidates: list[Region],
+        *,
+        keep_late: bool = False,
     ) -> AttemptResponse:
         """The first good response among ``candidates``, or a :class:`ProxyError`.
 
         Raises 502/504 (or the region's own 5xx status) when every attempt
-        failed, 504 when the route's deadline passed first, and 503 when every
-        candidate's circuit breaker was open.
+        failed, :class:`DeadlineExceeded` (504) when the route's deadline
+        passed first, and 503 when every candidate's circuit breaker was open.
+        Nothing is left running upstream when it raises, except, with
+        ``keep_late``, the attempts a :class:`DeadlineExceeded` hands over in
+        its ``pending``. The caller owns the response returned, and closes it.
+
+        ``request`` is None for a request with no client (a background cache
+        refresh): its body must have been buffered.
         """
         now = time.monotonic()
         self.retry_budget.deposit(now)
         self.hedge_budget.deposit(now)
         route = ctx.route
         remaining = ctx.started + route.deadline - now
-        plan = _Plan(self, request, ctx, candidates)
+        plan = _Plan(self, request, ctx, candidates, keep_late=keep_late)
         if route.hedge and plan.replayable and plan.retry_safe and len(candidates) > 1:
             return await plan.race(remaining)
         return await plan.in_turn(remaining)
@@ -351,14 +460,21 @@ class Failover:
 
 
 class _Plan:
-    """The attempts of one request: what was tried, what may come next."""
+    """The attempts of one request: what was tried, what may come next.
+
+    It owns every attempt it starts until one wins (returned to the caller)
+    or the deadline hands the ones still running over (``keep_late``);
+    :meth:`in_turn` and :meth:`race` cancel whatever else they hold on the way out.
+    """
 
     def __init__(
         self,
         failover: Failover,
-        request: web.Request,
+        request: web.Request | None,
         ctx: RequestContext,
         candidates: list[Region],
+        *,
+        keep_late: bool = False,
     ) -> None:
         self.failover = failover
         self.request = request
@@ -369,7 +485,7 @@ class _Plan:
         self.tried = 0
         self.tried_endpoints: set[Endpoint] = set()
         # deadline_action = "race": attempts outlive the deadline, for the fallback to race.
-        self.hand_over = getattr(ctx.route, "deadline_action", "cancel") == "race"
+        self.keep_late = keep_late
         self.overloaded = 0
         self.last: _Attempt | None = None
 
@@ -383,7 +499,7 @@ class _Plan:
         while self.queue:
             region = self.queue.pop(0)
             if health.overloaded(region):
-                region.health.overflows_total += 1
+                region.record_overflow()
                 self.overloaded += 1
                 continue
             return region
@@ -401,56 +517,68 @@ class _Plan:
         A region with another endpoint this request has not tried goes back to
         the front of the queue: a dead endpoint is not a dead region.
         """
-        if self.last is not None:
-            await self.last.discard()
-        self.last = attempt
+        previous, self.last = self.last, attempt
+        if previous is not None:
+            await previous.discard()
         region = attempt.region
         if region not in self.queue and any(
             e not in self.tried_endpoints and e.state != "down" for e in region.endpoints
         ):
             self.queue.insert(0, region)
 
+    async def drop_failure(self) -> None:
+        """Let go of the failure kept for the error message."""
+        last, self.last = self.last, None
+        if last is not None:
+            await last.discard()
+
     async def in_turn(self, remaining: float) -> AttemptResponse:
         """One attempt at a time: the next candidate only after a failure."""
+        # The attempt in flight, when it runs as a task (keep_late: it may outlive the
+        # deadline); whatever is left here on the way out is cancelled.
+        running: dict[asyncio.Task[None], _Attempt] = {}
         try:
             while True:
                 if self.tried and (self.last is None or not self.may_retry(self.last)):
                     break
                 if remaining <= 0:
-                    raise self.deadline_error()
+                    raise self.deadline_error(running)
                 region = self.next_region()
                 if region is None:
                     break
                 if self.tried and not self.failover.retry_budget.try_spend():
                     break
                 attempt = self.attempt(region, "retry" if self.tried else "first")
-                if self.hand_over:
+                if self.keep_late:
                     task = asyncio.get_running_loop().create_task(
                         attempt.run(self.request, self.ctx)
                     )
-                    done, _ = await asyncio.wait({task}, timeout=remaining)
+                    running[task] = attempt
+                    done, _ = await asyncio.wait(running, timeout=remaining)
                     if not done:
-                        raise self.deadline_error({task: attempt})
-                    task.result()
+                        raise self.deadline_error(running)
+                    del running[task]
+                    task.result()  # a plugin's failure ends the request
                 else:
                     try:
                         async with asyncio.timeout(remaining):
                             await attempt.run(self.request, self.ctx)
                     except TimeoutError:
-                        raise self.deadline_error() from None
+                        raise self.deadline_error(running) from None
                 if attempt.ok:
-                    return await self.win(attempt)
+                    return self.win(attempt)
                 await self.keep_failure(attempt)
                 remaining = self.ctx.started + self.ctx.route.deadline - time.monotonic()
             raise await self.failure_error()
         finally:
-            if self.last is not None:
-                await self.last.discard()
+            await _cancel(running)
+            await self.drop_failure()
 
     async def race(self, remaining: float) -> AttemptResponse:
         """The first attempt, a hedge if it is slow, retries after failures; first answer wins."""
         ctx, failover = self.ctx, self.failover
         deadline = time.monotonic() + remaining
+        # The attempts in flight; whatever is left here on the way out is cancelled.
         running: dict[asyncio.Task[None], _Attempt] = {}
         loop = asyncio.get_running_loop()
 
@@ -468,8 +596,7 @@ class _Plan:
             while running:
                 now = time.monotonic()
                 if now >= deadline:
-                    late, running = running, {}
-                    raise self.deadline_error(late if self.hand_over else None)
+                    raise self.deadline_error(running)
                 done, _ = await asyncio.wait(
                     running,
                     timeout=min(deadline, hedge_at) - now,
@@ -487,7 +614,7 @@ class _Plan:
                     attempt = running.pop(task)
                     task.result()  # a plugin's failure ends the request
                     if attempt.ok:
-                        return await self.win(attempt)
+                        return self.win(attempt)
                     await self.keep_failure(attempt)
                 if not running and self.last is not None and self.may_retry(self.last):
                     region = self.next_region()
@@ -495,17 +622,12 @@ class _Plan:
                         start(region, "retry")
             raise await self.failure_error()
         finally:
-            # The losers: cancel them upstream and stop counting them.
-            for task in running:
-                task.cancel()
-            if running:
-                await asyncio.gather(*running, return_exceptions=True)
-                for attempt in running.values():
-                    await attempt.discard()
-            if self.last is not None:
-                await self.last.discard()
+            # The losers, and everything else still held: cancelled upstream, uncounted.
+            await _cancel(running)
+            await self.drop_failure()
 
-    async def win(self, attempt: _Attempt) -> AttemptResponse:
+    def win(self, attempt: _Attempt) -> AttemptResponse:
+        """``attempt`` answered: the response the caller owns from now on."""
         ctx = self.ctx
         ctx.region = attempt.region.name
         ctx.upstream_ttfb = attempt.headers_at - attempt.started
@@ -516,52 +638,19 @@ class _Plan:
             return {"X-Edgeproxy-Attempts": str(self.ctx.attempts)}
         return {}
 
-    def deadline_error(self, late: dict[asyncio.Task[None], _Attempt] | None = None) -> ProxyError:
+    def deadline_error(self, running: dict[asyncio.Task[None], _Attempt]) -> DeadlineExceeded:
         """The 504 for a request with no first byte by the route's deadline.
 
-        With the route's ``deadline_action = "race"``, the attempts still
-        running (``late``) are not cancelled: the error carries them as
-        ``pending_upstream``, a task that ends with the first good response,
-        for the fallback stage to race against its local answer (cancelling
-        the task cancels them).
+        With ``keep_late``, the attempts still ``running`` move into the
+        error's ``pending``, for the fallback to race against its local
+        answer: ``running`` is emptied, so the caller's cleanup leaves them
+        alone. Otherwise they stay in ``running`` and are cancelled with it.
         """
-        deadline = self.ctx.route.deadline
-        err = ProxyError(
-            504,
-            "upstream_timeout",
-            f"no region answered within the route's deadline of {deadline:g}s",
-            code="deadline_exceeded",
-            headers=self._headers(),
-        )
-        if late:
-            task = asyncio.get_running_loop().create_task(self.first_good(late))
-            # Cancelled before it ever ran, the task's own cleanup never runs: do it here.
-            task.add_done_callback(lambda t: _drop_late(t, late))
-            setattr(err, PENDING_UPSTREAM, task)
-        return err
-
-    async def first_good(self, running: dict[asyncio.Task[None], _Attempt]) -> AttemptResponse:
-        """The first of ``running`` to answer well; the others are cancelled."""
-        try:
-            while running:
-                done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    attempt = running.pop(task)
-                    task.result()
-                    if attempt.ok:
-                        return await self.win(attempt)
-                    await self.keep_failure(attempt)
-            raise await self.failure_error()
-        finally:
-            for task in running:
-                task.cancel()
-            if running:
-                await asyncio.gather(*running, return_exceptions=True)
-                for attempt in running.values():
-                    await attempt.discard()
-            if self.last is not None:
-                await self.last.discard()
-                self.last = None
+        pending = None
+        if self.keep_late and running:
+            pending = PendingUpstream(self, dict(running))
+            running.clear()
+        return DeadlineExceeded(self.ctx.route.deadline, headers=self._headers(), pending=pending)
 
     async def failure_error(self) -> ProxyError:
         """The error for a request whose attempts all failed (or that got none)."""
@@ -609,25 +698,6 @@ class _Plan:
             code="upstream_unavailable",
             headers=headers,
         )
-
-
-# Cleanups of abandoned attempts, kept referenced until they finish.
-_cleanups: set[asyncio.Task[None]] = set()
-
-
-def _drop_late(
-    pending: asyncio.Task[AttemptResponse], late: dict[asyncio.Task[None], _Attempt]
-) -> None:
-    if not pending.cancelled():
-        return
-    loop = asyncio.get_running_loop()
-    for task, attempt in late.items():
-        if not task.done():
-            task.cancel()  # run() releases the attempt itself
-        else:
-            cleanup = loop.create_task(attempt.discard())
-            _cleanups.add(cleanup)
-            cleanup.add_done_callback(_cleanups.discard)
 
 
 async def _error_detail(response: UpstreamResponse, limit: int = 8192) -> str | None:

@@ -12,15 +12,22 @@ Rungs 1 and 2 run before this stage. :class:`FallbackStage` runs when every
 attempt failed before the first byte, when the route's deadline passed with
 no first byte, when no region may serve the request, or when admission
 sheds a request whose policy says degrade. It walks the route's
-``fallback`` list (rungs 3 and 4, in the configured order), lets the
-``edgeproxy_fallback`` hook veto or replace the chosen answer, and sends
-it. With the route's ``deadline_action = "race"`` and an upstream attempt
-still running past the deadline (handed over as the error's
-``pending_upstream``), the local answer races it: whichever produces a first
-token or first byte first is sent and the other is cancelled. Recovery needs
-nothing here: each new request tries the regions first,
-so traffic goes back upstream as soon as a region answers; a local answer
-that already started finishes on the local model.
+``fallback`` list (rungs 3 and 4, in the configured order) and lets the
+``edgeproxy_fallback`` hook veto or replace the chosen answer.
+
+It answers or raises, and sends nothing itself: :meth:`FallbackStage.respond`
+returns a :class:`Degraded` answer for the pipeline to send, or an
+:class:`UpstreamWon` for it to relay, and raises the
+:class:`~edgeproxy._core.errors.ProxyError` the client is to get otherwise.
+
+With the route's ``deadline_action = "race"``, the attempts still running
+past the deadline (the ``pending`` of the
+:class:`~edgeproxy._stages.failover.DeadlineExceeded`) race a local answer:
+whichever produces a first byte or first token first is used. The stage
+only borrows them: the pipeline owns them and cancels what is left once the
+race is over. Recovery needs nothing here: each new request tries the
+regions first, so traffic goes back upstream as soon as a region answers; a
+local answer that already started finishes on the local model.
 """
 
 from __future__ import annotations
@@ -28,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -41,18 +47,34 @@ from edgeproxy._plugins import Plugins
 
 if TYPE_CHECKING:
     from edgeproxy._core.context import RequestContext
+    from edgeproxy._stages.failover import AttemptResponse, PendingUpstream
 
-__all__ = ["PENDING_UPSTREAM", "FallbackStage"]
+__all__ = ["Degraded", "FallbackStage", "UpstreamWon"]
 
 logger = logging.getLogger("edgeproxy.fallback")
 
-Finish = Callable[["RequestContext", web.StreamResponse], web.StreamResponse]
-Fail = Callable[["RequestContext", ProxyError], web.StreamResponse]
-Relay = Callable[[Any], Awaitable[web.StreamResponse]]
 
-# The attribute of a deadline ProxyError that carries the upstream attempt still
-# running (an asyncio.Future of the first-byte response) when the route races it.
-PENDING_UPSTREAM = "pending_upstream"
+@dataclass(frozen=True, slots=True)
+class Degraded:
+    """Answer with ``response``: a stale cache entry, the local model's answer, a plugin's.
+
+    A :class:`~edgeproxy._local.model.LocalAnswer` is not generated yet and
+    holds a generation slot: the caller sends it
+    (:meth:`~edgeproxy._local.model.LocalAnswer.send`) or gives the slot back
+    (:meth:`~edgeproxy._local.model.LocalAnswer.abandon`).
+    """
+
+    response: web.StreamResponse
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamWon:
+    """An attempt racing past the deadline answered before the local model: relay it.
+
+    Taken out of the pending attempts: the caller owns it and closes it.
+    """
+
+    upstream: AttemptResponse
 
 
 class FallbackStage:
@@ -87,36 +109,42 @@ class FallbackStage:
         err: ProxyError,
         *,
         stale: web.StreamResponse | None,
-        finish: Finish,
-        fail: Fail,
-        relay: Relay | None = None,
-    ) -> web.StreamResponse:
-        """The degraded answer for a request the regions could not answer, or the error.
+        pending: PendingUpstream | None = None,
+    ) -> Degraded | UpstreamWon:
+        """The degraded answer for a request the regions could not answer.
 
-        ``stale`` is the cache's stale-if-error answer, if it has one;
-        ``finish`` adds the proxy's headers to an answer and ``fail`` turns a
-        :class:`ProxyError` into the error response. ``relay`` streams an
-        upstream response that won a deadline race to the client.
+        ``stale`` is the cache's stale-if-error answer, if it has one.
+        ``pending`` holds the attempts still running past the deadline
+        (``deadline_action = "race"``): a local answer races them, and an
+        attempt with its first byte first is taken out of ``pending`` and
+        returned instead. What is left in ``pending`` is the caller's to close.
+
+        Raises ``err`` when no rung answers or the hook vetoes, a 503 saying
+        why when a rung could not answer (the local model not loaded), or the
+        local model's own refusal (400 bad input, 503 saturated).
         """
-        pending: asyncio.Future[Any] | None = getattr(err, PENDING_UPSTREAM, None)
-        race = _Race(pending) if pending is not None and relay is not None else None
-        try:
-            return await self._respond(request, ctx, err, stale, finish, fail, relay, race)
-        finally:
-            if pending is not None and (race is None or not race.relayed):
-                await _drop(pending)
+        answer = await self._ladder(request, ctx, err, stale)
+        if isinstance(answer, LocalAnswer) and pending is not None:
+            try:
+                upstream_first = await self._upstream_first(answer, pending)
+            except BaseException:
+                answer.abandon()
+                raise
+            if upstream_first:
+                answer.abandon()
+                ctx.degraded = None
+                return UpstreamWon(pending.take())
+        self.served[ctx.degraded or "plugin"] += 1
+        return Degraded(answer)
 
-    async def _respond(
+    async def _ladder(
         self,
         request: web.Request,
         ctx: RequestContext,
         err: ProxyError,
         stale: web.StreamResponse | None,
-        finish: Finish,
-        fail: Fail,
-        relay: Relay | None,
-        race: _Race | None,
     ) -> web.StreamResponse:
+        """Rungs 3 and 4 as the route orders them, then the edgeproxy_fallback hook."""
         answer: web.StreamResponse | None = None
         missing: list[str] = []
         try:
@@ -132,58 +160,43 @@ class FallbackStage:
                     answer = await self.local.answer(ctx)
                     ctx.degraded = "local-model"
                     break
-            answer = await self._hook(request, ctx, err, answer)
-        except ProxyError as exc:
-            # Bad input for the local model (400), or its queue is saturated (503).
-            return fail(ctx, exc)
+            verdict = await self._hook(request, ctx, err, answer)
         except BaseException:
             _discard(answer)
             raise
-        if answer is False:
+        if verdict is False:
             self.vetoed_total += 1
-            return fail(ctx, err)
-        if answer is None:
+            raise err
+        if verdict is None:
             if missing:
                 self.unavailable_total += 1
-                return fail(ctx, self._unavailable(ctx, err, missing))
-            return fail(ctx, err)
-        assert isinstance(answer, web.StreamResponse)
-        if isinstance(answer, LocalAnswer):
-            try:
-                if (
-                    race is not None
-                    and relay is not None
-                    and ctx.route.deadline_action == "race"
-                    and not await self._local_wins(answer, race.pending)
-                ):
-                    ctx.degraded = None
-                    race.relayed = True  # the relay owns the upstream response now
-                    return await relay(race.pending.result())
-                self.served[ctx.degraded or "plugin"] += 1
-                finish(ctx, answer)
-                return await answer.send(request, ctx)
-            except ProxyError as exc:
-                return fail(ctx, exc)
-            finally:
-                answer.abandon()  # a no-op once sent
-        self.served[ctx.degraded or "plugin"] += 1
-        return finish(ctx, answer)
+                raise self._unavailable(ctx, err, missing)
+            raise err
+        assert isinstance(verdict, web.StreamResponse)
+        return verdict
 
-    async def _local_wins(self, answer: LocalAnswer, pending: asyncio.Future[Any]) -> bool:
-        """Race the local model's first token against the upstream attempt's first byte."""
+    async def _upstream_first(self, answer: LocalAnswer, pending: PendingUpstream) -> bool:
+        """Race the local model's first token against the pending attempts' first byte.
+
+        True when an attempt had its first byte first (a tie goes to the local model).
+        """
+        upstream = asyncio.ensure_future(pending.ready())
         first = asyncio.ensure_future(answer.first_token())
         try:
-            await asyncio.wait({first, pending}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({upstream, first}, return_when=asyncio.FIRST_COMPLETED)
+            won = (
+                upstream.done()
+                and upstream.exception() is None
+                and upstream.result()
+                and not first.done()
+            )
         finally:
-            if not first.done():
-                first.cancel()
-        upstream_won = pending.done() and not pending.cancelled() and pending.exception() is None
-        if upstream_won and not first.done():
-            self.races["upstream"] += 1
-            answer.abandon()
-            return False
-        self.races["local"] += 1
-        return True
+            upstream.cancel()
+            first.cancel()
+            # Both are over before anything is taken from `pending`, or it is closed.
+            await asyncio.gather(upstream, first, return_exceptions=True)
+        self.races["upstream" if won else "local"] += 1
+        return won
 
     def _local_applies(self, ctx: RequestContext) -> bool:
         return self.local.enabled and self.local.serves(ctx.method, ctx.path)
@@ -233,26 +246,6 @@ class FallbackStage:
             "races": dict(self.races),
             "local_model": self.local.snapshot(),
         }
-
-
-@dataclass(slots=True)
-class _Race:
-    """An upstream attempt still running past the deadline, and whether it was relayed."""
-
-    pending: asyncio.Future[Any]
-    relayed: bool = False
-
-
-async def _drop(pending: asyncio.Future[Any]) -> None:
-    """Cancel an upstream attempt that was not raced, or close the answer that lost."""
-    if not pending.done():
-        pending.cancel()
-        return
-    if pending.cancelled() or pending.exception() is not None:
-        return
-    aclose = getattr(pending.result(), "aclose", None)
-    if aclose is not None:
-        await aclose()
 
 
 def _discard(answer: object) -> None:

@@ -1,9 +1,15 @@
-"""The relay: a region's answer to the client chunk by chunk, never buffered."""
+"""The relay: a region's answer to the client chunk by chunk, never buffered.
+
+The same loop reads a region's answer for a background cache refresh, with no
+client: :meth:`StreamStage.drain` calls the same hooks and feeds the cache's
+recorder the same way, and writes nothing.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
@@ -14,8 +20,8 @@ from edgeproxy._plugins import PluginError, Plugins
 from edgeproxy._protocol.headers import strip_hop_by_hop
 from edgeproxy._protocol.usage import UsageTracker
 from edgeproxy._stages.cache.stage import CacheRecorder
-from edgeproxy._upstream.pool import UpstreamError, UpstreamResponse
-from edgeproxy._upstream.regions import Region
+from edgeproxy._stages.failover import AttemptResponse
+from edgeproxy._upstream.pool import UpstreamError
 
 __all__ = ["StreamStage"]
 
@@ -28,7 +34,11 @@ _OWN_WITH_CACHE = _OWN | {"x-edgeproxy-cache"}
 
 
 class StreamStage:
-    """Relays the upstream response to the client chunk by chunk, never buffering it."""
+    """Relays the upstream response to the client chunk by chunk, never buffering it.
+
+    It reads ``upstream`` but does not own it: the caller closes it, whatever
+    happened here.
+    """
 
     def __init__(self, plugins: Plugins) -> None:
         self.plugins = plugins
@@ -37,21 +47,15 @@ class StreamStage:
         self,
         request: web.Request,
         ctx: RequestContext,
-        region: Region,
-        upstream: UpstreamResponse,
+        upstream: AttemptResponse,
         *,
         close_connection: bool = False,
         recorder: CacheRecorder | None = None,
     ) -> web.StreamResponse:
         """Send the region's answer on; ``recorder`` (the cache's) sees the headers and each
         chunk as it passes, and is told when the body ended cleanly."""
-        reply = UpstreamReply(upstream.status, strip_hop_by_hop(upstream.headers))
-        if self.plugins.has("edgeproxy_upstream_response"):
-            await self.plugins.call_all(
-                "edgeproxy_upstream_response", request=request, ctx=ctx, region=region, reply=reply
-            )
-        if recorder is not None:
-            recorder.start(reply, region.name)
+        region = upstream.region
+        reply = await self._reply(request, ctx, upstream, recorder)
         transform = self.plugins.has("edgeproxy_stream_chunk")
         # The headers go into one list that becomes the response's CIMultiDict in a
         # single step; the proxy's own names replace any the region sent.
@@ -77,31 +81,15 @@ class StreamStage:
         content_type = resp.headers.get("content-type", "")
         ctx.response_is_sse = content_type.startswith("text/event-stream")
         usage = UsageTracker.for_response(ctx.path, content_type, reply.status)
-        ctx.status = reply.status
         try:
             # Inside the try: the client may already be gone when headers go out.
             await resp.prepare(request)
             ctx.first_byte_at = time.monotonic()
-            async for chunk in upstream.aiter_bytes():
-                if usage is not None:
-                    usage.feed(chunk)
-                if transform:
-                    chunk = await self.plugins.call_chain(
-                        "edgeproxy_stream_chunk", "chunk", request=request, ctx=ctx, chunk=chunk
-                    )
-                if chunk:
-                    if recorder is not None:
-                        recorder.feed(chunk)
-                    await resp.write(chunk)
-                    ctx.bytes_out += len(chunk)
-            if recorder is not None:
-                recorder.finish()
-            if usage is not None:
-                ctx.usage = usage.result()
+            await self._body(request, ctx, upstream, recorder, resp.write, usage)
             await resp.write_eof()
         except UpstreamError as exc:
+            # Counted against the region by the attempt itself (AttemptResponse).
             ctx.error = f"upstream broke mid-body: {exc}"
-            region.errors_total += 1
             await self._abort(request, resp, exc)
             return resp
         except ConnectionResetError:
@@ -115,6 +103,69 @@ class StreamStage:
             await self._abort(request, resp, exc)
             return resp
         return resp
+
+    async def drain(
+        self, ctx: RequestContext, upstream: AttemptResponse, recorder: CacheRecorder
+    ) -> None:
+        """Read the region's answer with no client (a background cache refresh) into
+        ``recorder``, through the same hooks as :meth:`relay` (with ``request=None``).
+
+        Raises what breaks it: :class:`UpstreamError`, :class:`PluginError`.
+        """
+        await self._reply(None, ctx, upstream, recorder)
+        await self._body(None, ctx, upstream, recorder, None, None)
+
+    async def _reply(
+        self,
+        request: web.Request | None,
+        ctx: RequestContext,
+        upstream: AttemptResponse,
+        recorder: CacheRecorder | None,
+    ) -> UpstreamReply:
+        """The region's status and headers, once the plugins edited them; the recorder sees
+        them too."""
+        reply = UpstreamReply(upstream.status, strip_hop_by_hop(upstream.headers))
+        if self.plugins.has("edgeproxy_upstream_response"):
+            await self.plugins.call_all(
+                "edgeproxy_upstream_response",
+                request=request,
+                ctx=ctx,
+                region=upstream.region,
+                reply=reply,
+            )
+        if recorder is not None:
+            recorder.start(reply, upstream.region.name)
+        ctx.status = reply.status
+        return reply
+
+    async def _body(
+        self,
+        request: web.Request | None,
+        ctx: RequestContext,
+        upstream: AttemptResponse,
+        recorder: CacheRecorder | None,
+        write: Callable[[bytes], Awaitable[None]] | None,
+        usage: UsageTracker | None,
+    ) -> None:
+        """The one body loop: each chunk through the plugins, to the recorder and ``write``."""
+        transform = self.plugins.has("edgeproxy_stream_chunk")
+        async for chunk in upstream.aiter_bytes():
+            if usage is not None:
+                usage.feed(chunk)
+            if transform:
+                chunk = await self.plugins.call_chain(
+                    "edgeproxy_stream_chunk", "chunk", request=request, ctx=ctx, chunk=chunk
+                )
+            if chunk:
+                if recorder is not None:
+                    recorder.feed(chunk)
+                if write is not None:
+                    await write(chunk)
+                ctx.bytes_out += len(chunk)
+        if recorder is not None:
+            recorder.finish()
+        if usage is not None:
+            ctx.usage = usage.result()
 
     async def _abort(self, request: web.Request, resp: web.StreamResponse, exc: Exception) -> None:
         """End a response that already started, so the client cannot take it as complete.

@@ -1,4 +1,10 @@
-"""One upstream attempt: the region's request built from the client's, sent on its pool."""
+"""One upstream attempt: the region's request built from the client's, sent on its pool.
+
+Everything the region's request needs is in the request context (the client's
+scheme, HTTP version and Host included), so the aiohttp request is only used
+for a body that streams through unbuffered, and is handed to the plugin
+hooks; it is None for a request with no client (a background cache refresh).
+"""
 
 from __future__ import annotations
 
@@ -37,7 +43,7 @@ class UpstreamStage:
             drop |= CLIENT_CREDENTIAL_HEADERS
         self._drop = frozenset(drop)
 
-    def headers(self, request: web.Request, ctx: RequestContext, region: Region) -> Headers:
+    def headers(self, request: web.Request | None, ctx: RequestContext, region: Region) -> Headers:
         """The client's end-to-end headers plus forwarding, tracing and region credentials."""
         connection = ctx.headers.getall("connection", None)
         named = connection_tokens(connection) if connection else _NO_TOKENS
@@ -50,14 +56,13 @@ class UpstreamStage:
         if ctx.body_read:
             if ctx.body:
                 out.append(("content-length", str(len(ctx.body))))
-        elif request.content_length is not None:
+        elif request is not None and request.content_length is not None:
             out.append(("content-length", str(request.content_length)))
         xff = append_forwarded_for(ctx.headers.get("x-forwarded-for"), ctx.client_ip)
         if xff:
             out.append(("x-forwarded-for", xff))
-        out.append(("x-forwarded-proto", request.scheme))
-        version = f"{request.version.major}.{request.version.minor}"
-        out.append(("via", append_via(ctx.headers.get("via"), version, self.via_name)))
+        out.append(("x-forwarded-proto", ctx.scheme))
+        out.append(("via", append_via(ctx.headers.get("via"), ctx.http_version, self.via_name)))
         out.append(("x-request-id", ctx.request_id))
         out.append(("traceparent", ctx.trace.traceparent))
         # Region credentials go last and replace anything of the same name.
@@ -67,13 +72,15 @@ class UpstreamStage:
             out.extend(region.credential_headers)
         return out
 
-    def body(self, request: web.Request, ctx: RequestContext) -> Body:
+    def body(self, request: web.Request | None, ctx: RequestContext) -> Body:
         if ctx.body_read:
             return ctx.body or None
+        if request is None:
+            raise ValueError("a request with no client must have a buffered body")
         return request.content.iter_any()
 
     async def send(
-        self, request: web.Request, ctx: RequestContext, region: Region, endpoint: Endpoint
+        self, request: web.Request | None, ctx: RequestContext, region: Region, endpoint: Endpoint
     ) -> UpstreamResponse:
         """One attempt: send to ``endpoint`` of ``region``; raises :class:`UpstreamError`.
 
@@ -89,7 +96,7 @@ class UpstreamStage:
                 region=region,
                 headers=headers,
             )
-        authority = request.host if self.config.server.preserve_host else endpoint.authority
+        authority = ctx.host if self.config.server.preserve_host else endpoint.authority
         upstream = await endpoint.pool.request(
             ctx.method,
             endpoint.base_path + ctx.target,

@@ -248,6 +248,39 @@ class Region:
     def recent_requests(self, now: float) -> float:
         return self._recent * math.exp(-(now - self._recent_at) / _SHARE_DECAY)
 
+    # -- counters: changed only through these methods ------------------------------------
+
+    def attempt_started(self, endpoint: Endpoint, attempt_id: int, kind: str, now: float) -> None:
+        """An attempt went to ``endpoint``: in flight and waiting for its first byte.
+
+        ``kind`` is ``first``, ``retry`` (after a failure) or ``hedge`` (a racing copy).
+        """
+        self.in_flight += 1
+        endpoint.in_flight += 1
+        self.pending_since[attempt_id] = now
+        self.count_request(now)
+        if kind == "retry":
+            self.retries_total += 1
+        elif kind == "hedge":
+            self.hedges_total += 1
+
+    def attempt_answered(self, attempt_id: int) -> None:
+        """The attempt stopped waiting for its first byte: it came, or the attempt ended."""
+        self.pending_since.pop(attempt_id, None)
+
+    def attempt_released(self, endpoint: Endpoint) -> None:
+        """The attempt's response was closed (or it never got one): no longer in flight."""
+        self.in_flight -= 1
+        endpoint.in_flight -= 1
+
+    def record_error(self) -> None:
+        """An attempt failed, before its first byte or in the middle of its body."""
+        self.errors_total += 1
+
+    def record_overflow(self) -> None:
+        """The circuit breaker turned a request away: the region is at its concurrency limit."""
+        self.health.overflows_total += 1
+
     def snapshot(self) -> dict[str, Any]:
         pools = [e.pool.stats() for e in self.endpoints]
         return {

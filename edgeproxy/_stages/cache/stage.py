@@ -32,17 +32,17 @@ import logging
 import random
 import time
 from collections import Counter
-from collections.abc import Callable
-from contextlib import AbstractAsyncContextManager
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Final
 
 import orjson
 from aiohttp import web
+from multidict import CIMultiDict
 
 from edgeproxy._core.config import Config
 from edgeproxy._core.context import RequestContext, UpstreamReply
 from edgeproxy._protocol.endpoints import endpoint_paths
-from edgeproxy._protocol.headers import CLIENT_CREDENTIAL_HEADERS, request_id, strip_hop_by_hop
+from edgeproxy._protocol.headers import CLIENT_CREDENTIAL_HEADERS, request_id
 from edgeproxy._stages.cache.backends import CacheBackend, make_backend
 from edgeproxy._stages.cache.entry import (
     Entry,
@@ -63,7 +63,6 @@ from edgeproxy._stages.cache.flight import (
 
 if TYPE_CHECKING:
     from edgeproxy._plugins import Plugins
-    from edgeproxy._upstream.pool import UpstreamResponse
 
 __all__ = ["CachePlan", "CacheRecorder", "CacheStage", "default_cache_key", "hash_key"]
 
@@ -80,8 +79,9 @@ NON_SEMANTIC_FIELDS = frozenset(
 # stop queueing behind one request at a time and go upstream on their own.
 MAX_FLIGHT_ATTEMPTS: Final = 2
 
-Fetch = Callable[["web.Request", "RequestContext"], AbstractAsyncContextManager["UpstreamResponse"]]
-"""Routes and sends a background refresh like the pipeline does, with no client attached."""
+Fetch = Callable[["RequestContext", "CacheRecorder"], Awaitable[None]]
+"""Routes and sends a background refresh like the pipeline does, and relays the answer
+into the recorder, with no client attached."""
 
 
 def hash_key(material: str | bytes) -> str:
@@ -607,11 +607,11 @@ class CacheStage:
         now = time.time()
         if now < entry.fresh_until:
             if entry.should_refresh_early(now, self.config.xfetch_beta, 1.0 - self._random()):
-                if self._refresh_later(request, ctx, plan):
+                if self._refresh_later(ctx, plan):
                     self.stats.early_refreshes += 1
             return self._replay(ctx, plan, entry, "HIT", now)
         if now < entry.swr_until:
-            self._refresh_later(request, ctx, plan)
+            self._refresh_later(ctx, plan)
             return self._replay(ctx, plan, entry, "STALE", now)
         return None
 
@@ -770,65 +770,31 @@ class CacheStage:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _refresh_later(self, request: web.Request, ctx: RequestContext, plan: CachePlan) -> bool:
+    def _refresh_later(self, ctx: RequestContext, plan: CachePlan) -> bool:
         """Refresh ``plan.key`` in the background, once: not if a refresh or a request for it
-        is already in flight."""
+        is already in flight.
+
+        The refresh outlives the client's handler: it gets a context of its own, copied
+        now, and nothing of the client's request.
+        """
         if self.fetch is None or plan.key in self._refreshing or plan.key in self.coalescer.flights:
             return False
         self._refreshing.add(plan.key)
-        self._spawn(self._refresh(request, ctx, plan))
+        self._spawn(self._refresh(_refresh_context(ctx), plan))
         return True
 
-    async def _refresh(self, request: web.Request, ctx: RequestContext, plan: CachePlan) -> None:
+    async def _refresh(self, ctx: RequestContext, plan: CachePlan) -> None:
+        """Lead the key's flight and record the region's answer, relayed by ``fetch``."""
         assert self.fetch is not None
-        rctx = dataclasses.replace(
-            ctx,
-            request_id=request_id(None),
-            started=time.monotonic(),
-            cache="REFRESH",
-            region=None,
-            attempts=0,
-            status=0,
-            bytes_out=0,
-            error=None,
-            usage=None,
-            extra={},
-        )
         flight, leading = self.coalescer.join(plan.key)
         if not leading:
             flight.followers -= 1
             self._refreshing.discard(plan.key)
             return
-        recorder = CacheRecorder(self, rctx, plan, flight)
+        recorder = CacheRecorder(self, ctx, plan, flight)
         try:
-            async with self.fetch(request, rctx) as upstream:
-                reply = UpstreamReply(upstream.status, strip_hop_by_hop(upstream.headers))
-                if self.plugins.has("edgeproxy_upstream_response"):
-                    await self.plugins.call_all(
-                        "edgeproxy_upstream_response",
-                        request=request,
-                        ctx=rctx,
-                        region=getattr(upstream, "region", None),
-                        reply=reply,
-                    )
-                region = getattr(getattr(upstream, "region", None), "name", None)
-                recorder.start(reply, region)
-                transform = self.plugins.has("edgeproxy_stream_chunk")
-                async for chunk in upstream.aiter_bytes():
-                    if transform:
-                        chunk = await self.plugins.call_chain(
-                            "edgeproxy_stream_chunk",
-                            "chunk",
-                            request=request,
-                            ctx=rctx,
-                            chunk=chunk,
-                        )
-                    if chunk:
-                        recorder.feed(chunk)
-                recorder.finish()
+            await self.fetch(ctx, recorder)
             self.stats.refreshes += 1
-        except asyncio.CancelledError:
-            raise
         except Exception as exc:  # noqa: BLE001 - a failed refresh keeps the stale entry
             self.stats.refresh_failures += 1
             logger.info("cache: background refresh of %s failed: %s", plan.key, exc)
@@ -877,6 +843,31 @@ class CacheStage:
             out["tiers"] = tiers
             out["errors"] = _errors(tiers)
         return out
+
+
+def _refresh_context(ctx: RequestContext) -> RequestContext:
+    """A background refresh's own context: the client's request (its headers copied), as a
+    new request with nothing answered yet."""
+    return dataclasses.replace(
+        ctx,
+        request_id=request_id(None),
+        headers=CIMultiDict(ctx.headers),
+        started=time.monotonic(),
+        cache="REFRESH",
+        region=None,
+        attempts=0,
+        hedged=False,
+        status=0,
+        bytes_out=0,
+        upstream_ttfb=None,
+        first_byte_at=None,
+        finished_at=None,
+        response_is_sse=False,
+        degraded=None,
+        usage=None,
+        error=None,
+        extra={},
+    )
 
 
 def _errors(tiers: dict[str, Any]) -> dict[str, int]:
