@@ -167,9 +167,11 @@ class EdgeProxy:
             self._regions, self._pipeline = regions, pipeline
             await self.plugins.call_all("edgeproxy_startup", proxy=self)
         except BaseException:
-            self._regions = self._pipeline = None
             self._users -= 1
-            await stack.aclose()
+            try:
+                await stack.aclose()
+            finally:
+                self._regions = self._pipeline = None
             raise
         self._stack = stack
 
