@@ -25,6 +25,7 @@ from edgeproxy._core.config import (
 from edgeproxy._core.context import RequestContext, UpstreamReply
 from edgeproxy._core.errors import ProxyError, error_response
 from edgeproxy._core.version import __version__
+from edgeproxy._observability.access_log import AccessLog
 from edgeproxy._plugins import PluginError, PluginLoadError
 from edgeproxy._protocol.clientip import ClientIPResolver
 from edgeproxy._server.app import EdgeProxy
@@ -39,6 +40,7 @@ from edgeproxy._upstream.pool import (
 from edgeproxy.hookspecs import hookimpl
 
 __all__ = [
+    "AccessLog",
     "AccessLogConfig",
     "AdminConfig",
     "AdmissionConfig",

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import importlib
 import logging
 import signal
 import time
@@ -17,6 +16,7 @@ from aiohttp.typedefs import Middleware
 from aiohttp.web_urldispatcher import AbstractResource
 
 from edgeproxy._core.config import Config
+from edgeproxy._observability.access_log import AccessLog
 from edgeproxy._observability.metrics import Metrics
 from edgeproxy._observability.tracing import Tracing
 from edgeproxy._pipeline import JSON_BODY_LIMIT, Pipeline
@@ -96,9 +96,7 @@ class EdgeProxy:
             if self.plugins.pm.has_plugin("access_log"):
                 logger.warning("[access_log] is on and the access_log plugin is loaded: one log")
             else:
-                # Imported here: the plugin package imports edgeproxy itself.
-                access_log = importlib.import_module("edgeproxy.plugins.access_log")
-                self.plugins.register(access_log.from_config(config.access_log), name="access_log")
+                self.plugins.register(AccessLog.from_config(config.access_log), name="access_log")
 
     # -- resources -------------------------------------------------------
 

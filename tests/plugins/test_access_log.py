@@ -13,8 +13,8 @@ import pytest
 from aiohttp import web
 
 from edgeproxy import PluginError, PluginLoadError, hookimpl
-from edgeproxy.plugins import access_log
-from edgeproxy.plugins.access_log import AccessLog, LineWriter
+from edgeproxy._observability import access_log
+from edgeproxy._observability.access_log import AccessLog, LineWriter
 
 from ..conftest import RegionFactory, eventually
 from .conftest import CHAT, PluginProxyFactory, build_proxy, plugins_section

@@ -1,0 +1,257 @@
+"""JSON access logs: one line per request, through orjson.
+
+Built in: ``[access_log] enabled = true`` (with ``path`` and ``queue_size``)
+registers it without listing it under ``[plugins]``. As a plugin, its
+settings (``[plugins.settings.access_log]``) are the same:
+
+``path``
+    File to append to. The file is opened at startup (a failure aborts
+    startup, naming the plugin) and written by a background thread, so the
+    event loop never waits on the disk; a file moved away (log rotation) is
+    reopened within a second. ``-`` (the default) sends each line instead to
+    the ``edgeproxy.access`` logger at INFO level, through whatever handlers
+    the application configured.
+``queue_size``
+    Lines waiting for the writer thread at most, default 10000. When the disk
+    cannot keep up, further lines are dropped (and counted, with a warning)
+    rather than slow requests down.
+
+Each line is one JSON object with: ``ts`` (Unix time at completion),
+``request_id``, ``trace_id``, ``method``, ``path`` (without the query
+string, which may carry secrets), ``route`` (the ``[[routes]]`` name),
+``status``, ``region``, ``attempts``,
+``tenant``, ``client_ip``, ``country``, ``priority``, ``sse``, ``bytes``
+(body bytes sent), ``ttfb_ms`` (client-perceived, to the response headers),
+``upstream_ttfb_ms``, ``duration_ms``, ``cache``, ``degraded``, ``error``
+and ``usage`` (the region's token counts, for LLM answers). Timings are
+milliseconds or null. Prompts and answers are never logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import queue
+import threading
+import time
+from typing import IO, Any
+
+import orjson
+from aiohttp import web
+
+from edgeproxy._core.config import AccessLogConfig
+from edgeproxy._core.context import RequestContext
+from edgeproxy.hookspecs import hookimpl
+
+__all__ = ["AccessLog", "LineWriter", "record"]
+
+logger = logging.getLogger("edgeproxy.access")
+
+_ERROR_LIMIT = 500
+_DEFAULT_QUEUE_SIZE = 10_000
+_BATCH = 1024
+_REOPEN_CHECK_INTERVAL = 1.0
+# The writer lets lines gather this long before writing them. Woken for every
+# line instead, it would take the GIL from the event loop once per request.
+_LINGER = 0.05
+
+
+def _ms(start: float, end: float | None) -> float | None:
+    return None if end is None else round((end - start) * 1000.0, 3)
+
+
+def record(request: web.Request, ctx: RequestContext) -> dict[str, Any]:
+    """The access-log record of a finished request."""
+    error = ctx.error
+    if error is not None and len(error) > _ERROR_LIMIT:
+        error = error[:_ERROR_LIMIT] + "..."
+    return {
+        "ts": round(time.time(), 6),
+        "request_id": ctx.request_id,
+        "trace_id": ctx.trace.trace_id,
+        "method": ctx.method,
+        "path": ctx.path,
+        "route": ctx.route.name,
+        "status": ctx.status,
+        "region": ctx.region,
+        "attempts": ctx.attempts,
+        "tenant": ctx.tenant,
+        "client_ip": ctx.client_ip,
+        "country": ctx.client_country,
+        "priority": ctx.priority,
+        "sse": ctx.response_is_sse,
+        "bytes": ctx.bytes_out,
+        "ttfb_ms": _ms(ctx.started, ctx.first_byte_at),
+        "upstream_ttfb_ms": (
+            None if ctx.upstream_ttfb is None else round(ctx.upstream_ttfb * 1000.0, 3)
+        ),
+        "duration_ms": _ms(ctx.started, ctx.finished_at),
+        "cache": ctx.cache,
+        "degraded": ctx.degraded,
+        "error": error,
+        "usage": ctx.usage,
+    }
+
+
+def _dumps(data: dict[str, Any]) -> bytes:
+    try:
+        return orjson.dumps(data)
+    except TypeError:  # orjson.JSONEncodeError: e.g. a usage count beyond 64 bits
+        return orjson.dumps({**data, "usage": None})
+
+
+class LineWriter:
+    """Appends lines to a file from its own thread; :meth:`write` never blocks.
+
+    The thread writes what has queued up in one go, then flushes, and reopens
+    the file when it was moved or removed (log rotation).
+    """
+
+    def __init__(self, path: str, *, queue_size: int = _DEFAULT_QUEUE_SIZE) -> None:
+        self.path = path
+        self.dropped = 0
+        self._queue: queue.Queue[bytes | None] = queue.Queue(maxsize=queue_size)
+        self._file: IO[bytes] | None = None
+        self._thread: threading.Thread | None = None
+        self._warned_drops = 0
+        self._checked_at = 0.0
+
+    def open(self) -> None:
+        """Open the file and start the thread; blocking, so call it off the event loop."""
+        self._file = open(self.path, "ab")  # noqa: SIM115 - owned by the writer thread
+        self._thread = threading.Thread(
+            target=self._run, name=f"edgeproxy-access-log:{self.path}", daemon=True
+        )
+        self._thread.start()
+
+    def write(self, line: bytes) -> None:
+        """Queue one line (with its newline); drops it when the queue is full."""
+        try:
+            self._queue.put_nowait(line)
+        except queue.Full:
+            self.dropped += 1
+
+    def close(self) -> None:
+        """Write what is queued, stop the thread, close the file; blocking."""
+        if self._thread is not None:
+            if self._thread.is_alive():
+                self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def _run(self) -> None:
+        while True:
+            first = self._queue.get()
+            stop = first is None
+            if not stop:
+                time.sleep(_LINGER)
+            lines = [] if first is None else [first]
+            # Everything that queued up meanwhile, written _BATCH lines at a time.
+            while not stop:
+                try:
+                    line = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if line is None:
+                    stop = True
+                else:
+                    lines.append(line)
+                    if len(lines) >= _BATCH:
+                        self._write(b"".join(lines))
+                        lines = []
+            if lines:
+                self._write(b"".join(lines))
+            if self.dropped > self._warned_drops:
+                logger.warning(
+                    "access log %s: %d lines dropped, the disk is not keeping up",
+                    self.path,
+                    self.dropped - self._warned_drops,
+                )
+                self._warned_drops = self.dropped
+            if stop:
+                return
+
+    def _write(self, data: bytes) -> None:
+        try:
+            self._reopen_if_moved()
+            assert self._file is not None
+            self._file.write(data)
+            self._file.flush()
+        except Exception as exc:  # noqa: BLE001 - the thread must outlive a bad disk
+            logger.error("access log %s: write failed: %s", self.path, exc)
+
+    def _reopen_if_moved(self) -> None:
+        now = time.monotonic()
+        if self._file is not None and now - self._checked_at < _REOPEN_CHECK_INTERVAL:
+            return
+        self._checked_at = now
+        try:
+            on_disk = os.stat(self.path)
+        except FileNotFoundError:
+            on_disk = None
+        if self._file is not None and on_disk is not None:
+            opened = os.fstat(self._file.fileno())
+            if (opened.st_dev, opened.st_ino) == (on_disk.st_dev, on_disk.st_ino):
+                return
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        self._file = open(self.path, "ab")  # noqa: SIM115
+
+
+class AccessLog:
+    """The JSON access log, a plugin on the ``edgeproxy_*`` hooks.
+
+    ``[access_log] enabled = true`` registers one built from the config; as a
+    plugin (``edgeproxy.plugins.access_log``) it is built from its settings.
+    """
+
+    def __init__(self, path: str = "-", *, queue_size: int = _DEFAULT_QUEUE_SIZE) -> None:
+        self.path = path
+        self.queue_size = queue_size
+        self.writer: LineWriter | None = None
+
+    @classmethod
+    def from_settings(cls, settings: dict[str, Any]) -> AccessLog:
+        """Build it from ``[plugins.settings.access_log]``: ``path`` and ``queue_size``."""
+        unknown = set(settings) - {"path", "queue_size"}
+        if unknown:
+            raise ValueError(f"unknown settings: {', '.join(sorted(unknown))}")
+        path = settings.get("path", "-")
+        if not isinstance(path, str) or not path:
+            raise ValueError("path must be a file path, or '-' for the edgeproxy.access logger")
+        queue_size = settings.get("queue_size", _DEFAULT_QUEUE_SIZE)
+        if isinstance(queue_size, bool) or not isinstance(queue_size, int) or queue_size < 1:
+            raise ValueError("queue_size must be a positive integer")
+        return cls(path=os.path.expanduser(path), queue_size=queue_size)
+
+    @classmethod
+    def from_config(cls, config: AccessLogConfig) -> AccessLog:
+        """The built-in access log that ``[access_log] enabled = true`` registers."""
+        return cls(path=os.path.expanduser(config.path), queue_size=config.queue_size)
+
+    @hookimpl
+    async def edgeproxy_startup(self) -> None:
+        if self.path != "-" and self.writer is None:
+            writer = LineWriter(self.path, queue_size=self.queue_size)
+            await asyncio.to_thread(writer.open)
+            self.writer = writer
+
+    @hookimpl
+    async def edgeproxy_shutdown(self) -> None:
+        writer, self.writer = self.writer, None
+        if writer is not None:
+            await asyncio.to_thread(writer.close)
+
+    @hookimpl
+    def edgeproxy_response_complete(self, request: web.Request, ctx: RequestContext) -> None:
+        line = _dumps(record(request, ctx))
+        if self.writer is not None:
+            self.writer.write(line + b"\n")
+        elif self.path == "-":
+            logger.info("%s", line.decode())
+        # A file log between shutdown and the next startup: nothing to write to.
