@@ -267,17 +267,3 @@ async def test_entry_point_plugin_from_an_installed_distribution(
         await proxy.stop(grace=1.0)
     off = config.model_copy(update={"plugins": PluginsConfig(entry_points=False)})
     assert "ep_demo" not in EdgeProxy(off).plugins.names()
-
-
-def test_public_api_is_sorted_and_complete() -> None:
-    import edgeproxy
-
-    assert edgeproxy.__all__ == sorted(edgeproxy.__all__)
-    for name in edgeproxy.__all__:
-        assert hasattr(edgeproxy, name), name
-    public = {
-        name
-        for name, value in vars(edgeproxy).items()
-        if not name.startswith("_") and not isinstance(value, type(edgeproxy))
-    }
-    assert public <= set(edgeproxy.__all__), public - set(edgeproxy.__all__)

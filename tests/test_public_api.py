@@ -90,6 +90,13 @@ def test_all_is_sorted_and_every_name_imports() -> None:
     for name in edgeproxy.__all__:
         exec(f"from edgeproxy import {name}", namespace)
         assert namespace[name] is getattr(importlib.import_module("edgeproxy"), name)
+    # Nothing public is left out of __all__ (submodules aside).
+    public = {
+        name
+        for name, value in vars(edgeproxy).items()
+        if not name.startswith("_") and not isinstance(value, type(edgeproxy))
+    }
+    assert public <= set(edgeproxy.__all__), public - set(edgeproxy.__all__)
 
 
 def test_extenders_get_errors_in_the_openai_shape() -> None:
