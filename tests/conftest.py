@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -42,27 +42,84 @@ def proxy_config(regions: list[dict[str, Any]], **sections: dict[str, Any]) -> d
     return data
 
 
+class FakeClock:
+    """A clock that moves only when the test says so: ``clock()`` is ``start`` plus
+    everything :meth:`advance` added.
+
+    :meth:`following` makes one on top of another clock instead, for a running
+    proxy: its request path dates attempts with the real monotonic clock, so
+    the routing and health clocks must never be behind it. Such a clock reads
+    ``time.monotonic()`` plus what was advanced, and a test that advances it
+    by ``n`` seconds sees what the proxy does ``n`` seconds later without
+    waiting for them.
+    """
+
+    def __init__(self, start: float = 0.0, *, base: Callable[[], float] | None = None) -> None:
+        self._base = base
+        self.offset = start
+
+    @classmethod
+    def following(cls, base: Callable[[], float]) -> FakeClock:
+        return cls(base=base)
+
+    def __call__(self) -> float:
+        return self.offset + (self._base() if self._base is not None else 0.0)
+
+    def advance(self, seconds: float) -> None:
+        assert seconds >= 0, "a clock does not go back"
+        self.offset += seconds
+
+
+def use_clock(proxy: EdgeProxy, clock: Callable[[], float]) -> None:
+    """Make ``clock`` the monotonic clock of the proxy's routing, health and latency history."""
+    regions = proxy.regions
+    regions.clock = clock
+    regions.health.clock = clock
+    for region in regions:
+        region.latency.clock = clock
+    proxy.pipeline.router.clock = clock
+
+
 @pytest.fixture
 async def make_proxy() -> AsyncIterator[ProxyFactory]:
-    """Start an EdgeProxy on ephemeral ports in front of the given regions.
+    """Start an EdgeProxy on ephemeral ports in front of the given regions; all stopped after.
 
-    ``routes=[...]``, ``plugins=[...]`` and any config section may be given.
+    ``regions`` are config tables or :class:`FakeRegion` objects (name and URL
+    taken from them). ``routes=[...]``, ``plugins=[...]`` and any config
+    section (``cache={...}``, ``server={...}``...) may be given, or a whole
+    ``config`` instead of regions and sections. ``clock`` replaces the
+    monotonic clock of routing, health and latency history (see
+    :func:`use_clock`); ``cache_clock`` the cache's wall clock (freshness, Age).
     """
     started: list[EdgeProxy] = []
 
     async def factory(
-        regions: list[dict[str, Any]],
+        regions: Sequence[dict[str, Any] | FakeRegion] = (),
         *,
         routes: list[dict[str, Any]] | None = None,
-        plugins: Sequence[object] = (),
+        plugins: Iterable[object] = (),
+        config: Config | None = None,
+        clock: Callable[[], float] | None = None,
+        cache_clock: Callable[[], float] | None = None,
         **sections: dict[str, Any],
     ) -> EdgeProxy:
-        data = proxy_config(regions, **sections)
-        if routes:
-            data["routes"] = routes
-        proxy = EdgeProxy(Config.from_mapping(data, environ={}), plugins=list(plugins))
+        if config is None:
+            tables = [
+                {"name": r.name, "url": r.url} if isinstance(r, FakeRegion) else r for r in regions
+            ]
+            data = proxy_config(tables, **sections)
+            if routes is not None:
+                data["routes"] = routes
+            config = Config.from_mapping(data, environ={})
+        else:
+            assert not (regions or routes or sections), "a whole config, or its parts"
+        proxy = EdgeProxy(config, plugins=list(plugins))
         await proxy.start()
         started.append(proxy)
+        if clock is not None:
+            use_clock(proxy, clock)
+        if cache_clock is not None:
+            proxy.pipeline.cache.clock = cache_clock
         return proxy
 
     yield factory

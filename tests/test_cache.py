@@ -19,7 +19,7 @@ from aiohttp import web
 from edgeproxy import Config, EdgeProxy, RequestContext, UpstreamReply, hookimpl
 from edgeproxy.testing import FakeRegion
 
-from .conftest import RegionFactory, eventually, proxy_config
+from .conftest import FakeClock, ProxyFactory, RegionFactory, eventually, proxy_config
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -53,31 +53,28 @@ StartProxy = Callable[..., Awaitable[EdgeProxy]]
 
 
 @pytest.fixture
-async def start_proxy() -> AsyncIterator[StartProxy]:
-    """An EdgeProxy with a [cache] section, [[routes]] and plugins of the test's choosing."""
-    started: list[EdgeProxy] = []
+def wall_clock() -> FakeClock:
+    """The cache's wall clock: entries age only when the test advances it.
+
+    It starts at the current whole second, not at 0, because the memory
+    backend turns an entry's deadlines into a TTL against the real time; a
+    whole second keeps the ``Age`` of an entry exactly what was advanced.
+    """
+    return FakeClock(start=float(int(time.time())))
+
+
+@pytest.fixture
+def start_proxy(make_proxy: ProxyFactory, wall_clock: FakeClock) -> StartProxy:
+    """``make_proxy`` in front of fake regions, with a [cache] section and ``wall_clock``."""
 
     async def factory(
-        regions: list[FakeRegion],
-        *,
-        cache: dict[str, Any] | None = None,
-        routes: list[dict[str, Any]] | None = None,
-        plugins: tuple[object, ...] = (),
-        **sections: dict[str, Any],
+        regions: list[FakeRegion], *, cache: dict[str, Any] | None = None, **kwargs: Any
     ) -> EdgeProxy:
-        data = proxy_config([{"name": r.name, "url": r.url} for r in regions], **sections)
         # Early refresh is random by design; tests that want it turn it on.
-        data["cache"] = {"xfetch_beta": 0.0, **(cache or {})}
-        if routes:
-            data["routes"] = routes
-        proxy = EdgeProxy(Config.from_mapping(data, environ={}), plugins=plugins)
-        await proxy.start()
-        started.append(proxy)
-        return proxy
+        cache = {"xfetch_beta": 0.0, **(cache or {})}
+        return await make_proxy(regions, cache=cache, cache_clock=wall_clock, **kwargs)
 
-    yield factory
-    for proxy in started:
-        await proxy.stop(grace=2.0)
+    return factory
 
 
 @pytest.fixture
@@ -107,7 +104,10 @@ def cache_status(proxy: EdgeProxy) -> dict[str, Any]:
 
 
 async def test_deterministic_request_hits_and_random_one_bypasses(
-    make_region: RegionFactory, start_proxy: StartProxy, client: aiohttp.ClientSession
+    make_region: RegionFactory,
+    start_proxy: StartProxy,
+    client: aiohttp.ClientSession,
+    wall_clock: FakeClock,
 ) -> None:
     region = await make_region("r1")
     proxy = await start_proxy([region])
@@ -118,10 +118,11 @@ async def test_deterministic_request_hits_and_random_one_bypasses(
     assert headers["X-Edgeproxy-Region"] == "r1"
     key = headers["X-Edgeproxy-Cache-Key"]
     await eventually(lambda: cache_status(proxy)["stores"] == 1)
+    wall_clock.advance(7.0)  # within the default cache_ttl
     status, headers, second = await post(client, url, chat())
     assert status == 200 and headers["X-Edgeproxy-Cache"] == "HIT"
     assert headers["X-Edgeproxy-Cache-Key"] == key
-    assert int(headers["Age"]) >= 0
+    assert headers["Age"] == "7"
     assert headers["X-Edgeproxy-Region"] == "none"
     assert headers["Content-Type"].startswith("application/json")
     assert second == first
@@ -495,24 +496,29 @@ async def test_leader_client_leaving_early_does_not_fail_followers(
 # -- freshness ---------------------------------------------------------------------------
 
 
-async def wait_stale(proxy: EdgeProxy, key: str) -> None:
+async def make_stale(proxy: EdgeProxy, key: str, clock: FakeClock) -> None:
+    """Advance ``clock`` to the instant the stored entry of ``key`` stops being fresh."""
     backend = proxy.pipeline.cache.backend
     assert backend is not None
     entry = await backend.get(key)
     assert entry is not None
-    await asyncio.sleep(max(0.0, entry.fresh_until - time.time()) + 0.01)
+    assert clock() < entry.fresh_until
+    clock.advance(entry.fresh_until - clock())
 
 
 async def test_stale_while_revalidate_serves_stale_and_refreshes_once(
-    make_region: RegionFactory, start_proxy: StartProxy, client: aiohttp.ClientSession
+    make_region: RegionFactory,
+    start_proxy: StartProxy,
+    client: aiohttp.ClientSession,
+    wall_clock: FakeClock,
 ) -> None:
     region = await make_region("r1", ttft=0.2)
-    routes = [{"name": "llm", "path": "/v1", "cache_ttl": 0.3, "stale_while_revalidate": 60}]
+    routes = [{"name": "llm", "path": "/v1", "cache_ttl": 30, "stale_while_revalidate": 60}]
     proxy = await start_proxy([region], routes=routes)
     url = proxy.url + CHAT
     _, headers, first = await post(client, url, chat())
     await eventually(lambda: cache_status(proxy)["stores"] == 1)
-    await wait_stale(proxy, headers["X-Edgeproxy-Cache-Key"])
+    await make_stale(proxy, headers["X-Edgeproxy-Cache-Key"], wall_clock)
 
     results = await asyncio.gather(*(post(client, url, chat()) for _ in range(5)))
     # Served at once from the stale entry, while one refresh runs in the background.
@@ -522,20 +528,29 @@ async def test_stale_while_revalidate_serves_stale_and_refreshes_once(
     await eventually(lambda: cache_status(proxy)["stores"] == 2)
     assert upstream_calls(region) == 2
     _, headers, body = await post(client, url, chat())
-    assert headers["X-Edgeproxy-Cache"] == "HIT"
+    assert headers["X-Edgeproxy-Cache"] == "HIT" and headers["Age"] == "0"
     assert orjson.loads(body)["id"] != orjson.loads(first)["id"]  # the refreshed answer
+    # Past the refreshed answer's freshness and stale-while-revalidate windows: a miss.
+    region.configure(ttft=0.0)
+    wall_clock.advance(30 + 60)
+    _, headers, _ = await post(client, url, chat())
+    assert headers["X-Edgeproxy-Cache"] == "MISS"
+    assert upstream_calls(region) == 3
 
 
 async def test_stale_if_error_serves_the_stale_answer_marked(
-    make_region: RegionFactory, start_proxy: StartProxy, client: aiohttp.ClientSession
+    make_region: RegionFactory,
+    start_proxy: StartProxy,
+    client: aiohttp.ClientSession,
+    wall_clock: FakeClock,
 ) -> None:
     region = await make_region("r1", tokens=4)
-    routes = [{"name": "llm", "path": "/v1", "cache_ttl": 0.2, "stale_if_error": 60}]
+    routes = [{"name": "llm", "path": "/v1", "cache_ttl": 30, "stale_if_error": 60}]
     proxy = await start_proxy([region], routes=routes)
     url = proxy.url + CHAT
     _, headers, first = await post(client, url, chat(stream=True))
     await eventually(lambda: cache_status(proxy)["stores"] == 1)
-    await wait_stale(proxy, headers["X-Edgeproxy-Cache-Key"])
+    await make_stale(proxy, headers["X-Edgeproxy-Cache-Key"], wall_clock)
 
     await region.kill()
     status, headers, body = await post(client, url, chat(stream=True))
@@ -553,16 +568,19 @@ async def test_stale_if_error_serves_the_stale_answer_marked(
 
 
 async def test_stale_if_error_when_the_deadline_passes(
-    make_region: RegionFactory, start_proxy: StartProxy, client: aiohttp.ClientSession
+    make_region: RegionFactory,
+    start_proxy: StartProxy,
+    client: aiohttp.ClientSession,
+    wall_clock: FakeClock,
 ) -> None:
     region = await make_region("r1")
     routes = [
-        {"name": "llm", "path": "/v1", "cache_ttl": 0.2, "stale_if_error": 60, "deadline": 0.5}
+        {"name": "llm", "path": "/v1", "cache_ttl": 30, "stale_if_error": 60, "deadline": 0.5}
     ]
     proxy = await start_proxy([region], routes=routes)
     _, headers, first = await post(client, proxy.url + CHAT, chat())
     await eventually(lambda: cache_status(proxy)["stores"] == 1)
-    await wait_stale(proxy, headers["X-Edgeproxy-Cache-Key"])
+    await make_stale(proxy, headers["X-Edgeproxy-Cache-Key"], wall_clock)
     region.configure(ttft=5.0)  # no first byte before the route's deadline
     status, headers, body = await post(client, proxy.url + CHAT, chat())
     assert status == 200 and headers["X-Edgeproxy-Cache"] == "STALE"
@@ -571,7 +589,10 @@ async def test_stale_if_error_when_the_deadline_passes(
 
 
 async def test_followers_of_a_leader_the_regions_failed_get_the_stale_answer(
-    make_region: RegionFactory, start_proxy: StartProxy, client: aiohttp.ClientSession
+    make_region: RegionFactory,
+    start_proxy: StartProxy,
+    client: aiohttp.ClientSession,
+    wall_clock: FakeClock,
 ) -> None:
     region = await make_region("r1")
     followers = 4
@@ -585,11 +606,11 @@ async def test_followers_of_a_leader_the_regions_failed_get_the_stale_answer(
             if HoldLeader.hold and flight is not None:
                 await eventually(lambda: flight.followers == followers)
 
-    routes = [{"name": "llm", "path": "/v1", "cache_ttl": 0.2, "stale_if_error": 60, "retries": 0}]
+    routes = [{"name": "llm", "path": "/v1", "cache_ttl": 30, "stale_if_error": 60, "retries": 0}]
     proxy = await start_proxy([region], routes=routes, plugins=(HoldLeader(),))
     _, headers, first = await post(client, proxy.url + CHAT, chat())
     await eventually(lambda: cache_status(proxy)["stores"] == 1)
-    await wait_stale(proxy, headers["X-Edgeproxy-Cache-Key"])
+    await make_stale(proxy, headers["X-Edgeproxy-Cache-Key"], wall_clock)
     region.configure(fault="5xx", fault_status=503)
     HoldLeader.hold = True
     results = await asyncio.gather(

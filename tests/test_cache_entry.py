@@ -19,6 +19,8 @@ from edgeproxy._stages.cache.entry import (
     split_events,
 )
 
+from .conftest import FakeClock
+
 
 def event(payload: Any) -> bytes:
     return b"data: " + orjson.dumps(payload) + b"\n\n"
@@ -80,6 +82,27 @@ def test_encode_decode_round_trip_drops_delivery_headers() -> None:
     assert back.keep_until == 1160.0
     assert back.age(1012.7) == 12
     assert Entry.decode(bytearray(entry.encode())) == entry
+
+
+def test_build_reads_its_clock_when_given_no_time() -> None:
+    clock = FakeClock(start=5000.0)
+    entry = Entry.build(
+        status=200,
+        headers=[],
+        body=b"{}",
+        kind="json",
+        ttl=60.0,
+        swr=10.0,
+        sie=100.0,
+        delta=0.1,
+        region=None,
+        clock=clock,
+    )
+    assert (entry.stored_at, entry.fresh_until, entry.swr_until) == (5000.0, 5060.0, 5070.0)
+    assert entry.sie_until == 5160.0
+    clock.advance(61.5)
+    assert entry.age(clock()) == 61
+    assert entry.age(4999.0) == 0  # a clock behind the storing host's: never negative
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import aiohttp
@@ -10,7 +11,7 @@ import aiohttp
 from edgeproxy import Config, EdgeProxy
 from edgeproxy._upstream.regions import RegionSet
 
-from .conftest import ProxyFactory, RegionFactory, eventually, proxy_config
+from .conftest import FakeClock, ProxyFactory, RegionFactory, eventually, proxy_config
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -18,9 +19,10 @@ SIN = {"lat": 1.29, "lon": 103.85}
 TOKYO = {"lat": 35.68, "lon": 139.69}
 
 
-def region_set(n: int, **health: Any) -> RegionSet:
+def region_set(n: int, clock: FakeClock | None = None, **health: Any) -> RegionSet:
     regions = [{"name": f"r{i}", "url": "http://127.0.0.1:9"} for i in range(n)]
-    regions_set = RegionSet(Config.from_mapping(proxy_config(regions, health=health), environ={}))
+    config = Config.from_mapping(proxy_config(regions, health=health), environ={})
+    regions_set = RegionSet(config, clock=clock or FakeClock())
     for region in regions_set:
         region.endpoints[0].mark_up()
     return regions_set
@@ -34,33 +36,51 @@ def status_of(proxy: EdgeProxy, name: str) -> dict[str, Any]:
 
 
 async def test_ejection_time_grows_with_each_ejection_and_decays_back() -> None:
+    clock = FakeClock()
     regions = region_set(
-        2, consecutive_failures=3, base_ejection_time=10, max_ejection_time=25, outlier_interval=100
+        2,
+        clock,
+        consecutive_failures=3,
+        base_ejection_time=10,
+        max_ejection_time=25,
+        outlier_interval=100,
     )
     health, r0 = regions.health, regions.by_name["r0"]
+
+    def fail(times: int) -> None:
+        for _ in range(times):
+            health.record(r0, failed=True)  # dated by the clock
+
+    def available_in(seconds: float) -> bool:
+        return health.available(r0, clock() + seconds)
+
+    def ejected_for() -> float:
+        snapshot = next(r for r in regions.snapshot() if r["name"] == "r0")["health"]
+        return float(snapshot["ejected_for_s"])
+
     try:
-
-        def fail(times: int, now: float) -> None:
-            for _ in range(times):
-                health.record(r0, failed=True, now=now)
-
-        fail(2, now=0.0)
-        health.record(r0, failed=False, now=0.0)  # a success breaks the streak
-        fail(2, now=0.0)
-        assert health.available(r0, 0.0)
-        fail(1, now=0.0)
-        assert not health.available(r0, 5.0)  # ejected for 10 s
-        assert health.available(r0, 10.0)  # ... and back
-        fail(3, now=11.0)
-        assert not health.available(r0, 11.0 + 19.9)  # the second ejection lasts 20 s
-        assert health.available(r0, 31.0)
-        fail(3, now=32.0)
-        assert not health.available(r0, 32.0 + 24.9)  # third: 30 s, capped at 25 s
-        assert health.available(r0, 57.0)
+        fail(2)
+        health.record(r0, failed=False)  # a success breaks the streak
+        fail(2)
+        assert health.available(r0, clock())
+        fail(1)
+        assert ejected_for() == 10.0
+        clock.advance(5.0)
+        assert ejected_for() == 5.0 and not available_in(4.9)  # ejected for 10 s
+        assert available_in(5.0)  # ... and back
+        clock.advance(6.0)  # t = 11
+        fail(3)
+        assert ejected_for() == 20.0  # the second ejection lasts 20 s
+        clock.advance(21.0)  # t = 32
+        fail(3)
+        assert ejected_for() == 25.0  # third: 30 s, capped at 25 s
+        clock.advance(25.0)  # t = 57
+        assert health.available(r0, clock())
         assert r0.health.ejections_total == 3
         # A long calm (3 outlier intervals) earns the multiplier back down to 1.
-        fail(3, now=57.0 + 300.0)
-        assert health.available(r0, 357.0 + 10.0)
+        clock.advance(300.0)
+        fail(3)
+        assert ejected_for() == 10.0
     finally:
         await regions.close()
 
@@ -98,10 +118,13 @@ async def test_5xx_burst_ejects_the_region_and_it_returns_after_the_ejection_tim
 ) -> None:
     near = await make_region("near", fault="5xx", fault_paths=["/v1/"])
     far = await make_region("far")
+    # The proxy dates attempts with the real clock: this one runs ahead of it on demand.
+    clock = FakeClock.following(time.monotonic)
     proxy = await make_proxy(
         [{"name": "near", "url": near.url, **SIN}, {"name": "far", "url": far.url, **TOKYO}],
-        health={"consecutive_failures": 3, "base_ejection_time": 1.0},
+        health={"consecutive_failures": 3, "base_ejection_time": 30.0},
         routing={"probe_decay": 0.2, "retry_budget_min": 100},
+        clock=clock,
     )
     async with aiohttp.ClientSession() as client:
         # Every request is answered: the 503s are retried on the other region.
@@ -113,6 +136,7 @@ async def test_5xx_burst_ejects_the_region_and_it_returns_after_the_ejection_tim
                 break
         near_status = status_of(proxy, "near")
         assert near_status["health"]["ejected"] and near_status["health"]["ejections_total"] == 1
+        assert 0.0 < near_status["health"]["ejected_for_s"] <= 30.0
         assert near.requests_by_path.get(CHAT) == 3
         # Ejected: nothing more goes to it.
         for _ in range(5):
@@ -122,16 +146,13 @@ async def test_5xx_burst_ejects_the_region_and_it_returns_after_the_ejection_tim
         assert near.requests_by_path.get(CHAT) == 3
 
         near.behavior.fault = None  # repaired while ejected
-
-        async def near_serves() -> bool:
-            async with client.post(proxy.url + CHAT, json=BODY) as resp:
-                await resp.read()
-                return resp.headers["X-Edgeproxy-Region"] == "near"
-
-        deadline = asyncio.get_running_loop().time() + 15
-        while not await near_serves():
-            assert asyncio.get_running_loop().time() < deadline
-            await asyncio.sleep(0.05)
+        # The ejection time passes: the nearer region is back, its failures long forgotten.
+        clock.advance(30.0)
+        async with client.post(proxy.url + CHAT, json=BODY) as resp:
+            assert resp.status == 200
+            assert resp.headers["X-Edgeproxy-Region"] == "near"
+            await resp.read()
+    assert near.requests_by_path.get(CHAT) == 4
     assert not status_of(proxy, "near")["health"]["ejected"]
 
 

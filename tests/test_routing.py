@@ -12,7 +12,7 @@ from edgeproxy import Config, EdgeProxy, hookimpl
 from edgeproxy._stages.routing import Router, great_circle_km
 from edgeproxy._upstream.regions import LatencyWindow, PeakEwma, Region, RegionSet
 
-from .conftest import ProxyFactory, RegionFactory, eventually, proxy_config
+from .conftest import FakeClock, ProxyFactory, RegionFactory, eventually, proxy_config
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -54,16 +54,23 @@ def test_great_circle_distance() -> None:
 
 
 def test_peak_ewma_jumps_up_at_once_and_decays_down() -> None:
-    ewma = PeakEwma(decay=10.0)
-    ewma.observe(0.1, now=0.0)
+    clock = FakeClock()
+    ewma = PeakEwma(decay=10.0, clock=clock)
+    ewma.observe(0.1)
     assert ewma.value == pytest.approx(0.1)
-    ewma.observe(1.0, now=0.1)
+    clock.advance(0.1)
+    ewma.observe(1.0)
     assert ewma.value == pytest.approx(1.0)  # a slow sample counts at once
-    ewma.observe(0.1, now=0.2)
+    assert ewma.stamp == pytest.approx(0.1)
+    clock.advance(0.1)
+    ewma.observe(0.1)
     assert ewma.value > 0.98  # a fast sample right after barely moves it
-    ewma.observe(0.1, now=30.0)
+    clock.advance(29.8)
+    ewma.observe(0.1)
     assert ewma.value < 0.15  # ... but old history is forgotten over ~decay seconds
     assert ewma.samples == 4
+    ewma.observe(0.1, now=100.0)  # an explicit time wins over the clock
+    assert ewma.stamp == 100.0
 
 
 def test_latency_window_p95() -> None:
@@ -87,7 +94,7 @@ async def test_weights_share_traffic_among_equals() -> None:
         ),
         environ={},
     )
-    regions = RegionSet(config)
+    regions = RegionSet(config, clock=FakeClock(start=10.0))
     try:
         for region in regions:
             region.endpoints[0].mark_up()
@@ -114,7 +121,7 @@ async def test_priority_tiers_and_panic_routing() -> None:
         ),
         environ={},
     )
-    regions = RegionSet(config)
+    regions = RegionSet(config, clock=FakeClock())
     try:
         for region in regions:
             region.endpoints[0].mark_up()
@@ -141,22 +148,27 @@ async def test_a_stalled_region_looks_slow_before_it_answers() -> None:
         ),
         environ={},
     )
-    regions = RegionSet(config)
+    clock = FakeClock(start=10.0)
+    regions = RegionSet(config, clock=clock)
     try:
-        router = Router(config, regions)
+        router = Router(config, regions, seed=3)
         a, b = _region(regions, "a"), _region(regions, "b")
         for region in regions:
             region.endpoints[0].mark_up()
             for i in range(5):
                 region.latency.observe(0.05, now=float(i))
-        import time
-
-        # A request to a has waited 2 s for its first byte: a is no longer an equal.
-        a.pending_since[1] = time.monotonic() - 2.0
-        assert router.expected_latency(a, time.monotonic()) >= 2.0
+        assert router.expected_latency(a, clock()) == pytest.approx(0.05)
+        # A request to a has just been sent: a and b are still equals.
+        a.pending_since[1] = clock()
+        assert {router.candidates()[0].name for _ in range(50)} == {"a", "b"}
+        # It has waited 2 s for its first byte: a is no longer an equal.
+        clock.advance(2.0)
+        assert a.oldest_pending(clock()) == 2.0
+        assert router.expected_latency(a, clock()) == 2.0
         assert {router.candidates()[0].name for _ in range(50)} == {"b"}
         del a.pending_since[1]
-        assert b.oldest_pending(time.monotonic()) == 0.0
+        assert router.expected_latency(a, clock()) == pytest.approx(0.05)
+        assert b.oldest_pending(clock()) == 0.0
     finally:
         await regions.close()
 

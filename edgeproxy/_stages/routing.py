@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import random
-import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from edgeproxy._stages.geo import GeoResolver, Residency
@@ -52,12 +52,25 @@ def great_circle_km(lat1: float, lon1: float, lat2: float, lon2: float) -> float
 
 
 class Router:
-    """Orders the regions a request may go to, best first."""
+    """Orders the regions a request may go to, best first.
 
-    def __init__(self, config: Config, regions: RegionSet, *, seed: int | None = None) -> None:
+    ``clock`` (monotonic seconds) dates each choice; by default the regions'
+    own (:attr:`RegionSet.clock <edgeproxy._upstream.regions.RegionSet.clock>`),
+    which their latency history and health policy read too.
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        regions: RegionSet,
+        *,
+        seed: int | None = None,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
         self.config = config
         self.regions = regions
         self.health = regions.health
+        self.clock: Callable[[], float] = regions.clock if clock is None else clock
         routing = config.routing
         self.min_samples = routing.min_samples
         self.equal_within = routing.equal_within
@@ -85,7 +98,7 @@ class Router:
         Raises a 503 :class:`ProxyError` when a residency rule applies and
         none of the regions it allows is available.
         """
-        now = time.monotonic()
+        now = self.clock()
         pool = self.regions.regions
         allowed: frozenset[str] | None = None
         country: str | None = None

@@ -28,6 +28,7 @@ import logging
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -59,11 +60,23 @@ class RegionHealth:
 
 
 class Health:
-    """The health policy of a set of regions, and the active checkers' tasks."""
+    """The health policy of a set of regions, and the active checkers' tasks.
 
-    def __init__(self, config: HealthConfig, regions: list[Region]) -> None:
+    ``clock`` (monotonic seconds) dates the ejections :meth:`record` makes when
+    it is given no ``now``; the same clock must give the ``now`` of
+    :meth:`available` and :meth:`snapshot`.
+    """
+
+    def __init__(
+        self,
+        config: HealthConfig,
+        regions: list[Region],
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.config = config
         self.regions = regions
+        self.clock = clock
         self._tasks: set[asyncio.Task[None]] = set()
 
     # -- what the router asks ----------------------------------------------
@@ -97,7 +110,7 @@ class Health:
             self.config.outlier_detection
             and health.consecutive_failures >= self.config.consecutive_failures
         ):
-            now = time.monotonic() if now is None else now
+            now = self.clock() if now is None else now
             if not (health.ejected and self._still_ejected(region, now)):
                 self._eject(region, now)
 

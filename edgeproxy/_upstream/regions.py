@@ -16,7 +16,7 @@ import math
 import ssl
 import time
 from collections import deque
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -51,17 +51,22 @@ class PeakEwma:
     slow is avoided after one slow answer; faster samples pull it down with
     weight ``1 - exp(-dt / decay)``, ``dt`` being the time since the previous
     sample, so the average forgets over about ``decay`` seconds.
+
+    A sample is dated ``now`` when given, else by ``clock`` (monotonic seconds).
     """
 
-    __slots__ = ("decay", "value", "stamp", "samples")
+    __slots__ = ("decay", "value", "stamp", "samples", "clock")
 
-    def __init__(self, decay: float) -> None:
+    def __init__(self, decay: float, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.decay = decay
         self.value = 0.0
         self.stamp = 0.0
         self.samples = 0
+        self.clock = clock
 
-    def observe(self, sample: float, now: float) -> None:
+    def observe(self, sample: float, now: float | None = None) -> None:
+        if now is None:
+            now = self.clock()
         if self.samples == 0 or sample > self.value:
             self.value = sample
         else:
@@ -143,6 +148,7 @@ class Region:
         *,
         http2: bool,
         decay: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
         self.name = config.name
@@ -162,7 +168,7 @@ class Region:
         self.errors_total = 0
         self.retries_total = 0
         self.hedges_total = 0
-        self.latency = PeakEwma(decay)
+        self.latency = PeakEwma(decay, clock=clock)
         self.ttfb = LatencyWindow()
         self.health = RegionHealth()
         # Expected round trip from the PoP, set by the router from the geo prior.
@@ -328,10 +334,15 @@ def _ms(value: float | None) -> float | None:
 
 
 class RegionSet:
-    """Every region of the config, opened and closed together, with their health checks."""
+    """Every region of the config, opened and closed together, with their health checks.
 
-    def __init__(self, config: Config) -> None:
+    ``clock`` (monotonic seconds) is the one the latency history, the health
+    policy and :meth:`snapshot` read; the router takes it from here.
+    """
+
+    def __init__(self, config: Config, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
+        self.clock = clock
         up = config.upstream
         limits = PoolLimits(
             max_connections=up.max_connections,
@@ -353,9 +364,11 @@ class RegionSet:
                 tls = _ssl_context(config, http2) if origin.startswith("https:") else None
                 pool = make_pool(origin, http2=http2, limits=limits, ssl_context=tls)
                 endpoints.append(Endpoint(rc.name, url, pool, rc.host_header))
-            self.regions.append(Region(rc, endpoints, http2=http2, decay=config.routing.decay))
+            self.regions.append(
+                Region(rc, endpoints, http2=http2, decay=config.routing.decay, clock=clock)
+            )
         self.by_name = {r.name: r for r in self.regions}
-        self.health = Health(config.health, self.regions)
+        self.health = Health(config.health, self.regions, clock=clock)
         self.warmed = False
         self._tasks: set[asyncio.Task[None]] = set()
         self._closing = False
@@ -420,7 +433,7 @@ class RegionSet:
         )
 
     def snapshot(self) -> list[dict[str, Any]]:
-        now = time.monotonic()
+        now = self.clock()
         recent = {r.name: r.recent_requests(now) for r in self.regions}
         total = sum(recent.values())
         out = []

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import re
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -93,8 +93,14 @@ class Entry:
         delta: float,
         region: str | None,
         now: float | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> Entry:
-        now = time.time() if now is None else now
+        """An entry stored ``now`` (else read from ``clock``, wall-clock seconds).
+
+        Its windows follow from that: fresh for ``ttl``, then served stale for
+        ``swr`` (stale-while-revalidate) or ``sie`` (stale-if-error) more.
+        """
+        now = clock() if now is None else now
         kept = tuple(
             (k.lower(), v)
             for k, v in headers
@@ -111,6 +117,7 @@ class Entry:
         return max(self.fresh_until, self.swr_until, self.sie_until)
 
     def age(self, now: float) -> int:
+        """The ``Age`` header's value at ``now``: whole seconds since it was stored."""
         return max(0, int(now - self.stored_at))
 
     def should_refresh_early(self, now: float, beta: float, rand: float) -> bool:

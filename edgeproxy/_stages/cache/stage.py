@@ -405,6 +405,7 @@ class CacheRecorder:
                 sie=sie,
                 delta=time.monotonic() - self.ctx.started,
                 region=self.region,
+                clock=self.stage.clock,
             )
         if flight is not None:
             # Followers get the answer even when it is too large to store.
@@ -443,8 +444,17 @@ class CacheStage:
     Open and close it with the proxy (:meth:`open`, :meth:`close`).
     """
 
-    def __init__(self, config: Config, plugins: Plugins, *, fetch: Fetch | None = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        plugins: Plugins,
+        *,
+        fetch: Fetch | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.config = config.cache
+        # Wall-clock seconds, as entries are shared across hosts: freshness, Age, stale windows.
+        self.clock = clock
         self.plugins = plugins
         self.backend: CacheBackend | None = (
             make_backend(self.config) if self.config.enabled else None
@@ -604,7 +614,7 @@ class CacheStage:
         self, request: web.Request, ctx: RequestContext, plan: CachePlan, entry: Entry
     ) -> web.StreamResponse | None:
         """HIT while fresh (maybe refreshing early), STALE within stale-while-revalidate."""
-        now = time.time()
+        now = self.clock()
         if now < entry.fresh_until:
             if entry.should_refresh_early(now, self.config.xfetch_beta, 1.0 - self._random()):
                 if self._refresh_later(ctx, plan):
@@ -628,7 +638,7 @@ class CacheStage:
         if converted is None:
             return None
         parts, sse = converted
-        now = time.time() if now is None else now
+        now = self.clock() if now is None else now
         # Stored headers never carry these names (Entry.build drops them): append, not set.
         # A plain list (response_headers returns a fresh one): the response copies its
         # headers into a CIMultiDict of its own anyway, so one is built, not two.
@@ -733,7 +743,7 @@ class CacheStage:
         if ctx.cache_key is None:
             return None
         entry = await self.backend.get(ctx.cache_key)
-        now = time.time()
+        now = self.clock()
         if entry is None or now >= max(entry.sie_until, entry.fresh_until):
             return None
         plan = _plan_for_ctx(ctx, ctx.cache_key, coalesce=False)
