@@ -8,7 +8,7 @@ test controls rather than a race against the clock.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,10 +17,10 @@ import pytest
 from aiohttp import web
 from multidict import CIMultiDict
 
-from edgeproxy import Config, EdgeProxy, hookimpl
+from edgeproxy import EdgeProxy, hookimpl
 from edgeproxy._stages.admission import AdmissionStage
 
-from .conftest import eventually, proxy_config
+from .conftest import ProxyFactory, eventually
 
 
 @dataclass
@@ -57,34 +57,6 @@ async def upstream() -> AsyncIterator[GatedUpstream]:
     await runner.cleanup()
 
 
-@pytest.fixture
-async def start_proxy() -> AsyncIterator[Callable[..., Awaitable[EdgeProxy]]]:
-    """Like ``make_proxy``, plus ``routes=[...]`` and ``plugins=[...]``."""
-    started: list[EdgeProxy] = []
-
-    async def factory(
-        regions: list[dict[str, Any]],
-        *,
-        routes: list[dict[str, Any]] | None = None,
-        plugins: list[object] | None = None,
-        **sections: dict[str, Any],
-    ) -> EdgeProxy:
-        data = proxy_config(regions, **sections)
-        if routes:
-            data["routes"] = routes
-        proxy = EdgeProxy(Config.from_mapping(data, environ={}), plugins=plugins or [])
-        await proxy.start()
-        started.append(proxy)
-        return proxy
-
-    yield factory
-    for proxy in started:
-        await proxy.stop(grace=2.0)
-
-
-StartProxy = Callable[..., Awaitable[EdgeProxy]]
-
-
 def region(upstream: GatedUpstream) -> list[dict[str, Any]]:
     return [{"name": "g", "url": upstream.url, "http2": False}]
 
@@ -102,9 +74,9 @@ async def fetch(
 
 
 async def test_high_priority_is_served_first_and_low_priority_is_shed(
-    upstream: GatedUpstream, start_proxy: StartProxy
+    upstream: GatedUpstream, make_proxy: ProxyFactory
 ) -> None:
-    proxy = await start_proxy(
+    proxy = await make_proxy(
         region(upstream), admission={"max_in_flight": 1, "max_queue": 3, "max_queue_time": 30}
     )
     stage = admission(proxy)
@@ -144,9 +116,9 @@ async def test_high_priority_is_served_first_and_low_priority_is_shed(
 
 
 async def test_queue_timeout_is_503_with_retry_after(
-    upstream: GatedUpstream, start_proxy: StartProxy
+    upstream: GatedUpstream, make_proxy: ProxyFactory
 ) -> None:
-    proxy = await start_proxy(
+    proxy = await make_proxy(
         region(upstream), admission={"max_in_flight": 1, "max_queue_time": 0.3}
     )
     async with aiohttp.ClientSession() as client:
@@ -165,9 +137,9 @@ async def test_queue_timeout_is_503_with_retry_after(
 
 
 async def test_queue_wait_never_passes_the_route_deadline(
-    upstream: GatedUpstream, start_proxy: StartProxy
+    upstream: GatedUpstream, make_proxy: ProxyFactory
 ) -> None:
-    proxy = await start_proxy(
+    proxy = await make_proxy(
         region(upstream),
         admission={"max_in_flight": 1, "max_queue_time": 60},
         routes=[
@@ -187,9 +159,9 @@ async def test_queue_wait_never_passes_the_route_deadline(
 
 
 async def test_deadline_is_propagated_upstream(
-    upstream: GatedUpstream, start_proxy: StartProxy
+    upstream: GatedUpstream, make_proxy: ProxyFactory
 ) -> None:
-    proxy = await start_proxy(
+    proxy = await make_proxy(
         region(upstream),
         admission={"max_in_flight": 1},
         routes=[{"name": "r", "path": "/gate", "deadline": 20}],
@@ -214,9 +186,9 @@ async def test_deadline_is_propagated_upstream(
 
 
 async def test_per_route_cap_leaves_other_routes_alone(
-    upstream: GatedUpstream, start_proxy: StartProxy
+    upstream: GatedUpstream, make_proxy: ProxyFactory
 ) -> None:
-    proxy = await start_proxy(
+    proxy = await make_proxy(
         region(upstream),
         routes=[{"name": "blocky", "path": "/gate/block", "max_in_flight": 1}],
     )
@@ -236,9 +208,9 @@ async def test_per_route_cap_leaves_other_routes_alone(
 
 
 async def test_global_and_route_caps_combine(
-    upstream: GatedUpstream, start_proxy: StartProxy
+    upstream: GatedUpstream, make_proxy: ProxyFactory
 ) -> None:
-    proxy = await start_proxy(
+    proxy = await make_proxy(
         region(upstream),
         admission={"max_in_flight": 2, "max_queue_time": 30},
         routes=[{"name": "blocky", "path": "/gate/block", "max_in_flight": 1}],
@@ -262,7 +234,7 @@ async def test_global_and_route_caps_combine(
 
 
 async def test_overload_on_a_degrade_route_takes_the_fallback_ladder(
-    upstream: GatedUpstream, start_proxy: StartProxy
+    upstream: GatedUpstream, make_proxy: ProxyFactory
 ) -> None:
     reasons: list[str] = []
 
@@ -272,7 +244,7 @@ async def test_overload_on_a_degrade_route_takes_the_fallback_ladder(
             reasons.append(reason)
             return web.json_response({"degraded": True, "route": ctx.route.name})
 
-    proxy = await start_proxy(
+    proxy = await make_proxy(
         region(upstream),
         admission={"max_in_flight": 1, "max_queue": 0},
         routes=[
@@ -298,9 +270,9 @@ async def test_overload_on_a_degrade_route_takes_the_fallback_ladder(
 
 
 async def test_client_leaving_the_queue_frees_its_place(
-    upstream: GatedUpstream, start_proxy: StartProxy
+    upstream: GatedUpstream, make_proxy: ProxyFactory
 ) -> None:
-    proxy = await start_proxy(
+    proxy = await make_proxy(
         region(upstream), admission={"max_in_flight": 1, "max_queue": 1, "max_queue_time": 30}
     )
     stage = admission(proxy)
@@ -322,7 +294,7 @@ async def test_client_leaving_the_queue_frees_its_place(
 
 
 async def test_priority_from_a_plugin_wins_over_the_header(
-    upstream: GatedUpstream, start_proxy: StartProxy
+    upstream: GatedUpstream, make_proxy: ProxyFactory
 ) -> None:
     class Vip:
         @hookimpl
@@ -330,7 +302,7 @@ async def test_priority_from_a_plugin_wins_over_the_header(
             if ctx.path.endswith("vip"):
                 ctx.priority = 100
 
-    proxy = await start_proxy(
+    proxy = await make_proxy(
         region(upstream), admission={"max_in_flight": 1, "max_queue_time": 30}, plugins=[Vip()]
     )
     stage = admission(proxy)
@@ -347,8 +319,8 @@ async def test_priority_from_a_plugin_wins_over_the_header(
     assert upstream.served == ["block", "vip", "loud"]
 
 
-async def test_no_caps_means_no_queue(upstream: GatedUpstream, start_proxy: StartProxy) -> None:
-    proxy = await start_proxy(region(upstream))
+async def test_no_caps_means_no_queue(upstream: GatedUpstream, make_proxy: ProxyFactory) -> None:
+    proxy = await make_proxy(region(upstream))
     upstream.gate.set()
     async with aiohttp.ClientSession() as client:
         results = await asyncio.gather(*(fetch(client, proxy, f"n{i}") for i in range(10)))

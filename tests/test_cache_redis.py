@@ -7,7 +7,7 @@ import asyncio
 import shutil
 import socket
 import subprocess
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +15,9 @@ import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
-from edgeproxy import Config, EdgeProxy
+from edgeproxy import EdgeProxy
 
-from .conftest import RegionFactory, eventually, proxy_config
+from .conftest import ProxyFactory, RegionFactory, eventually
 from .test_cache import CHAT, cache_status, chat, post, sse_data, upstream_calls
 
 pytestmark = pytest.mark.redis
@@ -104,34 +104,24 @@ def own_redis(tmp_path: Path) -> Iterator[Any]:
         server.kill()
 
 
-@pytest.fixture
-async def proxies() -> AsyncIterator[list[EdgeProxy]]:
-    started: list[EdgeProxy] = []
-    yield started
-    for proxy in started:
-        await proxy.stop(grace=2.0)
-
-
-async def start(started: list[EdgeProxy], region_url: str, **cache: Any) -> EdgeProxy:
-    data = proxy_config([{"name": "r1", "url": region_url}])
-    data["cache"] = {"xfetch_beta": 0.0, **cache}
-    proxy = EdgeProxy(Config.from_mapping(data, environ={}))
-    await proxy.start()
-    started.append(proxy)
-    return proxy
+async def start(make_proxy: ProxyFactory, region_url: str, **cache: Any) -> EdgeProxy:
+    """A proxy in front of ``region_url`` with this [cache] section (early refresh off)."""
+    return await make_proxy(
+        [{"name": "r1", "url": region_url}], cache={"xfetch_beta": 0.0, **cache}
+    )
 
 
 async def test_two_proxies_share_the_redis_tier(
     make_region: RegionFactory,
-    proxies: list[EdgeProxy],
+    make_proxy: ProxyFactory,
     redis_server: str,
     redis_prefix: str,
 ) -> None:
     region = await make_region("r1", tokens=5)
     # Generous: this test is about sharing, not about timeouts on a busy machine.
     common = {"redis_url": redis_server, "key_prefix": redis_prefix, "redis_timeout": 2.0}
-    first = await start(proxies, region.url, backend="redis", **common)
-    second = await start(proxies, region.url, backend="tiered", **common)
+    first = await start(make_proxy, region.url, backend="redis", **common)
+    second = await start(make_proxy, region.url, backend="tiered", **common)
     async with aiohttp.ClientSession() as client:
         _, headers, body = await post(client, first.url + CHAT, chat("shared"))
         assert headers["X-Edgeproxy-Cache"] == "MISS"
@@ -162,13 +152,13 @@ async def test_two_proxies_share_the_redis_tier(
 
 async def test_garbage_in_redis_is_a_miss(
     make_region: RegionFactory,
-    proxies: list[EdgeProxy],
+    make_proxy: ProxyFactory,
     redis_server: str,
     redis_prefix: str,
 ) -> None:
     region = await make_region("r1")
     proxy = await start(
-        proxies,
+        make_proxy,
         region.url,
         backend="redis",
         redis_url=redis_server,
@@ -198,12 +188,12 @@ async def test_garbage_in_redis_is_a_miss(
 
 
 async def test_redis_killed_mid_run_fails_open_and_recovers(
-    make_region: RegionFactory, proxies: list[EdgeProxy], own_redis: Any
+    make_region: RegionFactory, make_proxy: ProxyFactory, own_redis: Any
 ) -> None:
     server = await own_redis()
     region = await make_region("r1")
     proxy = await start(
-        proxies,
+        make_proxy,
         region.url,
         backend="redis",
         redis_url=server.url,
@@ -252,12 +242,12 @@ async def test_redis_killed_mid_run_fails_open_and_recovers(
 
 
 async def test_slow_redis_times_out_and_the_request_goes_upstream(
-    make_region: RegionFactory, proxies: list[EdgeProxy], own_redis: Any
+    make_region: RegionFactory, make_proxy: ProxyFactory, own_redis: Any
 ) -> None:
     server = await own_redis()
     region = await make_region("r1")
     proxy = await start(
-        proxies, region.url, backend="redis", redis_url=server.url, redis_timeout=0.5
+        make_proxy, region.url, backend="redis", redis_url=server.url, redis_timeout=0.5
     )
     admin = aioredis.Redis.from_url(server.url)
     try:
@@ -276,7 +266,7 @@ async def test_slow_redis_times_out_and_the_request_goes_upstream(
 
 async def test_redis_over_tls_with_a_password(
     make_region: RegionFactory,
-    proxies: list[EdgeProxy],
+    make_proxy: ProxyFactory,
     own_redis: Any,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
@@ -307,7 +297,7 @@ async def test_redis_over_tls_with_a_password(
     region = await make_region("r1")
     monkeypatch.setenv("TEST_REDIS_PASSWORD", "s3cret")
     good = await start(
-        proxies,
+        make_proxy,
         region.url,
         backend="redis",
         redis_url=server.url,
@@ -316,7 +306,7 @@ async def test_redis_over_tls_with_a_password(
         redis_timeout=2.0,  # TLS handshakes on a busy 2-core machine: not what is tested
     )
     wrong = await start(
-        proxies,
+        make_proxy,
         region.url,
         backend="redis",
         redis_url=server.url.replace("rediss://", "rediss://:wrong@"),
@@ -337,13 +327,13 @@ async def test_redis_over_tls_with_a_password(
 
 async def test_a_busy_redis_pool_waits_instead_of_failing(
     make_region: RegionFactory,
-    proxies: list[EdgeProxy],
+    make_proxy: ProxyFactory,
     redis_server: str,
     redis_prefix: str,
 ) -> None:
     region = await make_region("r1")
     proxy = await start(
-        proxies,
+        make_proxy,
         region.url,
         backend="redis",
         redis_url=redis_server,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 from types import ModuleType
 
@@ -12,10 +11,10 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from edgeproxy import EdgeProxy, load_config
+from edgeproxy import load_config
 from edgeproxy._cli import main as cli_main
 
-from .conftest import RegionFactory
+from .conftest import ProxyFactory, RegionFactory
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
 CHAT = "/v1/chat/completions"
@@ -33,14 +32,6 @@ def env_for(regions: dict[str, str]) -> dict[str, str]:
     return env
 
 
-@pytest.fixture
-async def proxies() -> AsyncIterator[list[EdgeProxy]]:
-    started: list[EdgeProxy] = []
-    yield started
-    for proxy in started:
-        await proxy.stop(grace=2.0)
-
-
 def import_path(path: Path) -> ModuleType:
     spec = importlib.util.spec_from_file_location(f"example_{path.stem}", path)
     assert spec is not None and spec.loader is not None
@@ -56,14 +47,12 @@ def test_every_example_config_is_valid(capsys: pytest.CaptureFixture[str]) -> No
 
 
 async def test_sidecar_three_regions(
-    make_region: RegionFactory, proxies: list[EdgeProxy], tmp_path: Path
+    make_region: RegionFactory, make_proxy: ProxyFactory, tmp_path: Path
 ) -> None:
     names = ["ap-southeast-1", "ap-northeast-1", "us-west-2"]
     regions = {name: (await make_region(name)).url for name in names}
     config = load_config(EXAMPLES / "sidecar.toml", environ=env_for(regions))
-    proxy = EdgeProxy(config)
-    await proxy.start()
-    proxies.append(proxy)
+    proxy = await make_proxy(config=config)
     async with aiohttp.ClientSession() as client:
         async with client.post(proxy.url + CHAT, json=chat()) as resp:
             assert resp.status == 200
@@ -105,14 +94,12 @@ async def test_gateway_embedding(
     assert region.requests_by_path.get(CHAT) == 3
 
 
-async def test_tenant_policy_plugin(make_region: RegionFactory, proxies: list[EdgeProxy]) -> None:
+async def test_tenant_policy_plugin(make_region: RegionFactory, make_proxy: ProxyFactory) -> None:
     region = await make_region("ap-southeast-1")
     config = load_config(
         EXAMPLES / "tenant_policy.toml", environ=env_for({"ap-southeast-1": region.url})
     )
-    proxy = EdgeProxy(config)
-    await proxy.start()
-    proxies.append(proxy)
+    proxy = await make_proxy(config=config)
     before = region.requests_total
     async with aiohttp.ClientSession() as client:
         acme = {"X-Tenant-Id": "acme"}
@@ -132,7 +119,7 @@ async def test_tenant_policy_plugin(make_region: RegionFactory, proxies: list[Ed
 
 @pytest.mark.redis
 async def test_multi_pop_shares_usage_through_redis(
-    make_region: RegionFactory, proxies: list[EdgeProxy], redis_server: str, redis_prefix: str
+    make_region: RegionFactory, make_proxy: ProxyFactory, redis_server: str, redis_prefix: str
 ) -> None:
     ap = await make_region("ap-southeast-1")
     eu = await make_region("eu-central-1")
@@ -144,10 +131,7 @@ async def test_multi_pop_shares_usage_through_redis(
             "redis_url": redis_server,
             "prefix": redis_prefix,
         }
-        proxy = EdgeProxy(config)
-        await proxy.start()
-        proxies.append(proxy)
-        pops.append(proxy)
+        pops.append(await make_proxy(config=config))
     sin, fra = pops
     body = {**chat(), "stream": True, "stream_options": {"include_usage": True}}
     async with aiohttp.ClientSession() as client:

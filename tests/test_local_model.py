@@ -10,7 +10,7 @@ import asyncio
 import importlib.util
 import logging
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ from edgeproxy._core.config import ConfigError
 from edgeproxy._core.errors import ProxyError
 from edgeproxy._local.model import LocalAnswer, LocalModel, parse_generation_request
 
-from .conftest import eventually, proxy_config
+from .conftest import ProxyFactory, eventually, proxy_config
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -58,28 +58,24 @@ def tiny_model() -> Path:
 
 
 @pytest.fixture
-async def local_proxy(tiny_model: Path) -> AsyncIterator[LocalProxyFactory]:
+def local_proxy(tiny_model: Path, make_proxy: ProxyFactory) -> LocalProxyFactory:
     """A proxy whose only region is dead, with the tiny model as its local model."""
-    started: list[EdgeProxy] = []
 
     async def factory(
         *, plugins: list[object] | None = None, wait: bool = True, **local: Any
     ) -> EdgeProxy:
         settings = {"path": str(tiny_model), "n_ctx": 512, "max_tokens": 64, **local}
-        data = proxy_config(
-            [{"name": "dead", "url": f"http://127.0.0.1:{closed_port()}"}], local_model=settings
+        proxy = await make_proxy(
+            [{"name": "dead", "url": f"http://127.0.0.1:{closed_port()}"}],
+            plugins=plugins or [],
+            local_model=settings,
         )
-        proxy = EdgeProxy(Config.from_mapping(data, environ={}), plugins=plugins or [])
-        await proxy.start()
-        started.append(proxy)
         if wait:
             local_model = proxy.pipeline.fallback.local
             await eventually(lambda: local_model.state not in ("idle", "loading"))
         return proxy
 
-    yield factory
-    for proxy in started:
-        await proxy.stop(grace=2.0)
+    return factory
 
 
 def sse_events(raw: bytes) -> list[Any]:

@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import textwrap
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ from edgeproxy import Config, EdgeProxy, RequestContext, hookimpl
 from edgeproxy._core.config import ConfigError
 from edgeproxy._observability.metrics import LABELS, RecentTraffic, StatusCollector, flatten_status
 
-from .conftest import RegionFactory, eventually, proxy_config
+from .conftest import ProxyFactory, RegionFactory, eventually, proxy_config
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
@@ -32,33 +31,6 @@ PER_REQUEST = (
     "edgeproxy_client_ttfb_seconds",
     "edgeproxy_proxy_overhead_seconds",
 )
-
-StartProxy = Callable[..., Awaitable[EdgeProxy]]
-
-
-@pytest.fixture
-async def start_proxy() -> AsyncIterator[StartProxy]:
-    """A proxy from a config mapping (``routes`` included) plus plugin objects; stopped after."""
-    started: list[EdgeProxy] = []
-
-    async def factory(
-        regions: list[dict[str, Any]],
-        *,
-        plugins: Iterable[object] = (),
-        routes: list[dict[str, Any]] | None = None,
-        **sections: dict[str, Any],
-    ) -> EdgeProxy:
-        data = proxy_config(regions, **sections)
-        if routes is not None:
-            data["routes"] = routes
-        proxy = EdgeProxy(Config.from_mapping(data, environ={}), plugins=list(plugins))
-        await proxy.start()
-        started.append(proxy)
-        return proxy
-
-    yield factory
-    for proxy in started:
-        await proxy.stop(grace=2.0)
 
 
 class Samples:
@@ -94,10 +66,10 @@ async def scrape(proxy: EdgeProxy, accept: str | None = None) -> Samples:
 
 
 async def test_scrape_after_real_traffic_has_histograms_counters_and_labels(
-    make_region: RegionFactory, start_proxy: StartProxy
+    make_region: RegionFactory, make_proxy: ProxyFactory
 ) -> None:
     region = await make_region("ap-1", tokens=5)
-    proxy = await start_proxy(
+    proxy = await make_proxy(
         [{"name": "ap-1", "url": region.url}],
         routes=[{"name": "chat", "path": CHAT}],
         metrics={"buckets": [0.001, 0.01, 0.1, 1.0, 10.0, 120.0]},
@@ -178,11 +150,11 @@ class FallbackAnswer:
 
 
 async def test_failed_and_degraded_requests_are_labelled(
-    make_region: RegionFactory, start_proxy: StartProxy
+    make_region: RegionFactory, make_proxy: ProxyFactory
 ) -> None:
     region = await make_region("ap-1")
     await region.kill()  # unreachable from the start
-    proxy = await start_proxy([{"name": "ap-1", "url": region.url}], plugins=[FallbackAnswer()])
+    proxy = await make_proxy([{"name": "ap-1", "url": region.url}], plugins=[FallbackAnswer()])
     async with aiohttp.ClientSession() as client:
         async with client.get(proxy.url + "/v1/models") as resp:
             assert resp.status == 200
@@ -215,10 +187,10 @@ class TenantAndGarbage:
 
 
 async def test_label_cardinality_stays_bounded_under_1000_tenants_and_paths(
-    make_region: RegionFactory, start_proxy: StartProxy
+    make_region: RegionFactory, make_proxy: ProxyFactory
 ) -> None:
     region = await make_region("ap-1")
-    proxy = await start_proxy([{"name": "ap-1", "url": region.url}], plugins=[TenantAndGarbage()])
+    proxy = await make_proxy([{"name": "ap-1", "url": region.url}], plugins=[TenantAndGarbage()])
     done = 0
 
     async def one(client: aiohttp.ClientSession, i: int) -> None:
@@ -255,10 +227,10 @@ async def test_label_cardinality_stays_bounded_under_1000_tenants_and_paths(
 
 
 async def test_status_has_recent_latency_percentiles(
-    make_region: RegionFactory, start_proxy: StartProxy
+    make_region: RegionFactory, make_proxy: ProxyFactory
 ) -> None:
     region = await make_region("ap-1", tokens=3)
-    proxy = await start_proxy([{"name": "ap-1", "url": region.url}])
+    proxy = await make_proxy([{"name": "ap-1", "url": region.url}])
     async with aiohttp.ClientSession() as client:
         for _ in range(20):
             async with client.post(proxy.url + CHAT, json=BODY) as resp:
@@ -281,11 +253,11 @@ async def test_status_has_recent_latency_percentiles(
 
 
 async def test_each_proxy_has_its_own_registry(
-    make_region: RegionFactory, start_proxy: StartProxy
+    make_region: RegionFactory, make_proxy: ProxyFactory
 ) -> None:
     region = await make_region("ap-1")
-    busy = await start_proxy([{"name": "ap-1", "url": region.url}])
-    idle = await start_proxy([{"name": "ap-1", "url": region.url}])
+    busy = await make_proxy([{"name": "ap-1", "url": region.url}])
+    idle = await make_proxy([{"name": "ap-1", "url": region.url}])
     async with aiohttp.ClientSession() as client:
         async with client.get(busy.url + "/v1/models") as resp:
             await resp.read()
@@ -297,10 +269,10 @@ async def test_each_proxy_has_its_own_registry(
 
 
 async def test_metrics_can_be_turned_off(
-    make_region: RegionFactory, start_proxy: StartProxy
+    make_region: RegionFactory, make_proxy: ProxyFactory
 ) -> None:
     region = await make_region("ap-1")
-    proxy = await start_proxy([{"name": "ap-1", "url": region.url}], metrics={"enabled": False})
+    proxy = await make_proxy([{"name": "ap-1", "url": region.url}], metrics={"enabled": False})
     assert proxy.metrics is None
     assert "edgeproxy.metrics" not in proxy.plugins.names()
     async with aiohttp.ClientSession() as client:
@@ -314,12 +286,12 @@ async def test_metrics_can_be_turned_off(
 
 async def test_a_metrics_fault_never_fails_a_request(
     make_region: RegionFactory,
-    start_proxy: StartProxy,
+    make_proxy: ProxyFactory,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     region = await make_region("ap-1")
-    proxy = await start_proxy([{"name": "ap-1", "url": region.url}])
+    proxy = await make_proxy([{"name": "ap-1", "url": region.url}])
     assert proxy.metrics is not None
 
     def broken(ctx: RequestContext) -> None:

@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 from multidict import CIMultiDict
 
-from edgeproxy import Config, EdgeProxy, hookimpl
+from edgeproxy import EdgeProxy, hookimpl
 from edgeproxy._core.config import AdmissionConfig
 from edgeproxy._stages.ratelimit import (
     Charge,
@@ -23,7 +23,7 @@ from edgeproxy._stages.ratelimit import (
     RedisBuckets,
 )
 
-from .conftest import ProxyFactory, RegionFactory, eventually, proxy_config
+from .conftest import ProxyFactory, RegionFactory, eventually
 
 CHAT = "/v1/chat/completions"
 
@@ -102,22 +102,18 @@ async def test_tenant_set_by_a_plugin_keys_the_limit(
             ctx.tenant = ctx.headers.get("x-team")
 
     region = await make_region("r1")
-    config = proxy_config(
+    proxy = await make_proxy(
         [{"name": "r1", "url": region.url}],
+        plugins=[Tenant()],
         admission={"key_requests_per_second": 0.1, "key_burst": 2},
     )
-    proxy = EdgeProxy(Config.from_mapping(config, environ={}), plugins=[Tenant()])
-    await proxy.start()
-    try:
-        async with aiohttp.ClientSession() as client:
-            # Different API keys, one tenant: one bucket.
-            team = {"x-team": "blue"}
-            assert (await post(client, proxy, {**team, **key("a")}))[0] == 200
-            assert (await post(client, proxy, {**team, **key("b")}))[0] == 200
-            assert (await post(client, proxy, {**team, **key("c")}))[0] == 429
-            assert (await post(client, proxy, {"x-team": "red"}))[0] == 200
-    finally:
-        await proxy.stop(grace=2.0)
+    async with aiohttp.ClientSession() as client:
+        # Different API keys, one tenant: one bucket.
+        team = {"x-team": "blue"}
+        assert (await post(client, proxy, {**team, **key("a")}))[0] == 200
+        assert (await post(client, proxy, {**team, **key("b")}))[0] == 200
+        assert (await post(client, proxy, {**team, **key("c")}))[0] == 429
+        assert (await post(client, proxy, {"x-team": "red"}))[0] == 200
 
 
 async def test_per_ip_limit_trusts_forwarded_for_only_from_trusted_proxies(

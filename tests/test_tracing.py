@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +16,7 @@ from aiohttp import web
 from edgeproxy import Config, EdgeProxy, hookimpl
 from edgeproxy._observability.tracing import Tracing, otel_available
 
-from .conftest import RegionFactory, eventually, proxy_config
+from .conftest import ProxyFactory, RegionFactory, eventually, proxy_config
 
 CHAT = "/v1/chat/completions"
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -26,25 +26,6 @@ TRACEPARENT_RE = re.compile(r"^00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
 needs_otel = pytest.mark.skipif(
     not otel_available(), reason="the OpenTelemetry SDK (the 'otel' extra) is not installed"
 )
-
-
-@pytest.fixture
-async def proxies() -> AsyncIterator[list[EdgeProxy]]:
-    started: list[EdgeProxy] = []
-    yield started
-    for proxy in started:
-        await proxy.stop(grace=2.0)
-
-
-async def start(
-    started: list[EdgeProxy], regions: list[dict[str, Any]], *plugins: object, **sections: Any
-) -> EdgeProxy:
-    proxy = EdgeProxy(
-        Config.from_mapping(proxy_config(regions, **sections), environ={}), plugins=list(plugins)
-    )
-    await proxy.start()
-    started.append(proxy)
-    return proxy
 
 
 async def echo(
@@ -63,12 +44,11 @@ def log_lines(path: Path) -> list[dict[str, Any]]:
 
 
 async def test_traceparent_round_trip(
-    make_region: RegionFactory, proxies: list[EdgeProxy], tmp_path: Path
+    make_region: RegionFactory, make_proxy: ProxyFactory, tmp_path: Path
 ) -> None:
     region = await make_region("ap-1")
     log = tmp_path / "access.jsonl"
-    proxy = await start(
-        proxies,
+    proxy = await make_proxy(
         [{"name": "ap-1", "url": region.url}],
         access_log={"enabled": True, "path": str(log)},
     )
@@ -145,13 +125,12 @@ def by_name(finished: list[Any]) -> dict[str, list[Any]]:
 
 @needs_otel
 async def test_spans_for_each_stage_are_exported(
-    make_region: RegionFactory, proxies: list[EdgeProxy], spans: Any
+    make_region: RegionFactory, make_proxy: ProxyFactory, spans: Any
 ) -> None:
     from opentelemetry.trace import SpanKind, StatusCode
 
     region = await make_region("ap-1", tokens=3)
-    proxy = await start(
-        proxies,
+    proxy = await make_proxy(
         [{"name": "ap-1", "url": region.url}],
         tracing={"otel": True, "exporter": "global"},
     )
@@ -193,11 +172,10 @@ async def test_spans_for_each_stage_are_exported(
 
 @needs_otel
 async def test_the_region_hangs_its_spans_under_the_attempt(
-    make_region: RegionFactory, proxies: list[EdgeProxy], spans: Any
+    make_region: RegionFactory, make_proxy: ProxyFactory, spans: Any
 ) -> None:
     region = await make_region("ap-1")
-    proxy = await start(
-        proxies,
+    proxy = await make_proxy(
         [{"name": "ap-1", "url": region.url}],
         tracing={"otel": True, "exporter": "global"},
     )
@@ -220,16 +198,15 @@ class FallbackAnswer:
 
 @needs_otel
 async def test_failed_attempt_and_fallback_spans(
-    make_region: RegionFactory, proxies: list[EdgeProxy], spans: Any
+    make_region: RegionFactory, make_proxy: ProxyFactory, spans: Any
 ) -> None:
     from opentelemetry.trace import StatusCode
 
     dead = await make_region("ap-2")
     await dead.kill()
-    proxy = await start(
-        proxies,
+    proxy = await make_proxy(
         [{"name": "ap-2", "url": dead.url}],
-        FallbackAnswer(),
+        plugins=[FallbackAnswer()],
         tracing={"otel": True, "exporter": "global"},
     )
     async with aiohttp.ClientSession() as client:
@@ -250,11 +227,10 @@ async def test_failed_attempt_and_fallback_spans(
 
 @needs_otel
 async def test_an_unsampled_caller_exports_nothing(
-    make_region: RegionFactory, proxies: list[EdgeProxy], spans: Any, tmp_path: Path
+    make_region: RegionFactory, make_proxy: ProxyFactory, spans: Any, tmp_path: Path
 ) -> None:
     region = await make_region("ap-1")
-    proxy = await start(
-        proxies,
+    proxy = await make_proxy(
         [{"name": "ap-1", "url": region.url}],
         tracing={"otel": True, "exporter": "global"},
     )
@@ -268,7 +244,7 @@ async def test_an_unsampled_caller_exports_nothing(
 
 @needs_otel
 async def test_otlp_http_export_reaches_a_collector(
-    make_region: RegionFactory, proxies: list[EdgeProxy]
+    make_region: RegionFactory, make_proxy: ProxyFactory
 ) -> None:
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
         ExportTraceServiceRequest,
@@ -293,8 +269,7 @@ async def test_otlp_http_export_reaches_a_collector(
     host, port = runner.addresses[0][:2]
     try:
         region = await make_region("ap-1")
-        proxy = await start(
-            proxies,
+        proxy = await make_proxy(
             [{"name": "ap-1", "url": region.url}],
             tracing={
                 "otel": True,
@@ -307,7 +282,6 @@ async def test_otlp_http_export_reaches_a_collector(
         await echo(proxy)
         # Shutdown flushes the batch processor (from a thread: the loop keeps serving).
         await proxy.stop(grace=2.0)
-        proxies.remove(proxy)
         assert received, "nothing exported"
         names = set()
         services = set()
@@ -327,7 +301,7 @@ async def test_otlp_http_export_reaches_a_collector(
 
 async def test_otel_missing_still_propagates_traceparent(
     make_region: RegionFactory,
-    proxies: list[EdgeProxy],
+    make_proxy: ProxyFactory,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -335,7 +309,7 @@ async def test_otel_missing_still_propagates_traceparent(
     monkeypatch.setattr("edgeproxy._observability.tracing.otel_available", lambda: False)
     caplog.set_level(logging.WARNING, logger="edgeproxy.tracing")
     region = await make_region("ap-1")
-    proxy = await start(proxies, [{"name": "ap-1", "url": region.url}], tracing={"otel": True})
+    proxy = await make_proxy([{"name": "ap-1", "url": region.url}], tracing={"otel": True})
     assert proxy.tracing is None
     assert "not installed" in caplog.text
     got = await echo(proxy, {"traceparent": f"00-{TRACE_ID}-{CLIENT_SPAN}-01"})

@@ -10,7 +10,7 @@ from aiohttp import web
 
 from edgeproxy import Config, EdgeProxy, RequestContext, hookimpl
 
-from ..conftest import eventually, proxy_config
+from ..conftest import ProxyFactory, eventually, proxy_config
 
 PluginProxyFactory = Callable[..., Awaitable[EdgeProxy]]
 CHAT = "/v1/chat/completions"
@@ -47,21 +47,17 @@ def build_proxy(
 
 
 @pytest.fixture
-async def make_plugin_proxy() -> AsyncIterator[PluginProxyFactory]:
-    """Like ``make_proxy``, with ``extra=[plugin objects]``; every proxy is stopped afterwards."""
-    started: list[EdgeProxy] = []
+def make_plugin_proxy(make_proxy: ProxyFactory) -> PluginProxyFactory:
+    """``make_proxy`` with ``extra=[plugin objects]`` besides the ``[plugins]`` of the config
+    (``plugins=plugins_section(...)`` here is that config section)."""
 
     async def factory(
         regions: list[dict[str, Any]], *, extra: Iterable[object] = (), **sections: dict[str, Any]
     ) -> EdgeProxy:
-        proxy = build_proxy(regions, extra=extra, **sections)
-        await proxy.start()
-        started.append(proxy)
-        return proxy
+        config = Config.from_mapping(proxy_config(regions, **sections), environ={})
+        return await make_proxy(config=config, plugins=extra)
 
-    yield factory
-    for proxy in started:
-        await proxy.stop(grace=2.0)
+    return factory
 
 
 def plugins_section(**settings: dict[str, Any]) -> dict[str, Any]:
