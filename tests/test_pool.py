@@ -24,7 +24,9 @@ async def test_waiting_for_a_connection_times_out_as_retryable(
     make_region: RegionFactory,
 ) -> None:
     region = await make_region("h1", fault="stall_body")
-    pool = AiohttpPool(region.url, _limits(http1_max_connections=1))
+    # aiohttp counts the wait for a free connection in its connect timeout, which the
+    # pool sets to pool_timeout + connect_timeout: keep both short.
+    pool = AiohttpPool(region.url, _limits(http1_max_connections=1, connect_timeout=0.2))
     try:
         body = b'{"model": "m", "stream": true, "messages": [{"role": "user", "content": "x"}]}'
         held = await pool.request(
