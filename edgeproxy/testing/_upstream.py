@@ -32,6 +32,8 @@ _HYPERCORN_BACKSTOP: Final = 5.0
 # After a graceful drain, how long idle connections get to close cleanly
 # before they are dropped.
 _IDLE_CLOSE_WAIT: Final = 1.0
+# Hypercorn's graceful timeout on a kill, in seconds.
+_KILL_BACKSTOP: Final = 0.05
 
 
 class FakeRegion:
@@ -402,7 +404,11 @@ class FakeRegion:
             return
         self._app.begin_stop()
         if self._config is not None:
-            self._config.graceful_timeout = (grace or 0.0) + _HYPERCORN_BACKSTOP
+            # A kill drops connections that never carried a request (a warm pool's) too:
+            # hypercorn closes them when its graceful timeout ends, so it ends at once.
+            self._config.graceful_timeout = (
+                _KILL_BACKSTOP if grace is None else grace + _HYPERCORN_BACKSTOP
+            )
         self._reaper = asyncio.get_running_loop().create_task(self._reap(grace))
         self._shutdown.set()
 
