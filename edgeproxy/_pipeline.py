@@ -113,14 +113,16 @@ class Pipeline:
             await self._read_body(request, ctx)
             # received: plugins may rewrite the request through ctx, or answer it.
             if self.plugins.has("edgeproxy_request_received"):
+                method, target = ctx.method, ctx.target
                 answer = await self.plugins.call_first(
                     "edgeproxy_request_received", request=request, ctx=ctx
                 )
                 if answer is not None:
                     response = self._local_answer(ctx, answer)
                     return response
-                # A plugin may have rewritten the path: match the route again.
-                ctx.route = self.config.route_for(ctx.method, ctx.path)
+                if ctx.target != target or ctx.method != method:
+                    # A plugin rewrote the request: match its route again.
+                    ctx.route = self.config.route_for(ctx.method, ctx.path)
             # admission: body validation, rate limits, then a slot (may queue, or shed).
             failure: ProxyError | None = None
             try:

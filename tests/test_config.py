@@ -347,3 +347,40 @@ def test_geo_trusted_peers_default_trusts_nobody_and_says_so() -> None:
     assert "empty trusts every peer" not in docs["geo.trusted_peers"]
     everyone = Config.from_mapping({**MINIMAL, "geo": {"trusted_peers": ["0.0.0.0/0", "::/0"]}})
     assert everyone.geo.trusted_peers == ["0.0.0.0/0", "::/0"]
+
+
+def test_route_table_longest_prefix_methods_and_segment_boundaries() -> None:
+    config = Config.from_mapping(
+        {
+            "regions": [{"name": "r", "url": "http://r"}],
+            "routes": [
+                {"name": "v1", "path": "/v1"},
+                {"name": "chat", "path": "/v1/chat/"},
+                {"name": "chat-get", "path": "/v1/chat", "methods": ["GET"]},
+                {"name": "root", "path": "/"},
+            ],
+        },
+        environ={},
+    )
+    # Longest prefix first: "/v1/chat/" (9 characters) beats "/v1/chat" and "/v1".
+    assert config.route_for("POST", "/v1/chat/completions").name == "chat"
+    assert config.route_for("GET", "/v1/chat/completions").name == "chat"
+    # Equal prefixes: the method filter decides, and "/v1/chat" itself matches.
+    assert config.route_for("GET", "/v1/chat").name == "chat"
+    assert config.route_for("POST", "/v1/embeddings").name == "v1"
+    # Segment boundaries: "/v1" does not match "/v1x".
+    assert config.route_for("POST", "/v1x").name == "root"
+    assert config.route_for("GET", "/").name == "root"
+
+
+def test_without_a_matching_route_the_default_route_applies() -> None:
+    config = Config.from_mapping(
+        {
+            "regions": [{"name": "r", "url": "http://r"}],
+            "routes": [{"name": "chat", "path": "/v1/chat", "methods": ["POST"]}],
+        },
+        environ={},
+    )
+    assert config.route_for("GET", "/v1/chat").name == "default"
+    assert config.route_for("POST", "/v1/chat/completions").name == "chat"
+    assert config.route_for("POST", "/other").name == "default"

@@ -16,7 +16,7 @@ from edgeproxy._plugins import Plugins
 from edgeproxy._upstream.regions import Region
 from edgeproxy.hookspecs import hook_names
 
-from .conftest import RegionFactory, proxy_config
+from .conftest import ProxyFactory, RegionFactory, proxy_config
 
 CHAT = "/v1/chat/completions"
 DETERMINISTIC = {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": "hi"}]}
@@ -356,3 +356,38 @@ def test_every_hookspec_has_a_docstring_and_keyword_arguments() -> None:
         assert any(phrase in doc for phrase in ("*First result wins*", "*All run*", "*Chained*")), (
             f"{name} does not say how its results combine"
         )
+
+
+class RouteSeen:
+    """Records the route each request ended on."""
+
+    def __init__(self) -> None:
+        self.routes: list[str] = []
+
+    @hookimpl
+    def edgeproxy_response_complete(self, ctx: RequestContext) -> None:
+        self.routes.append(ctx.route.name)
+
+
+class RewriteWhenAsked:
+    @hookimpl
+    async def edgeproxy_request_received(self, ctx: RequestContext) -> None:
+        if ctx.path == "/rewrite-me":
+            ctx.target = "/v1/models"
+
+
+async def test_a_rewritten_request_is_routed_by_its_new_path(
+    make_region: RegionFactory, make_proxy: ProxyFactory
+) -> None:
+    region = await make_region("ap-1")
+    seen = RouteSeen()
+    proxy = await make_proxy(
+        [{"name": "ap-1", "url": region.url}],
+        routes=[{"name": "models", "path": "/v1/models"}, {"name": "other", "path": "/rewrite-me"}],
+        plugins=[RewriteWhenAsked(), seen],
+    )
+    async with aiohttp.ClientSession() as client:
+        for path, status in (("/rewrite-me", 200), ("/v1/models", 200), ("/elsewhere", 404)):
+            async with client.get(proxy.url + path) as resp:
+                assert resp.status == status, path
+    assert seen.routes == ["models", "models", "default"]

@@ -70,6 +70,11 @@ class Config(Section):
     _default_route: RouteConfig = PrivateAttr(
         default_factory=lambda: RouteConfig(name="default", path="/")
     )
+    # (prefix without its trailing slash, methods or None, route), longest prefix first:
+    # built once, so matching a request is one pass that stops at the first match.
+    _route_table: tuple[tuple[str, frozenset[str] | None, RouteConfig], ...] = PrivateAttr(
+        default=()
+    )
 
     @classmethod
     def from_mapping(
@@ -141,17 +146,31 @@ class Config(Section):
                     )
         return self
 
+    def model_post_init(self, context: Any, /) -> None:
+        """Build the route table once, longest prefix first (ties keep their config order)."""
+        super().model_post_init(context)
+        table = [
+            (route.path.rstrip("/"), frozenset(route.methods) if route.methods else None, route)
+            for route in self.routes
+        ]
+        table.sort(key=lambda entry: -len(entry[2].path))
+        self._route_table = tuple(table)
+
     def route_for(self, method: str, path: str) -> RouteConfig:
-        """The route a request belongs to: the longest matching prefix, else ``default``."""
-        best: RouteConfig | None = None
-        for route in self.routes:
-            if route.matches(method, path) and (best is None or len(route.path) > len(best.path)):
-                best = route
-        if best is not None:
-            return best
-        # A plain attribute read: pydantic's private attributes go through
+        """The route a request belongs to: the longest matching prefix, else ``default``.
+
+        Prefixes match on segment boundaries, as :meth:`RouteConfig.matches` says.
+        """
+        # Plain reads of the private dict: pydantic's private attributes go through
         # __getattr__, which is slow on a per-request path.
-        return self.__pydantic_private__["_default_route"]  # type: ignore[no-any-return,index]
+        private = self.__pydantic_private__
+        assert private is not None
+        for prefix, methods, route in private["_route_table"]:
+            if methods is not None and method not in methods:
+                continue
+            if not prefix or path == prefix or path.startswith(prefix + "/"):
+                return route  # type: ignore[no-any-return]
+        return private["_default_route"]  # type: ignore[no-any-return]
 
     def region(self, name: str) -> RegionConfig:
         """The region called ``name``; ``KeyError`` if there is none."""
