@@ -40,7 +40,7 @@ from edgeproxy._protocol.openai import (
 )
 from edgeproxy._protocol.usage import UsageTracker
 from edgeproxy._stages.cache.entry import assemble, explode
-from edgeproxy._stages.cache.stage import CACHEABLE_PATHS
+from edgeproxy._stages.cache.keys import CACHEABLE_PATHS
 from edgeproxy._stages.failover import LLM_SUFFIXES
 
 PROPERTIES: tuple[Property, ...] = get_args(Property)

@@ -1,1 +1,1 @@
-"""The local llama.cpp model: request mapping, binding, scheduling, answers."""
+"""The local llama.cpp model: request mapping, binding, prompt fitting, generation, answers."""

@@ -1,1 +1,1 @@
-"""The hot-answer cache: stage, entries, backends, coalescing."""
+"""The hot-answer cache: stage, keys, plans, recording, entries, backends, coalescing."""

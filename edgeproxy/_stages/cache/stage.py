@@ -1,4 +1,4 @@
-"""The hot-answer cache stage: what is cacheable, its key, and serving or storing answers.
+"""The hot-answer cache stage: what is cacheable, and serving or storing answers.
 
 Cacheable: POSTs to the OpenAI completion and embedding routes whose JSON
 body is deterministic (``temperature`` 0 or a ``seed``; embeddings always),
@@ -7,14 +7,8 @@ upstream answer is marked cacheable (``max-age``/``s-maxage``, not private).
 Never: a request with ``Cache-Control: no-store``, a body that is not a JSON
 object, a route configured ``cache = "off"``, an answer other than a
 complete 200 (a stream must end with ``[DONE]``), or one bigger than
-``[cache] max_entry_bytes``.
-
-A key covers the path, the model, the request body with non-semantic fields
-removed and JSON keys in canonical order, and its scope: the tenant, else a
-hash of the client's credential, else ``pub``. So one customer's answer
-never reaches another, and a request carrying an ``Authorization`` is only
-ever answered from entries made with that same credential. Keys are blake2b
-digests: raw prompts never appear in a backend's key names.
+``[cache] max_entry_bytes``. What a key covers, and so who may share an
+entry, is in :mod:`edgeproxy._stages.cache.keys`.
 
 :class:`CacheStage` is the pipeline's view of it all: :meth:`~CacheStage.lookup`
 answers from the cache (HIT, STALE) or from an identical request in flight
@@ -27,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
 import logging
 import random
 import time
@@ -35,22 +28,14 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Final
 
-import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
 from edgeproxy._core.config import Config
-from edgeproxy._core.context import RequestContext, UpstreamReply
-from edgeproxy._protocol.endpoints import endpoint_paths
-from edgeproxy._protocol.headers import CLIENT_CREDENTIAL_HEADERS, request_id
+from edgeproxy._core.context import RequestContext
+from edgeproxy._protocol.headers import request_id
 from edgeproxy._stages.cache.backends import CacheBackend, make_backend
-from edgeproxy._stages.cache.entry import (
-    Entry,
-    ReplayResponse,
-    replay_parts,
-    response_headers,
-    stream_complete,
-)
+from edgeproxy._stages.cache.entry import Entry, ReplayResponse, replay_parts, response_headers
 from edgeproxy._stages.cache.flight import (
     DONE,
     FAILED,
@@ -60,20 +45,24 @@ from edgeproxy._stages.cache.flight import (
     wait_finished,
     wait_started,
 )
+from edgeproxy._stages.cache.keys import (
+    CACHEABLE_PATHS,
+    _deterministic,
+    _get_digest,
+    _post_digest,
+    cache_scope,
+    hash_key,
+    tenant_scope,
+)
+from edgeproxy._stages.cache.plan import CachePlan, _directives, _plan_for_ctx, _seconds
+from edgeproxy._stages.cache.recorder import CacheRecorder
 
 if TYPE_CHECKING:
     from edgeproxy._plugins import Plugins
 
-__all__ = ["CachePlan", "CacheRecorder", "CacheStage", "default_cache_key", "hash_key"]
+__all__ = ["CachePlan", "CacheRecorder", "CacheStage"]
 
 logger = logging.getLogger("edgeproxy.cache")
-
-CACHEABLE_PATHS = endpoint_paths("cacheable")
-
-# Fields that do not change the answer: who asked, how it is delivered, tracing ids.
-NON_SEMANTIC_FIELDS = frozenset(
-    {"user", "stream", "stream_options", "request_id", "metadata", "store", "service_tier"}
-)
 
 # A key's flight is led at most this many times in a row; after that, followers
 # stop queueing behind one request at a time and go upstream on their own.
@@ -82,163 +71,6 @@ MAX_FLIGHT_ATTEMPTS: Final = 2
 Fetch = Callable[["RequestContext", "CacheRecorder"], Awaitable[None]]
 """Routes and sends a background refresh like the pipeline does, and relays the answer
 into the recorder, with no client attached."""
-
-
-def hash_key(material: str | bytes) -> str:
-    """A fixed-size, prompt-free key for ``material``."""
-    data = material.encode() if isinstance(material, str) else material
-    return hashlib.blake2b(data, digest_size=20).hexdigest()
-
-
-def _short_hash(material: str) -> str:
-    return hashlib.blake2b(material.encode(), digest_size=8, person=b"edgeproxy").hexdigest()
-
-
-# The credential headers in the order cache_scope tries them (sorted once, here).
-_CREDENTIAL_ORDER = tuple(sorted(CLIENT_CREDENTIAL_HEADERS))
-
-
-def tenant_scope(tenant: str) -> str:
-    """The scope, and so the key prefix (``<scope>:``), of every entry of ``tenant``."""
-    return "t" + _short_hash("tenant:" + tenant)
-
-
-def cache_scope(ctx: RequestContext) -> str:
-    """Who may share an entry: the tenant, else the credential the client sent, else anyone.
-
-    ``t…`` and ``k…`` are hashes, so neither tenant names nor credentials
-    appear in key names.
-    """
-    if ctx.tenant:
-        return tenant_scope(ctx.tenant)
-    for name in _CREDENTIAL_ORDER:
-        value = ctx.headers.get(name)
-        if value:
-            return "k" + _short_hash(f"credential:{name}:{value}")
-    return "pub"
-
-
-def _deterministic(path: str, body: dict[str, Any]) -> bool:
-    if path in endpoint_paths("deterministic"):
-        return True
-    if body.get("seed") is not None:
-        return True
-    temperature = body.get("temperature")
-    return temperature is not None and temperature == 0
-
-
-def default_cache_key(ctx: RequestContext, *, always: bool = False) -> str | None:
-    """The key digest of a cacheable POST, or None when it must not be cached.
-
-    Cacheable: POSTs to the OpenAI completion and embedding routes whose JSON
-    body is deterministic (``temperature`` 0 or a ``seed``), or any such POST
-    when ``always``. Never: ``Cache-Control: no-store``.
-    """
-    if ctx.method != "POST" or ctx.path not in CACHEABLE_PATHS:
-        return None
-    if "no-store" in ctx.headers.get("cache-control", "").lower():
-        return None
-    body = ctx.json
-    if not isinstance(body, dict):
-        return None
-    if not always and not _deterministic(ctx.path, body):
-        return None
-    return _post_digest(ctx, body)
-
-
-def _post_digest(
-    ctx: RequestContext, body: dict[str, Any], scope: str | None = None, path: str | None = None
-) -> str:
-    semantic = {k: v for k, v in body.items() if k not in NON_SEMANTIC_FIELDS}
-    material = orjson.dumps(
-        {
-            "path": ctx.path if path is None else path,
-            "model": body.get("model"),
-            "body": semantic,
-            "scope": cache_scope(ctx) if scope is None else scope,
-        },
-        option=orjson.OPT_SORT_KEYS,
-    )
-    return hash_key(material)
-
-
-def _get_digest(ctx: RequestContext, scope: str) -> str:
-    # The proxy forwards these, and the answer may depend on them.
-    material = orjson.dumps(
-        {
-            "method": "GET",
-            "target": ctx.target,
-            "accept": ctx.headers.get("accept", ""),
-            "accept-encoding": ctx.headers.get("accept-encoding", ""),
-            "scope": scope,
-        },
-        option=orjson.OPT_SORT_KEYS,
-    )
-    return hash_key(material)
-
-
-def _directives(values: list[str]) -> dict[str, str | None]:
-    """``Cache-Control`` directives, lower-cased: ``{"max-age": "60", "public": None}``."""
-    out: dict[str, str | None] = {}
-    for value in values:
-        for part in value.split(","):
-            name, _, arg = part.strip().partition("=")
-            if name:
-                out[name.lower()] = arg.strip().strip('"') if arg else None
-    return out
-
-
-def _seconds(value: str | None) -> float | None:
-    if value is None or not value.isdigit():
-        return None
-    return float(value)
-
-
-@dataclasses.dataclass(slots=True)
-class CachePlan:
-    """What the cache does with one cacheable request."""
-
-    key: str
-    """The entry's name in the backends: ``<scope>:<digest>``."""
-    method: str
-    lookup: bool
-    """False when the client asked for a fresh answer (``no-cache``): store, but do not serve."""
-    coalesce: bool
-    wants_sse: bool
-    include_usage: bool
-    ttl: float
-    swr: float
-    sie: float
-    credentials: bool
-
-
-def _plan_for_ctx(ctx: RequestContext, key: str, *, coalesce: bool) -> CachePlan:
-    wants_sse = include_usage = fresh_only = credentials = False
-    body = ctx.json if ctx.method == "POST" else None
-    if isinstance(body, dict):
-        wants_sse = body.get("stream") is True
-        options = body.get("stream_options")
-        include_usage = isinstance(options, dict) and options.get("include_usage") is True
-    headers = ctx.headers
-    if "cache-control" in headers:
-        request_cc = _directives(headers.getall("cache-control"))
-        fresh_only = "no-cache" in request_cc or request_cc.get("max-age") == "0"
-    for name in CLIENT_CREDENTIAL_HEADERS:
-        if headers.get(name):
-            credentials = True
-    route = ctx.route
-    return CachePlan(
-        key=key,
-        method=ctx.method,
-        lookup=not fresh_only,
-        coalesce=coalesce and ctx.method == "POST",
-        wants_sse=wants_sse,
-        include_usage=include_usage,
-        ttl=route.cache_ttl,
-        swr=route.stale_while_revalidate,
-        sie=route.stale_if_error,
-        credentials=credentials,
-    )
 
 
 class CacheStats:
@@ -259,181 +91,6 @@ class CacheStats:
         served = self.outcomes["HIT"] + self.outcomes["STALE"] + self.outcomes["COALESCED"]
         total = served + self.outcomes["MISS"]
         return round(served / total, 4) if total else None
-
-
-class CacheRecorder:
-    """Sees the leader's answer as the stream stage relays it, and stores it once complete.
-
-    The stream stage calls :meth:`start` with the response headers,
-    :meth:`feed` with each chunk sent to the client (appending to a list,
-    nothing that could delay the client) and :meth:`finish` once the upstream
-    body ended cleanly. The pipeline calls :meth:`release` when the request is
-    over, whatever happened: an answer that never finished is not stored, and
-    the followers waiting on it wake up.
-    """
-
-    __slots__ = (
-        "stage",
-        "ctx",
-        "plan",
-        "flight",
-        "chunks",
-        "size",
-        "kind",
-        "status",
-        "headers",
-        "region",
-        "windows",
-        "expected",
-        "tail",
-        "started",
-        "active",
-        "too_large",
-        "finished",
-    )
-
-    def __init__(
-        self, stage: CacheStage, ctx: RequestContext, plan: CachePlan, flight: Flight | None
-    ) -> None:
-        self.stage = stage
-        self.ctx = ctx
-        self.plan = plan
-        self.flight = flight
-        self.chunks: list[bytes] = flight.chunks if flight is not None else []
-        self.size = 0
-        self.kind = "raw"
-        self.status = 0
-        self.headers: list[tuple[str, str]] = []
-        self.region: str | None = None
-        self.windows: tuple[float, float, float] = (0.0, 0.0, 0.0)
-        # The body is complete at `expected` bytes (a JSON answer with a Content-Length) or
-        # once `tail` holds the [DONE] event: the client may hang up before the upstream's
-        # end of body is read, and a complete answer must not be lost to that.
-        self.expected: int | None = None
-        self.tail = b""
-        self.started = False
-        self.active = False
-        self.too_large = False
-        self.finished = False
-
-    def start(self, reply: UpstreamReply, region: str | None = None) -> None:
-        """Response headers arrived (after the plugins' edits): is this answer storable?"""
-        self.started = True
-        self.status = reply.status
-        self.region = region
-        content_type = ""
-        length = ""
-        for name, value in reply.headers:
-            lname = name.lower()
-            if lname == "content-type":
-                content_type = value.lower()
-            elif lname == "content-length":
-                length = value
-        # A chunk plugin changes the length: then only the end of the body says it is whole.
-        if length.isdigit() and not self.stage.plugins.has("edgeproxy_stream_chunk"):
-            self.expected = int(length)
-        if content_type.startswith("text/event-stream"):
-            self.kind = "sse"
-        elif "json" in content_type:
-            self.kind = "json"
-        windows, reason = self.stage.storable(self.plan, reply.status, reply.headers)
-        if windows is None:
-            self.stage.stats.not_cached[reason] += 1
-            if self.flight is not None:
-                self.flight.fail()
-            return
-        self.active = True
-        self.windows = windows
-        self.headers = list(reply.headers)
-        # Lets the client (and an operator purging) name the entry.
-        reply.headers.append(("X-Edgeproxy-Cache-Key", self.plan.key))
-        if self.flight is not None:
-            self.flight.region = region
-            self.flight.started(reply.status, self.headers, self.kind == "sse")
-
-    def feed(self, chunk: bytes) -> None:
-        if not self.active or self.finished:
-            return
-        self.size += len(chunk)
-        if self.kind == "sse":
-            self.tail = (self.tail + chunk)[-64:]
-        flight = self.flight
-        if not self.too_large and self.size > self.stage.config.max_entry_bytes:
-            self.too_large = True
-            if flight is None or not flight.followers:
-                # Nobody needs the recording any more: stop holding the bytes.
-                if flight is not None:
-                    flight.drop_chunks()
-                else:
-                    self.chunks.clear()
-        if flight is not None:
-            if flight.shareable:
-                flight.add(chunk)
-        elif not self.too_large:
-            self.chunks.append(chunk)
-        if self.too_large:
-            return  # not stored: it ends with the upstream body
-        if self.expected is not None:
-            if self.size >= self.expected:
-                self.finish()
-        elif self.kind == "sse" and stream_complete(self.tail):
-            self.finish()
-
-    def finish(self) -> None:
-        """The upstream body ended cleanly: store the answer if it is complete."""
-        if self.finished:
-            return
-        self.finished = True
-        if not self.active:
-            return
-        flight = self.flight
-        # A stream that ended without [DONE] was cut: never stored, never replayed.
-        complete = self.kind != "sse" or stream_complete(self.tail)
-        reason = "too_large" if self.too_large else "" if complete else "incomplete"
-        # Too large to store, but kept in full while followers needed it.
-        kept = not self.too_large or (flight is not None and flight.shareable)
-        entry: Entry | None = None
-        if complete and kept:
-            ttl, swr, sie = self.windows
-            entry = Entry.build(
-                status=self.status,
-                headers=self.headers,
-                body=b"".join(self.chunks),
-                kind=self.kind,
-                ttl=ttl,
-                swr=swr,
-                sie=sie,
-                delta=time.monotonic() - self.ctx.started,
-                region=self.region,
-                clock=self.stage.clock,
-            )
-        if flight is not None:
-            # Followers get the answer even when it is too large to store.
-            flight.done(entry)
-        if reason or entry is None:
-            if reason:
-                self.stage.stats.not_cached[reason] += 1
-            if flight is not None:
-                self.stage.coalescer.end(flight)
-            return
-        self.stage.store(self.plan.key, entry, flight)
-
-    def release(self) -> None:
-        """The request is over. An answer that did not finish is dropped; followers wake."""
-        if self.finished:
-            return
-        self.finished = True
-        if self.active:
-            self.stage.stats.not_cached["incomplete"] += 1
-        flight = self.flight
-        if flight is not None:
-            # The regions failed (the fallback answered): followers may take stale-if-error.
-            flight_error = not self.started and (
-                self.ctx.status >= 500 or self.ctx.degraded is not None
-            )
-            flight.error = flight_error
-            flight.fail()
-            self.stage.coalescer.end(flight)
 
 
 class CacheStage:

@@ -1,0 +1,225 @@
+"""The local model's answer: a response holding its generation slot, written as one JSON
+body or streamed as server-sent events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from aiohttp import web
+
+from edgeproxy._core.errors import ProxyError
+from edgeproxy._local.binding import _Slot
+from edgeproxy._local.generation import _Generation
+from edgeproxy._local.prompt import _Prepared
+from edgeproxy._local.request import GenerationRequest
+from edgeproxy._protocol.openai import (
+    SSE_DONE,
+    AnswerHead,
+    chat_choice,
+    chat_chunk_choice,
+    chunk,
+    completion,
+    completion_id,
+    sse_event,
+    text_choice,
+    usage,
+    usage_chunk,
+)
+
+if TYPE_CHECKING:
+    from edgeproxy._core.context import RequestContext
+    from edgeproxy._local.model import LocalModel
+
+__all__ = ["LocalAnswer"]
+
+logger = logging.getLogger("edgeproxy.local_model")
+
+DEGRADED = "local-model"
+WARNING_HEADER = "X-Edgeproxy-Warning"
+TRUNCATED_HEADER = "X-Edgeproxy-Prompt-Truncated"
+
+
+class LocalAnswer(web.StreamResponse):
+    """A local-model answer about to be sent, holding its generation slot.
+
+    It is a response object so that the ``edgeproxy_fallback`` hook can look
+    at it (status, headers) before it is used. :meth:`send` generates and
+    writes it; :meth:`discard` gives the slot back unused.
+    """
+
+    def __init__(
+        self, model: LocalModel, slot: _Slot, req: GenerationRequest, plan: _Prepared
+    ) -> None:
+        super().__init__(status=200)
+        self.model = model
+        self.req = req
+        self.plan = plan
+        self._slot: _Slot | None = slot
+        self._generation: _Generation | None = None
+        self._sent = False
+        self.content_type = "text/event-stream" if req.stream else "application/json"
+        if req.stream:
+            self.headers["Cache-Control"] = "no-cache"
+        self.headers["X-Edgeproxy-Degraded"] = DEGRADED
+        self.headers["X-Edgeproxy-Region"] = "local"
+        if req.ignored:
+            self.headers[WARNING_HEADER] = (
+                "ignored parameters the local model does not support: " + ", ".join(req.ignored)
+            )
+        if plan.truncated:
+            self.headers[TRUNCATED_HEADER] = str(plan.truncated)
+
+    def discard(self) -> None:
+        """Give the slot back without generating (vetoed or replaced answer)."""
+        if self._slot is not None:
+            slot, self._slot = self._slot, None
+            self.model._release(slot)
+
+    def start(self) -> None:
+        """Start generating, before anything is written (:meth:`send` writes it)."""
+        if self._generation is not None:
+            return
+        slot = self._slot
+        if slot is None:
+            raise RuntimeError("this answer was already discarded")
+        self._slot = None
+        model = self.model
+        generation = self._generation = _Generation(model, slot, self.req, self.plan)
+        model._running.add(generation)
+        assert model._executor is not None
+        future = asyncio.get_running_loop().run_in_executor(model._executor, generation.run)
+
+        def finished(_: Any) -> None:
+            # The slot comes back only once the thread is done with the context.
+            model._running.discard(generation)
+            model._release(slot)
+
+        future.add_done_callback(finished)
+
+    async def first_token(self) -> None:
+        """Start generating and wait for the first token: what a race is won by."""
+        self.start()
+        assert self._generation is not None
+        await self._generation.first_token()
+
+    def abandon(self) -> None:
+        """Give up on this answer, started or not, if it was not sent; nothing is written."""
+        if self._sent:
+            return
+        if self._generation is not None:
+            # The thread stops at its next token and then gives the slot back.
+            self._generation.cancel()
+        self.discard()
+
+    async def send(self, request: web.Request, ctx: RequestContext) -> LocalAnswer:
+        """Generate the answer and write it to the client, streamed or as one JSON body."""
+        if self._sent or (self._generation is None and self._slot is None):
+            raise RuntimeError("this answer was already sent or discarded")
+        self._sent = True
+        self.start()
+        generation = self._generation
+        assert generation is not None
+        model = self.model
+        req = self.req
+        head = AnswerHead(
+            completion_id(chat=req.chat), int(time.time()), model.model_name, req.chat
+        )
+        prompt_tokens = len(self.plan.tokens)
+        model.prompt_tokens_total += prompt_tokens
+        try:
+            if req.stream:
+                await self._stream(request, ctx, generation, head)
+            else:
+                await self._json(request, ctx, generation, head)
+        except asyncio.CancelledError:
+            model.cancelled_total += 1
+            ctx.error = "client disconnected"
+            raise
+        except ConnectionResetError:
+            model.cancelled_total += 1
+            ctx.error = "client disconnected"
+        except ProxyError:
+            raise
+        except Exception as exc:
+            model.errors_total += 1
+            logger.exception("local model generation failed")
+            if not self.prepared:
+                raise ProxyError(
+                    500, "server_error", f"the local model failed: {exc}", code="local_model_error"
+                ) from exc
+            ctx.error = f"local model failed mid-answer: {exc}"
+            self.force_close()
+        else:
+            model.answered_total += 1
+        finally:
+            generation.cancel()
+            model.completion_tokens_total += generation.completion_tokens
+            ctx.usage = self._usage(generation)
+        return self
+
+    def _usage(self, generation: _Generation) -> dict[str, int]:
+        return usage(len(self.plan.tokens), generation.completion_tokens)
+
+    def _client_gone(self, request: web.Request) -> bool:
+        transport = request.transport
+        return transport is None or transport.is_closing()
+
+    async def _json(
+        self, request: web.Request, ctx: RequestContext, generation: _Generation, head: AnswerHead
+    ) -> None:
+        parts: list[str] = []
+        async for text in generation.texts():
+            parts.append(text)
+            if self._client_gone(request):
+                # Without handler cancellation nobody else notices before the write.
+                raise ConnectionResetError("client disconnected")
+        text = "".join(parts)
+        finish = generation.finish_reason
+        if head.chat:
+            choice = chat_choice(0, text, finish)
+        else:
+            choice = text_choice(0, text, finish)
+        body = orjson.dumps(completion(head, [choice], self._usage(generation)))
+        self.content_length = len(body)
+        await self.prepare(request)
+        ctx.first_byte_at = time.monotonic()
+        await self.write(body)
+        ctx.bytes_out += len(body)
+        await self.write_eof()
+
+    async def _stream(
+        self, request: web.Request, ctx: RequestContext, generation: _Generation, head: AnswerHead
+    ) -> None:
+        async def event(data: bytes) -> None:
+            await self.write(data)
+            ctx.bytes_out += len(data)
+
+        def piece(text: str | None, finish: str | None) -> bytes:
+            if head.chat:
+                delta: dict[str, Any] = {} if text is None else {"content": text}
+                choice = chat_chunk_choice(0, delta, finish)
+            else:
+                choice = text_choice(0, text or "", finish)
+            return sse_event(chunk(head, [choice]))
+
+        ctx.response_is_sse = True
+        await self.prepare(request)
+        ctx.first_byte_at = time.monotonic()
+        if head.chat:
+            await event(
+                sse_event(chunk(head, [chat_chunk_choice(0, {"role": "assistant", "content": ""})]))
+            )
+        async for text in generation.texts():
+            await event(piece(text, None))
+            if self._client_gone(request):
+                raise ConnectionResetError("client disconnected")
+        await event(piece(None, generation.finish_reason))
+        if self.req.include_usage:
+            await event(sse_event(usage_chunk(head, self._usage(generation))))
+        await event(SSE_DONE)
+        await self.write_eof()

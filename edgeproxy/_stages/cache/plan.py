@@ -1,0 +1,77 @@
+"""What the cache does with one cacheable request (:class:`CachePlan`: key, lookup,
+coalescing, the answer's form, freshness windows), and the ``Cache-Control``
+directives that decide it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from edgeproxy._core.context import RequestContext
+from edgeproxy._protocol.headers import CLIENT_CREDENTIAL_HEADERS
+
+__all__ = ["CachePlan"]
+
+
+def _directives(values: list[str]) -> dict[str, str | None]:
+    """``Cache-Control`` directives, lower-cased: ``{"max-age": "60", "public": None}``."""
+    out: dict[str, str | None] = {}
+    for value in values:
+        for part in value.split(","):
+            name, _, arg = part.strip().partition("=")
+            if name:
+                out[name.lower()] = arg.strip().strip('"') if arg else None
+    return out
+
+
+def _seconds(value: str | None) -> float | None:
+    if value is None or not value.isdigit():
+        return None
+    return float(value)
+
+
+@dataclasses.dataclass(slots=True)
+class CachePlan:
+    """What the cache does with one cacheable request."""
+
+    key: str
+    """The entry's name in the backends: ``<scope>:<digest>``."""
+    method: str
+    lookup: bool
+    """False when the client asked for a fresh answer (``no-cache``): store, but do not serve."""
+    coalesce: bool
+    wants_sse: bool
+    include_usage: bool
+    ttl: float
+    swr: float
+    sie: float
+    credentials: bool
+
+
+def _plan_for_ctx(ctx: RequestContext, key: str, *, coalesce: bool) -> CachePlan:
+    wants_sse = include_usage = fresh_only = credentials = False
+    body = ctx.json if ctx.method == "POST" else None
+    if isinstance(body, dict):
+        wants_sse = body.get("stream") is True
+        options = body.get("stream_options")
+        include_usage = isinstance(options, dict) and options.get("include_usage") is True
+    headers = ctx.headers
+    if "cache-control" in headers:
+        request_cc = _directives(headers.getall("cache-control"))
+        fresh_only = "no-cache" in request_cc or request_cc.get("max-age") == "0"
+    for name in CLIENT_CREDENTIAL_HEADERS:
+        if headers.get(name):
+            credentials = True
+    route = ctx.route
+    return CachePlan(
+        key=key,
+        method=ctx.method,
+        lookup=not fresh_only,
+        coalesce=coalesce and ctx.method == "POST",
+        wants_sse=wants_sse,
+        include_usage=include_usage,
+        ttl=route.cache_ttl,
+        swr=route.stale_while_revalidate,
+        sie=route.stale_if_error,
+        credentials=credentials,
+    )

@@ -1,0 +1,192 @@
+"""Recording the answer the pipeline relays for a cacheable request, and storing it once
+complete."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from edgeproxy._core.context import RequestContext, UpstreamReply
+from edgeproxy._stages.cache.entry import Entry, stream_complete
+from edgeproxy._stages.cache.flight import Flight
+from edgeproxy._stages.cache.plan import CachePlan
+
+if TYPE_CHECKING:
+    from edgeproxy._stages.cache.stage import CacheStage
+
+__all__ = ["CacheRecorder"]
+
+
+class CacheRecorder:
+    """Sees the leader's answer as the stream stage relays it, and stores it once complete.
+
+    The stream stage calls :meth:`start` with the response headers,
+    :meth:`feed` with each chunk sent to the client (appending to a list,
+    nothing that could delay the client) and :meth:`finish` once the upstream
+    body ended cleanly. The pipeline calls :meth:`release` when the request is
+    over, whatever happened: an answer that never finished is not stored, and
+    the followers waiting on it wake up.
+    """
+
+    __slots__ = (
+        "stage",
+        "ctx",
+        "plan",
+        "flight",
+        "chunks",
+        "size",
+        "kind",
+        "status",
+        "headers",
+        "region",
+        "windows",
+        "expected",
+        "tail",
+        "started",
+        "active",
+        "too_large",
+        "finished",
+    )
+
+    def __init__(
+        self, stage: CacheStage, ctx: RequestContext, plan: CachePlan, flight: Flight | None
+    ) -> None:
+        self.stage = stage
+        self.ctx = ctx
+        self.plan = plan
+        self.flight = flight
+        self.chunks: list[bytes] = flight.chunks if flight is not None else []
+        self.size = 0
+        self.kind = "raw"
+        self.status = 0
+        self.headers: list[tuple[str, str]] = []
+        self.region: str | None = None
+        self.windows: tuple[float, float, float] = (0.0, 0.0, 0.0)
+        # The body is complete at `expected` bytes (a JSON answer with a Content-Length) or
+        # once `tail` holds the [DONE] event: the client may hang up before the upstream's
+        # end of body is read, and a complete answer must not be lost to that.
+        self.expected: int | None = None
+        self.tail = b""
+        self.started = False
+        self.active = False
+        self.too_large = False
+        self.finished = False
+
+    def start(self, reply: UpstreamReply, region: str | None = None) -> None:
+        """Response headers arrived (after the plugins' edits): is this answer storable?"""
+        self.started = True
+        self.status = reply.status
+        self.region = region
+        content_type = ""
+        length = ""
+        for name, value in reply.headers:
+            lname = name.lower()
+            if lname == "content-type":
+                content_type = value.lower()
+            elif lname == "content-length":
+                length = value
+        # A chunk plugin changes the length: then only the end of the body says it is whole.
+        if length.isdigit() and not self.stage.plugins.has("edgeproxy_stream_chunk"):
+            self.expected = int(length)
+        if content_type.startswith("text/event-stream"):
+            self.kind = "sse"
+        elif "json" in content_type:
+            self.kind = "json"
+        windows, reason = self.stage.storable(self.plan, reply.status, reply.headers)
+        if windows is None:
+            self.stage.stats.not_cached[reason] += 1
+            if self.flight is not None:
+                self.flight.fail()
+            return
+        self.active = True
+        self.windows = windows
+        self.headers = list(reply.headers)
+        # Lets the client (and an operator purging) name the entry.
+        reply.headers.append(("X-Edgeproxy-Cache-Key", self.plan.key))
+        if self.flight is not None:
+            self.flight.region = region
+            self.flight.started(reply.status, self.headers, self.kind == "sse")
+
+    def feed(self, chunk: bytes) -> None:
+        if not self.active or self.finished:
+            return
+        self.size += len(chunk)
+        if self.kind == "sse":
+            self.tail = (self.tail + chunk)[-64:]
+        flight = self.flight
+        if not self.too_large and self.size > self.stage.config.max_entry_bytes:
+            self.too_large = True
+            if flight is None or not flight.followers:
+                # Nobody needs the recording any more: stop holding the bytes.
+                if flight is not None:
+                    flight.drop_chunks()
+                else:
+                    self.chunks.clear()
+        if flight is not None:
+            if flight.shareable:
+                flight.add(chunk)
+        elif not self.too_large:
+            self.chunks.append(chunk)
+        if self.too_large:
+            return  # not stored: it ends with the upstream body
+        if self.expected is not None:
+            if self.size >= self.expected:
+                self.finish()
+        elif self.kind == "sse" and stream_complete(self.tail):
+            self.finish()
+
+    def finish(self) -> None:
+        """The upstream body ended cleanly: store the answer if it is complete."""
+        if self.finished:
+            return
+        self.finished = True
+        if not self.active:
+            return
+        flight = self.flight
+        # A stream that ended without [DONE] was cut: never stored, never replayed.
+        complete = self.kind != "sse" or stream_complete(self.tail)
+        reason = "too_large" if self.too_large else "" if complete else "incomplete"
+        # Too large to store, but kept in full while followers needed it.
+        kept = not self.too_large or (flight is not None and flight.shareable)
+        entry: Entry | None = None
+        if complete and kept:
+            ttl, swr, sie = self.windows
+            entry = Entry.build(
+                status=self.status,
+                headers=self.headers,
+                body=b"".join(self.chunks),
+                kind=self.kind,
+                ttl=ttl,
+                swr=swr,
+                sie=sie,
+                delta=time.monotonic() - self.ctx.started,
+                region=self.region,
+                clock=self.stage.clock,
+            )
+        if flight is not None:
+            # Followers get the answer even when it is too large to store.
+            flight.done(entry)
+        if reason or entry is None:
+            if reason:
+                self.stage.stats.not_cached[reason] += 1
+            if flight is not None:
+                self.stage.coalescer.end(flight)
+            return
+        self.stage.store(self.plan.key, entry, flight)
+
+    def release(self) -> None:
+        """The request is over. An answer that did not finish is dropped; followers wake."""
+        if self.finished:
+            return
+        self.finished = True
+        if self.active:
+            self.stage.stats.not_cached["incomplete"] += 1
+        flight = self.flight
+        if flight is not None:
+            # The regions failed (the fallback answered): followers may take stale-if-error.
+            flight_error = not self.started and (
+                self.ctx.status >= 500 or self.ctx.degraded is not None
+            )
+            flight.error = flight_error
+            flight.fail()
+            self.stage.coalescer.end(flight)
