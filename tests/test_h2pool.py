@@ -29,6 +29,7 @@ from urllib.parse import parse_qs
 
 import h2.config
 import h2.connection
+import h2.errors
 import h2.events
 import h2.settings
 import hyperframe.frame
@@ -36,6 +37,7 @@ import pytest
 from hypercorn.asyncio import serve
 from hypercorn.config import Config
 
+from edgeproxy._upstream import h2conn
 from edgeproxy._upstream.h2pool import H2Pool
 from edgeproxy._upstream.pool import (
     PoolLimits,
@@ -44,6 +46,7 @@ from edgeproxy._upstream.pool import (
     UpstreamProtocolError,
     UpstreamTimeout,
 )
+from edgeproxy.testing import HostileRegion
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -931,3 +934,121 @@ async def test_nginx_large_bodies(nginx_origin: str) -> None:
         assert status == 200 and data == b"n" * (8 * MiB)
         status, data = await fetch(pool, "/upload", "POST", os.urandom(4 * MiB))
         assert (status, data) == (200, b"uploaded")
+
+
+# --------------------------------------------------------------------------
+# Per-connection memory and per-stream errors (see also test_hostile_region.py)
+
+
+async def fetch_json(pool: H2Pool) -> int:
+    status, body = await fetch(pool, "/hostile/json")
+    assert b'"object":"chat.completion"' in body
+    return status
+
+
+async def test_closed_stream_table_stays_empty_on_a_long_lived_connection() -> None:
+    # h2 remembers how each of the last 65,536 closed streams closed, about
+    # 7 MB per long-lived connection. Streams that ended are not kept at all.
+    async with (
+        HostileRegion() as region,
+        open_pool(region.url, limits(max_connections=1)) as pool,
+    ):
+        semaphore = asyncio.Semaphore(20)
+
+        async def one() -> None:
+            async with semaphore:
+                assert await fetch_json(pool) == 200
+
+        await asyncio.gather(*(one() for _ in range(600)))
+        conn = pool._conns[0]
+        assert conn.streams_opened == 600
+        assert len(conn.h2._closed_streams) == 0
+        assert region.counters.connections == 1
+
+
+async def test_reset_streams_are_remembered_up_to_a_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Streams cancelled mid-body are reset: the last ones are remembered, so
+    # that the DATA still in flight for them stays a stream error.
+    monkeypatch.setattr(h2conn, "_RESET_STREAMS_KEPT", 16)
+    async with (
+        HostileRegion() as region,
+        open_pool(region.url, limits(max_connections=1)) as pool,
+    ):
+        for _ in range(40):
+            resp = await pool.request("GET", "/hostile/endless", [])
+            body = resp.aiter_bytes()
+            await anext(body)
+            await resp.aclose()
+            await body.aclose()
+        assert await fetch_json(pool) == 200
+        table = pool._conns[0].h2._closed_streams
+        assert 0 < len(table) <= 16
+        assert region.counters.connections == 1
+        assert region.counters.reset_codes[int(h2.errors.ErrorCodes.CANCEL)] == 40
+
+
+async def test_ping_flood_while_our_replies_go_unread_closes_the_connection() -> None:
+    async with (
+        HostileRegion() as region,
+        open_pool(region.url, limits(max_connections=1)) as pool,
+    ):
+        await pool.start()
+        conn = pool._conns[0]
+        waiting = await pool.request("GET", "/hostile/sse?gate=1", [])
+        body = waiting.aiter_bytes()
+        assert b"tok0" in await anext(body)
+        # As if the peer had stopped reading and our write buffer were full.
+        conn.pause_writing()
+        with contextlib.suppress(UpstreamProtocolError):
+            # Its answer may come in the same read as the flood, before the check.
+            await fetch(pool, "/hostile/ping-flood?count=2000")
+        with pytest.raises(UpstreamProtocolError, match="floods PING"):
+            async for _ in body:
+                pass
+        assert conn.closing
+        # The pool moves on to a new connection.
+        assert await fetch_json(pool) == 200
+        assert region.counters.connections == 2
+
+
+@pytest.mark.parametrize(
+    "block",
+    [
+        [(b":status", b"200")],
+        [(b":status", b"204"), (b"content-length", b"0")],
+        [(b":status", b"103"), (b"link", b"</a>; rel=preload")],
+        [(b":status", b"599"), (b"x-empty", b""), (b"te", b"Trailers")],
+        [(b":status", b"200"), (b"x-utf8", "é".encode()), (b"content-length", b"7")],
+    ],
+)
+def test_well_formed_response_fields_pass(block: list[tuple[bytes, bytes]]) -> None:
+    status, headers, _ = h2conn._parse_fields(block, trailers=False)
+    assert status == int(block[0][1])
+    assert len(headers) == len(block) - 1
+
+
+@pytest.mark.parametrize(
+    ("block", "reason"),
+    [
+        ([(b":status", b"2OO")], "invalid :status"),
+        ([(b":status", b"1000")], "invalid :status"),
+        ([(b":status", b"099")], "out of range"),
+        ([(b":status", b"101")], "101"),
+        ([(b"server", b"x"), (b":status", b"200")], "after a regular field"),
+        ([(b":status", b"200"), (b"x-a", b"tab\t")], "invalid value"),
+        ([(b":status", b"200"), (b"x\x7f", b"1")], "invalid field name"),
+        ([(b":status", b"200"), (b"keep-alive", b"5")], "connection-specific"),
+        ([(b":status", b"200"), (b"content-length", b"-1")], "invalid content-length"),
+        ([(b":status", b"200"), (b"content-length", b"1, 1")], "invalid content-length"),
+        ([(b"x-a", b"1")], "no :status"),
+    ],
+)
+def test_malformed_response_fields_are_named(block: list[tuple[bytes, bytes]], reason: str) -> None:
+    with pytest.raises(h2conn._Malformed, match=reason):
+        h2conn._parse_fields(block, trailers=False)
+
+
+def test_trailers_may_not_carry_pseudo_headers() -> None:
+    assert h2conn._parse_fields([(b"x-t", b"1")], trailers=True)[1] == [("x-t", "1")]
+    with pytest.raises(h2conn._Malformed, match="in trailers"):
+        h2conn._parse_fields([(b":status", b"200")], trailers=True)

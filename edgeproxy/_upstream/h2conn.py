@@ -9,6 +9,15 @@
   is acknowledged only when the consumer takes it, so a slow client pushes
   back on the upstream instead of growing our buffers.
 * Each request is a :class:`Stream`; its response is an :class:`H2Response`.
+* A malformed response (RFC 9113 §8.1.1: a bad header block, a
+  ``Content-Length`` its DATA does not match, frames out of order) is a
+  *stream* error: that stream is reset with PROTOCOL_ERROR and its request
+  fails, while the connection and its other streams carry on. h2's own checks
+  would make each of these a connection error, so they are turned off and
+  done here, per stream (:func:`_parse_fields`, :class:`_H2Stream`).
+* h2 remembers how each of the last 65,536 closed streams closed (about 7 MB
+  per long-lived connection); only streams closed by RST_STREAM are kept, and
+  only the last :data:`_RESET_STREAMS_KEPT` of them (:class:`_ResetStreams`).
 
 This is the only module that imports the HTTP/2 protocol engine (``h2`` and
 ``hpack``): replacing the engine touches the imports here and nothing else.
@@ -17,9 +26,11 @@ This is the only module that imports the HTTP/2 protocol engine (``h2`` and
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, cast
 
 import h2.config
@@ -28,6 +39,8 @@ import h2.errors
 import h2.events
 import h2.exceptions
 import h2.settings
+import h2.stream
+import h2.utilities
 from hpack import NeverIndexedHeaderTuple
 
 from edgeproxy._core.types import Body, Headers
@@ -58,7 +71,27 @@ _DEFAULT_WINDOW: Final = 65535
 _LAST_STREAM_ID: Final = 2**31 - 1 - 2 * 1024
 _CANCEL: Final = h2.errors.ErrorCodes.CANCEL
 _NO_ERROR: Final = h2.errors.ErrorCodes.NO_ERROR
+_PROTOCOL_ERROR: Final = h2.errors.ErrorCodes.PROTOCOL_ERROR
 _REFUSED: Final = h2.errors.ErrorCodes.REFUSED_STREAM
+# Streams closed by RST_STREAM whose closing h2 remembers, so that frames the
+# peer sent before it saw the reset stay stream errors. Ten times the usual
+# SETTINGS_MAX_CONCURRENT_STREAMS: far more resets than fit in one round trip.
+_RESET_STREAMS_KEPT: Final = 1024
+_RESET_BY: Final = frozenset(
+    {h2.stream.StreamClosedBy.SEND_RST_STREAM, h2.stream.StreamClosedBy.RECV_RST_STREAM}
+)
+# Frames we must answer; at most this many while the peer reads none of our data.
+_ANSWERED: Final = (h2.events.PingReceived, h2.events.RemoteSettingsChanged)
+_MAX_UNREAD_REPLIES: Final = 1000
+# States in which a stream still expects response frames from the peer.
+_RECEIVING: Final = frozenset({h2.stream.StreamState.OPEN, h2.stream.StreamState.HALF_CLOSED_LOCAL})
+# Response fields (RFC 9113 §8.2): a name has no upper case, control, non-ASCII
+# byte or colon; a value no NUL, CR or LF, nor whitespace at either end.
+_BAD_NAME: Final = re.compile(rb"[^\x21-\x39\x3b-\x40\x5b-\x7e]")
+_BAD_VALUE: Final = re.compile(rb"[\x00\n\r]|\A[ \t]|[ \t]\Z")
+_CONNECTION_SPECIFIC: Final = frozenset(
+    {b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"upgrade"}
+)
 
 
 class RefusedStream(UpstreamProtocolError):
@@ -90,12 +123,106 @@ class _DrainingStateMachine(h2.connection.H2ConnectionStateMachine):
     }
 
 
+class _ResetStreams(h2.utilities.SizeLimitDict):
+    """h2's table of closed streams, keeping only the last streams closed by RST_STREAM.
+
+    h2 consults it for frames on a stream it no longer tracks: on a stream
+    that was reset they are a stream error (the peer sent them before it saw
+    the reset), otherwise a connection error. A stream closed by END_STREAM
+    that is not in the table gets that same connection error, so such entries
+    change nothing and are not stored: a long-lived connection would
+    otherwise hold 65,536 of them.
+    """
+
+    def __setitem__(self, key: int, value: Any) -> None:
+        if value in _RESET_BY:
+            super().__setitem__(key, value)
+
+
+@dataclass(kw_only=True)
+class _MalformedHeaders(h2.events.ResponseReceived):
+    """A HEADERS frame that makes the response malformed; h2 would end the connection.
+
+    A :class:`~h2.events.ResponseReceived`, because h2 attaches PRIORITY
+    information to the first event a HEADERS frame yields.
+    """
+
+    reason: str = ""
+
+
+@dataclass(kw_only=True)
+class _MalformedData(h2.events.Event):
+    """A DATA frame before the response's HEADERS; h2 would end the connection."""
+
+    stream_id: int
+    flow_controlled_length: int
+    reason: str = ""
+
+
+class _H2Stream(h2.stream.H2Stream):
+    """An h2 stream whose malformed responses are stream errors (RFC 9113 §8.1.1).
+
+    The frame sequences h2 rejects with a connection error become events for
+    :class:`Connection` to reset this stream alone; ``Content-Length`` is
+    checked by :class:`Connection` too, per stream.
+    """
+
+    def receive_headers(
+        self,
+        headers: Iterable[Any],
+        end_stream: bool,
+        header_encoding: bool | str | None,
+    ) -> tuple[list[Any], list[h2.events.Event]]:
+        headers = list(headers)
+        machine = self.state_machine
+        if machine.state in _RECEIVING:
+            reason = ""
+            if h2.utilities.is_informational_response(headers):
+                if end_stream:
+                    reason = "an informational (1xx) response ended the stream"
+                elif machine.headers_received:
+                    reason = "an informational (1xx) response came after the final one"
+            elif machine.headers_received and not end_stream:
+                reason = "trailers did not end the stream"
+            if reason:
+                event = _MalformedHeaders(stream_id=self.stream_id, headers=headers, reason=reason)
+                return [], [event]
+        return super().receive_headers(headers, end_stream, header_encoding)
+
+    def receive_data(
+        self, data: bytes, end_stream: bool, flow_control_len: int
+    ) -> tuple[list[Any], list[h2.events.Event]]:
+        machine = self.state_machine
+        if machine.state in _RECEIVING and not machine.headers_received:
+            event = _MalformedData(
+                stream_id=self.stream_id,
+                flow_controlled_length=flow_control_len,
+                reason="DATA came before the response headers",
+            )
+            return [], [event]
+        return super().receive_data(data, end_stream, flow_control_len)
+
+    def _initialize_content_length(self, headers: Iterable[Any]) -> None:
+        # Checked by Connection, where a bad value or a mismatch resets only
+        # this stream; h2 would end the connection.
+        self._expected_content_length = None
+
+
 class _H2Connection(h2.connection.H2Connection):
-    """An h2 client connection that can drain after GOAWAY."""
+    """An h2 client connection that can drain after GOAWAY, with per-stream errors."""
 
     def __init__(self, config: h2.config.H2Configuration) -> None:
         super().__init__(config)
         self.state_machine = _DrainingStateMachine()
+        self._closed_streams = _ResetStreams(size_limit=_RESET_STREAMS_KEPT)
+
+    def _begin_new_stream(
+        self, stream_id: int, allowed_ids: h2.connection.AllowedStreamIDs
+    ) -> h2.stream.H2Stream:
+        stream = super()._begin_new_stream(stream_id, allowed_ids)
+        # h2 builds its own stream class; ours only overrides methods.
+        stream.__class__ = _H2Stream
+        return stream
 
     def clear_outbound_data_buffer(self) -> None:
         # h2 calls this only on a received GOAWAY; the buffer may still hold
@@ -126,9 +253,12 @@ class Stream:
         "error",
         "reset_code",
         "waiter",
+        "head",
+        "expected_length",
+        "received_length",
     )
 
-    def __init__(self, conn: Connection, stream_id: int) -> None:
+    def __init__(self, conn: Connection, stream_id: int, head: bool = False) -> None:
         self.conn = conn
         self.id = stream_id
         self.status = 0
@@ -144,6 +274,9 @@ class Stream:
         # One waiter is enough: a stream has a single consumer, which first
         # sends the body, then waits for headers, then reads the body.
         self.waiter: asyncio.Future[bool] | None = None
+        self.head = head  # a HEAD request: the response has no body
+        self.expected_length: int | None = None  # from Content-Length, checked per stream
+        self.received_length = 0
 
     # -- events from the connection -------------------------------------
 
@@ -326,6 +459,10 @@ class Connection(asyncio.Protocol):
             header_encoding=None,
             validate_outbound_headers=False,
             normalize_outbound_headers=False,
+            # Checked per stream here (_parse_fields): h2 would make every
+            # malformed response a connection error.
+            validate_inbound_headers=False,
+            normalize_inbound_headers=False,
         )
         self.h2 = _H2Connection(config)
         self.h2.local_settings = h2.settings.Settings(
@@ -353,6 +490,7 @@ class Connection(asyncio.Protocol):
         self.ping_sent_at: float | None = None
         self._ping_seq = 0
         self.streams_opened = 0
+        self._unread_replies = 0  # PING/SETTINGS answered while the peer was not reading
 
     # -- state -----------------------------------------------------------
 
@@ -403,6 +541,18 @@ class Connection(asyncio.Protocol):
             return
         for event in events:
             self._handle(event)
+        if not self.writable:
+            # Each PING and SETTINGS is answered; a peer that sends them while
+            # not reading the answers would grow our write buffer for good
+            # (the "ping flood" and "settings flood" of CVE-2019-9512/9515).
+            self._unread_replies += sum(isinstance(e, _ANSWERED) for e in events)
+            if self._unread_replies > _MAX_UNREAD_REPLIES:
+                self.abort(
+                    UpstreamProtocolError(
+                        "upstream floods PING/SETTINGS frames without reading the replies"
+                    )
+                )
+                return
         self.flush_soon()
 
     def eof_received(self) -> bool | None:
@@ -429,6 +579,7 @@ class Connection(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self.writable = True
+        self._unread_replies = 0
         for stream in list(self.send_blocked):
             stream.wake()
 
@@ -441,24 +592,58 @@ class Connection(asyncio.Protocol):
                 # Nobody will read this; give the window back at once.
                 self.h2.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
                 return
+            stream.received_length += len(event.data)
+            expected = stream.expected_length
+            if expected is not None and stream.received_length > expected:
+                self._malformed(event.stream_id, f"more DATA than its content-length of {expected}")
+                self.acknowledge(event.stream_id, event.flow_controlled_length)
+                return
             if event.data:
                 stream.chunks.append((event.data, event.flow_controlled_length))
                 stream.unacked += event.flow_controlled_length
             elif event.flow_controlled_length:
                 self.h2.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
             stream.wake()
+        elif isinstance(event, _MalformedHeaders):
+            self._malformed(event.stream_id, event.reason)
         elif isinstance(event, h2.events.ResponseReceived):
             stream = self.streams.get(event.stream_id)
             if stream is not None:
-                _set_response_headers(stream, event.headers)
+                try:
+                    _set_response_headers(stream, event.headers)
+                except _Malformed as exc:
+                    self._malformed(event.stream_id, str(exc))
+                    return
                 stream.wake()
         elif isinstance(event, h2.events.StreamEnded):
             stream = self.streams.get(event.stream_id)
             if stream is not None:
+                expected = stream.expected_length
+                if expected is not None and stream.received_length != expected:
+                    received = stream.received_length
+                    self._malformed(
+                        event.stream_id,
+                        f"{received} bytes of DATA for a content-length of {expected}",
+                    )
+                    return
                 stream.remote_ended = True
                 if stream.local_ended:
                     self.release(stream)
                 stream.wake()
+        elif isinstance(
+            event, h2.events.InformationalResponseReceived | h2.events.TrailersReceived
+        ):
+            # Neither is passed on, but a malformed one makes the response malformed.
+            if event.stream_id in self.streams:
+                trailers = isinstance(event, h2.events.TrailersReceived)
+                try:
+                    _parse_fields(event.headers, trailers=trailers)
+                except _Malformed as exc:
+                    self._malformed(event.stream_id, str(exc))
+        elif isinstance(event, _MalformedData):
+            self._malformed(event.stream_id, event.reason)
+            # h2 counted the frame against the connection window only.
+            self.acknowledge(event.stream_id, event.flow_controlled_length)
         elif isinstance(event, h2.events.WindowUpdated):
             if event.stream_id == 0:
                 for blocked in list(self.send_blocked):
@@ -470,7 +655,7 @@ class Connection(asyncio.Protocol):
         elif isinstance(event, h2.events.StreamReset):
             stream = self.streams.get(event.stream_id)
             if stream is not None:
-                self._on_reset(stream, event.error_code)
+                self._on_reset(stream, event.error_code, remote=event.remote_reset)
         elif isinstance(event, h2.events.RemoteSettingsChanged):
             if not self.ready.done():
                 self.ready.set_result(None)  # the pool adds us and wakes waiters
@@ -483,19 +668,37 @@ class Connection(asyncio.Protocol):
             self.ping_sent_at = None
         elif isinstance(event, h2.events.ConnectionTerminated):
             self._on_goaway(event.last_stream_id, event.error_code)
-        # Informational (1xx) responses, trailers, priority and settings acks
-        # need no action: 1xx is skipped, trailers are not forwarded.
+        # Priority and settings acks need no action.
 
-    def _on_reset(self, stream: Stream, code: int) -> None:
+    def _malformed(self, stream_id: int, reason: str) -> None:
+        """A malformed response: reset its stream and fail its request (RFC 9113 §8.1.1).
+
+        Only this stream ends; the connection and its other streams carry on.
+        """
+        if not self.lost:
+            try:
+                self.h2.reset_stream(stream_id, _PROTOCOL_ERROR)
+            except h2.exceptions.ProtocolError:
+                pass  # the response ended and so did the request: nothing to reset
+            self.flush_soon()
+        stream = self.streams.get(stream_id)
+        if stream is not None:
+            stream.fail(UpstreamProtocolError(f"malformed HTTP/2 response from upstream: {reason}"))
+
+    def _on_reset(self, stream: Stream, code: int, *, remote: bool = True) -> None:
         stream.reset_code = code
+        name = _error_name(code)
         if stream.remote_ended:
             # The response is complete; a reset now only stops our upload.
             self.release(stream)
             stream.wake()
+        elif not remote:
+            # h2 reset it for us: the peer broke a stream rule, such as
+            # overflowing the stream's flow-control window.
+            stream.fail(UpstreamProtocolError(f"upstream broke the stream's rules ({name})"))
         elif code == _REFUSED:
             stream.fail(RefusedStream("upstream refused the stream (REFUSED_STREAM)"))
         else:
-            name = _error_name(code)
             stream.fail(UpstreamProtocolError(f"upstream reset the stream ({name})"))
 
     def _on_goaway(self, last_stream_id: int | None, code: int | None) -> None:
@@ -533,7 +736,7 @@ class Connection(asyncio.Protocol):
             # sent, so the request can go elsewhere.
             self.close(UpstreamProtocolError(f"HTTP/2 connection unusable: {exc}"))
             return None
-        stream = Stream(self, stream_id)
+        stream = Stream(self, stream_id, head=_method(headers) == "HEAD")
         stream.local_ended = end_stream
         self.streams[stream_id] = stream
         self.idle_since = None
@@ -631,14 +834,83 @@ def _error_name(code: int) -> str:
         return f"error {code}"
 
 
-def _set_response_headers(stream: Stream, raw: list[Any]) -> None:
+def _method(headers: list[tuple[str, str]]) -> str:
+    for name, value in headers:
+        if name == ":method":
+            return value
+        if name[:1] != ":":
+            break
+    return ""
+
+
+class _Malformed(Exception):
+    """A response header block that RFC 9113 (§8.1.1, §8.2, §8.3.2) calls malformed."""
+
+
+def _show(name: bytes) -> str:
+    return repr(name if len(name) <= 40 else name[:40] + b"...")
+
+
+def _parse_fields(raw: Iterable[Any], *, trailers: bool) -> tuple[int, Headers, int | None]:
+    """Check a response (or trailer) header block; its status, fields and Content-Length.
+
+    Raises :class:`_Malformed` for what h2's own inbound validation would
+    reject, a ``:status`` that is not three digits in 100..599, 101 (which
+    HTTP/2 does not have, RFC 9113 §8.6) and a ``Content-Length`` that is not
+    one number.
+    """
+    status_value: bytes | None = None
+    seen_regular = False
+    length: int | None = None
     headers: Headers = []
-    status = 0
     for name, value in raw:
         if name[:1] == b":":
-            if name == b":status":
-                status = int(value)
+            if trailers:
+                raise _Malformed(f"pseudo-header {_show(name)} in trailers")
+            if seen_regular:
+                raise _Malformed(f"pseudo-header {_show(name)} after a regular field")
+            if name != b":status":
+                raise _Malformed(f"pseudo-header {_show(name)} in a response")
+            if status_value is not None:
+                raise _Malformed("more than one :status")
+            status_value = value
             continue
+        seen_regular = True
+        if not name or _BAD_NAME.search(name):
+            raise _Malformed(f"invalid field name {_show(name)}")
+        if _BAD_VALUE.search(value):
+            raise _Malformed(f"invalid value in field {_show(name)}")
+        if name in _CONNECTION_SPECIFIC or (name == b"te" and value.lower() != b"trailers"):
+            raise _Malformed(f"connection-specific field {_show(name)}")
+        if name == b"content-length":
+            if not value.isdigit():
+                raise _Malformed(f"invalid content-length {_show(value)}")
+            parsed = int(value)
+            if length is not None and parsed != length:
+                raise _Malformed("conflicting content-length fields")
+            length = parsed
         headers.append((name.decode("latin-1"), value.decode("utf-8", "surrogateescape")))
+    if trailers:
+        return 0, headers, length
+    if status_value is None:
+        raise _Malformed("no :status")
+    if len(status_value) != 3 or not status_value.isdigit():
+        raise _Malformed(f"invalid :status {_show(status_value)}")
+    status = int(status_value)
+    if not 100 <= status <= 599:
+        raise _Malformed(f":status {status} is out of range")
+    if status == 101:
+        raise _Malformed("101 (Switching Protocols) does not exist in HTTP/2")
+    return status, headers, length
+
+
+def _set_response_headers(stream: Stream, raw: list[Any]) -> None:
+    """Take the final response's header block; raises :class:`_Malformed`."""
+    status, headers, length = _parse_fields(raw, trailers=False)
+    if status < 200:
+        raise _Malformed(f"informational :status {status} where the final one was due")
     stream.headers = headers
     stream.status = status
+    # A response to HEAD, a 204 and a 304 have no content whatever
+    # Content-Length says (RFC 9110 §6.4.1).
+    stream.expected_length = 0 if stream.head or status in (204, 304) else length

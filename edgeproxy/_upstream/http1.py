@@ -160,6 +160,11 @@ class AiohttpPool:
             raise UpstreamTimeout(f"upstream {self.origin} timed out", phase="connect") from exc
         except aiohttp.ClientError as exc:
             raise UpstreamProtocolError(f"upstream {self.origin} failed: {exc}") from exc
+        if not 200 <= resp.status <= 599:
+            # aiohttp returns a 101 (it skips other 1xx) and any three-digit
+            # status as the final answer; neither can be relayed.
+            resp.close()
+            raise UpstreamProtocolError(f"upstream {self.origin} answered status {resp.status}")
         self._in_use += 1
         return AiohttpResponse(resp, self)
 

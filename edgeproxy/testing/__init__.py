@@ -30,6 +30,7 @@ and gguf (the ``testing`` extra).
 from edgeproxy.testing._app import Counters
 from edgeproxy.testing._behavior import FAULTS, Behavior, Fault
 from edgeproxy.testing._gguf import TinyLlamaSpec, tiny_llama_gguf, write_tiny_llama_gguf
+from edgeproxy.testing._hostile import HostileCounters, HostileRegion
 from edgeproxy.testing._upstream import FakeRegion
 
 __all__ = [
@@ -38,6 +39,8 @@ __all__ = [
     "Counters",
     "FakeRegion",
     "Fault",
+    "HostileCounters",
+    "HostileRegion",
     "TinyLlamaSpec",
     "tiny_llama_gguf",
     "write_tiny_llama_gguf",
