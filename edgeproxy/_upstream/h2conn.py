@@ -28,8 +28,7 @@ from __future__ import annotations
 import asyncio
 import re
 import socket
-from collections import deque
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, cast
 
@@ -43,12 +42,12 @@ import h2.stream
 import h2.utilities
 from hpack import NeverIndexedHeaderTuple
 
-from edgeproxy._core.types import Body, Headers
+from edgeproxy._core.types import Headers
+from edgeproxy._upstream.h2stream import CANCEL, H2Response, Stream, timeout_waiter
 from edgeproxy._upstream.pool import (
     UpstreamConnectError,
     UpstreamError,
     UpstreamProtocolError,
-    UpstreamTimeout,
 )
 
 if TYPE_CHECKING:
@@ -229,223 +228,6 @@ class _H2Connection(h2.connection.H2Connection):
         # WINDOW_UPDATEs or body frames for streams the peer will finish, so it
         # must be written, not dropped.
         return
-
-
-def timeout_waiter(fut: asyncio.Future[bool]) -> None:
-    if not fut.done():
-        fut.set_result(False)
-
-
-class Stream:
-    """State of one request/response exchange on a connection."""
-
-    __slots__ = (
-        "conn",
-        "id",
-        "status",
-        "headers",
-        "chunks",
-        "unacked",
-        "remote_ended",
-        "local_ended",
-        "released",
-        "finished",
-        "error",
-        "reset_code",
-        "waiter",
-        "head",
-        "expected_length",
-        "received_length",
-    )
-
-    def __init__(self, conn: Connection, stream_id: int, head: bool = False) -> None:
-        self.conn = conn
-        self.id = stream_id
-        self.status = 0
-        self.headers: Headers = []
-        self.chunks: deque[tuple[bytes, int]] = deque()
-        self.unacked = 0  # flow-controlled bytes queued but not yet taken
-        self.remote_ended = False
-        self.local_ended = False
-        self.released = False  # slot handed back to the connection
-        self.finished = False  # consumer saw the end, an error, or closed it
-        self.error: UpstreamError | None = None
-        self.reset_code: int | None = None
-        # One waiter is enough: a stream has a single consumer, which first
-        # sends the body, then waits for headers, then reads the body.
-        self.waiter: asyncio.Future[bool] | None = None
-        self.head = head  # a HEAD request: the response has no body
-        self.expected_length: int | None = None  # from Content-Length, checked per stream
-        self.received_length = 0
-
-    # -- events from the connection -------------------------------------
-
-    def wake(self) -> None:
-        waiter = self.waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(True)
-
-    def fail(self, error: UpstreamError) -> None:
-        if self.error is None and not (self.remote_ended and self.local_ended):
-            self.error = error
-        self.conn.release(self)
-        self.wake()
-
-    # -- waiting ---------------------------------------------------------
-
-    async def wait(self, deadline: float) -> bool:
-        """Wait for any state change; False if ``deadline`` passed first."""
-        loop = self.conn.loop
-        remaining = deadline - loop.time()
-        if remaining <= 0:
-            return False
-        fut: asyncio.Future[bool] = loop.create_future()
-        self.waiter = fut
-        handle = loop.call_at(deadline, timeout_waiter, fut)
-        try:
-            return await fut
-        finally:
-            handle.cancel()
-            self.waiter = None
-
-    # -- sending ---------------------------------------------------------
-
-    async def send_body(self, body: Body, write_timeout: float) -> None:
-        if body is None:
-            return
-        if isinstance(body, bytes | bytearray | memoryview):
-            await self._send(memoryview(body).cast("B"), True, write_timeout)
-            return
-        async for chunk in body:
-            if chunk and not await self._send(memoryview(chunk).cast("B"), False, write_timeout):
-                return
-        await self._send(memoryview(b""), True, write_timeout)
-
-    async def _send(self, view: memoryview, end: bool, write_timeout: float) -> bool:
-        """Send ``view`` within flow control; False if the peer no longer wants it."""
-        conn = self.conn
-        h2conn = conn.h2
-        loop = conn.loop
-        deadline = loop.time() + write_timeout
-        while True:
-            if self.error is not None:
-                raise self.error
-            if self.released:
-                # The peer finished the response and reset the stream: it
-                # does not need the rest of the body (RFC 9113, 8.1).
-                return False
-            window = h2conn.local_flow_control_window(self.id) if conn.writable else 0
-            if window <= 0 and len(view):
-                conn.send_blocked.add(self)
-                try:
-                    progressed = await self.wait(deadline)
-                finally:
-                    conn.send_blocked.discard(self)
-                if not progressed:
-                    raise UpstreamTimeout(
-                        "upstream stopped accepting the request body", phase="write"
-                    )
-                continue
-            size = min(len(view), window, h2conn.max_outbound_frame_size)
-            last = size == len(view)
-            h2conn.send_data(self.id, view[:size], end_stream=end and last)
-            conn.flush_soon()
-            if last:
-                if end:
-                    self.local_ended = True
-                    if self.remote_ended:
-                        conn.release(self)
-                return True
-            view = view[size:]
-            deadline = loop.time() + write_timeout
-
-    # -- receiving -------------------------------------------------------
-
-    async def wait_headers(self, read_timeout: float) -> None:
-        deadline = self.conn.loop.time() + read_timeout
-        while not self.status:
-            if self.error is not None:
-                raise self.error
-            if not await self.wait(deadline):
-                raise UpstreamTimeout("upstream response headers timed out", phase="read")
-
-    async def read(self, read_timeout: float) -> bytes | None:
-        """The next body chunk, or None at the end of the body."""
-        chunks = self.chunks
-        if not chunks:
-            if self.error is not None:
-                self.finished = True
-                raise self.error
-            if self.remote_ended:
-                self.finished = True
-                return None
-            deadline = self.conn.loop.time() + read_timeout
-            while not chunks:
-                if self.error is not None:
-                    self.finished = True
-                    raise self.error
-                if self.remote_ended:
-                    self.finished = True
-                    return None
-                if not await self.wait(deadline):
-                    raise UpstreamTimeout("upstream response body timed out", phase="read")
-        data, flow = chunks.popleft()
-        self.unacked -= flow
-        # Acknowledging on consumption, not on receipt, is what makes a slow
-        # client stall the upstream once the stream window is used up.
-        self.conn.acknowledge(self.id, flow)
-        return data
-
-    def close(self, code: int = _CANCEL) -> None:
-        """Stop the exchange: reset if still open, return unread window. Idempotent."""
-        self.finished = True
-        if not self.released:
-            self.conn.reset(self, code)
-        if self.unacked:
-            self.conn.acknowledge(self.id, self.unacked)
-            self.unacked = 0
-            self.chunks.clear()
-
-
-class H2Response:
-    """:class:`~edgeproxy._upstream.pool.UpstreamResponse` for one HTTP/2 stream."""
-
-    __slots__ = ("_stream", "_read_timeout", "status", "headers", "http_version")
-
-    def __init__(self, stream: Stream, read_timeout: float) -> None:
-        self._stream = stream
-        self._read_timeout = read_timeout
-        self.status = stream.status
-        self.headers = stream.headers
-        self.http_version = "2"
-
-    async def aiter_bytes(self) -> AsyncIterator[bytes]:
-        stream = self._stream
-        try:
-            while True:
-                chunk = await stream.read(self._read_timeout)
-                if chunk is None:
-                    return
-                yield chunk
-        finally:
-            # Reached on cancellation, timeouts, errors and a consumer that
-            # breaks out early: none of them may leave the stream open.
-            stream.close()
-
-    async def aclose(self) -> None:
-        self._stream.close()
-
-    def __del__(self) -> None:
-        # A response dropped without aclose() (or a fully read body) would
-        # hold its stream slot and flow-control window for good.
-        stream = self._stream
-        if stream.finished and stream.released and not stream.unacked:
-            return
-        try:
-            if not stream.conn.loop.is_closed():
-                stream.close()
-        except Exception:  # pragma: no cover - interpreter shutdown, odd states
-            pass
 
 
 class Connection(asyncio.Protocol):
