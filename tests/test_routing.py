@@ -141,6 +141,39 @@ def _region(regions: RegionSet, name: str) -> Region:
     return regions.by_name[name]
 
 
+async def test_a_faded_penalty_is_judged_against_measured_peers_not_the_raw_geo_guess() -> None:
+    # Both regions sit where the geo model guesses ~115 ms (no coordinates: the PoP's
+    # distance to 0,0), but answer in 15 ms. a was slow for a while; once its penalty has
+    # faded it must look like b again, not like the 115 ms guess that b beats forever.
+    config = Config.from_mapping(
+        proxy_config(
+            [
+                {"name": "a", "url": "http://127.0.0.1:9"},
+                {"name": "b", "url": "http://127.0.0.1:9"},
+            ],
+            routing={"probe_decay": 0.3},
+        ),
+        environ={},
+    )
+    clock = FakeClock(start=10.0)
+    regions = RegionSet(config, clock=clock)
+    try:
+        router = Router(config, regions, seed=5)
+        a, b = _region(regions, "a"), _region(regions, "b")
+        assert a.geo_rtt > 0.1
+        for region in regions:
+            region.endpoints[0].mark_up()
+        for i in range(5):
+            a.latency.observe(0.4, now=10.0)
+            b.latency.observe(0.015, now=10.0)
+        assert {router.candidates()[0].name for _ in range(50)} == {"b"}
+        clock.advance(5.0)  # 16 probe_decay periods without an answer from a
+        assert router.expected_latency(a, clock()) == pytest.approx(0.015, abs=1e-3)
+        assert {router.candidates()[0].name for _ in range(100)} == {"a", "b"}
+    finally:
+        await regions.close()
+
+
 async def test_a_stalled_region_looks_slow_before_it_answers() -> None:
     config = Config.from_mapping(
         proxy_config(

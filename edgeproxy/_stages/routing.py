@@ -162,12 +162,15 @@ class Router:
 
         Judged by the fastest region with history: the prior of a region with
         no history is this plus its own round trip, so that it is on the same
-        scale as the measured EWMAs.
+        scale as the measured EWMAs. It may be negative: where the geo model
+        overestimates the round trips (regions nearer than their coordinates say),
+        the offset calibrates every prior alike, so that a region whose penalty
+        faded is judged like its measured peers rather than by the raw geo guess.
         """
         best: float | None = None
         for region in self.regions.regions:
             if region.latency.samples:
-                service = max(0.0, region.latency.value - region.geo_rtt)
+                service = region.latency.value - region.geo_rtt
                 if best is None or service < best:
                     best = service
         return best or 0.0
@@ -182,7 +185,7 @@ class Router:
         """Seconds a request to ``region`` is expected to take to its first byte."""
         if service is None:
             service = self.service_time()
-        prior = service + self.rtt_prior(region, client_geo)
+        prior = max(service + self.rtt_prior(region, client_geo), 0.0)
         ewma = region.latency
         if ewma.samples == 0:
             estimate = prior
