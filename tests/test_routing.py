@@ -163,7 +163,7 @@ async def test_a_faded_penalty_is_judged_against_measured_peers_not_the_raw_geo_
         assert a.geo_rtt > 0.1
         for region in regions:
             region.endpoints[0].mark_up()
-        for i in range(5):
+        for _ in range(5):
             a.latency.observe(0.4, now=10.0)
             b.latency.observe(0.015, now=10.0)
         assert {router.candidates()[0].name for _ in range(50)} == {"b"}
