@@ -9,11 +9,12 @@ import logging
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 from aiohttp.web_urldispatcher import AbstractResource
+from yarl import URL
 
 from edgeproxy._core.config import Config
 from edgeproxy._observability.access_log import AccessLog
@@ -22,12 +23,51 @@ from edgeproxy._observability.tracing import Tracing
 from edgeproxy._pipeline import JSON_BODY_LIMIT, Pipeline
 from edgeproxy._plugins import Plugins
 from edgeproxy._server.admin import admin_app
-from edgeproxy._server.listener import ConnectionGuard, GuardedSite, limits_middleware
+from edgeproxy._server.listener import (
+    ConnectionGuard,
+    GuardedSite,
+    expect_handler,
+    limits_middleware,
+)
 from edgeproxy._upstream.regions import RegionSet
+
+if TYPE_CHECKING:
+    from aiohttp.web_urldispatcher import _InfoDict
 
 __all__ = ["EdgeProxy", "PROXY_KEY"]
 
 logger = logging.getLogger("edgeproxy")
+
+# Seconds a request cut at the end of the grace period has to let go of what it holds.
+_STRAGGLER_TIMEOUT = 1.0
+
+
+class _AsteriskResource(web.Resource):
+    """The ``*`` request target (``OPTIONS *``), which no path route matches.
+
+    Routed to the proxy like every path, so that the middleware answers it in
+    the JSON shape, its ``Expect`` header included: unrouted, aiohttp's own
+    404 or 417 would answer it in plain text.
+    """
+
+    @property
+    def canonical(self) -> str:
+        return "*"
+
+    def add_prefix(self, prefix: str) -> None:
+        """Nothing to prefix: mounted under a prefix, the proxy only ever sees paths."""
+
+    def _match(self, path: str) -> dict[str, str] | None:
+        return {} if path == "*" else None
+
+    def raw_match(self, path: str) -> bool:
+        return path == "*"
+
+    def get_info(self) -> _InfoDict:
+        return {"path": "*"}
+
+    def url_for(self, **kwargs: str) -> URL:
+        return URL("*")
 
 
 class EdgeProxy:
@@ -71,7 +111,13 @@ class EdgeProxy:
         )
         self.app[PROXY_KEY] = self
         self.app.cleanup_ctx.append(self._lifespan)
-        self.app.router.add_route("*", "/{tail:.*}", self._handle)
+        # Every path, a decoded newline (%0A) in it too, and the target "*"; Expect is
+        # answered by the middleware.
+        expect = expect_handler(config.limits)
+        self.app.router.add_route("*", "/{tail:(?s:.*)}", self._handle, expect_handler=expect)
+        asterisk = _AsteriskResource()
+        self.app.router.register_resource(asterisk)
+        asterisk.add_route("*", self._handle, expect_handler=expect)
         # The prefix _handle strips, by the route's resource.
         self._prefixes: dict[AbstractResource | None, str] = {}
         self.admin_app = admin_app(self)
@@ -294,7 +340,10 @@ class EdgeProxy:
             self.app,
             handler_cancellation=True,
             access_log=None,
-            shutdown_timeout=1.0,
+            # What aiohttp waits for handlers at cleanup, twice: none is left by then
+            # (stop() cuts them at the end of the grace period), so this only bounds a
+            # handler that ignores its cancellation.
+            shutdown_timeout=_STRAGGLER_TIMEOUT,
         )
         await self._runner.setup()
         site = GuardedSite(
@@ -325,24 +374,39 @@ class EdgeProxy:
     async def stop(self, grace: float | None = None) -> bool:
         """Drain: stop accepting, let in-flight requests finish for ``grace`` seconds, close.
 
+        Request bodies still arriving must keep up ``limits.min_body_rate`` from
+        now on, after a grace of a second at most: slow clients do not hold the
+        drain open. What still runs when the grace period ends is cut then, not
+        later: an SSE stream gets an ``event: error`` (``shutting_down``), a
+        request not answered yet a 503, and the connections close.
+
         Returns false if requests were still running when the grace period ended.
         """
         grace = self.config.server.grace_period if grace is None else grace
         self.draining = True
-        if self._pipeline is not None:
-            self._pipeline.draining = True
+        pipeline = self._pipeline
+        if pipeline is not None:
+            pipeline.draining = True
         drained = True
         if self._runner is not None:
             for site in list(self._runner.sites):
                 await site.stop()
-            if self._pipeline is not None:
-                drained = await self._pipeline.wait_idle(grace)
+            self.guard.start_draining()
+            if pipeline is not None:
+                drained = await pipeline.wait_idle(grace)
                 if not drained:
                     logger.warning(
-                        "grace period of %.1fs ended with %d requests in flight",
+                        "grace period of %.1fs ended with %d requests in flight; cutting them",
                         grace,
-                        self._pipeline.in_flight,
+                        pipeline.in_flight,
                     )
+                    pipeline.stream.shutting_down = True
+                    self.guard.cut_requests()
+                    # Cancelled, they only let go of what they hold (upstream streams).
+                    if not await pipeline.wait_idle(_STRAGGLER_TIMEOUT):
+                        logger.warning(
+                            "%d requests still running after being cut", pipeline.in_flight
+                        )
             await self._runner.cleanup()
             self._runner = None
         if self._admin_runner is not None:

@@ -4,17 +4,24 @@ Three layers, cheapest first:
 
 * :class:`EdgeRequestHandler` (the proxy's own listener) enforces the
   connection-level limits aiohttp does not have: a cap on open connections,
-  a header read timeout, a body idle timeout against slowloris, the body size
-  of chunked uploads, and parser errors answered as OpenAI-shaped JSON with
-  the precise status (414 for a request line too long, 431 for headers).
+  in all and from one client address, a header read timeout, three bounds on
+  a body against slowloris (an idle timeout between reads, a minimum average
+  rate and a total deadline), the body size of chunked uploads, and parser
+  errors answered as OpenAI-shaped JSON with the precise status (414 for a
+  request line too long, 431 for headers, 505 for an HTTP version it cannot
+  parse).
 * :func:`limits_middleware` checks the request head before any stage or
   plugin sees it: framing that could smuggle a second request past another
   hop (``Transfer-Encoding`` the proxy would not read the same way, duplicate
   ``Content-Length``), HTTP versions, request-target forms, methods that make
-  no sense through a reverse proxy, header bytes that are not UTF-8, and a
-  declared body over ``max_body_size`` (413 before reading it). A framing
-  error closes the connection, since the proxy can no longer tell where the
-  next request starts.
+  no sense through a reverse proxy, header bytes that are not UTF-8,
+  expectations other than ``100-continue`` (417), and a declared body over
+  ``max_body_size`` (413 before reading it). A framing error closes the
+  connection, since the proxy can no longer tell where the next request
+  starts. What aiohttp would answer itself (its router's 404 or 405, its
+  417) comes out in the same JSON shape: every answer the proxy gives itself
+  carries ``X-Edgeproxy-Region`` and an HTTP/1.1 status line, whatever
+  version the client sent.
 * :func:`read_json_body` validates the JSON body of LLM routes before any
   upstream work (400 for the wrong content type, invalid JSON or UTF-8, or a
   body that is not an object).
@@ -38,13 +45,14 @@ from http import HTTPStatus
 from typing import Any
 
 from aiohttp import web
-from aiohttp.http_exceptions import LineTooLong
+from aiohttp.http_exceptions import BadStatusLine, LineTooLong
+from aiohttp.http_writer import HttpVersion11
 from aiohttp.typedefs import Middleware
 from aiohttp.web_request import BaseRequest
 from yarl import URL
 
 from edgeproxy._core.config import LimitsConfig
-from edgeproxy._core.errors import ProxyError, error_body, error_response
+from edgeproxy._core.errors import ProxyError, error_body
 from edgeproxy._protocol.bodies import BodyTimeout, BodyTooLarge
 from edgeproxy._protocol.headers import request_id
 
@@ -55,6 +63,7 @@ __all__ = [
     "EdgeRequestHandler",
     "GuardedSite",
     "check_request_head",
+    "expect_handler",
     "limits_middleware",
 ]
 
@@ -68,6 +77,15 @@ _REFUSED_METHODS = frozenset({"CONNECT", "TRACE"})
 _KNOWN_CODINGS = frozenset({"chunked", "gzip", "x-gzip", "deflate", "compress", "identity"})
 # Error messages echo at most this much of what the client sent.
 _ECHO_LIMIT = 120
+# While the proxy drains, a body has this long (at most) before its rate is checked.
+_DRAIN_RATE_GRACE = 1.0
+# Codes of the router's own answers, which the middleware turns into JSON.
+_HTTP_ERROR_CODES = {
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "request_too_large",
+    417: "expectation_failed",
+}
 
 
 # -- the request head ------------------------------------------------------------
@@ -80,13 +98,17 @@ def _framing_error(status: int, message: str, code: str) -> ProxyError:
     )
 
 
+def _version_error() -> ProxyError:
+    return _framing_error(
+        505, "Only HTTP/1.0 and HTTP/1.1 are supported.", "http_version_not_supported"
+    )
+
+
 def check_request_head(request: BaseRequest, limits: LimitsConfig) -> ProxyError | None:
     """What is wrong with the request line and headers, if anything; None when they are fine."""
     version = request.version
     if version.major != 1 or version.minor not in (0, 1):
-        return _framing_error(
-            505, "Only HTTP/1.0 and HTTP/1.1 are supported.", "http_version_not_supported"
-        )
+        return _version_error()
     headers = request.headers
     te = headers.getall("Transfer-Encoding", ())
     if te:
@@ -124,7 +146,15 @@ def check_request_head(request: BaseRequest, limits: LimitsConfig) -> ProxyError
             code="method_not_allowed",
         )
     target = request.raw_path
-    if not target.startswith("/") and not (target == "*" and method == "OPTIONS"):
+    if not target.startswith("/"):
+        if target == "*" and method == "OPTIONS":
+            # The server-wide form: no region has a resource to answer it for.
+            return ProxyError(
+                501,
+                "invalid_request_error",
+                "OPTIONS * is not supported by this proxy; send OPTIONS to a path.",
+                code="not_implemented",
+            )
         return ProxyError(
             400,
             "invalid_request_error",
@@ -150,7 +180,85 @@ def check_request_head(request: BaseRequest, limits: LimitsConfig) -> ProxyError
                     f"Header {name[:_ECHO_LIMIT]!r} is not valid UTF-8.",
                     code="invalid_header",
                 )
+    if version.minor == 1 and "Expect" in headers:
+        # RFC 9110 10.1.1: a 1.0 request's expectations are ignored.
+        expect = ",".join(headers.getall("Expect")).strip().lower()
+        if expect and expect != "100-continue":
+            # The client may be waiting before it sends its body, or may send it
+            # anyway: the connection closes rather than guess.
+            return _framing_error(
+                417, "Only the 100-continue expectation is supported.", "expectation_failed"
+            )
     return None
+
+
+class _OwnAnswer(web.Response):
+    """An answer the listener gives itself: an HTTP/1.1 status line, whatever the request's
+    version (a client sending ``HTTP/0.9`` or ``HTTP/2.0`` must not see it echoed back)."""
+
+    async def _write_headers(self) -> None:
+        writer = self._payload_writer
+        assert writer is not None
+        if not self.keep_alive:
+            # Said outright: the status line claims 1.1, where connections persist by default.
+            self.headers["Connection"] = "close"
+        await writer.write_headers(f"HTTP/1.1 {self.status} {self.reason}", self.headers)
+        if self._send_headers_immediately:
+            writer.send_headers()
+
+
+def _own_error(error: ProxyError, *, close: bool = False) -> web.Response:
+    """``error`` as the proxy's own JSON answer, with its headers; ``close`` ends the
+    connection after it (so does a framing error, and a 413)."""
+    resp = _OwnAnswer(
+        status=error.status,
+        body=error_body(error.type, error.message, code=error.code),
+        content_type="application/json",
+    )
+    resp.headers["X-Edgeproxy-Region"] = "none"
+    resp.headers["X-Request-Id"] = request_id(None)
+    for name, value in error.headers.items():
+        if name.lower() != "connection":
+            resp.headers[name] = value
+    if close or error.headers.get("Connection") == "close" or error.status == 413:
+        resp.force_close()
+    return resp
+
+
+def _http_exception_error(exc: web.HTTPException) -> ProxyError:
+    """What aiohttp itself would answer (its router, its body limit), as the proxy's error."""
+    headers = {
+        name: value
+        for name, value in exc.headers.items()
+        if name.lower() not in ("content-type", "content-length")
+    }
+    return ProxyError(
+        exc.status,
+        "invalid_request_error",
+        f"{exc.reason}.",
+        code=_HTTP_ERROR_CODES.get(exc.status, "http_error"),
+        headers=headers,
+    )
+
+
+def expect_handler(limits: LimitsConfig) -> Callable[[web.Request], Awaitable[None]]:
+    """The route's ``Expect`` handler: ``100 Continue`` only for a head the proxy accepts.
+
+    aiohttp calls it before any middleware; it never answers itself, so that
+    :func:`limits_middleware` gives every refusal (a 417 for an unknown
+    expectation, a 413 for a declared body too large...) in the one JSON
+    shape, and a client waiting to send a body it must not send is not invited to.
+    """
+
+    async def edgeproxy_expect(request: web.Request) -> None:
+        if request.version != HttpVersion11 or check_request_head(request, limits) is not None:
+            return
+        if request.headers.get("Expect", "").strip().lower() == "100-continue":
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            # The 100 is no part of the answer (aiohttp's own handler does the same).
+            request.writer.output_size = 0
+
+    return edgeproxy_expect
 
 
 def limits_middleware(limits: LimitsConfig) -> Middleware:
@@ -160,27 +268,28 @@ def limits_middleware(limits: LimitsConfig) -> Middleware:
     async def edgeproxy_limits(
         request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
-        error = check_request_head(request, limits)
-        if error is not None:
-            resp = error_response(
-                error.status,
-                error.type,
-                error.message,
-                code=error.code,
-                headers={"X-Edgeproxy-Region": "none", "X-Request-Id": request_id(None)},
-            )
-            if error.headers.get("Connection") == "close" or error.status == 413:
-                resp.force_close()
-            return resp
-        protocol = request.protocol
-        if not isinstance(protocol, EdgeRequestHandler):
-            # Mounted in a host application: its own server, without these timers.
-            return await handler(request)
-        protocol.request_started(request)
+        # Mounted in a host application, its own server runs without these timers.
+        protocol = request.protocol if isinstance(request.protocol, EdgeRequestHandler) else None
+        if protocol is not None:
+            # First: the head's timer stops here, whoever answers (a refusal too).
+            protocol.request_started(request)
         try:
-            return await handler(request)
+            error = check_request_head(request, limits)
+            if error is not None:
+                return _own_error(error)
+            try:
+                return await handler(request)
+            except web.HTTPException as exc:
+                if exc.status < 400:
+                    raise
+                return _own_error(_http_exception_error(exc))
+            except asyncio.CancelledError:
+                if protocol is not None:
+                    protocol.request_cancelled(request)
+                raise
         finally:
-            protocol.request_finished()
+            if protocol is not None:
+                protocol.request_finished()
 
     return edgeproxy_limits
 
@@ -194,10 +303,28 @@ class ConnectionGuard:
     def __init__(self, limits: LimitsConfig) -> None:
         self.limits = limits
         self.open = 0
+        # Open connections by client address, and the connections themselves.
+        self.per_ip: dict[str, int] = {}
+        self.connections: set[EdgeRequestHandler] = set()
         self.refused = 0
+        self.refused_per_ip = 0
         self.header_timeouts = 0
         self.body_timeouts = 0
+        self.body_deadlines = 0
+        self.slow_bodies = 0
         self.bodies_too_large = 0
+        self.shutdown_cuts = 0
+        # The listener drains (bodies get a short rate grace) / cut what was left.
+        self.draining = False
+        self.shutting_down = False
+
+    @property
+    def max_per_ip(self) -> int:
+        """Most connections from one address; 0 for no cap."""
+        cap = self.limits.max_connections_per_ip
+        if cap is None:
+            return max(self.limits.max_connections // 2, 64)
+        return cap
 
     def handler_kwargs(self) -> dict[str, Any]:
         """aiohttp ``RequestHandler`` settings for these limits."""
@@ -213,13 +340,32 @@ class ConnectionGuard:
             "auto_decompress": False,
         }
 
+    def start_draining(self) -> None:
+        """The proxy drains: a body still arriving must now keep up its minimum rate
+        after a short grace, so that slow clients do not hold the drain open."""
+        self.draining = True
+        for conn in list(self.connections):
+            conn.check_body()
+
+    def cut_requests(self) -> int:
+        """The grace period is over: cancel every request still running (a request not
+        answered yet gets a 503, an SSE stream its error event). Returns how many."""
+        self.shutting_down = True
+        cut = sum(1 for conn in list(self.connections) if conn.cancel_request())
+        self.shutdown_cuts += cut
+        return cut
+
     def snapshot(self) -> dict[str, Any]:
         return {
             "connections_open": self.open,
             "max_connections": self.limits.max_connections,
+            "max_connections_per_ip": self.max_per_ip,
             "connections_refused": self.refused,
+            "connections_refused_per_ip": self.refused_per_ip,
             "header_timeouts": self.header_timeouts,
             "body_timeouts": self.body_timeouts,
+            "body_deadlines": self.body_deadlines,
+            "slow_bodies": self.slow_bodies,
             "bodies_too_large": self.bodies_too_large,
         }
 
@@ -238,24 +384,72 @@ def _raw_error(status: int, message: str, code: str) -> bytes:
     ).encode("ascii") + body
 
 
+def _body_deadline_error(seconds: float) -> ProxyError:
+    return ProxyError(
+        408,
+        "invalid_request_error",
+        f"The request body did not arrive within {seconds:g} seconds.",
+        code="request_timeout",
+        headers={"Connection": "close"},
+    )
+
+
+def _slow_body_error(rate: int) -> ProxyError:
+    return ProxyError(
+        408,
+        "invalid_request_error",
+        f"The request body arrived slower than {rate} bytes per second.",
+        code="request_timeout",
+        headers={"Connection": "close"},
+    )
+
+
+def _parser_reason(message: str | None) -> str:
+    """The parser's explanation without the bytes it quotes (the client's own, echoed)."""
+    parts = []
+    for line in (message or "bad request").splitlines():
+        # llhttp quotes them on a line of their own (b'...'), the pure-Python parser inline.
+        line, quote, _ = line.replace('"', "'").partition("'")
+        line = line.strip()
+        if quote and (line == "b" or line.endswith(" b")):
+            line = line[:-1]  # the prefix of a bytes literal
+        line = line.rstrip(" :")
+        if line:
+            parts.append(line)
+        if quote:
+            break
+    return ": ".join(parts)[:_ECHO_LIMIT] or "bad request"
+
+
 class EdgeRequestHandler(web.RequestHandler):
     """aiohttp's HTTP/1.1 connection handler plus the limits it lacks.
 
     Phases: idle (between requests), head (bytes of a request head are
     arriving: the header timeout runs), body (the handler runs and the body
-    is still arriving: the idle timeout runs and the size is counted), busy
-    (the handler runs, the body is complete), drain (the handler answered
-    without reading the whole body, which aiohttp now discards). The
-    middleware reports when a handler starts and ends.
+    is still arriving: its timers run and the size is counted), busy (the
+    handler runs, the body is complete), drain (the handler answered without
+    reading the whole body, which aiohttp now discards). The middleware
+    reports when a handler starts and ends.
+
+    A body in progress is bounded three ways, each a 408 that closes the
+    connection: ``body_timeout`` between two reads, an average of
+    ``min_body_rate`` bytes a second once ``body_rate_grace`` has passed, and
+    ``body_deadline`` in all. Time the proxy itself stopped reading
+    (backpressure from a slow region) counts for none of them.
     """
 
     __slots__ = (
         "_guard",
         "_counted",
+        "_peer",
         "_phase",
         "_timer",
         "_payload",
+        "_request_task",
         "_last_data",
+        "_body_started",
+        "_paused_at",
+        "_paused_total",
         "_head_bytes",
         "_line_len",
         "_stalled",
@@ -265,10 +459,15 @@ class EdgeRequestHandler(web.RequestHandler):
         super().__init__(manager, **kwargs)
         self._guard = guard
         self._counted = False
+        self._peer = ""
         self._phase = _IDLE
         self._timer: asyncio.TimerHandle | None = None
         self._payload: Any = None
+        self._request_task: asyncio.Task[Any] | None = None
         self._last_data = 0.0
+        self._body_started = 0.0
+        self._paused_at = -1.0  # when the proxy stopped reading this body; -1: reading
+        self._paused_total = 0.0
         self._head_bytes = 0
         self._line_len = -1  # length of the request line, once its end arrived
         self._stalled = False
@@ -287,7 +486,22 @@ class EdgeRequestHandler(web.RequestHandler):
                 retry_after=1,
             )
             return
+        peer = transport.get_extra_info("peername")
+        ip = str(peer[0]) if isinstance(peer, tuple) and peer else ""
+        cap = guard.max_per_ip
+        if cap and guard.per_ip.get(ip, 0) >= cap:
+            guard.refused_per_ip += 1
+            self._refuse(
+                503,
+                "Too many connections from this address; retry shortly.",
+                "too_many_connections",
+                retry_after=1,
+            )
+            return
         guard.open += 1
+        guard.per_ip[ip] = guard.per_ip.get(ip, 0) + 1
+        guard.connections.add(self)
+        self._peer = ip
         self._counted = True
         # A new connection must send its first request head in time.
         self._phase = _HEAD
@@ -296,9 +510,17 @@ class EdgeRequestHandler(web.RequestHandler):
     def connection_lost(self, exc: BaseException | None) -> None:
         if self._counted:
             self._counted = False
-            self._guard.open -= 1
+            guard = self._guard
+            guard.open -= 1
+            guard.connections.discard(self)
+            left = guard.per_ip.get(self._peer, 1) - 1
+            if left > 0:
+                guard.per_ip[self._peer] = left
+            else:
+                guard.per_ip.pop(self._peer, None)
         self._cancel_timer()
         self._payload = None
+        self._request_task = None
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -327,19 +549,29 @@ class EdgeRequestHandler(web.RequestHandler):
             self._check_size()
 
     def pause_reading(self) -> None:
-        # The proxy, not the client, stopped the body: not a stall.
+        # The proxy, not the client, stopped the body: not a stall, and not the client's time.
+        if not self._stalled:
+            self._paused_at = self._loop.time()
         self._stalled = True
         super().pause_reading()
 
     def resume_reading(self, resume_parser: bool = True) -> None:
-        self._stalled = False
-        self._last_data = self._loop.time()
+        now = self._loop.time()
+        if self._paused_at >= 0:
+            self._paused_total += now - self._paused_at
+            self._paused_at = -1.0
+        was_stalled, self._stalled = self._stalled, False
+        self._last_data = now
+        if was_stalled and self._phase == _BODY and self._timer is not None:
+            # The body's clocks run again: its next check is due from now.
+            self._arm(self._next_body_check(now), self._body_timer)
         super().resume_reading(resume_parser)
 
     # -- request lifecycle (from the middleware) -------------------------------------
 
     def request_started(self, request: BaseRequest) -> None:
         self._cancel_timer()
+        self._request_task = asyncio.current_task()
         payload = request.content
         self._payload = payload
         # Part of the body, or all of it, may have arrived with the head.
@@ -348,8 +580,10 @@ class EdgeRequestHandler(web.RequestHandler):
             self._phase = _BUSY
             return
         self._phase = _BODY
-        self._last_data = self._loop.time()
-        self._arm(self._guard.limits.body_timeout, self._body_timeout)
+        now = self._body_started = self._last_data = self._loop.time()
+        self._paused_total = 0.0
+        self._paused_at = now if self._stalled else -1.0
+        self._arm(self._next_body_check(now), self._body_timer)
 
     def _check_size(self) -> None:
         payload = self._payload
@@ -373,6 +607,7 @@ class EdgeRequestHandler(web.RequestHandler):
 
     def request_finished(self) -> None:
         self._cancel_timer()
+        self._request_task = None
         payload = self._payload
         if payload is not None and not payload.is_eof() and payload.exception() is None:
             # aiohttp drains the unread body ("lingering"): those bytes are no request head.
@@ -380,6 +615,29 @@ class EdgeRequestHandler(web.RequestHandler):
             return
         self._payload = None
         self._phase = _IDLE
+
+    def request_cancelled(self, request: BaseRequest) -> None:
+        """The handler was cancelled: when the proxy cut it at shutdown and nothing of
+        the answer went out yet, the client still learns why (a 503) before the close."""
+        transport = self.transport
+        if (
+            self._guard.shutting_down
+            and transport is not None
+            and not transport.is_closing()
+            and request.writer.output_size == 0
+        ):
+            transport.write(
+                _raw_error(503, "The proxy is shutting down; retry the request.", "shutting_down")
+            )
+            self.force_close()
+
+    def cancel_request(self) -> bool:
+        """Cancel the request this connection is running, if any (shutdown)."""
+        task = self._request_task
+        if self._phase not in (_BODY, _BUSY) or task is None or task.done():
+            return False
+        task.cancel()
+        return True
 
     # -- timers ----------------------------------------------------------------
 
@@ -405,18 +663,72 @@ class EdgeRequestHandler(web.RequestHandler):
             "request_timeout",
         )
 
-    def _body_timeout(self) -> None:
+    def _active(self, now: float) -> float:
+        """Seconds the body has been arriving, less those the proxy did not read."""
+        paused = self._paused_total
+        if self._paused_at >= 0:
+            paused += now - self._paused_at
+        return now - self._body_started - paused
+
+    def _rate_grace(self) -> float:
+        grace = self._guard.limits.body_rate_grace
+        return min(grace, _DRAIN_RATE_GRACE) if self._guard.draining else grace
+
+    def _next_body_check(self, now: float) -> float:
+        """Seconds until the earliest moment one of the body's bounds could be passed."""
+        limits = self._guard.limits
+        delay = self._last_data + limits.body_timeout - now
+        active = self._active(now)
+        if limits.body_deadline:
+            delay = min(delay, limits.body_deadline - active)
+        if limits.min_body_rate:
+            # With no more bytes, the average falls under the rate at `received / rate`.
+            received = self._payload.total_bytes if self._payload is not None else 0
+            due = max(self._rate_grace(), received / limits.min_body_rate)
+            delay = min(delay, due - active)
+        return max(delay, 0.0)
+
+    def _body_error(self, now: float) -> ProxyError | None:
+        """The bound this body has passed, if any (and counted)."""
+        guard = self._guard
+        limits = guard.limits
+        if now - self._last_data >= limits.body_timeout:
+            guard.body_timeouts += 1
+            return BodyTimeout(limits.body_timeout)
+        active = self._active(now)
+        if limits.body_deadline and active >= limits.body_deadline:
+            guard.body_deadlines += 1
+            return _body_deadline_error(limits.body_deadline)
+        rate = limits.min_body_rate
+        if rate and active >= self._rate_grace():
+            received = self._payload.total_bytes if self._payload is not None else 0
+            if received < rate * active:
+                guard.slow_bodies += 1
+                return _slow_body_error(rate)
+        return None
+
+    def _body_timer(self) -> None:
         self._timer = None
+        self.check_body()
+
+    def check_body(self) -> None:
+        """Check the body in progress against its bounds now; 408 when one is passed."""
         payload = self._payload
         if self._phase != _BODY or payload is None or payload.is_eof():
             return
-        timeout = self._guard.limits.body_timeout
-        idle = self._loop.time() - self._last_data
-        if self._stalled or idle < timeout:
-            self._arm(timeout - idle if not self._stalled else timeout, self._body_timeout)
+        if payload.exception() is not None:
             return
-        self._guard.body_timeouts += 1
-        self._abort_body(BodyTimeout(timeout))
+        if self._stalled:
+            # The proxy stopped reading: nothing the client does counts until it resumes.
+            self._arm(self._guard.limits.body_timeout, self._body_timer)
+            return
+        now = self._loop.time()
+        error = self._body_error(now)
+        if error is not None:
+            self._cancel_timer()
+            self._abort_body(error)
+            return
+        self._arm(self._next_body_check(now), self._body_timer)
 
     def _refuse(self, status: int, message: str, code: str, retry_after: int = 0) -> None:
         """Answer outside any request (no handler runs) and close the connection."""
@@ -458,16 +770,18 @@ class EdgeRequestHandler(web.RequestHandler):
                 else:
                     status, code = 414, "request_line_too_long"
                     message = "Request line (method and target) too long."
+            elif isinstance(exc, BadStatusLine) and "Invalid HTTP version" in str(exc):
+                # llhttp knows 1.0, 1.1 and 2.0 (refused by the middleware); any
+                # other version is a version the proxy does not support.
+                version = _version_error()
+                status, code, message = version.status, str(version.code), version.message
             elif message and "Too many headers" in message:
                 status, code, message = 431, "headers_too_large", "Too many header fields."
             else:
-                # Parser messages quote the offending bytes; keep them short.
-                message = f"Malformed request: {(message or 'bad request')[:_ECHO_LIMIT]}"
+                # Parser messages quote the offending bytes: only say what was wrong.
+                message = f"Malformed request: {_parser_reason(message)}"
             logger.debug("bad request from %s: %s", request.remote, exc)
-        resp = error_response(
-            status, type_, message, code=code, headers={"X-Edgeproxy-Region": "none"}
-        )
-        resp.force_close()
+        resp = _own_error(ProxyError(status, type_, message, code=code), close=True)
         return resp
 
 

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import math
 import time
 from collections.abc import AsyncIterator
@@ -62,6 +63,7 @@ from edgeproxy._protocol.endpoints import endpoint_suffixes
 from edgeproxy._upstream.pool import (
     UpstreamConnectError,
     UpstreamError,
+    UpstreamProtocolError,
     UpstreamResponse,
     UpstreamTimeout,
 )
@@ -75,6 +77,8 @@ if TYPE_CHECKING:
     from edgeproxy._stages.upstream import UpstreamStage
 
 __all__ = ["AttemptResponse", "Budget", "DeadlineExceeded", "Failover", "PendingUpstream"]
+
+logger = logging.getLogger("edgeproxy")
 
 IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE", "TRACE"})
 # OpenAI-style endpoints where a repeated POST only costs compute: nothing
@@ -679,10 +683,13 @@ class _Plan:
                 headers=headers,
             )
         if exc is not None:
+            # The client learns which region and what kind of failure; the detail (the
+            # region's address, a parser's text) is for the log only.
+            logger.warning("request %s: region %s failed: %s", self.ctx.request_id, name, exc)
             return ProxyError(
                 502,
                 "upstream_error",
-                f"region {name} failed: {exc}",
+                f"region {name} failed: {_failure_reason(exc)}",
                 code="bad_gateway",
                 headers=headers,
             )
@@ -698,6 +705,15 @@ class _Plan:
             code="upstream_unavailable",
             headers=headers,
         )
+
+
+def _failure_reason(exc: UpstreamError) -> str:
+    """A short reason for a failed attempt, safe to show a client."""
+    if isinstance(exc, UpstreamConnectError):
+        return "cannot connect"
+    if isinstance(exc, UpstreamProtocolError):
+        return "malformed response or broken connection"
+    return "upstream error"
 
 
 async def _error_detail(response: UpstreamResponse, limit: int = 8192) -> str | None:

@@ -7,11 +7,13 @@ recorder the same way, and writes nothing.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
+from aiohttp.http_writer import StreamWriter
 
 from edgeproxy._core.context import RequestContext, UpstreamReply
 from edgeproxy._core.errors import error_response
@@ -42,6 +44,9 @@ class StreamStage:
 
     def __init__(self, plugins: Plugins) -> None:
         self.plugins = plugins
+        # Set when the proxy's grace period ended: a relay cancelled from then on
+        # was cut by the shutdown, and tells its client so.
+        self.shutting_down = False
 
     async def relay(
         self,
@@ -89,8 +94,19 @@ class StreamStage:
             await resp.write_eof()
         except UpstreamError as exc:
             # Counted against the region by the attempt itself (AttemptResponse).
+            # The detail (addresses, parser text) is logged, never sent to the client.
             ctx.error = f"upstream broke mid-body: {exc}"
-            await self._abort(request, resp, exc)
+            logger.warning(
+                "request %s: region %s broke the stream: %s", ctx.request_id, region.name, exc
+            )
+            await self._abort(
+                request,
+                resp,
+                502,
+                "upstream_error",
+                f"region {region.name} broke the stream",
+                "upstream_stream_broken",
+            )
             return resp
         except ConnectionResetError:
             # The client went away: the pipeline's finally cancels the upstream stream.
@@ -100,8 +116,21 @@ class StreamStage:
             # Too late for a 500: end the response so it cannot pass for complete.
             ctx.error = str(exc)
             logger.error("%s", exc, exc_info=exc.error)
-            await self._abort(request, resp, exc)
+            await self._abort(
+                request,
+                resp,
+                500,
+                "plugin_error",
+                f"plugin {exc.plugin} failed mid-stream",
+                "plugin_error",
+            )
             return resp
+        except asyncio.CancelledError:
+            if self.shutting_down:
+                # The grace period ended: no waiting now, only the event and the close.
+                ctx.error = "cut at the end of the shutdown grace period"
+                await self._cut(request, resp)
+            raise
         return resp
 
     async def drain(
@@ -167,21 +196,54 @@ class StreamStage:
         if usage is not None:
             ctx.usage = usage.result()
 
-    async def _abort(self, request: web.Request, resp: web.StreamResponse, exc: Exception) -> None:
+    async def _abort(
+        self,
+        request: web.Request,
+        resp: web.StreamResponse,
+        status: int,
+        type: str,
+        message: str,
+        code: str,
+    ) -> None:
         """End a response that already started, so the client cannot take it as complete.
 
-        SSE clients get a well-formed ``error`` event first; then the connection
-        is closed without the final chunk, which every client reads as a
-        truncated body rather than a clean end.
+        SSE clients get a well-formed ``error`` event first, in the OpenAI error
+        shape with its ``code``; then the connection is closed without the final
+        chunk, which every client reads as a truncated body rather than a clean end.
         """
-        content_type = resp.headers.get("content-type", "")
-        if content_type.startswith("text/event-stream"):
-            event = error_response(502, "upstream_error", f"upstream stream broke: {exc}")
-            assert isinstance(event.body, bytes)
+        if _is_sse(resp):
             try:
-                await resp.write(b"event: error\ndata: " + event.body + b"\n\n")
+                await resp.write(_error_event(status, type, message, code))
             except ConnectionResetError:
                 pass
         resp.force_close()
         if request.transport is not None:
             request.transport.close()
+
+    async def _cut(self, request: web.Request, resp: web.StreamResponse) -> None:
+        """:meth:`_abort` for a relay cancelled at shutdown, which must not wait: the event
+        is queued on the connection without waiting for the client to read it (``drain=False``
+        never suspends), and the connection closes once it is flushed."""
+        transport = request.transport
+        if transport is None or transport.is_closing():
+            return
+        writer = request.writer
+        if resp.prepared and _is_sse(resp) and isinstance(writer, StreamWriter):
+            event = _error_event(
+                503, "service_unavailable", "the proxy is shutting down", "shutting_down"
+            )
+            # The writer keeps the chunked framing.
+            await writer.write(event, drain=False)
+        resp.force_close()
+        transport.close()
+
+
+def _is_sse(resp: web.StreamResponse) -> bool:
+    return resp.headers.get("content-type", "").startswith("text/event-stream")
+
+
+def _error_event(status: int, type: str, message: str, code: str) -> bytes:
+    """An SSE ``error`` event carrying the OpenAI error body."""
+    body = error_response(status, type, message, code=code).body
+    assert isinstance(body, bytes)
+    return b"event: error\ndata: " + body + b"\n\n"

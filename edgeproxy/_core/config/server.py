@@ -102,6 +102,30 @@ class LimitsConfig(Section):
         description="Seconds the request body may stall between two reads (slowloris); then "
         "408 and the connection closes.",
     )
+    min_body_rate: int = Field(
+        1024,
+        ge=0,
+        description="Lowest average rate, in bytes per second, at which a request body must "
+        "arrive once it has been arriving for body_rate_grace seconds (a client trickling a "
+        "byte now and then never stalls long enough for body_timeout); then 408 and the "
+        "connection closes. Time the proxy itself stopped reading does not count. 0 turns "
+        "the check off.",
+    )
+    body_rate_grace: float = Field(
+        10.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="Seconds a request body may arrive at any rate before min_body_rate "
+        "applies; while the proxy drains on SIGTERM, at most 1 second.",
+    )
+    body_deadline: float = Field(
+        300.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="Seconds a whole request body may take to arrive, from the end of its "
+        "head (time the proxy itself stopped reading does not count); then 408 and the "
+        "connection closes. 0 means no deadline.",
+    )
     keepalive_timeout: float = Field(
         75.0,
         gt=0,
@@ -112,4 +136,12 @@ class LimitsConfig(Section):
         10_000,
         ge=1,
         description="Most client connections open at once; more get 503 and are closed.",
+    )
+    max_connections_per_ip: int | None = Field(
+        None,
+        ge=0,
+        description="Most client connections open at once from one address, so that one "
+        "address cannot take the whole listener; more get 503 and are closed. Unset: half of "
+        "max_connections, but at least 64. Behind a load balancer or sidecar that connects "
+        "from one address, raise it to max_connections, or set 0 for no cap.",
     )
