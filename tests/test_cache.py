@@ -789,3 +789,32 @@ def test_which_answers_may_be_stored() -> None:
         "not_cacheable",
     )
     assert windows([("cache-control", "public, max-age=60")], credentials=True)[0]
+
+
+async def test_followers_of_a_stream_that_breaks_get_an_error_event_with_a_code(
+    make_region: RegionFactory, start_proxy: StartProxy, client: aiohttp.ClientSession
+) -> None:
+    region = await make_region(
+        "r1", ttft=0.2, inter_token_delay=0.01, tokens=10, fault="reset", fault_after_tokens=3
+    )
+    proxy = await start_proxy([region])
+    body = chat("breaks", stream=True)
+
+    async def stream() -> tuple[str, bytes]:
+        async with client.post(proxy.url + CHAT, json=body) as resp:
+            data = b""
+            try:
+                async for chunk in resp.content.iter_any():
+                    data += chunk
+            except aiohttp.ClientPayloadError:
+                pass  # the truncated end every client sees
+            return resp.headers["X-Edgeproxy-Cache"], data
+
+    results = await asyncio.gather(*(stream() for _ in range(4)))
+    followers = [data for outcome, data in results if outcome == "COALESCED"]
+    assert followers, [outcome for outcome, _ in results]
+    for data in followers:
+        assert b"event: error\n" in data
+        error = orjson.loads(data.split(b"event: error\ndata: ", 1)[1].split(b"\n", 1)[0])
+        assert error["error"]["code"] == "upstream_stream_broken"
+        assert b"[DONE]" not in data

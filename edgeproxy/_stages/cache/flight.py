@@ -193,7 +193,9 @@ async def stream_live(
 
 async def abort_stream(request: web.Request, resp: web.StreamResponse) -> None:
     """End a follower's stream like the leader's was: an SSE error event, then no clean end."""
-    event = error_response(502, "upstream_error", "upstream stream broke")
+    event = error_response(
+        502, "upstream_error", "the upstream stream broke", code="upstream_stream_broken"
+    )
     assert isinstance(event.body, bytes)
     try:
         await resp.write(b"event: error\ndata: " + event.body + b"\n\n")
