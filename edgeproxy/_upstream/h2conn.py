@@ -29,21 +29,24 @@ import asyncio
 import re
 import socket
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, cast
 
-import h2.config
-import h2.connection
-import h2.errors
-import h2.events
-import h2.exceptions
-import h2.settings
-import h2.stream
-import h2.utilities
-from hpack import NeverIndexedHeaderTuple
+# The protocol engine: jh2, h2's maintained fork with a compiled HPACK and the same API
+# (the GOAWAY-draining state machine and the stream subclass touch its internals, so its
+# version is pinned to a tested range in setup.cfg).
+import jh2 as h2
+import jh2.config
+import jh2.connection
+import jh2.errors
+import jh2.events
+import jh2.exceptions
+import jh2.settings
+import jh2.stream
+import jh2.utilities
+from jh2.hpack import NeverIndexedHeaderTuple
 
 from edgeproxy._core.types import Headers
-from edgeproxy._upstream.h2stream import CANCEL, H2Response, Stream, timeout_waiter
+from edgeproxy._upstream.h2stream import H2Response, Stream, timeout_waiter
 from edgeproxy._upstream.pool import (
     UpstreamConnectError,
     UpstreamError,
@@ -138,7 +141,6 @@ class _ResetStreams(h2.utilities.SizeLimitDict):
             super().__setitem__(key, value)
 
 
-@dataclass(kw_only=True)
 class _MalformedHeaders(h2.events.ResponseReceived):
     """A HEADERS frame that makes the response malformed; h2 would end the connection.
 
@@ -146,16 +148,20 @@ class _MalformedHeaders(h2.events.ResponseReceived):
     information to the first event a HEADERS frame yields.
     """
 
-    reason: str = ""
+    def __init__(self, stream_id: int, headers: list[Any], reason: str) -> None:
+        super().__init__()
+        self.stream_id = stream_id
+        self.headers = headers
+        self.reason = reason
 
 
-@dataclass(kw_only=True)
 class _MalformedData(h2.events.Event):
     """A DATA frame before the response's HEADERS; h2 would end the connection."""
 
-    stream_id: int
-    flow_controlled_length: int
-    reason: str = ""
+    def __init__(self, stream_id: int, flow_controlled_length: int, reason: str) -> None:
+        self.stream_id = stream_id
+        self.flow_controlled_length = flow_controlled_length
+        self.reason = reason
 
 
 class _H2Stream(h2.stream.H2Stream):
