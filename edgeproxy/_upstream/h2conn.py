@@ -387,7 +387,7 @@ class Connection(asyncio.Protocol):
                 self.acknowledge(event.stream_id, event.flow_controlled_length)
                 return
             if event.data:
-                stream.chunks.append((event.data, event.flow_controlled_length))
+                stream.chunks.append(event.data)
                 stream.unacked += event.flow_controlled_length
             elif event.flow_controlled_length:
                 self.h2.acknowledge_received_data(event.flow_controlled_length, event.stream_id)

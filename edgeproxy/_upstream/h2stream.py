@@ -6,7 +6,6 @@ pool's caller (:class:`H2Response`). The frames themselves are the connection's
 from __future__ import annotations
 
 import asyncio
-from collections import deque
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Final
 
@@ -54,8 +53,10 @@ class Stream:
         self.id = stream_id
         self.status = 0
         self.headers: Headers = []
-        self.chunks: deque[tuple[bytes, int]] = deque()
-        self.unacked = 0  # flow-controlled bytes queued but not yet taken
+        # Body bytes received and not yet taken, and their flow-controlled length (padding
+        # included): a read takes them all at once and acknowledges them in one go.
+        self.chunks: list[bytes] = []
+        self.unacked = 0
         self.remote_ended = False
         self.local_ended = False
         self.released = False  # slot handed back to the connection
@@ -161,7 +162,11 @@ class Stream:
                 raise UpstreamTimeout("upstream response headers timed out", phase="read")
 
     async def read(self, read_timeout: float) -> bytes | None:
-        """The next body chunk, or None at the end of the body."""
+        """The body bytes received since the last read (waiting for some), or None at the end.
+
+        Everything queued is taken at once, as aiohttp's ``iter_any`` does for HTTP/1.1:
+        the DATA frames that arrived in one read are relayed in one write, not one each.
+        """
         chunks = self.chunks
         if not chunks:
             if self.error is not None:
@@ -180,8 +185,9 @@ class Stream:
                     return None
                 if not await self.wait(deadline):
                     raise UpstreamTimeout("upstream response body timed out", phase="read")
-        data, flow = chunks.popleft()
-        self.unacked -= flow
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        flow, self.unacked = self.unacked, 0
         # Acknowledging on consumption, not on receipt, is what makes a slow
         # client stall the upstream once the stream window is used up.
         self.conn.acknowledge(self.id, flow)
