@@ -338,6 +338,11 @@ class ConnectionGuard:
             # both corrupt them (Content-Encoding still says gzip) and let a
             # small upload expand past max_body_size.
             "auto_decompress": False,
+            # After an answer that closes the connection with the body unread (a 413,
+            # a 417), aiohttp reads and drops what still comes, so that the client sees
+            # the answer rather than a reset: 1 s, not its 10 s default, which let a client
+            # that never sends the body hold the connection that long.
+            "lingering_time": 1.0,
         }
 
     def start_draining(self) -> None:
