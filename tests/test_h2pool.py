@@ -1052,3 +1052,124 @@ def test_trailers_may_not_carry_pseudo_headers() -> None:
     assert h2conn._parse_fields([(b"x-t", b"1")], trailers=True)[1] == [("x-t", "1")]
     with pytest.raises(h2conn._Malformed, match="in trailers"):
         h2conn._parse_fields([(b":status", b"200")], trailers=True)
+
+
+# --------------------------------------------------------------------------
+# DATA frames taken without h2's frame machinery (Connection._fast_data)
+
+
+class _StubPool:
+    origin = "http://stub"
+
+    def stream_budget(self, now: float | None = None) -> int:
+        return 0
+
+    def _slot_freed(self, conn: object) -> None: ...
+
+    def _capacity_changed(self, conn: object) -> None: ...
+
+    def _connection_gone(self, conn: object) -> None: ...
+
+
+class _Wire:
+    """A transport that keeps what the client wrote, for the server side to read."""
+
+    def __init__(self) -> None:
+        self.out = bytearray()
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.out += data
+
+    def take(self) -> bytes:
+        data, self.out = bytes(self.out), bytearray()
+        return data
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+    def abort(self) -> None:
+        self.closed = True
+
+    def get_extra_info(self, name: str) -> None:
+        return None
+
+
+async def _exchange() -> tuple[h2conn.Connection, _Wire, h2.connection.H2Connection, int]:
+    """A client Connection with one open request, and the server's h2 connection."""
+    loop = asyncio.get_running_loop()
+    conn = h2conn.Connection(cast(Any, _StubPool()), loop)
+    wire = _Wire()
+    conn.connection_made(cast(Any, wire))
+    server = h2.connection.H2Connection(
+        h2.config.H2Configuration(client_side=False, header_encoding=None)
+    )
+    server.initiate_connection()
+    server.receive_data(wire.take())
+    conn.data_received(server.data_to_send())
+    stream = conn.open_stream(
+        [(":method", "GET"), (":scheme", "http"), (":authority", "a"), (":path", "/")], True
+    )
+    assert stream is not None
+    conn.flush()
+    server.receive_data(wire.take())
+    return conn, wire, server, stream.id
+
+
+@pytest.mark.parametrize("split", [1, 5, 9, 10, 4096])
+async def test_data_frames_in_any_split_arrive_whole_and_are_counted(split: int) -> None:
+    conn, wire, server, stream_id = await _exchange()
+    server.send_headers(stream_id, [(b":status", b"200"), (b"content-length", b"26")])
+    body = b""
+    for i, part in enumerate([b"abc", b"", b"defgh", b"ijklmnop"]):
+        # A padded frame too: h2 takes it, and its padding counts against the windows.
+        server.send_data(stream_id, part, pad_length=3 if i == 2 else None)
+        body += part
+    server.send_data(stream_id, b"qrstuvwxyz", end_stream=True)
+    body += b"qrstuvwxyz"
+    raw = server.data_to_send()
+    stream = conn.streams[stream_id]
+    for start in range(0, len(raw), split):
+        conn.data_received(raw[start : start + split])
+    assert conn._inbuf == b""
+    assert stream.status == 200
+    assert b"".join(stream.chunks) == body
+    # The padded frame's 4 extra bytes (length byte and padding) are flow-controlled too.
+    assert stream.unacked == len(body) + 4
+    assert conn.h2.inbound_flow_control_window == h2conn._CONNECTION_WINDOW - len(body) - 4
+    assert stream.remote_ended
+    assert await stream.read(1.0) == body
+    assert stream.unacked == 0
+    assert await stream.read(1.0) is None
+    assert not conn.closing
+
+
+async def test_data_before_the_response_headers_is_left_to_h2() -> None:
+    conn, wire, server, stream_id = await _exchange()
+    stream = conn.streams[stream_id]
+    frame = hyperframe.frame.DataFrame(stream_id, data=b"early")
+    conn.data_received(frame.serialize())
+    with pytest.raises(UpstreamProtocolError, match="DATA came before the response headers"):
+        await stream.wait_headers(1.0)
+    assert not conn.closing
+
+
+async def test_data_beyond_the_stream_window_is_left_to_h2() -> None:
+    conn, wire, server, stream_id = await _exchange()
+    server.send_headers(stream_id, [(b":status", b"200")])
+    conn.data_received(server.data_to_send())
+    stream = conn.streams[stream_id]
+    # More than the stream's 1 MiB window, in frames h2's own sender would never write.
+    frame = hyperframe.frame.DataFrame(stream_id, data=b"x" * 16384)
+    for _ in range(h2conn._STREAM_WINDOW // 16384):
+        conn.data_received(frame.serialize())
+    assert not conn.closing
+    conn.data_received(frame.serialize())
+    assert conn.closing
+    with pytest.raises(UpstreamProtocolError, match="protocol error"):
+        await stream.wait_headers(1.0)
+        await stream.read(1.0)
+        await stream.read(1.0)
