@@ -15,7 +15,8 @@ def _coerce_env_value(raw: str) -> Any:
     """Parse an environment value as a TOML value, falling back to a plain string."""
     try:
         return tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
+    except (ValueError, RecursionError):
+        # TOMLDecodeError, or tomllib's limits: over 4300 digits, nesting too deep.
         return raw
 
 
@@ -28,14 +29,20 @@ def apply_env(data: dict[str, Any], environ: Mapping[str, str]) -> None:
         value = _coerce_env_value(raw)
         if path[0] == "regions" and len(path) == 3:
             regions = data.setdefault("regions", [])
+            if not isinstance(regions, list):
+                continue  # not an array of tables: validation says so
             target = None
-            if path[1].isdigit() and int(path[1]) < len(regions):
-                target = regions[int(path[1])]
+            key = path[1]  # ASCII digits: int() also reads "٣" and refuses "²" or 5000 digits
+            if key.isascii() and key.isdigit() and len(key) < 10 and int(key) < len(regions):
+                target = regions[int(key)]
             else:
                 for region in regions:
-                    if str(region.get("name", "")).lower().replace("-", "_") == path[1]:
+                    if (
+                        isinstance(region, dict)
+                        and str(region.get("name", "")).lower().replace("-", "_") == path[1]
+                    ):
                         target = region
-            if target is not None:
+            if isinstance(target, dict):
                 target[path[2]] = value
             continue
         if len(path) == 2:

@@ -43,6 +43,9 @@ def load_config(
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError([f"TOML syntax error: {exc}"], source=source) from None
+    except (ValueError, RecursionError) as exc:
+        # tomllib's limits: an integer over 4300 digits, arrays or tables nested too deep.
+        raise ConfigError([f"TOML not readable: {exc}"], source=source) from None
     return Config.from_mapping(
         data, environ=environ, base_dir=Path(source).resolve().parent, source=source
     )

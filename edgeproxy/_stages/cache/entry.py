@@ -287,8 +287,12 @@ def assemble(events: Sequence[bytes]) -> dict[str, Any] | None:
                 out["system_fingerprint"] = data["system_fingerprint"]
         if isinstance(data.get("usage"), dict):
             out["usage"] = data["usage"]
-        for choice in data.get("choices") or []:
-            if not isinstance(choice, dict):
+        chunk_choices = data.get("choices") or []
+        if not isinstance(chunk_choices, list):
+            return None
+        for choice in chunk_choices:
+            # Indexes are integers: they key and sort the choices and tool calls.
+            if not isinstance(choice, dict) or not _is_index(choice.get("index", 0)):
                 return None
             index = choice.get("index", 0)
             if chat:
@@ -302,13 +306,24 @@ def assemble(events: Sequence[bytes]) -> dict[str, Any] | None:
                     },
                 )
                 delta = choice.get("delta") or {}
+                calls = (delta.get("tool_calls") or []) if isinstance(delta, dict) else None
+                if not isinstance(calls, list):
+                    return None
                 message = cur["message"]
                 if delta.get("role"):
                     message["role"] = delta["role"]
                 for name in ("content", "refusal"):
                     if isinstance(delta.get(name), str):
                         message[name] = (message.get(name) or "") + delta[name]
-                for call in delta.get("tool_calls") or []:
+                for call in calls:
+                    function = (call.get("function") or {}) if isinstance(call, dict) else None
+                    if (
+                        not isinstance(function, dict)
+                        or not _is_index(call.get("index", 0))
+                        or not isinstance(function.get("name") or "", str)
+                        or not isinstance(function.get("arguments") or "", str)
+                    ):
+                        return None
                     slot = tools.setdefault(index, {}).setdefault(
                         call.get("index", 0),
                         {"id": None, "type": "function", "function": {"name": "", "arguments": ""}},
@@ -317,7 +332,6 @@ def assemble(events: Sequence[bytes]) -> dict[str, Any] | None:
                         slot["id"] = call["id"]
                     if call.get("type"):
                         slot["type"] = call["type"]
-                    function = call.get("function") or {}
                     slot["function"]["name"] += function.get("name") or ""
                     slot["function"]["arguments"] += function.get("arguments") or ""
                 logprobs = choice.get("logprobs")
@@ -341,6 +355,10 @@ def assemble(events: Sequence[bytes]) -> dict[str, Any] | None:
     return out
 
 
+def _is_index(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 _PIECES = re.compile(r"\s*\S+|\s+")
 
 
@@ -362,20 +380,26 @@ def explode(answer: dict[str, Any], *, include_usage: bool) -> list[bytes] | Non
     def emit(choice: dict[str, Any]) -> None:
         events.append(sse_event(chunk(head, [choice])))
 
-    for choice in answer.get("choices") or []:
+    choices = answer.get("choices") or []
+    if not isinstance(choices, list):
+        return None
+    for choice in choices:
         if not isinstance(choice, dict):
             return None
         index = choice.get("index", 0)
         finish = choice.get("finish_reason")
         if head.chat:
             message = choice.get("message") or {}
+            calls = (message.get("tool_calls") or []) if isinstance(message, dict) else None
+            if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
+                return None
             role = message.get("role", "assistant")
             emit(chat_chunk_choice(index, {"role": role, "content": ""}))
             content = message.get("content")
             if isinstance(content, str) and content:
                 for piece in _pieces(content):
                     emit(chat_chunk_choice(index, {"content": piece}))
-            for i, call in enumerate(message.get("tool_calls") or []):
+            for i, call in enumerate(calls):
                 emit(chat_chunk_choice(index, {"tool_calls": [{**call, "index": i}]}))
             emit(chat_chunk_choice(index, {}, finish))
         else:
