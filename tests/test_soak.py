@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SOAK = ROOT / "bench" / "soak.py"
 
 
-@pytest.mark.slow
+@pytest.mark.soak
 @pytest.mark.timeout(420)
 def test_one_minute_soak_leaks_nothing(tmp_path: Path) -> None:
     if shutil.which("redis-server") is None:
