@@ -1173,3 +1173,38 @@ async def test_data_beyond_the_stream_window_is_left_to_h2() -> None:
         await stream.wait_headers(1.0)
         await stream.read(1.0)
         await stream.read(1.0)
+
+
+async def test_one_timer_serves_every_wait_of_a_stream() -> None:
+    conn, wire, server, stream_id = await _exchange()
+    stream = conn.streams[stream_id]
+    loop = asyncio.get_running_loop()
+    # A long wait arms the timer; woken, it leaves the timer armed for the next waits.
+    waiting = asyncio.ensure_future(stream.wait(loop.time() + 30))
+    await asyncio.sleep(0)
+    timer = stream.timer
+    assert timer is not None
+    stream.wake()
+    assert await waiting
+    assert stream.timer is timer
+    # A later deadline keeps it; an earlier one re-arms it, and still ends the wait on time.
+    waiting = asyncio.ensure_future(stream.wait(loop.time() + 60))
+    await asyncio.sleep(0)
+    assert stream.timer is timer
+    stream.wake()
+    assert await waiting
+    started = time.monotonic()
+    assert not await stream.wait(loop.time() + 0.05)
+    assert time.monotonic() - started < 1.0
+    # The timer that fired before the waiter's deadline moved on to it.
+    waiting = asyncio.ensure_future(stream.wait(loop.time() + 0.2))
+    await asyncio.sleep(0)
+    stream.timer_at = 0.0  # as if it had been armed for an earlier wait
+    assert stream.timer is not None
+    stream.timer.cancel()
+    stream.timer = loop.call_at(loop.time() + 0.05, stream._expire)
+    started = time.monotonic()
+    assert not await waiting
+    assert time.monotonic() - started >= 0.1
+    stream.close()
+    assert stream.timer is None

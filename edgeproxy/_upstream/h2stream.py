@@ -43,6 +43,9 @@ class Stream:
         "error",
         "reset_code",
         "waiter",
+        "wait_until",
+        "timer",
+        "timer_at",
         "head",
         "expected_length",
         "received_length",
@@ -66,6 +69,11 @@ class Stream:
         # One waiter is enough: a stream has a single consumer, which first
         # sends the body, then waits for headers, then reads the body.
         self.waiter: asyncio.Future[bool] | None = None
+        # The waiter's deadline, and the one timer that enforces it: armed by the first
+        # wait, kept across waits whose deadlines are later, re-armed when it fires early.
+        self.wait_until = 0.0
+        self.timer: asyncio.TimerHandle | None = None
+        self.timer_at = 0.0
         self.head = head  # a HEAD request: the response has no body
         self.expected_length: int | None = None  # from Content-Length, checked per stream
         self.received_length = 0
@@ -86,19 +94,45 @@ class Stream:
     # -- waiting ---------------------------------------------------------
 
     async def wait(self, deadline: float) -> bool:
-        """Wait for any state change; False if ``deadline`` passed first."""
+        """Wait for any state change; False if ``deadline`` passed first.
+
+        A body arriving in many small reads waits once per read: rather than a timer
+        armed and cancelled each time, the stream keeps one, which at its expiry ends
+        the wait if the waiter's own deadline has passed, and otherwise moves on to it.
+        """
         loop = self.conn.loop
-        remaining = deadline - loop.time()
-        if remaining <= 0:
+        if deadline <= loop.time():
             return False
         fut: asyncio.Future[bool] = loop.create_future()
         self.waiter = fut
-        handle = loop.call_at(deadline, timeout_waiter, fut)
+        self.wait_until = deadline
+        timer = self.timer
+        if timer is None or self.timer_at > deadline:
+            if timer is not None:
+                timer.cancel()
+            self.timer = loop.call_at(deadline, self._expire)
+            self.timer_at = deadline
         try:
             return await fut
         finally:
-            handle.cancel()
             self.waiter = None
+
+    def _expire(self) -> None:
+        self.timer = None
+        waiter = self.waiter
+        if waiter is None or waiter.done():
+            return
+        loop = self.conn.loop
+        if loop.time() >= self.wait_until:
+            waiter.set_result(False)
+        else:
+            self.timer = loop.call_at(self.wait_until, self._expire)
+            self.timer_at = self.wait_until
+
+    def stop_timer(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
 
     # -- sending ---------------------------------------------------------
 
@@ -174,6 +208,7 @@ class Stream:
                 raise self.error
             if self.remote_ended:
                 self.finished = True
+                self.stop_timer()
                 return None
             deadline = self.conn.loop.time() + read_timeout
             while not chunks:
@@ -182,6 +217,7 @@ class Stream:
                     raise self.error
                 if self.remote_ended:
                     self.finished = True
+                    self.stop_timer()
                     return None
                 if not await self.wait(deadline):
                     raise UpstreamTimeout("upstream response body timed out", phase="read")
@@ -196,6 +232,7 @@ class Stream:
     def close(self, code: int = CANCEL) -> None:
         """Stop the exchange: reset if still open, return unread window. Idempotent."""
         self.finished = True
+        self.stop_timer()
         if not self.released:
             self.conn.reset(self, code)
         if self.unacked:
