@@ -16,8 +16,14 @@ A region can also run as its own process, controlled over HTTP::
     python -m edgeproxy.testing --name r1 --port 9101 --ttft 0.05
 
 ``POST /_control`` with a JSON object of :class:`Behavior` fields changes the
-behaviour, ``GET /_control`` returns it with the counters, and
-``POST /_control/reset-counters`` zeroes the counters.
+behaviour, ``GET /_control`` returns it with the counters,
+``POST /_control/reset-counters`` zeroes the counters and
+``POST /_control/clear-kv-cache`` empties the prefix cache.
+
+For LLM-aware routing, a region models an LLM server (see :class:`FakeRegion`):
+a FIFO queue in front of ``max_running`` slots, an LRU prefix (KV) cache whose
+hits shorten the modelled TTFT, vLLM's ORCA ``endpoint-load-metrics`` header
+and a Prometheus ``GET /metrics`` with vLLM's (or SGLang's) load gauges.
 
 :func:`tiny_llama_gguf` builds a tiny random-weight llama GGUF model
 (``Q8_0`` or ``Q4_0``) for the local-model fallback: real llama.cpp, no
@@ -31,16 +37,19 @@ from edgeproxy.testing._app import Counters
 from edgeproxy.testing._behavior import FAULTS, Behavior, Fault
 from edgeproxy.testing._gguf import TinyLlamaSpec, tiny_llama_gguf, write_tiny_llama_gguf
 from edgeproxy.testing._hostile import HostileCounters, HostileRegion
+from edgeproxy.testing._load import LOAD_METRICS_FAULTS, LoadMetricsFault
 from edgeproxy.testing._upstream import FakeRegion
 
 __all__ = [
     "FAULTS",
+    "LOAD_METRICS_FAULTS",
     "Behavior",
     "Counters",
     "FakeRegion",
     "Fault",
     "HostileCounters",
     "HostileRegion",
+    "LoadMetricsFault",
     "TinyLlamaSpec",
     "tiny_llama_gguf",
     "write_tiny_llama_gguf",

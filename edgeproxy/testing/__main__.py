@@ -10,6 +10,7 @@ import threading
 from types import FrameType
 
 from edgeproxy.testing._behavior import FAULTS, Behavior
+from edgeproxy.testing._load import LOAD_METRICS_FAULTS, LOAD_METRICS_FORMATS, METRICS_FLAVORS
 from edgeproxy.testing._upstream import FakeRegion
 
 
@@ -33,6 +34,58 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--certfile", help="PEM certificate; serve TLS with --keyfile")
     parser.add_argument("--keyfile", help="PEM private key")
     parser.add_argument("--max-concurrent-streams", type=int, default=100)
+    llm = parser.add_argument_group(
+        "LLM server model (chat and completions)",
+        "A FIFO queue in front of --max-running slots and an LRU prefix (KV) cache of "
+        "--kv-capacity-blocks blocks; TTFT = --ttft + uncached prompt tokens * "
+        "--ttft-per-uncached-token + cached ones * --ttft-per-cached-token. Answers carry "
+        "x-fake-kv-prompt-tokens, x-fake-kv-cached-tokens, x-fake-ttft-ms and x-fake-queue-ms, "
+        "and the ORCA endpoint-load-metrics header when the request sends "
+        "endpoint-load-metrics-format: TEXT or JSON. GET /metrics has the load gauges.",
+    )
+    llm.add_argument(
+        "--kv-capacity-blocks", type=int, default=0, help="prefix cache size; 0: no cache"
+    )
+    llm.add_argument("--kv-block-size", type=int, default=16, help="tokens per KV block")
+    llm.add_argument(
+        "--ttft-per-uncached-token",
+        type=float,
+        default=0.0,
+        help="seconds of prefill per uncached prompt token (e.g. 0.0002)",
+    )
+    llm.add_argument(
+        "--ttft-per-cached-token",
+        type=float,
+        default=0.0,
+        help="seconds of prefill per cached prompt token (e.g. 0.00002)",
+    )
+    llm.add_argument(
+        "--max-running", type=int, default=0, help="requests generating at once; 0: no limit"
+    )
+    llm.add_argument(
+        "--max-queue", type=int, default=None, help="requests that may wait; default no limit"
+    )
+    llm.add_argument(
+        "--queue-full-status", type=int, default=503, help="status past --max-queue (503, 429)"
+    )
+    llm.add_argument(
+        "--load-metrics-always",
+        choices=sorted(LOAD_METRICS_FORMATS),
+        default=None,
+        help="send endpoint-load-metrics in this format when a request asks for none",
+    )
+    llm.add_argument(
+        "--load-metrics-fault",
+        choices=sorted(LOAD_METRICS_FAULTS),
+        default=None,
+        help="spoil the endpoint-load-metrics header this way (always sent while set)",
+    )
+    llm.add_argument(
+        "--metrics-flavor",
+        choices=sorted(METRICS_FLAVORS),
+        default="vllm",
+        help="metric names of GET /metrics",
+    )
     parser.add_argument("--log-level", default="WARNING")
     return parser
 
@@ -48,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
             fault=args.fault,
             fault_rate=args.fault_rate,
             fault_status=args.fault_status,
+            ttft_per_uncached_token=args.ttft_per_uncached_token,
+            ttft_per_cached_token=args.ttft_per_cached_token,
+            load_metrics_fault=args.load_metrics_fault,
         )
         region = FakeRegion(
             args.name,
@@ -60,6 +116,13 @@ def main(argv: list[str] | None = None) -> int:
             http1_only=args.http1_only,
             seed=args.seed,
             max_concurrent_streams=args.max_concurrent_streams,
+            kv_capacity_blocks=args.kv_capacity_blocks,
+            kv_block_size=args.kv_block_size,
+            max_running=args.max_running,
+            max_queue=args.max_queue,
+            queue_full_status=args.queue_full_status,
+            load_metrics_always=args.load_metrics_always,
+            metrics_flavor=args.metrics_flavor,
         )
     except (TypeError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

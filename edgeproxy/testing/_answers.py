@@ -20,6 +20,7 @@ from edgeproxy.testing._behavior import Behavior
 from edgeproxy.testing._exchange import (
     BadRequest,
     Exchange,
+    Generation,
     Headers,
     Reply,
     json_reply,
@@ -32,7 +33,14 @@ _ECHO_PART: Final = 64 * 2**10
 _ECHO_PATTERN: Final = bytes(range(33, 127))  # printable, so bodies are easy to eyeball
 
 
-def route(ex: Exchange, body: bytes, behavior: Behavior, *, region_model: str) -> Reply:
+def route(
+    ex: Exchange,
+    body: bytes,
+    behavior: Behavior,
+    *,
+    region_model: str,
+    metrics: Callable[[], Reply],
+) -> Reply:
     path, method = ex.path, ex.method
     if path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings"):
         _require_method(method, "POST")
@@ -49,6 +57,9 @@ def route(ex: Exchange, body: bytes, behavior: Behavior, *, region_model: str) -
             ],
         }
         return json_reply(200, models)
+    if path == "/metrics":
+        _require_method(method, "GET", "HEAD")
+        return metrics()
     if path == "/healthz":
         _require_method(method, "GET", "HEAD")
         return json_reply(200, {"status": "ok"})
@@ -73,6 +84,7 @@ def _completion(
     model = request.get("model")
     model = model if isinstance(model, str) and model else region_model
 
+    generation = Generation(request, chat, n_tokens)
     words = list(content.tokens(content.digest(prompt), n_tokens))
     usage = content.usage(max(1, content.count_words(prompt)), n_tokens)
     created = int(time.time())
@@ -87,6 +99,7 @@ def _completion(
         )
         reply = json_reply(200, payload)
         reply.first_delay = behavior.ttft
+        reply.generation = generation
         return reply
 
     parts: list[bytes] = []
@@ -115,6 +128,7 @@ def _completion(
         first_delay=behavior.ttft,
         gap=behavior.inter_token_delay,
         gap_units=len(words),
+        generation=generation,
     )
 
 

@@ -4,6 +4,12 @@ The routes and their answers are in :mod:`edgeproxy.testing._answers`; one
 request/response, with its disconnect and fault plumbing, is an
 :class:`~edgeproxy.testing._exchange.Exchange`.
 
+Chat and completions requests also go through the region's model of an
+LLM server (:meth:`RegionApp._generate`): a FIFO queue in front of
+``max_running`` generation slots and a prefix (KV) cache
+(:mod:`edgeproxy.testing._kv`) whose hits make the first token come sooner;
+the load is reported as vLLM reports it (:mod:`edgeproxy.testing._load`).
+
 It runs on the region's own event loop thread. Counters are written there
 and read from the test's thread, hence the lock around them.
 """
@@ -13,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -24,6 +31,7 @@ from edgeproxy.testing._exchange import (
     BadRequest,
     ClientGone,
     Exchange,
+    Headers,
     Receive,
     Reply,
     Scope,
@@ -33,6 +41,19 @@ from edgeproxy.testing._exchange import (
     parse_json_object,
 )
 from edgeproxy.testing._hypercorn import HTTP_1_1_REQUIRED, REFUSED_STREAM, StreamHandle
+from edgeproxy.testing._kv import KVCache, blocks_for, read_prompt
+from edgeproxy.testing._load import (
+    ORCA_FORMAT_HEADER,
+    ORCA_HEADER,
+    PROMETHEUS_CONTENT_TYPE,
+    LoadMetricsFormat,
+    LoadSnapshot,
+    MetricsFlavor,
+    orca_header,
+    prometheus_text,
+    requested_format,
+    spoiled_orca_header,
+)
 
 _CONNECTIONS_PRUNE_AT: Final = 512
 
@@ -65,6 +86,37 @@ class Counters:
     peak_streams_per_connection: int = 0
     """Most requests seen in flight at once on one connection."""
 
+    # The LLM server model: chat and completions requests only.
+    requests_running: int = 0
+    """Requests holding a generation slot now (a gauge)."""
+    requests_waiting: int = 0
+    """Requests queued for a slot now (a gauge; only with ``max_running``)."""
+    peak_requests_waiting: int = 0
+    queue_rejected_total: int = 0
+    """Requests turned away because ``max_queue`` requests were waiting."""
+    prompt_tokens_total: int = 0
+    """Prompt tokens of the requests that got a slot, by the KV model's tokeniser."""
+    cached_tokens_total: int = 0
+    """Of those, the tokens found in the prefix cache."""
+    generation_tokens_total: int = 0
+    """Completion tokens of the requests that got a slot."""
+    modelled_ttft_seconds_total: float = 0.0
+    """Sum of the modelled TTFTs (``x-fake-ttft-ms``; queue time excluded)."""
+    kv_cache_blocks: int = 0
+    """Blocks in the prefix cache now (a gauge)."""
+    kv_blocks_in_use: int = 0
+    """Blocks held by the running requests now (a gauge)."""
+    kv_cache_usage: float = 0.0
+    """``kv_blocks_in_use / kv_capacity_blocks``, at most 1 (a gauge; 0 without a cache)."""
+    kv_evicted_blocks_total: int = 0
+
+    @property
+    def kv_hit_rate(self) -> float:
+        """``cached_tokens_total / prompt_tokens_total`` (0.0 before any prompt)."""
+        return (
+            self.cached_tokens_total / self.prompt_tokens_total if self.prompt_tokens_total else 0.0
+        )
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "requests_total": self.requests_total,
@@ -77,6 +129,19 @@ class Counters:
             "refused_total": self.refused_total,
             "connections_total": self.connections_total,
             "peak_streams_per_connection": self.peak_streams_per_connection,
+            "requests_running": self.requests_running,
+            "requests_waiting": self.requests_waiting,
+            "peak_requests_waiting": self.peak_requests_waiting,
+            "queue_rejected_total": self.queue_rejected_total,
+            "prompt_tokens_total": self.prompt_tokens_total,
+            "cached_tokens_total": self.cached_tokens_total,
+            "kv_hit_rate": self.kv_hit_rate,
+            "generation_tokens_total": self.generation_tokens_total,
+            "modelled_ttft_seconds_total": self.modelled_ttft_seconds_total,
+            "kv_cache_blocks": self.kv_cache_blocks,
+            "kv_blocks_in_use": self.kv_blocks_in_use,
+            "kv_cache_usage": self.kv_cache_usage,
+            "kv_evicted_blocks_total": self.kv_evicted_blocks_total,
         }
 
 
@@ -103,6 +168,10 @@ class _Connection:
         self.handle: StreamHandle | None = None
 
 
+class _QueueFull(Exception):
+    """``max_queue`` requests are already waiting."""
+
+
 class RegionApp:
     """The ASGI application of one fake region."""
 
@@ -114,11 +183,24 @@ class RegionApp:
         model: str,
         http1_only: bool = False,
         seed: int | None = None,
+        kv_capacity_blocks: int = 0,
+        kv_block_size: int = 16,
+        max_running: int = 0,
+        max_queue: int | None = None,
+        queue_full_status: int = 503,
+        load_metrics_always: LoadMetricsFormat | None = None,
+        metrics_flavor: MetricsFlavor = "vllm",
     ) -> None:
         self.name = name
         self.behavior = behavior
         self.model = model
         self.http1_only = http1_only
+        self.kv_block_size = kv_block_size
+        self.max_running = max_running
+        self.max_queue = max_queue
+        self.queue_full_status = queue_full_status
+        self.load_metrics_always: LoadMetricsFormat | None = load_metrics_always
+        self.metrics_flavor: MetricsFlavor = metrics_flavor
         self._rng = random.Random(seed)
         self._region_header = (b"x-fake-region", name.encode("utf-8"))
         self._lock = threading.Lock()
@@ -139,6 +221,21 @@ class RegionApp:
         self._stop_event: asyncio.Event | None = None
         self._idle_event: asyncio.Event | None = None
         self._on_startup: Callable[[], None] | None = None
+        # The LLM server model; the lock guards these too.
+        self._kv = KVCache(kv_capacity_blocks)
+        self._running = 0
+        self._waiting: deque[asyncio.Future[None]] = deque()
+        self._kv_held = 0
+        self._peak_waiting = 0
+        self._queue_rejected = 0
+        self._prompt_tokens = 0
+        self._cached_tokens = 0
+        self._generation_tokens = 0
+        self._modelled_ttft = 0.0
+
+    @property
+    def kv_capacity_blocks(self) -> int:
+        return self._kv.capacity
 
     # -- lifecycle, called on the server loop ------------------------------
 
@@ -150,6 +247,12 @@ class RegionApp:
         self._idle_event = asyncio.Event()
         self._on_startup = on_startup
         self._connections.clear()
+        with self._lock:
+            # A restarted server starts cold, with nothing running or queued.
+            self._kv.clear()
+            self._running = 0
+            self._waiting.clear()
+            self._kv_held = 0
 
     @property
     def stopping(self) -> bool:
@@ -202,6 +305,18 @@ class RegionApp:
                 refused_total=self._refused,
                 connections_total=self._connections_seen,
                 peak_streams_per_connection=self._peak_streams,
+                requests_running=self._running,
+                requests_waiting=len(self._waiting),
+                peak_requests_waiting=self._peak_waiting,
+                queue_rejected_total=self._queue_rejected,
+                prompt_tokens_total=self._prompt_tokens,
+                cached_tokens_total=self._cached_tokens,
+                generation_tokens_total=self._generation_tokens,
+                modelled_ttft_seconds_total=self._modelled_ttft,
+                kv_cache_blocks=len(self._kv),
+                kv_blocks_in_use=self._kv_held,
+                kv_cache_usage=self._kv_usage(),
+                kv_evicted_blocks_total=self._kv.evicted_total,
             )
 
     def reset_counters(self) -> None:
@@ -216,6 +331,34 @@ class RegionApp:
             self._refused = 0
             self._connections_seen = 0
             self._peak_streams = 0
+            self._peak_waiting = len(self._waiting)
+            self._queue_rejected = 0
+            self._prompt_tokens = 0
+            self._cached_tokens = 0
+            self._generation_tokens = 0
+            self._modelled_ttft = 0.0
+            self._kv.evicted_total = 0
+
+    def clear_kv_cache(self) -> None:
+        """Empty the prefix cache (blocks held by running requests stay held)."""
+        with self._lock:
+            self._kv.clear()
+
+    def _kv_usage(self) -> float:
+        capacity = self._kv.capacity
+        return min(1.0, self._kv_held / capacity) if capacity > 0 else 0.0
+
+    def load_snapshot(self) -> LoadSnapshot:
+        """The load gauges now, as ``/metrics`` and the ORCA header report them."""
+        with self._lock:
+            return LoadSnapshot(
+                running=self._running,
+                waiting=len(self._waiting),
+                kv_usage=self._kv_usage(),
+                prompt_tokens_total=self._prompt_tokens,
+                cached_tokens_total=self._cached_tokens,
+                generation_tokens_total=self._generation_tokens,
+            )
 
     def _count_fault(self) -> None:
         with self._lock:
@@ -385,11 +528,139 @@ class RegionApp:
                 reply = (
                     answers.echo(ex, length, sha256, region=self.name)
                     if echo
-                    else answers.route(ex, body, behavior, region_model=self.model)
+                    else answers.route(
+                        ex, body, behavior, region_model=self.model, metrics=self._metrics_reply
+                    )
                 )
             except BadRequest as exc:
                 reply = error_reply(exc.status, str(exc))
-        await ex.send_reply(reply, fault, behavior)
+        if reply.generation is not None:
+            await self._generate(ex, reply, behavior, fault)
+        else:
+            await ex.send_reply(reply, fault, behavior)
+
+    # -- the LLM server model ------------------------------------------------
+
+    async def _generate(
+        self, ex: Exchange, reply: Reply, behavior: Behavior, fault: Fault | None
+    ) -> None:
+        """Queue for a slot, look the prompt up in the KV cache, answer after the modelled TTFT."""
+        generation = reply.generation
+        assert generation is not None
+        block_size = self.kv_block_size
+        caching = self._kv.capacity > 0
+        prompt = read_prompt(
+            generation.request, chat=generation.chat, block_size=block_size, hashed=caching
+        )
+        loop = asyncio.get_running_loop()
+        arrived = loop.time()
+        try:
+            await self._admit()
+        except _QueueFull:
+            status = self.queue_full_status
+            message = f"fake region {self.name}: {self.max_queue} requests already waiting"
+            kind = "server_error" if status >= 500 else "rate_limit_error"
+            rejected = error_reply(status, message, kind)
+            rejected.late_headers = lambda: self._orca_headers(ex, behavior)
+            await ex.send_reply(rejected, fault, behavior)
+            return
+        # From here to the ``try``, nothing awaits: the slot and the blocks are
+        # always given back.
+        queued = loop.time() - arrived
+        held = (
+            blocks_for(prompt.tokens + generation.completion_tokens, block_size) if caching else 0
+        )
+        # vLLM recomputes at least the last prompt token, so a prompt that is
+        # all cached blocks still misses its last block.
+        eligible = (prompt.tokens - 1) // block_size if prompt.tokens else 0
+        with self._lock:
+            cached = self._kv.lookup(prompt.blocks, eligible) * block_size
+            self._kv.insert(prompt.blocks)
+            self._kv_held += held
+            uncached = prompt.tokens - cached
+            ttft = (
+                behavior.ttft
+                + uncached * behavior.ttft_per_uncached_token
+                + cached * behavior.ttft_per_cached_token
+            )
+            self._prompt_tokens += prompt.tokens
+            self._cached_tokens += cached
+            self._generation_tokens += generation.completion_tokens
+            self._modelled_ttft += ttft
+        try:
+            reply.first_delay = ttft
+            reply.headers.extend(
+                [
+                    (b"x-fake-kv-prompt-tokens", str(prompt.tokens).encode()),
+                    (b"x-fake-kv-cached-tokens", str(cached).encode()),
+                    (b"x-fake-ttft-ms", f"{ttft * 1000:.3f}".encode()),
+                    (b"x-fake-queue-ms", f"{queued * 1000:.3f}".encode()),
+                ]
+            )
+            reply.late_headers = lambda: self._orca_headers(ex, behavior)
+            await ex.send_reply(reply, fault, behavior)
+        finally:
+            with self._lock:
+                self._kv_held -= held
+            self._release()
+
+    async def _admit(self) -> None:
+        """Take a generation slot, waiting in FIFO order; ``_QueueFull`` past ``max_queue``."""
+        with self._lock:
+            if self.max_running <= 0 or (self._running < self.max_running and not self._waiting):
+                self._running += 1
+                return
+            if self.max_queue is not None and len(self._waiting) >= self.max_queue:
+                self._queue_rejected += 1
+                raise _QueueFull
+            turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._waiting.append(turn)
+            self._peak_waiting = max(self._peak_waiting, len(self._waiting))
+        try:
+            await turn
+        except BaseException:
+            if turn.done() and not turn.cancelled():
+                self._release()  # the slot was handed over just as we were cancelled
+            else:
+                with self._lock:
+                    try:
+                        self._waiting.remove(turn)
+                    except ValueError:
+                        pass
+            raise
+
+    def _release(self) -> None:
+        """Give a slot back: to the first request still waiting, if any."""
+        with self._lock:
+            while self._waiting:
+                turn = self._waiting.popleft()
+                if not turn.done():
+                    turn.set_result(None)  # the slot passes on; ``_running`` stays
+                    return
+            self._running -= 1
+
+    def _orca_headers(self, ex: Exchange, behavior: Behavior) -> Headers:
+        """The ``endpoint-load-metrics`` header, if the request (or the region) asks for it."""
+        fmt = requested_format(ex.header(ORCA_FORMAT_HEADER)) or self.load_metrics_always
+        spoil = behavior.load_metrics_fault
+        if fmt is None:
+            if spoil is None:
+                return []
+            fmt = "TEXT"
+        snapshot = self.load_snapshot()
+        if spoil is None:
+            return [(ORCA_HEADER, orca_header(fmt, snapshot.named_metrics()))]
+        if spoil == "many" and ex.handle is not None:
+            ex.handle.plain_hpack()
+        return [(ORCA_HEADER, spoiled_orca_header(spoil, fmt, snapshot))]
+
+    def _metrics_reply(self) -> Reply:
+        body = prometheus_text(self.metrics_flavor, self.model, self.load_snapshot())
+        headers = [
+            (b"content-type", PROMETHEUS_CONTENT_TYPE),
+            (b"content-length", str(len(body)).encode()),
+        ]
+        return Reply(200, headers, [body])
 
     # -- /_control -----------------------------------------------------------
 
@@ -404,6 +675,9 @@ class RegionApp:
             elif ex.path == "/_control/reset-counters" and ex.method == "POST":
                 self.reset_counters()
                 reply = json_reply(200, self.control_state())
+            elif ex.path == "/_control/clear-kv-cache" and ex.method == "POST":
+                self.clear_kv_cache()
+                reply = json_reply(200, self.control_state())
             else:
                 raise BadRequest(f"no route for {ex.method} {ex.path}", status=404)
         except BadRequest as exc:
@@ -416,6 +690,15 @@ class RegionApp:
         return {
             "name": self.name,
             "model": self.model,
+            "llm": {
+                "kv_capacity_blocks": self._kv.capacity,
+                "kv_block_size": self.kv_block_size,
+                "max_running": self.max_running,
+                "max_queue": self.max_queue,
+                "queue_full_status": self.queue_full_status,
+                "load_metrics_always": self.load_metrics_always,
+                "metrics_flavor": self.metrics_flavor,
+            },
             "behavior": self.behavior.to_dict(),
             "counters": self.counters().to_dict(),
         }

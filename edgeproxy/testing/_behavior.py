@@ -8,6 +8,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Literal, get_args
 
+from edgeproxy.testing._load import LOAD_METRICS_FAULTS, LoadMetricsFault
+
 Fault = Literal["5xx", "reset", "stall", "stall_body", "slow_headers", "goaway"]
 """The failure modes a fake region can inject; see :class:`Behavior`."""
 
@@ -35,6 +37,15 @@ def _fault(name: str, value: object) -> Fault | None:
         return None
     if value not in FAULTS:
         choices = ", ".join(sorted(FAULTS))
+        raise ValueError(f"{name} must be None or one of {choices}, not {value!r}")
+    return value  # type: ignore[return-value]  # narrowed by the membership test
+
+
+def _load_metrics_fault(name: str, value: object) -> LoadMetricsFault | None:
+    if value is None:
+        return None
+    if value not in LOAD_METRICS_FAULTS:
+        choices = ", ".join(sorted(LOAD_METRICS_FAULTS))
         raise ValueError(f"{name} must be None or one of {choices}, not {value!r}")
     return value  # type: ignore[return-value]  # narrowed by the membership test
 
@@ -76,6 +87,9 @@ _VALIDATORS: Final[dict[str, Callable[[str, object], object]]] = {
     "fault_paths": _paths,
     "slow_headers_delay": _duration,
     "goaway_after": lambda n, v: _count(n, v, 1),
+    "ttft_per_uncached_token": _duration,
+    "ttft_per_cached_token": _duration,
+    "load_metrics_fault": _load_metrics_fault,
 }
 
 
@@ -98,6 +112,42 @@ class Behavior:
         Delay between two tokens of a stream.
     ``tokens``
         Tokens per completion when the request sets no ``max_tokens``.
+    ``ttft_per_uncached_token``, ``ttft_per_cached_token``
+        Prefill cost per prompt token that the region's KV cache does not
+        hold, and per token it does (0 and 0 by default; 0.0002 and 0.00002,
+        i.e. 0.2 ms and 0.02 ms, are typical). A chat or completions request
+        waits ``ttft + uncached * ttft_per_uncached_token + cached *
+        ttft_per_cached_token`` before its headers, once it has left the
+        queue (see ``kv_capacity_blocks`` and ``max_running`` on
+        :class:`FakeRegion <edgeproxy.testing.FakeRegion>`). Other endpoints
+        wait ``ttft`` alone.
+
+    Load reports:
+
+    ``load_metrics_fault``
+        ``None``, or a way to spoil the ORCA ``endpoint-load-metrics``
+        header, for tests of a proxy's parser. While set, every chat and
+        completions answer carries the header, in the format the request
+        asks for (``TEXT`` when it asks for none and the region has no
+        ``load_metrics_always``):
+
+        * ``"huge"``: every value ``1e+308``;
+        * ``"nan"``, ``"inf"``: every value ``nan`` / ``inf`` (JSON: ``NaN``,
+          ``Infinity``, as Python's ``json`` writes them);
+        * ``"negative"``: -1.0, -2.0, -3.0;
+        * ``"many"``: 10,000 named metrics (the real three first): a header
+          of about 280 kB in TEXT, 170 kB in JSON, past most clients'
+          default limits (aiohttp's 8 kB line, hpack's 64 kB header list).
+          On HTTP/2 the connection's header blocks are then sent without
+          Huffman coding, which hpack's pure-Python coder would take seconds
+          over;
+        * ``"garbage"``: the right prefix, then text that does not parse
+          (TEXT: words for numbers, keys without values, empty names;
+          JSON: a truncated object);
+        * ``"empty"``: the prefix alone (``TEXT`` or ``JSON``);
+        * ``"no_prefix"``: the right payload without its ``TEXT``/``JSON``
+          prefix;
+        * ``"wrong_type"``: values that are strings, booleans, nulls or lists.
 
     Faults, applied to every path except ``/_control``:
 
@@ -143,6 +193,9 @@ class Behavior:
     fault_paths: tuple[str, ...] | None = None
     slow_headers_delay: float = 1.0
     goaway_after: int = 1
+    ttft_per_uncached_token: float = 0.0
+    ttft_per_cached_token: float = 0.0
+    load_metrics_fault: LoadMetricsFault | None = None
 
     def __setattr__(self, name: str, value: object) -> None:
         validator = _VALIDATORS.get(name)

@@ -34,6 +34,15 @@ _JSON: Final = (b"content-type", b"application/json")
 
 
 @dataclass(slots=True)
+class Generation:
+    """What a chat or completions request asks the model to do (for the KV and queue model)."""
+
+    request: dict[str, Any]
+    chat: bool
+    completion_tokens: int
+
+
+@dataclass(slots=True)
 class Reply:
     status: int
     headers: Headers
@@ -43,6 +52,10 @@ class Reply:
     # The first ``gap_units`` parts are separated by ``gap``; later parts (an
     # SSE stream's closing events) follow without delay.
     gap_units: int = 0
+    # Set on chat and completions answers: the region queues them and models their TTFT.
+    generation: Generation | None = None
+    # Headers computed when the response starts, after ``first_delay`` (load reports).
+    late_headers: Callable[[], Headers] | None = None
 
 
 def json_reply(status: int, payload: object) -> Reply:
@@ -124,6 +137,13 @@ class Exchange:
         finally:
             if self._watcher is not None:
                 self._watcher.cancel()
+
+    def header(self, name: bytes) -> bytes | None:
+        """The first value of request header ``name`` (lower case), if any."""
+        for key, value in self.scope["headers"]:
+            if key == name:
+                return bytes(value)
+        return None
 
     # -- request body ---------------------------------------------------
 
@@ -246,7 +266,10 @@ class Exchange:
                 await self.abort()
                 return
 
-        await self.start(reply.status, reply.headers)
+        headers = reply.headers
+        if reply.late_headers is not None:
+            headers = [*headers, *reply.late_headers()]
+        await self.start(reply.status, headers)
         if fault == "stall_body":
             await self.write(parts[0] if parts else b"", more=True)
             await self.hang()

@@ -157,6 +157,29 @@ class StreamHandle:
                 await asyncio.sleep(0.01)
         transport.close()
 
+    def plain_hpack(self) -> None:
+        """Encode this HTTP/2 connection's later header blocks without Huffman coding.
+
+        hpack's pure-Python Huffman coder takes seconds over a header of a few
+        hundred kilobytes, blocking the region's loop; plain literals are as
+        valid HPACK and cost next to nothing.
+        """
+        if not self.http2:
+            return
+        encoder = getattr(getattr(self._protocol, "connection", None), "encoder", None)
+        encode = getattr(type(encoder), "encode", None)
+        if encoder is None or encode is None or "encode" in getattr(encoder, "__dict__", {}):
+            return
+
+        def plain(headers: Any, huffman: bool = True) -> bytes:
+            result: bytes = encode(encoder, headers, huffman=False)
+            return result
+
+        try:
+            encoder.encode = plain
+        except AttributeError:  # pragma: no cover - an encoder with slots
+            pass
+
     def abort(self) -> None:
         """Drop the connection at once, discarding unsent data."""
         self.writer.transport.abort()

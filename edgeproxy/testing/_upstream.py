@@ -15,6 +15,12 @@ from typing import Any, Final, cast
 
 from edgeproxy.testing._app import Counters, RegionApp
 from edgeproxy.testing._behavior import Behavior
+from edgeproxy.testing._load import (
+    LOAD_METRICS_FORMATS,
+    METRICS_FLAVORS,
+    LoadMetricsFormat,
+    MetricsFlavor,
+)
 
 try:
     from hypercorn.asyncio import serve
@@ -36,6 +42,39 @@ _IDLE_CLOSE_WAIT: Final = 1.0
 _KILL_BACKSTOP: Final = 0.05
 
 
+def _check_count(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, not {value!r}")
+
+
+def _check_llm_model(
+    kv_capacity_blocks: object,
+    kv_block_size: object,
+    max_running: object,
+    max_queue: object,
+    queue_full_status: object,
+    load_metrics_always: object,
+    metrics_flavor: object,
+) -> None:
+    _check_count("kv_capacity_blocks", kv_capacity_blocks, 0)
+    _check_count("kv_block_size", kv_block_size, 1)
+    _check_count("max_running", max_running, 0)
+    if max_queue is not None:
+        _check_count("max_queue", max_queue, 0)
+    if (
+        isinstance(queue_full_status, bool)
+        or not isinstance(queue_full_status, int)
+        or not 400 <= queue_full_status <= 599
+    ):
+        raise ValueError(f"queue_full_status must be 400-599, not {queue_full_status!r}")
+    if load_metrics_always is not None and load_metrics_always not in LOAD_METRICS_FORMATS:
+        raise ValueError(
+            f"load_metrics_always must be None, TEXT or JSON, not {load_metrics_always!r}"
+        )
+    if metrics_flavor not in METRICS_FLAVORS:
+        raise ValueError(f"metrics_flavor must be vllm or sglang, not {metrics_flavor!r}")
+
+
 class FakeRegion:
     """A fake OpenAI-compatible regional cluster listening on a real TCP port.
 
@@ -48,8 +87,57 @@ class FakeRegion:
     Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``,
     ``POST /v1/embeddings``, ``GET /v1/models``, ``GET /healthz``,
     ``ANY /echo/...`` (``?size=N``, ``?chunks=N``, ``?delay=S``),
-    ``GET /status/{code}`` and the control API under ``/_control``. Every
-    response carries ``x-fake-region: <name>``.
+    ``GET /status/{code}``, ``GET /metrics`` and the control API under
+    ``/_control``. Every response carries ``x-fake-region: <name>``.
+
+    Chat and completions requests go through a small model of an LLM server
+    (vLLM-like). It is always on, with defaults that change nothing: no slot
+    limit, no cache, no per-token cost. With ``max_running`` set, that
+    many requests generate at once and the others wait in FIFO order; with
+    ``kv_capacity_blocks`` set, prompts are cut into blocks of
+    ``kv_block_size`` tokens kept in an LRU prefix cache, and a request's TTFT is
+    ``Behavior.ttft + uncached * ttft_per_uncached_token + cached *
+    ttft_per_cached_token``, counted from when it leaves the queue. Their
+    answers report what happened::
+
+        x-fake-kv-prompt-tokens: 40     # the model's token count of the prompt
+        x-fake-kv-cached-tokens: 32     # the cached prefix (whole blocks)
+        x-fake-ttft-ms: 1.184           # the modelled TTFT, queue time excluded
+        x-fake-queue-ms: 0.012          # the time spent queued (wall clock)
+
+    and, when the request sends ``endpoint-load-metrics-format: TEXT`` or
+    ``JSON`` (or the region has ``load_metrics_always``), vLLM's ORCA load
+    header, taken as the response starts (each on one line)::
+
+        endpoint-load-metrics: TEXT named_metrics.kv_cache_usage_perc=0.25,
+            named_metrics.num_requests_waiting=2.0, named_metrics.num_requests_running=4.0
+        endpoint-load-metrics: JSON {"named_metrics": {"kv_cache_usage_perc": 0.25,
+            "num_requests_waiting": 2.0, "num_requests_running": 4.0}}
+
+    ``kv_cache_usage_perc`` is, as in vLLM, the share of the KV capacity held
+    by the running requests (each holds the blocks of its prompt and
+    completion), not the fill of the prefix cache. The header is on every
+    chat and completions answer the model produced (streams included,
+    unlike vLLM, which sends it on whole JSON answers only) and on the
+    ``max_queue`` rejections. ``GET /metrics`` exposes the same gauges in the
+    Prometheus text format: ``vllm:num_requests_running``,
+    ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc`` (labels
+    ``engine="0"``, ``model_name``) with vLLM's prefix-cache and token
+    counters, or with ``metrics_flavor="sglang"`` ``sglang:num_running_reqs``,
+    ``sglang:num_queue_reqs``, ``sglang:token_usage``,
+    ``sglang:cache_hit_rate`` and token counters (label ``model_name``).
+    The totals are in :meth:`counters` too.
+
+    The model's tokeniser is cheap and deterministic: a ``<|role|>`` token per
+    chat message, then its text (text parts only; any other part is one
+    token) split on whitespace into pieces of up to 4 characters; a
+    completions prompt is its text, or its token ids. Block *i* is cached under
+    a hash of blocks 0..i, and only whole blocks are cached, so the next turn
+    of a conversation finds every whole block of the turn before. As in vLLM,
+    the last prompt token is always computed: a prompt made only of cached
+    blocks misses its last one. A request's blocks are cached when it gets its
+    slot, refreshed from its last block to its first, so the LRU evicts the
+    ends of prompts before their beginnings.
 
     ``behavior`` is read by every request when it arrives and may be changed at
     any time, from any thread. Counters survive :meth:`kill` and
@@ -71,6 +159,22 @@ class FakeRegion:
         max_concurrent_streams: HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS.
         keep_alive_timeout: Seconds an idle connection is kept open.
         shutdown_grace: Default seconds :meth:`stop` lets requests finish.
+        kv_capacity_blocks: Blocks in the prefix cache; 0 (the default) for
+            no cache. The cache starts empty at every (re)start.
+        kv_block_size: Tokens per KV block.
+        max_running: Chat and completions requests generating at once; 0 (the
+            default) for no limit. A request holds its slot until its answer
+            is complete or its client leaves.
+        max_queue: Requests that may wait for a slot; ``None`` for no limit.
+            Beyond it a request is answered ``queue_full_status`` at once.
+        queue_full_status: The status for a full queue, with an OpenAI error
+            body: 503 (the default), 429, or any other 4xx/5xx.
+        load_metrics_always: ``"TEXT"`` or ``"JSON"``: send the
+            ``endpoint-load-metrics`` header in that format when a request
+            does not ask for a valid one; ``None`` (the default) sends it only
+            when asked, like vLLM.
+        metrics_flavor: ``"vllm"`` (the default) or ``"sglang"``: the metric
+            names of ``GET /metrics``.
     """
 
     def __init__(
@@ -88,9 +192,25 @@ class FakeRegion:
         max_concurrent_streams: int = 100,
         keep_alive_timeout: float = 60.0,
         shutdown_grace: float = 0.5,
+        kv_capacity_blocks: int = 0,
+        kv_block_size: int = 16,
+        max_running: int = 0,
+        max_queue: int | None = None,
+        queue_full_status: int = 503,
+        load_metrics_always: LoadMetricsFormat | None = None,
+        metrics_flavor: MetricsFlavor = "vllm",
     ) -> None:
         if (certfile is None) != (keyfile is None):
             raise ValueError("certfile and keyfile go together")
+        _check_llm_model(
+            kv_capacity_blocks,
+            kv_block_size,
+            max_running,
+            max_queue,
+            queue_full_status,
+            load_metrics_always,
+            metrics_flavor,
+        )
         self.name = name
         self.host = host
         self._port = port
@@ -101,7 +221,18 @@ class FakeRegion:
         self.keep_alive_timeout = keep_alive_timeout
         self.shutdown_grace = shutdown_grace
         self._app = RegionApp(
-            name, behavior or Behavior(), model=model, http1_only=http1_only, seed=seed
+            name,
+            behavior or Behavior(),
+            model=model,
+            http1_only=http1_only,
+            seed=seed,
+            kv_capacity_blocks=kv_capacity_blocks,
+            kv_block_size=kv_block_size,
+            max_running=max_running,
+            max_queue=max_queue,
+            queue_full_status=queue_full_status,
+            load_metrics_always=load_metrics_always,
+            metrics_flavor=metrics_flavor,
         )
         self._thread: threading.Thread | None = None
         self._done: concurrent.futures.Future[None] | None = None
@@ -170,6 +301,10 @@ class FakeRegion:
     @property
     def in_flight(self) -> int:
         return self._app.counters().in_flight
+
+    def clear_kv_cache(self) -> None:
+        """Empty the prefix cache, as if the server had just started."""
+        self._app.clear_kv_cache()
 
     @property
     def cancelled_total(self) -> int:
