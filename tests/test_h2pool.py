@@ -1208,3 +1208,25 @@ async def test_one_timer_serves_every_wait_of_a_stream() -> None:
     assert time.monotonic() - started >= 0.1
     stream.close()
     assert stream.timer is None
+
+
+async def test_acknowledged_bytes_open_the_windows_as_h2_would() -> None:
+    conn, wire, server, stream_id = await _exchange()
+    server.send_headers(stream_id, [(b":status", b"200")])
+    conn.data_received(server.data_to_send())
+    stream = conn.streams[stream_id]
+    sent = 0
+    # Read after every frame: most acknowledgements are only counted, until one is due.
+    while sent < 600 * 1024:
+        server.send_data(stream_id, b"x" * 16384)
+        sent += 16384
+        conn.data_received(server.data_to_send())
+        assert len(await stream.read(1.0) or b"") == 16384
+        conn.flush()
+        server.receive_data(wire.take())
+    # h2 hands half a window back at once: the stream's (1 MiB) after 512 KiB.
+    assert server.local_flow_control_window(stream_id) == h2conn._STREAM_WINDOW - (
+        sent - 512 * 1024
+    )
+    assert conn.h2.streams[stream_id]._inbound_window_manager._bytes_processed == sent - 512 * 1024
+    assert conn.h2._inbound_flow_control_window_manager._bytes_processed == sent

@@ -352,7 +352,9 @@ class Connection(asyncio.Protocol):
         self._inbuf = buf[pos:] if pos < size else b""
         if run >= 0 and not self._receive(buf[run:pos]):
             return
-        self.flush_soon()
+        if self.h2._data_to_send:
+            # Replies (SETTINGS and PING acknowledgements, resets) go out this loop turn.
+            self.flush_soon()
 
     def _receive(self, frames: bytes) -> bool:
         """Hand complete frames to h2 and act on its events; False once the connection ends."""
@@ -647,9 +649,27 @@ class Connection(asyncio.Protocol):
         self.release(stream)
 
     def acknowledge(self, stream_id: int, size: int) -> None:
+        """Hand ``size`` flow-controlled bytes of ``stream_id`` back to the peer.
+
+        h2 sends a WINDOW_UPDATE only once enough bytes were processed; until one is
+        due, acknowledging only adds to its counts, done here without its calls.
+        """
         if self.lost or not size:
             return
-        self.h2.acknowledge_received_data(size, stream_id)
+        h2conn = self.h2
+        conn_window = h2conn._inbound_flow_control_window_manager
+        h2stream = h2conn.streams.get(stream_id)
+        stream_window = h2stream._inbound_window_manager if h2stream is not None else None
+        if (
+            not _update_due(conn_window, size)
+            and (stream_window is None or not _update_due(stream_window, size))
+            and (h2stream is None or h2stream.open)
+        ):
+            conn_window._bytes_processed += size
+            if stream_window is not None:
+                stream_window._bytes_processed += size
+            return
+        h2conn.acknowledge_received_data(size, stream_id)
         self.flush_soon()
 
     def ping(self) -> None:
@@ -694,6 +714,15 @@ class Connection(asyncio.Protocol):
             stream.fail(error)
         if self.transport is not None:
             self.transport.abort()
+
+
+def _update_due(window: Any, size: int) -> bool:
+    """Whether h2's window manager would send a WINDOW_UPDATE once ``size`` more bytes are
+    processed (its own rule, ``WindowManager._maybe_update_window``)."""
+    processed = window._bytes_processed + size
+    if window.current_window_size == 0 and processed > min(1024, window.max_window_size // 4):
+        return True
+    return bool(processed >= window.max_window_size // 2)
 
 
 def _error_name(code: int) -> str:
