@@ -60,6 +60,7 @@ def test_every_target_has_a_corpus() -> None:
         "clientip",
         "config",
         "json_body",
+        "loadmetrics",
         "request_head",
         "sse",
     ]
