@@ -125,7 +125,9 @@ async def start_proxy(
 async def test_every_hook_is_called_with_its_documented_arguments(
     make_region: RegionFactory, started: list[EdgeProxy]
 ) -> None:
-    region = await make_region("ap-1")
+    # Tokens paced, so that the stream reaches the proxy in several reads (the bytes of
+    # one read are relayed as one chunk).
+    region = await make_region("ap-1", inter_token_delay=0.005)
     recorder = Recorder()
     proxy = await start_proxy(started, [{"name": "ap-1", "url": region.url}], recorder)
     assert [c["proxy"] for c in recorder.calls["edgeproxy_startup"]] == [proxy]
