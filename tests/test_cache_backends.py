@@ -14,10 +14,20 @@ from edgeproxy._stages.cache.backends import (
     MemoryTier,
     RedisTier,
     TieredBackend,
-    _redis_options,
     make_backend,
 )
 from edgeproxy._stages.cache.entry import Entry
+from edgeproxy._stages.redisclient import client_options
+
+
+def _redis_options(config: CacheConfig) -> dict[str, object]:
+    """The pool arguments the cache's client gets from ``[cache]``."""
+    return client_options(
+        config.redis_settings(),
+        connect_timeout=config.redis_connect_timeout,
+        max_connections=config.redis_max_connections,
+        pool_timeout=config.redis_timeout,
+    )
 
 
 class Clock:
@@ -139,19 +149,23 @@ def test_bytes_serializer_keeps_bytes() -> None:
 
 
 def test_redis_options_for_a_unix_socket() -> None:
+    from redis.asyncio import UnixDomainSocketConnection
+
     options = _redis_options(CacheConfig(redis_url="unix:///run/redis/redis.sock?db=3"))
-    pool = options["connection_pool_kwargs"]
-    assert pool["path"] == "/run/redis/redis.sock" and options["db"] == 3
-    # aiocache passes host and port to every connection class; this one takes them.
-    connection = pool["connection_class"](host="127.0.0.1", port=6379, path=pool["path"])
-    assert connection.path == "/run/redis/redis.sock"
+    assert options["path"] == "/run/redis/redis.sock" and options["db"] == 3
+    assert options["connection_class"] is UnixDomainSocketConnection
+    assert "host" not in options and "port" not in options
 
 
 def test_redis_options_from_url_auth_and_tls(monkeypatch: pytest.MonkeyPatch) -> None:
+    from redis.asyncio import SSLConnection
+
     plain = _redis_options(CacheConfig(redis_url="redis://u:p%40ss@cache.internal:6380/3"))
-    assert (plain["endpoint"], plain["port"], plain["db"]) == ("cache.internal", 6380, 3)
-    assert plain["password"] == "p@ss" and plain["connection_pool_kwargs"]["username"] == "u"
-    assert plain["ssl"] is False
+    assert (plain["host"], plain["port"], plain["db"]) == ("cache.internal", 6380, 3)
+    assert plain["password"] == "p@ss" and plain["username"] == "u"
+    assert "connection_class" not in plain
+    # A busy pool waits for a free connection up to the call's timeout.
+    assert plain["timeout"] == 0.25 and plain["max_connections"] == 64
 
     monkeypatch.setenv("REDIS_PW", "from-env")
     tls = _redis_options(
@@ -164,14 +178,32 @@ def test_redis_options_from_url_auth_and_tls(monkeypatch: pytest.MonkeyPatch) ->
             redis_tls_key_file="/k.pem",
         )
     )
-    pool = tls["connection_pool_kwargs"]
-    assert tls["ssl"] is True and tls["password"] == "from-env" and tls["port"] == 6379
-    assert pool["ssl_ca_certs"] == "/ca.pem" and pool["ssl_certfile"] == "/c.pem"
-    assert pool["ssl_keyfile"] == "/k.pem" and pool["ssl_cert_reqs"] == "required"
-    assert pool["username"] == "edge"
+    assert tls["connection_class"] is SSLConnection
+    assert tls["password"] == "from-env" and tls["port"] == 6379
+    assert tls["ssl_ca_certs"] == "/ca.pem" and tls["ssl_certfile"] == "/c.pem"
+    assert tls["ssl_keyfile"] == "/k.pem" and tls["ssl_cert_reqs"] == "required"
+    assert tls["username"] == "edge"
     insecure = _redis_options(CacheConfig(redis_tls=True, redis_tls_verify=False))
-    assert insecure["ssl"] is True
-    assert insecure["connection_pool_kwargs"]["ssl_cert_reqs"] == "none"
+    assert insecure["connection_class"] is SSLConnection
+    assert insecure["ssl_cert_reqs"] == "none" and insecure["ssl_check_hostname"] is False
+
+
+def test_redis_cluster_options_name_one_node_with_tls() -> None:
+    options = _redis_options(
+        CacheConfig(
+            redis_url="rediss://:pw@node-1.cache.internal:7000",
+            redis_cluster=True,
+            redis_tls_ca_file="/ca.pem",
+        )
+    )
+    assert (options["host"], options["port"], options["password"]) == (
+        "node-1.cache.internal",
+        7000,
+        "pw",
+    )
+    assert options["ssl"] is True and options["ssl_ca_certs"] == "/ca.pem"
+    # RedisCluster takes no db, no connection class and no blocking-pool timeout.
+    assert not {"db", "connection_class", "timeout"} & set(options)
 
 
 def test_cache_config_errors_name_the_key() -> None:

@@ -377,8 +377,8 @@ async def test_rediss_outage_under_load_fails_open_and_recovers(
             "xfetch_beta": 0.0,
         },
         admission={
-            # [admission] has no CA file setting: redis-py reads it from the URL's query.
-            "redis_url": f"{tls_redis.url}?ssl_ca_certs={certfile}",
+            "redis_url": tls_redis.url,
+            "redis_tls_ca_file": certfile,
             "redis_timeout": 1.0,
             "redis_retry_interval": 0.2,
             # Limits far above this load: each request pays Redis, none is refused.

@@ -14,7 +14,7 @@ import pytest
 from multidict import CIMultiDict
 
 from edgeproxy import EdgeProxy, hookimpl
-from edgeproxy._core.config import AdmissionConfig
+from edgeproxy._core.config import AdmissionConfig, RedisSettings
 from edgeproxy._stages.ratelimit import (
     Charge,
     Limit,
@@ -237,7 +237,7 @@ async def test_two_workers_share_a_redis_limit(
 @pytest.mark.redis
 async def test_lua_script_is_atomic_under_concurrency(redis_server: str, redis_prefix: str) -> None:
     limit = Limit("key-requests", "key", "requests", 0.001, 5)
-    buckets = [RedisBuckets(redis_server, redis_prefix, 5.0) for _ in range(2)]
+    buckets = [RedisBuckets(RedisSettings(redis_server), redis_prefix, 5.0) for _ in range(2)]
     try:
         charges = [Charge(limit, "key-requests:atomic", 1.0)]
         decisions = await asyncio.gather(*(buckets[i % 2].run("take", charges) for i in range(20)))

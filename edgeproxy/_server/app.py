@@ -29,6 +29,7 @@ from edgeproxy._server.listener import (
     expect_handler,
     limits_middleware,
 )
+from edgeproxy._stages.loadview import LoadView
 from edgeproxy._upstream.regions import RegionSet
 
 if TYPE_CHECKING:
@@ -97,6 +98,7 @@ class EdgeProxy:
         self.started_at = time.time()
         self._regions: RegionSet | None = None
         self._pipeline: Pipeline | None = None
+        self._load_view: LoadView | None = None
         self._stack: contextlib.AsyncExitStack | None = None
         self._users = 0
         self._runner: web.AppRunner | None = None
@@ -158,6 +160,12 @@ class EdgeProxy:
             raise RuntimeError("the proxy is not open: run its app, or call start()")
         return self._pipeline
 
+    @property
+    def load_view(self) -> LoadView | None:
+        """The load shared with every process on ``[shared_load] redis_url``; None when
+        that is unset or the proxy is not open."""
+        return self._load_view
+
     async def _lifespan(self, app: web.Application) -> AsyncIterator[None]:
         await self.open()
         try:
@@ -197,6 +205,13 @@ class EdgeProxy:
             # It closes before the pools, which its background refreshes use.
             await pipeline.cache.open()
             stack.push_async_callback(pipeline.cache.close)
+            # The shared load view: a background task (Redis is never waited for here),
+            # stopped before the regions it reads close.
+            load_view = None
+            if self.config.shared_load.enabled:
+                load_view = LoadView(self.config.shared_load, regions, pop=self.config.pop.name)
+                await load_view.open()
+                stack.push_async_callback(load_view.close)
             for region in regions:
                 if not region.up:
                     logger.warning(
@@ -208,14 +223,14 @@ class EdgeProxy:
             stack.push_async_callback(
                 self.plugins.call_all_logged, "edgeproxy_shutdown", proxy=self
             )
-            self._regions, self._pipeline = regions, pipeline
+            self._regions, self._pipeline, self._load_view = regions, pipeline, load_view
             await self.plugins.call_all("edgeproxy_startup", proxy=self)
         except BaseException:
             self._users -= 1
             try:
                 await stack.aclose()
             finally:
-                self._regions = self._pipeline = None
+                self._regions = self._pipeline = self._load_view = None
             raise
         self._stack = stack
 
@@ -228,7 +243,7 @@ class EdgeProxy:
         try:
             await stack.aclose()
         finally:
-            self._regions = self._pipeline = None
+            self._regions = self._pipeline = self._load_view = None
 
     # -- serving ---------------------------------------------------------
 
@@ -417,6 +432,8 @@ class EdgeProxy:
     def status(self) -> dict[str, Any]:
         """The JSON served at the admin ``/status``."""
         regions = self._regions.snapshot() if self._regions is not None else []
+        if self._load_view is not None:
+            self._load_view.annotate(regions)
         return {
             "pop": self.config.pop.name,
             "ready": self.ready,
@@ -431,6 +448,7 @@ class EdgeProxy:
             ),
             "limits": self.guard.snapshot(),
             "cache": self._pipeline.cache.status() if self._pipeline is not None else None,
+            "shared_load": self._load_view.snapshot() if self._load_view is not None else None,
         }
 
 

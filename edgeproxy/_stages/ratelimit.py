@@ -12,8 +12,16 @@ into debt and hold the next requests back until it refills.
 Buckets live in the process by default. With ``redis_url`` they live in Redis
 and one Lua script reads, refills and charges all of a request's buckets
 atomically, on Redis's clock, so every worker and PoP sharing that Redis
-shares the limits. When Redis fails or is too slow the request is limited by
-the local buckets instead, and a background task keeps trying Redis every
+shares the limits. A bucket's key is ``<redis_prefix>{<identity>}:<limit>``:
+the identity (key or tenant, client IP) is its hash tag, so on a Redis Cluster
+(``redis_cluster``) the buckets of one identity share a slot. A request whose
+buckets fall in several slots (its key's and its IP's) runs the script once
+per slot, concurrently; if one refuses, the others' charges are given back
+(all or nothing, though not atomic across slots: a concurrent request may
+briefly see a charge that is then refunded).
+
+When Redis fails or is too slow the request is limited by the local buckets
+instead, and a background task keeps trying Redis every
 ``redis_retry_interval`` seconds: a Redis outage loosens the limits (each
 process then allows the full rate) but never fails a request.
 """
@@ -30,9 +38,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from edgeproxy._core.config import AdmissionConfig
+from redis.crc import key_slot
+
+from edgeproxy._core.config import AdmissionConfig, RedisSettings
 from edgeproxy._core.errors import ProxyError
 from edgeproxy._protocol.clientip import ClientIPResolver
+from edgeproxy._stages.redisclient import make_client, ready
 
 __all__ = ["Charge", "Limit", "LocalBuckets", "RateLimiter", "RateTicket"]
 
@@ -185,29 +196,54 @@ class LocalBuckets:
 
 
 class RedisBuckets:
-    """The same buckets in Redis, read and charged by one atomic Lua script."""
+    """The same buckets in Redis, read and charged by one atomic Lua script per hash slot."""
 
-    def __init__(self, url: str, prefix: str, timeout: float) -> None:
-        import redis.asyncio as aioredis
-
+    def __init__(self, settings: RedisSettings, prefix: str, timeout: float) -> None:
         self.prefix = prefix
         self.timeout = timeout
-        self.client = aioredis.Redis.from_url(
-            url,
-            socket_timeout=timeout,
-            socket_connect_timeout=timeout,
-            retry_on_timeout=False,
-            health_check_interval=0,
-        )
+        self.cluster = settings.cluster
+        self.client = make_client(settings, connect_timeout=timeout, socket_timeout=timeout)
         self.script = self.client.register_script(LUA_SCRIPT)
 
+    def key(self, charge: Charge) -> str:
+        """``<prefix>{<identity>}:<limit>``: a bucket's identity is its hash tag."""
+        name = charge.limit.name
+        bucket = charge.bucket
+        who = bucket[len(name) + 1 :] if bucket.startswith(name + ":") else bucket
+        return f"{self.prefix}{{{who}}}:{name}"
+
     async def run(self, mode: str, charges: Sequence[Charge]) -> Decision:
-        keys = [self.prefix + c.bucket for c in charges]
+        """Take (all or nothing) or settle ``charges``, within ``timeout`` in all."""
+        keys = [self.key(c) for c in charges]
+        async with asyncio.timeout(self.timeout):
+            if not self.cluster:
+                return await self._run_slot(mode, charges, keys)
+            await ready(self.client)
+            slots: dict[int, list[int]] = {}
+            for i, key in enumerate(keys):
+                slots.setdefault(key_slot(key.encode("utf-8", "surrogatepass")), []).append(i)
+            if len(slots) == 1:
+                return await self._run_slot(mode, charges, keys)
+            groups = [([charges[i] for i in idx], [keys[i] for i in idx]) for idx in slots.values()]
+            decisions = await asyncio.gather(*(self._run_slot(mode, c, k) for c, k in groups))
+            refused = [d for d in decisions if not d.allowed]
+            if mode != "take" or not refused:
+                return Decision(True)
+            # All or nothing: the slots that paid get their charges back.
+            paid = [(c, k) for (c, k), d in zip(groups, decisions, strict=True) if d.allowed]
+            await asyncio.gather(
+                *(
+                    self._run_slot("settle", [Charge(x.limit, x.bucket, -x.cost) for x in c], k)
+                    for c, k in paid
+                )
+            )
+            return max(refused, key=lambda d: d.wait)
+
+    async def _run_slot(self, mode: str, charges: Sequence[Charge], keys: list[str]) -> Decision:
         args: list[str | float] = [mode]
         for c in charges:
             args += [repr(c.limit.rate), repr(c.limit.burst), repr(c.cost)]
-        async with asyncio.timeout(self.timeout):
-            reply = await self.script(keys=keys, args=args)
+        reply = await self.script(keys=keys, args=args)
         allowed, wait, worst = int(reply[0]), float(reply[1]), int(reply[2])
         if allowed:
             return Decision(True)
@@ -215,8 +251,11 @@ class RedisBuckets:
         return Decision(False, wait, charge.limit, float(reply[2 + worst]))
 
     async def ping(self) -> None:
+        """Whether Redis answers; loads the script too, so that the first requests find it."""
         async with asyncio.timeout(self.timeout):
+            await ready(self.client)
             await self.client.ping()
+            await self.client.script_load(LUA_SCRIPT)
 
     async def aclose(self) -> None:
         await self.client.aclose()
@@ -268,7 +307,7 @@ class RateLimiter:
         if not self.enabled or not self.config.redis_url:
             return
         self.redis = RedisBuckets(
-            self.config.redis_url, self.config.redis_prefix, self.config.redis_timeout
+            self.config.redis_settings(), self.config.redis_prefix, self.config.redis_timeout
         )
         try:
             await self.redis.ping()
@@ -426,6 +465,7 @@ class RateLimiter:
         return {
             "enabled": self.enabled,
             "backend": backend,
+            "redis_cluster": self.redis is not None and self.redis.cluster,
             "limits": [
                 {"name": lim.name, "rate_per_s": lim.rate, "burst": lim.burst}
                 for lim in (*self.key_limits, *self.ip_limits)

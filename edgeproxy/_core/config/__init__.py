@@ -9,7 +9,8 @@ One module per concern: ``server`` (``[server]``, ``[admin]``, ``[pop]``,
 ``[limits]``), ``upstream`` (``[upstream]``, ``[[regions]]``), ``routes``,
 ``routing`` (``[routing]``, ``[health]``), ``geo``, ``admission``, ``cache``,
 ``observability`` (``[metrics]``, ``[tracing]``, ``[access_log]``),
-``local_model``, ``plugins``; ``root`` holds :class:`Config` and
+``local_model``, ``plugins``, ``sharedload`` (``[shared_load]``); ``redis`` holds the
+connection keys every Redis-using section shares; ``root`` holds :class:`Config` and
 ``Config.from_mapping``; ``loader`` reads TOML files, ``env`` applies
 environment overrides, ``errors`` formats problems, ``docs`` renders the key
 reference and ``checks`` holds the field checks several sections share.
@@ -32,10 +33,12 @@ from edgeproxy._core.config.observability import (
     TracingConfig,
 )
 from edgeproxy._core.config.plugins import PluginsConfig
+from edgeproxy._core.config.redis import RedisSettings, redis_settings
 from edgeproxy._core.config.root import Config
 from edgeproxy._core.config.routes import DEFAULT_FALLBACK, FallbackRung, RouteConfig
 from edgeproxy._core.config.routing import HealthConfig, RoutingConfig
 from edgeproxy._core.config.server import AdminConfig, LimitsConfig, PopConfig, ServerConfig
+from edgeproxy._core.config.sharedload import SharedLoadConfig
 from edgeproxy._core.config.upstream import RegionConfig, UpstreamConfig
 
 __all__ = [
@@ -58,11 +61,13 @@ __all__ = [
     "MetricsConfig",
     "PluginsConfig",
     "PopConfig",
+    "RedisSettings",
     "RegionConfig",
     "RouteConfig",
     "RoutingConfig",
     "Section",
     "ServerConfig",
+    "SharedLoadConfig",
     "TracingConfig",
     "UpstreamConfig",
     "check_header_name",
@@ -71,4 +76,5 @@ __all__ = [
     "config_from_mapping",
     "iter_config_keys",
     "load_config",
+    "redis_settings",
 ]

@@ -4,10 +4,24 @@ from __future__ import annotations
 
 import ipaddress
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from edgeproxy._core.config.base import Section
 from edgeproxy._core.config.checks import check_header_name, check_redis_url
+from edgeproxy._core.config.redis import (
+    RedisCluster,
+    RedisPassword,
+    RedisPasswordEnv,
+    RedisSettings,
+    RedisTls,
+    RedisTlsCaFile,
+    RedisTlsCertFile,
+    RedisTlsKeyFile,
+    RedisTlsVerify,
+    RedisUsername,
+    check_redis_cluster,
+    redis_settings,
+)
 
 __all__ = ["AdmissionConfig"]
 
@@ -104,7 +118,20 @@ class AdmissionConfig(Section):
         "keeps them in the process.",
         repr=False,
     )
-    redis_prefix: str = Field("edgeproxy:rl:", description="Prefix of the bucket keys in Redis.")
+    redis_cluster: RedisCluster = False
+    redis_username: RedisUsername = None
+    redis_password: RedisPassword = None
+    redis_password_env: RedisPasswordEnv = None
+    redis_tls: RedisTls = False
+    redis_tls_ca_file: RedisTlsCaFile = None
+    redis_tls_cert_file: RedisTlsCertFile = None
+    redis_tls_key_file: RedisTlsKeyFile = None
+    redis_tls_verify: RedisTlsVerify = True
+    redis_prefix: str = Field(
+        "edgeproxy:rl:",
+        description="Prefix of the bucket keys in Redis. Each key carries its identity as a "
+        "hash tag ({...}); a prefix with braces of its own would put every bucket in one slot.",
+    )
     redis_timeout: float = Field(
         0.25,
         gt=0,
@@ -143,3 +170,12 @@ class AdmissionConfig(Section):
     @classmethod
     def _check_redis_url(cls, value: str) -> str:
         return check_redis_url(value, allow_empty=True)
+
+    @field_validator("redis_cluster")
+    @classmethod
+    def _check_redis_cluster(cls, value: bool, info: ValidationInfo) -> bool:
+        return check_redis_cluster(value, info.data.get("redis_url"))
+
+    def redis_settings(self) -> RedisSettings:
+        """Where the buckets' Redis is and how to log in."""
+        return redis_settings(self)

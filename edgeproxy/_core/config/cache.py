@@ -2,14 +2,27 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from edgeproxy._core.config.base import Section
 from edgeproxy._core.config.checks import check_redis_url
+from edgeproxy._core.config.redis import (
+    RedisCluster,
+    RedisPassword,
+    RedisPasswordEnv,
+    RedisSettings,
+    RedisTls,
+    RedisTlsCaFile,
+    RedisTlsCertFile,
+    RedisTlsKeyFile,
+    RedisTlsVerify,
+    RedisUsername,
+    check_redis_cluster,
+    redis_settings,
+)
 
 __all__ = ["CacheConfig"]
 
@@ -33,30 +46,19 @@ class CacheConfig(Section):
         "optionally with user:password@ and a /db number, or unix:///path/to/redis.sock[?db=N].",
         repr=False,
     )
+    redis_cluster: RedisCluster = False
     key_prefix: str = Field(
         "edgeproxy:",
         description="Prefix of every key the cache writes, so deployments can share one Redis.",
     )
-    redis_username: str | None = Field(None, description="Redis ACL user name (AUTH).")
-    redis_password: str | None = Field(
-        None, description="Redis password (AUTH). Prefer redis_password_env.", repr=False
-    )
-    redis_password_env: str | None = Field(
-        None, description="Name of the environment variable that holds the Redis password."
-    )
-    redis_tls: bool = Field(False, description="Use TLS for a redis:// URL too (rediss:// does).")
-    redis_tls_ca_file: str | None = Field(
-        None, description="CA bundle that verifies the Redis server; the system's if unset."
-    )
-    redis_tls_cert_file: str | None = Field(
-        None, description="Client certificate for Redis mutual TLS (PEM)."
-    )
-    redis_tls_key_file: str | None = Field(
-        None, description="Private key of redis_tls_cert_file (PEM)."
-    )
-    redis_tls_verify: bool = Field(
-        True, description="Verify the Redis server's certificate and host name."
-    )
+    redis_username: RedisUsername = None
+    redis_password: RedisPassword = None
+    redis_password_env: RedisPasswordEnv = None
+    redis_tls: RedisTls = False
+    redis_tls_ca_file: RedisTlsCaFile = None
+    redis_tls_cert_file: RedisTlsCertFile = None
+    redis_tls_key_file: RedisTlsKeyFile = None
+    redis_tls_verify: RedisTlsVerify = True
     redis_timeout: float = Field(
         0.25,
         gt=0,
@@ -114,6 +116,11 @@ class CacheConfig(Section):
     def _check_redis_url(cls, value: str) -> str:
         return check_redis_url(value)
 
+    @field_validator("redis_cluster")
+    @classmethod
+    def _check_redis_cluster(cls, value: bool, info: ValidationInfo) -> bool:
+        return check_redis_cluster(value, info.data.get("redis_url"))
+
     @model_validator(mode="after")
     def _check_sizes(self) -> CacheConfig:
         if self.max_entry_bytes > self.max_bytes:
@@ -122,8 +129,8 @@ class CacheConfig(Section):
 
     def resolved_redis_password(self, environ: Mapping[str, str] | None = None) -> str | None:
         """``redis_password``, else the variable ``redis_password_env`` names, else None."""
-        if self.redis_password:
-            return self.redis_password
-        if self.redis_password_env:
-            return (os.environ if environ is None else environ).get(self.redis_password_env)
-        return None
+        return redis_settings(self, environ).password
+
+    def redis_settings(self) -> RedisSettings:
+        """Where the cache's Redis is and how to log in."""
+        return redis_settings(self)

@@ -21,14 +21,18 @@ def check_header_name(value: str) -> str:
     return value
 
 
-def check_redis_url(value: str, *, allow_empty: bool = False) -> str:
+def check_redis_url(value: str, *, allow_empty: bool = False, cluster: bool = False) -> str:
     """``value`` if it is a Redis URL redis-py can connect to; else ``ValueError`` with the reason.
 
     ``redis://[user:password@]host[:port][/db]`` and ``rediss://`` (TLS) need
     a host, a valid port and a numeric database; ``unix:///path/to/redis.sock
-    [?db=N]`` needs a socket path. ``''`` passes only with ``allow_empty``
-    (the key then turns Redis off). Messages never repeat the URL, which
-    may hold a password; pydantic prefixes them with the key.
+    [?db=N]`` needs a socket path. Query parameters other than a socket's
+    ``db`` are refused: TLS and AUTH have keys of their own, and a parameter
+    the client would not read must not pass silently. With ``cluster`` (a
+    section's ``redis_cluster``) the URL names one node of a Redis Cluster:
+    TCP only, database 0 only. ``''`` passes only with ``allow_empty`` (the key
+    then turns Redis off). Messages never repeat the URL, which may hold a
+    password; pydantic prefixes them with the key.
     """
     expected = "must be a redis://, rediss:// or unix:// URL" + (", or ''" if allow_empty else "")
     if not value:
@@ -40,10 +44,15 @@ def check_redis_url(value: str, *, allow_empty: bool = False) -> str:
         raise ValueError(expected)
     if parts.fragment:
         raise ValueError("must not have a fragment")
+    query = parse_qs(parts.query, keep_blank_values=True)
     if parts.scheme == "unix":
         if not parts.path.strip("/"):
             raise ValueError("has no socket path: write unix:///path/to/redis.sock")
-        db = ",".join(parse_qs(parts.query).get("db", []))
+        if cluster:
+            raise ValueError(
+                "is a Unix socket: a Redis Cluster is reached by redis:// or rediss://"
+            )
+        db = ",".join(query.pop("db", []))
     else:
         if not parts.hostname:
             raise ValueError("has no host")
@@ -52,6 +61,14 @@ def check_redis_url(value: str, *, allow_empty: bool = False) -> str:
         except ValueError as exc:
             raise ValueError(f"has an invalid port ({exc})") from None
         db = parts.path.strip("/")
+    if query:
+        names = ", ".join(sorted(query))
+        raise ValueError(
+            f"has query parameters ({names}) the client does not read: "
+            "TLS and AUTH have redis_* keys of their own"
+        )
     if db and not db.isdigit():
         raise ValueError(f"database must be a number, not {db!r}")
+    if cluster and db and int(db) != 0:
+        raise ValueError(f"names database {db}: a Redis Cluster has database 0 only")
     return value

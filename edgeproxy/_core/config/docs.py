@@ -15,6 +15,7 @@ from edgeproxy._core.config.plugins import PluginsConfig
 from edgeproxy._core.config.routes import RouteConfig
 from edgeproxy._core.config.routing import HealthConfig, RoutingConfig
 from edgeproxy._core.config.server import AdminConfig, LimitsConfig, PopConfig, ServerConfig
+from edgeproxy._core.config.sharedload import SharedLoadConfig
 from edgeproxy._core.config.upstream import RegionConfig, UpstreamConfig
 
 __all__ = ["config_docs_markdown", "iter_config_keys"]
@@ -37,6 +38,7 @@ def iter_config_keys() -> Iterator[tuple[str, str, str, str]]:
         ("local_model", LocalModelConfig),
         ("routing", RoutingConfig),
         ("health", HealthConfig),
+        ("shared_load", SharedLoadConfig),
         ("geo", GeoConfig),
         ("admission", AdmissionConfig),
         ("limits", LimitsConfig),

@@ -21,6 +21,7 @@ from edgeproxy._core.config.plugins import PluginsConfig
 from edgeproxy._core.config.routes import RouteConfig
 from edgeproxy._core.config.routing import HealthConfig, RoutingConfig
 from edgeproxy._core.config.server import AdminConfig, LimitsConfig, PopConfig, ServerConfig
+from edgeproxy._core.config.sharedload import SharedLoadConfig
 from edgeproxy._core.config.upstream import RegionConfig, UpstreamConfig
 
 __all__ = ["Config"]
@@ -57,6 +58,10 @@ class Config(Section):
     )
     health: HealthConfig = Field(
         default_factory=HealthConfig, description="Health checks, ejection, breakers."
+    )
+    shared_load: SharedLoadConfig = Field(
+        default_factory=SharedLoadConfig,
+        description="The load view shared by every PoP and worker through Redis.",
     )
     geo: GeoConfig = Field(default_factory=GeoConfig, description="Client geo and residency.")
     admission: AdmissionConfig = Field(

@@ -7,7 +7,10 @@ tier subclasses its backend with an ``OrderedDict`` bounded by entries and by
 bytes, evicting the least recently used, with expiry checked on read instead of
 a timer per key. The Redis tier is aiocache's ``RedisCache`` with a serializer
 that keeps bytes as bytes (the default JSON serializer, and any serializer
-whose ``encoding`` is set, would hand back decoded ``str``).
+whose ``encoding`` is set, would hand back decoded ``str``), on a client from
+:func:`~edgeproxy._stages.redisclient.make_client`: a standalone Redis or a
+Redis Cluster. Entries are single keys (GET, PSETEX, DEL), so on a cluster
+they spread over every slot; a purge scans every master and unlinks slot by slot.
 
 Every backend call fails open: errors, timeouts and garbage values are counted
 and read as a miss, never raised to a request. Redis calls each get a short
@@ -24,14 +27,13 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar
-from urllib.parse import parse_qs, unquote, urlsplit
 
 from aiocache.backends.memory import SimpleMemoryBackend
 from aiocache.serializers import BaseSerializer, NullSerializer
-from redis.asyncio import BlockingConnectionPool, UnixDomainSocketConnection
 
 from edgeproxy._core.config import CacheConfig
 from edgeproxy._stages.cache.entry import BadEntry, Entry
+from edgeproxy._stages.redisclient import RedisClient, make_client, safe_url
 
 __all__ = [
     "BytesSerializer",
@@ -371,51 +373,18 @@ class CircuitBreaker:
         return {"state": self.state, "failures": self.failures, "opens_total": self.opens_total}
 
 
-class _UnixSocketConnection(UnixDomainSocketConnection):
-    """A Unix-socket connection that ignores the host and port aiocache always passes."""
-
-    def __init__(self, *, host: str = "", port: int = 0, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-
-
-def _redis_options(config: CacheConfig) -> dict[str, Any]:
-    """aiocache ``RedisCache`` arguments from ``[cache]``: URL, auth and TLS."""
-    url = urlsplit(config.redis_url)
-    tls = url.scheme == "rediss" or config.redis_tls
+def _redis_client(config: CacheConfig) -> RedisClient:
+    """The cache's Redis client from ``[cache]``: URL, cluster, AUTH and TLS."""
     # A busy pool makes a call wait for a free connection (within the call's timeout)
     # instead of failing at once and counting against the breaker. No socket_timeout:
     # RedisTier bounds each whole call itself, and redis-py's per-read timeout costs
     # ~20 us of CPU per call.
-    pool: dict[str, Any] = {"timeout": config.redis_timeout}
-    username = config.redis_username or (unquote(url.username) if url.username else None)
-    if username:
-        pool["username"] = username
-    if tls:
-        pool["ssl_cert_reqs"] = "required" if config.redis_tls_verify else "none"
-        pool["ssl_check_hostname"] = config.redis_tls_verify
-        if config.redis_tls_ca_file:
-            pool["ssl_ca_certs"] = config.redis_tls_ca_file
-        if config.redis_tls_cert_file:
-            pool["ssl_certfile"] = config.redis_tls_cert_file
-        if config.redis_tls_key_file:
-            pool["ssl_keyfile"] = config.redis_tls_key_file
-    password = config.resolved_redis_password() or (unquote(url.password) if url.password else None)
-    db = url.path.strip("/")
-    if url.scheme == "unix":  # unix:///path/to/redis.sock[?db=N]
-        pool["connection_class"] = _UnixSocketConnection
-        pool["path"] = url.path
-        db = parse_qs(url.query).get("db", [""])[0]
-    return {
-        "endpoint": url.hostname or "127.0.0.1",
-        "port": url.port or 6379,
-        "db": int(db) if db else 0,
-        "password": password,
-        "ssl": tls,
-        "pool_max_size": config.redis_max_connections,
-        "create_connection_timeout": config.redis_connect_timeout,
-        "connection_pool_class": BlockingConnectionPool,
-        "connection_pool_kwargs": pool,
-    }
+    return make_client(
+        config.redis_settings(),
+        connect_timeout=config.redis_connect_timeout,
+        max_connections=config.redis_max_connections,
+        pool_timeout=config.redis_timeout,
+    )
 
 
 _FAILED: Any = object()
@@ -443,8 +412,11 @@ class RedisTier:
             # Our own timeout below; aiocache's would add a wait_for task per call.
             timeout=None,
             key_builder=lambda key, namespace=None: prefix + key,
-            **_redis_options(config),
         )
+        # aiocache builds a standalone client of its own (no connection yet): ours
+        # replaces it, a cluster client when configured.
+        self.client: RedisClient = _redis_client(config)
+        self.cache.client = self.client
         self.breaker = CircuitBreaker(config.breaker_failures, config.breaker_cooldown)
         self.errors: Counter[str] = Counter()
         self.last_error: str | None = None
@@ -498,8 +470,12 @@ class RedisTier:
         return 0 if n is _FAILED else int(n)
 
     async def purge(self, prefix: str) -> int:
-        """Delete every key under ``key_prefix + prefix`` with SCAN (never KEYS) and UNLINK."""
-        client = self.cache.client
+        """Delete every key under ``key_prefix + prefix`` with SCAN (never KEYS) and UNLINK.
+
+        On a cluster, ``scan_iter`` walks every master, each with its own cursor,
+        and ``unlink`` splits a batch by slot.
+        """
+        client = self.client
         pattern = _glob_escape(self.prefix + prefix) + "*"
         deleted = 0
         async with asyncio.timeout(_PURGE_TIMEOUT):
@@ -516,24 +492,25 @@ class RedisTier:
     async def ping(self) -> bool:
         # Opens the first connection (TLS and AUTH included): it gets the connect timeout too.
         timeout = self.config.redis_connect_timeout + self.timeout
-        ok = await self._call("PING", lambda: self.cache.client.ping(), timeout)
+        ok = await self._call("PING", lambda: self.client.ping(), timeout)
         return ok is not _FAILED
 
     async def open(self) -> None:
         if not await self.ping():
             logger.warning(
                 "cache: Redis at %s is not reachable (%s); the cache fails open until it is",
-                _safe_url(self.config.redis_url),
+                safe_url(self.config.redis_url),
                 self.last_error,
             )
 
     async def close(self) -> None:
         # redis-py's close() is deprecated (aiocache 0.12 still calls it): aclose().
-        await self.cache.client.aclose()
+        await self.client.aclose()
 
     def status(self) -> dict[str, Any]:
         return {
-            "url": _safe_url(self.config.redis_url),
+            "url": safe_url(self.config.redis_url),
+            "cluster": self.config.redis_cluster,
             "key_prefix": self.prefix,
             "breaker": self.breaker.status(),
             "errors": dict(self.errors),
@@ -543,13 +520,6 @@ class RedisTier:
 
 def _glob_escape(text: str) -> str:
     return "".join("\\" + c if c in "*?[]\\" else c for c in text)
-
-
-def _safe_url(url: str) -> str:
-    parts = urlsplit(url)
-    host = parts.hostname or ""
-    port = f":{parts.port}" if parts.port else ""
-    return f"{parts.scheme}://{host}{port}{parts.path}"
 
 
 # -- two tiers ---------------------------------------------------------------------
