@@ -36,6 +36,7 @@ from edgeproxy._stages.failover import (
     PendingUpstream,
 )
 from edgeproxy._stages.fallback import Degraded, FallbackStage, UpstreamWon
+from edgeproxy._stages.models import ModelError, ModelList
 from edgeproxy._stages.relay import StreamStage
 from edgeproxy._stages.routing import Router
 from edgeproxy._stages.upstream import UpstreamStage
@@ -90,6 +91,7 @@ class Pipeline:
         self.stream = StreamStage(plugins)
         self.fallback = FallbackStage(config, plugins)
         self.admission = AdmissionStage(config)
+        self.models = ModelList(config, regions, self.failover)
         self.in_flight = 0
         # While draining, responses close their connection so keep-alive
         # clients reconnect to a live instance.
@@ -131,6 +133,10 @@ class Pipeline:
                 if ctx.route.on_overload != "degrade":
                     raise
                 failure = err  # shed: to the fallback, never upstream
+            if failure is None and self.models.active and self.models.answers(ctx):
+                # GET /v1/models, once regions list models: the proxy's own merged list.
+                response = self._local_answer(ctx, await self.models.respond(ctx))
+                return response
             if failure is None:
                 # cache: a stored answer, or that of an identical request in flight; else a
                 # cacheable request leads, and `recorder` stores what the stream stage relays.
@@ -147,6 +153,11 @@ class Pipeline:
                     )
                 except DeadlineExceeded as err:
                     failure, pending = err, err.pending
+                except ModelError as err:
+                    # A model no region serves: only the local model may still answer it.
+                    if err.status != 404 or not self.fallback.local_may_answer(ctx):
+                        raise
+                    failure = err
                 except ProxyError as err:
                     if err.code == "residency":
                         raise
@@ -266,7 +277,9 @@ class Pipeline:
         ctx.error = err.message
         headers = {"X-Edgeproxy-Region": ctx.region or "none", "X-Request-Id": ctx.request_id}
         headers.update(err.headers)
-        return error_response(err.status, err.type, err.message, code=err.code, headers=headers)
+        return error_response(
+            err.status, err.type, err.message, code=err.code, headers=headers, param=err.param
+        )
 
     def _enter(self) -> None:
         self.in_flight += 1

@@ -42,6 +42,9 @@ class RequestContext:
     host: str = ""
     tenant: str | None = None
     priority: int = 0
+    # The model the client named (the JSON body's "model" of an LLM endpoint), set by the
+    # router when a region lists models or aliases; None otherwise.
+    model: str | None = None
     client_country: str | None = None
     client_geo: tuple[float, float] | None = None
     region: str | None = None

@@ -25,6 +25,7 @@ class ProxyError(Exception):
         *,
         code: str | None = None,
         headers: Mapping[str, str] | None = None,
+        param: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -32,11 +33,15 @@ class ProxyError(Exception):
         self.message = message
         self.code = code
         self.headers = dict(headers or {})
+        self.param = param
 
 
-def error_body(type: str, message: str, *, code: str | None = None) -> bytes:
-    """``{"error": {"message", "type", "param", "code"}}`` as OpenAI sends it."""
-    return orjson.dumps({"error": {"message": message, "type": type, "param": None, "code": code}})
+def error_body(
+    type: str, message: str, *, code: str | None = None, param: str | None = None
+) -> bytes:
+    """``{"error": {"message", "type", "param", "code"}}`` as OpenAI sends it; ``param`` names
+    the request field at fault, if one is."""
+    return orjson.dumps({"error": {"message": message, "type": type, "param": param, "code": code}})
 
 
 def error_response(
@@ -46,11 +51,12 @@ def error_response(
     *,
     code: str | None = None,
     headers: Mapping[str, str] | None = None,
+    param: str | None = None,
 ) -> web.Response:
     """A complete JSON error response."""
     resp = web.Response(
         status=status,
-        body=error_body(type, message, code=code),
+        body=error_body(type, message, code=code, param=param),
         content_type="application/json",
     )
     if headers:

@@ -35,6 +35,7 @@ from edgeproxy._local.generation import _Generation
 from edgeproxy._local.prompt import prepare_prompt
 from edgeproxy._local.request import GenerationRequest, parse_generation_request
 from edgeproxy._protocol.endpoints import endpoint_has
+from edgeproxy._protocol.models import ModelMatcher
 
 if TYPE_CHECKING:
     from edgeproxy._core.context import RequestContext
@@ -66,6 +67,9 @@ class LocalModel:
         self.error: str | None = None
         stem = self.path.name.removesuffix(".gguf") if self.path is not None else "none"
         self.model_name = config.model_name or f"local/{stem}"
+        # The client model names it answers for: every one, or those `models` matches.
+        self.every_model = config.answers_every_model
+        self.models = ModelMatcher(config.models)
         self.load_seconds: float | None = None
         self.devices: dict[str, int] = {}
         self.gpu_offload_supported: bool | None = None
@@ -243,6 +247,12 @@ class LocalModel:
     def serves(self, method: str, path: str) -> bool:
         """Whether the model can answer this kind of request at all."""
         return method == "POST" and endpoint_has(path, "local")
+
+    def serves_model(self, model: object) -> bool:
+        """Whether it may answer for the model a request names (``[local_model] models``)."""
+        if self.every_model:
+            return True
+        return isinstance(model, str) and self.models.matches(model)
 
     def _busy(self, why: str) -> ProxyError:
         self.rejected_total += 1

@@ -44,6 +44,7 @@ from edgeproxy._core.config import Config
 from edgeproxy._core.errors import ProxyError
 from edgeproxy._local.model import LocalAnswer, LocalModel
 from edgeproxy._plugins import Plugins
+from edgeproxy._protocol.models import model_from_body
 
 if TYPE_CHECKING:
     from edgeproxy._core.context import RequestContext
@@ -199,7 +200,17 @@ class FallbackStage:
         return won
 
     def _local_applies(self, ctx: RequestContext) -> bool:
-        return self.local.enabled and self.local.serves(ctx.method, ctx.path)
+        local = self.local
+        return (
+            local.enabled
+            and local.serves(ctx.method, ctx.path)
+            and (local.every_model or local.serves_model(model_from_body(ctx.json)))
+        )
+
+    def local_may_answer(self, ctx: RequestContext) -> bool:
+        """Whether the route's ladder has the local model and it may answer this request
+        (its kind and its model), loaded or not."""
+        return "local" in ctx.route.fallback and self._local_applies(ctx)
 
     async def _hook(
         self,

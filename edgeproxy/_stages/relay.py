@@ -3,6 +3,11 @@
 The same loop reads a region's answer for a background cache refresh, with no
 client: :meth:`StreamStage.drain` calls the same hooks and feeds the cache's
 recorder the same way, and writes nothing.
+
+A region that knows the client's model under its own name (``[[regions]]
+model_aliases``) answers with that name: the body is renamed back to the
+client's as it passes (:class:`~edgeproxy._protocol.models.ModelRewriter`),
+before the hooks and the cache see it, and is sent chunked.
 """
 
 from __future__ import annotations
@@ -20,10 +25,12 @@ from edgeproxy._core.errors import error_response
 from edgeproxy._core.types import Headers
 from edgeproxy._plugins import PluginError, Plugins
 from edgeproxy._protocol.headers import strip_hop_by_hop
+from edgeproxy._protocol.models import ModelRewriter
 from edgeproxy._protocol.usage import UsageTracker
 from edgeproxy._stages.cache.stage import CacheRecorder
 from edgeproxy._stages.failover import AttemptResponse
 from edgeproxy._upstream.pool import UpstreamError
+from edgeproxy._upstream.regions import Region
 
 __all__ = ["StreamStage"]
 
@@ -154,6 +161,9 @@ class StreamStage:
         """The region's status and headers, once the plugins edited them; the recorder sees
         them too."""
         reply = UpstreamReply(upstream.status, strip_hop_by_hop(upstream.headers))
+        if ctx.model is not None and _alias(ctx, upstream.region) is not None:
+            # The body is renamed back to the client's model: its length changes.
+            reply.headers = [(k, v) for k, v in reply.headers if k.lower() != "content-length"]
         if self.plugins.has("edgeproxy_upstream_response"):
             await self.plugins.call_all(
                 "edgeproxy_upstream_response",
@@ -178,7 +188,13 @@ class StreamStage:
     ) -> None:
         """The one body loop: each chunk through the plugins, to the recorder and ``write``."""
         transform = self.plugins.has("edgeproxy_stream_chunk")
-        async for chunk in upstream.aiter_bytes():
+        chunks = upstream.aiter_bytes()
+        if ctx.model is not None:
+            target = _alias(ctx, upstream.region)
+            if target is not None:
+                # The region answered under its own name: the client sees its own again.
+                chunks = ModelRewriter(target, ctx.model).stream(chunks)
+        async for chunk in chunks:
             if usage is not None:
                 usage.feed(chunk)
             if transform:
@@ -236,6 +252,12 @@ class StreamStage:
             await writer.write(event, drain=False)
         resp.force_close()
         transport.close()
+
+
+def _alias(ctx: RequestContext, region: Region) -> str | None:
+    """The region's own name for the model the client named, if it aliases it."""
+    aliases = region.config.model_aliases
+    return aliases.get(ctx.model) if aliases and ctx.model is not None else None
 
 
 def _is_sse(resp: web.StreamResponse) -> bool:

@@ -3,7 +3,9 @@
 For each request the router:
 
 1. locates the client (:class:`~edgeproxy._stages.geo.GeoResolver`) and applies the
-   residency rules: a request under a rule only ever sees allowed regions;
+   residency rules: a request under a rule only ever sees allowed regions; then
+   keeps the regions that serve the request's model
+   (:class:`~edgeproxy._stages.models.ModelCatalog`);
 2. keeps the regions that are available (reachable, not ejected, passing
    active checks: :class:`~edgeproxy._upstream.health.Health`); when none is, a
    request under a residency rule gets a 503, and any other request tries
@@ -31,6 +33,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from edgeproxy._stages.geo import GeoResolver, Residency
+from edgeproxy._stages.models import ModelCatalog
 from edgeproxy._upstream.regions import Region, RegionSet
 
 if TYPE_CHECKING:
@@ -86,6 +89,7 @@ class Router:
         self.geo = GeoResolver(config.geo)
         self.residency = Residency(config.geo, config.regions)
         self._rng = random.Random(seed)
+        self.models = ModelCatalog(config.regions)
 
     def close(self) -> None:
         self.geo.close()
@@ -96,10 +100,14 @@ class Router:
         """The regions this request may use, best first.
 
         Raises a 503 :class:`ProxyError` when a residency rule applies and
-        none of the regions it allows is available.
+        none of the regions it allows is available, and a
+        :class:`~edgeproxy._stages.models.ModelError` (404) when no region serves
+        the request's model. Only the regions serving the model are candidates,
+        whatever their health.
         """
         now = self.clock()
         pool = self.regions.regions
+        serving = self.models.lookup(ctx) if ctx is not None and self.models.active else None
         allowed: frozenset[str] | None = None
         country: str | None = None
         geo: tuple[float, float] | None = None
@@ -110,6 +118,8 @@ class Router:
                 pool = [r for r in pool if r.name in allowed]
             if not self.from_client:
                 geo = None
+        if serving is not None:
+            pool = [r for r in pool if r.name in serving]
         available = [r for r in pool if self.health.available(r, now)]
         if not available:
             if allowed is not None:

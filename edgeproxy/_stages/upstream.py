@@ -8,6 +8,7 @@ hooks; it is None for a request with no client (a background cache refresh).
 
 from __future__ import annotations
 
+import orjson
 from aiohttp import web
 
 from edgeproxy._core.config import Config
@@ -43,8 +44,17 @@ class UpstreamStage:
             drop |= CLIENT_CREDENTIAL_HEADERS
         self._drop = frozenset(drop)
 
-    def headers(self, request: web.Request | None, ctx: RequestContext, region: Region) -> Headers:
-        """The client's end-to-end headers plus forwarding, tracing and region credentials."""
+    def headers(
+        self,
+        request: web.Request | None,
+        ctx: RequestContext,
+        region: Region,
+        sent: bytes | None = None,
+    ) -> Headers:
+        """The client's end-to-end headers plus forwarding, tracing and region credentials.
+
+        ``sent`` is the body sent instead of ``ctx.body`` (the region's name for the model).
+        """
         connection = ctx.headers.getall("connection", None)
         named = connection_tokens(connection) if connection else _NO_TOKENS
         out: Headers = []
@@ -54,8 +64,9 @@ class UpstreamStage:
                 continue
             out.append((lname, value))
         if ctx.body_read:
-            if ctx.body:
-                out.append(("content-length", str(len(ctx.body))))
+            body = ctx.body if sent is None else sent
+            if body:
+                out.append(("content-length", str(len(body))))
         elif request is not None and request.content_length is not None:
             out.append(("content-length", str(request.content_length)))
         xff = append_forwarded_for(ctx.headers.get("x-forwarded-for"), ctx.client_ip)
@@ -87,7 +98,14 @@ class UpstreamStage:
         The attempt loop around it (failover, hedging, accounting) is
         :class:`~edgeproxy._stages.failover.Failover`.
         """
-        headers = self.headers(request, ctx, region)
+        aliased: bytes | None = None
+        if ctx.model is not None and region.config.model_aliases:
+            # The region's own name for the client's model; ctx.body (and so the cache key)
+            # keeps the client's.
+            target = region.config.model_aliases.get(ctx.model)
+            if target is not None:
+                aliased = orjson.dumps({**ctx.json, "model": target})
+        headers = self.headers(request, ctx, region, aliased)
         if self.plugins.has("edgeproxy_upstream_request"):
             await self.plugins.call_all(
                 "edgeproxy_upstream_request",
@@ -101,7 +119,7 @@ class UpstreamStage:
             ctx.method,
             endpoint.base_path + ctx.target,
             headers,
-            self.body(request, ctx),
+            self.body(request, ctx) if aliased is None else aliased,
             authority=authority,
         )
         endpoint.mark_up()

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from edgeproxy._core.config.base import Section
+from edgeproxy._core.config.models import check_model_names
 
 __all__ = ["LocalModelConfig"]
 
@@ -45,6 +46,16 @@ class LocalModelConfig(Section):
     model_name: str = Field(
         "", description="Model name in answers; empty means 'local/<file name without .gguf>'."
     )
+    models: list[str] = Field(
+        default_factory=list,
+        description="The client model names (exact, or fnmatch globs) the local model may "
+        "answer for; a request for another model gets the next rung of the ladder.",
+    )
+    serve_all_models: bool | None = Field(
+        None,
+        description="Answer for every model, whatever it is named. Unset: true when models "
+        "is empty, false when it lists any.",
+    )
     concurrency: int = Field(
         1,
         ge=1,
@@ -67,6 +78,28 @@ class LocalModelConfig(Section):
         False,
         description="Keep /readyz at 503 until the local model is loaded (and while it failed).",
     )
+
+    @field_validator("models")
+    @classmethod
+    def _check_models(cls, value: list[str]) -> list[str]:
+        return check_model_names(value)
+
+    @field_validator("serve_all_models")
+    @classmethod
+    def _check_serve_all(cls, value: bool | None, info: ValidationInfo) -> bool | None:
+        models = info.data.get("models")
+        if value is True and models:
+            raise ValueError("is true while models lists names: keep one of the two")
+        if value is False and models == []:
+            raise ValueError("is false and models lists none: the local model would answer nothing")
+        return value
+
+    @property
+    def answers_every_model(self) -> bool:
+        """Whether the local model answers whatever model a request names."""
+        if self.serve_all_models is None:
+            return not self.models
+        return self.serve_all_models
 
     @model_validator(mode="after")
     def _answer_fits(self) -> LocalModelConfig:

@@ -78,6 +78,18 @@ class RoutingConfig(Section):
         description="Region answers that count as a failure before the first byte and are "
         "retried on the next region.",
     )
+    models_fetch_timeout: float = Field(
+        2.0,
+        gt=0,
+        description="GET /v1/models: seconds to fetch the list of each region with no models "
+        "configured, to merge it into the proxy's answer.",
+    )
+    models_cache_ttl: float = Field(
+        10.0,
+        ge=0,
+        description="GET /v1/models: seconds a merged list with fetched parts is reused before "
+        "the regions are asked again.",
+    )
 
     @field_validator("retry_statuses")
     @classmethod

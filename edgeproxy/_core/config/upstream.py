@@ -7,9 +7,10 @@ import os
 from collections.abc import Mapping
 from urllib.parse import urlsplit
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from edgeproxy._core.config.base import Section
+from edgeproxy._core.config.models import check_model_aliases, check_model_names
 
 __all__ = ["RegionConfig", "UpstreamConfig"]
 
@@ -93,6 +94,17 @@ class RegionConfig(Section):
         description="Priority tier: tier 0 serves first; a higher tier gets requests only when "
         "no region of a lower tier is available, or as a failover target.",
     )
+    models: list[str] = Field(
+        default_factory=list,
+        description="The model names the region serves, exact or as fnmatch globs "
+        "('llama-3*'); requests for other models go elsewhere. Empty: every model.",
+    )
+    model_aliases: dict[str, str] = Field(
+        default_factory=dict,
+        description='Client model name -> the region\'s own name, e.g. {"gpt-4o-mini" = '
+        '"meta-llama/Llama-3.1-8B-Instruct"}: the region is sent its name, the client '
+        "sees its own in the answer. A key counts as a model the region serves.",
+    )
     api_key: str | None = Field(
         None,
         description="Credential sent as 'Authorization: Bearer …'. Prefer api_key_env.",
@@ -140,6 +152,17 @@ class RegionConfig(Section):
                 # By position, not by value: the URL itself may hold a secret.
                 raise ValueError(f"entry {index} {exc}") from None
         return value
+
+    @field_validator("models")
+    @classmethod
+    def _check_models(cls, value: list[str]) -> list[str]:
+        return check_model_names(value)
+
+    @field_validator("model_aliases")
+    @classmethod
+    def _check_model_aliases(cls, value: dict[str, str], info: ValidationInfo) -> dict[str, str]:
+        # `models` is validated first (it is declared first); absent if it was invalid.
+        return check_model_aliases(value, info.data.get("models"))
 
     @field_validator("lat")
     @classmethod

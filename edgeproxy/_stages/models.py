@@ -1,0 +1,316 @@
+"""The model catalog: which regions serve a request's model, and ``GET /v1/models``.
+
+``[[regions]] models`` lists the models a region serves (exact names or
+``fnmatch`` globs; none listed: every model) and ``model_aliases`` maps a
+client's model name to the region's own. :class:`ModelCatalog` answers, for
+the router, which regions serve the model a request names; the answer is
+cached per model name. :class:`ModelList` is the proxy's own answer to
+``GET /v1/models`` (and ``GET /v1/models/{id}``) once any region lists models
+or aliases: the configured names, merged with the lists fetched from the
+regions that list none.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+from urllib.parse import unquote
+
+import orjson
+from aiohttp import web
+from multidict import CIMultiDict
+
+from edgeproxy._core.config.models import is_model_glob
+from edgeproxy._core.context import RequestContext
+from edgeproxy._core.errors import ProxyError
+from edgeproxy._plugins import PluginError
+from edgeproxy._protocol.endpoints import endpoint_has
+from edgeproxy._protocol.headers import request_id, trace_context
+from edgeproxy._protocol.models import ModelMatcher, model_from_body
+from edgeproxy._upstream.pool import UpstreamError
+
+if TYPE_CHECKING:
+    from edgeproxy._core.config import Config, RegionConfig
+    from edgeproxy._stages.failover import Failover
+    from edgeproxy._upstream.regions import Region, RegionSet
+
+__all__ = ["ModelCatalog", "ModelError", "ModelList", "model_not_found"]
+
+logger = logging.getLogger("edgeproxy")
+
+# Model names remembered by the catalog; past this many (clients naming models at random)
+# the memory starts over.
+_CACHE_SIZE = 1024
+# A model name echoed in an error message is cut to this length.
+_ECHO_LIMIT = 256
+# A region's /v1/models answer larger than this, or with more models, is not read.
+_LIST_BYTES = 4 * 1024 * 1024
+_LIST_MODELS = 10_000
+_MODELS_PATH = "/v1/models"
+
+
+class ModelError(ProxyError):
+    """A request's model cannot be served: 404 ``model_not_found``, or 400 when it is not a
+    name. Only the 404 may go down the degradation ladder, and only to the local model."""
+
+
+def model_not_found(model: str) -> ModelError:
+    """OpenAI's 404 for a model no region serves."""
+    shown = model if len(model) <= _ECHO_LIMIT else model[:_ECHO_LIMIT] + "..."
+    return ModelError(
+        404,
+        "invalid_request_error",
+        f"The model `{shown}` does not exist or you do not have access to it.",
+        code="model_not_found",
+        param="model",
+    )
+
+
+class ModelCatalog:
+    """Which regions serve a model, from ``[[regions]] models`` and ``model_aliases``.
+
+    ``active``: some region lists models or aliases, so the router looks up
+    each LLM request's model (and sets ``ctx.model``); ``restricts``: some
+    region lists models, so a model may be served by only some regions, or
+    by none (404).
+    """
+
+    def __init__(self, regions: list[RegionConfig]) -> None:
+        # Per region: its name, a matcher of its models (None: every model), its aliases.
+        self._regions = tuple(
+            (r.name, ModelMatcher(r.models) if r.models else None, frozenset(r.model_aliases))
+            for r in regions
+        )
+        self.restricts = any(r.models for r in regions)
+        self.active = self.restricts or any(r.model_aliases for r in regions)
+        # Model name -> the names of the regions serving it; None when every region does.
+        self._served: dict[str, frozenset[str] | None] = {}
+
+    def serving(self, model: str) -> frozenset[str] | None:
+        """The names of the regions that serve ``model`` (maybe none); None: every region."""
+        try:
+            return self._served[model]
+        except KeyError:
+            pass
+        names = frozenset(
+            name
+            for name, matcher, aliases in self._regions
+            if matcher is None or model in aliases or matcher.matches(model)
+        )
+        served = None if len(names) == len(self._regions) else names
+        if len(self._served) >= _CACHE_SIZE:
+            self._served.clear()
+        self._served[model] = served
+        return served
+
+    def lookup(self, ctx: RequestContext) -> frozenset[str] | None:
+        """The regions that may serve this request by its model; None: any region.
+
+        Only POSTs to the LLM endpoints with JSON bodies name a model; one with
+        no ``model`` may go to any region (it answers as it would). Sets
+        ``ctx.model``. Raises :class:`ModelError`: 400 when ``model`` is not a
+        string, 404 ``model_not_found`` when no region serves it.
+        """
+        if ctx.method != "POST" or not endpoint_has(ctx.path, "json_body"):
+            return None
+        model = model_from_body(ctx.json)
+        if model is None:
+            return None
+        if not isinstance(model, str):
+            raise ModelError(
+                400,
+                "invalid_request_error",
+                "Invalid type for 'model': expected a string.",
+                code="invalid_type",
+                param="model",
+            )
+        ctx.model = model
+        if not self.restricts:
+            return None
+        served = self.serving(model)
+        if served is not None and not served:
+            raise model_not_found(model)
+        return served
+
+
+class ModelList:
+    """The proxy's answer to ``GET /v1/models``, once a region lists models or aliases.
+
+    The list is the union of the available regions' models (every region's
+    when none is available): the concrete names a region lists (globs are not
+    model ids) and its alias names, plus the concrete names ``[local_model]
+    models`` lists. A region that lists no models is asked for its own
+    ``/v1/models`` through the failover path, bounded by ``[routing]
+    models_fetch_timeout``; what it answered is reused for ``models_cache_ttl``
+    seconds, and kept for when it cannot answer: a region that is down never
+    makes the list an error. Each entry names the regions that serve it in an
+    ``edgeproxy`` member.
+    """
+
+    def __init__(self, config: Config, regions: RegionSet, failover: Failover) -> None:
+        self.config = config
+        self.regions = regions
+        self.failover = failover
+        local = config.local_model
+        self._local = [m for m in local.models if not is_model_glob(m)] if local.path else []
+        self.active = any(r.models or r.model_aliases for r in config.regions) or bool(
+            local.path and local.models
+        )
+        # The concrete names of the regions that list models; the others are fetched.
+        self._listed = {
+            r.name: [m for m in r.models if not is_model_glob(m)]
+            for r in config.regions
+            if r.models
+        }
+        self.timeout = config.routing.models_fetch_timeout
+        self.ttl = config.routing.models_cache_ttl
+        self.created = int(time.time())
+        # The last list each region with no models configured answered, and until when
+        # the last round of fetches is fresh.
+        self._fetched: dict[str, list[dict[str, Any]]] = {}
+        self._fresh_until = 0.0
+        self._lock = asyncio.Lock()
+
+    def answers(self, ctx: RequestContext) -> bool:
+        """Whether this request is a ``GET`` (or ``HEAD``) of ``/v1/models`` or one model
+        (asked only when ``active``)."""
+        if ctx.method not in ("GET", "HEAD"):
+            return False
+        _, found, rest = ctx.path.partition(_MODELS_PATH)
+        return bool(found) and (not rest or rest[0] == "/")
+
+    async def respond(self, ctx: RequestContext) -> web.Response:
+        """The list in OpenAI's shape, or one model; 404 ``model_not_found`` for an unknown id."""
+        _, _, rest = ctx.path.partition(_MODELS_PATH)
+        data = await self.models()
+        wanted = unquote(rest[1:]) if len(rest) > 1 else None
+        body: dict[str, Any] | None
+        if wanted is None:
+            body = {"object": "list", "data": data}
+        else:
+            body = next((entry for entry in data if entry["id"] == wanted), None)
+            if body is None:
+                raise model_not_found(wanted)
+        return web.Response(body=orjson.dumps(body), content_type="application/json")
+
+    async def models(self) -> list[dict[str, Any]]:
+        """The merged list, sorted by id; fetches from the regions listing none when stale."""
+        now = self.regions.clock()
+        health = self.regions.health
+        every = self.regions.regions
+        up = [r for r in every if health.available(r, now)]
+        fetch = [r for r in up if r.name not in self._listed]
+        if fetch and time.monotonic() >= self._fresh_until:
+            async with self._lock:
+                # Whoever waited for the lock finds the lists fresh.
+                if time.monotonic() >= self._fresh_until:
+                    await self._fetch(fetch)
+                    self._fresh_until = time.monotonic() + self.ttl
+        return self._merge(up or every)
+
+    async def _fetch(self, regions: list[Region]) -> None:
+        lists = await asyncio.gather(*(self._fetch_one(region) for region in regions))
+        for region, models in zip(regions, lists, strict=True):
+            if models is not None:
+                self._fetched[region.name] = models
+
+    async def _fetch_one(self, region: Region) -> list[dict[str, Any]] | None:
+        """``region``'s own /v1/models list, or None when it did not give one in time."""
+        ctx = RequestContext(
+            request_id=request_id(None),
+            trace=trace_context(None),
+            method="GET",
+            target=_MODELS_PATH,
+            headers=CIMultiDict({"accept": "application/json"}),
+            client_ip=None,
+            started=time.monotonic(),
+            route=self.config.route_for("GET", _MODELS_PATH),
+            body_read=True,
+        )
+        body = bytearray()
+        try:
+            async with asyncio.timeout(self.timeout):
+                upstream = await self.failover.send(None, ctx, [region])
+                try:
+                    if upstream.status != 200:
+                        raise _NoList(f"it answered {upstream.status}")
+                    async for chunk in upstream.aiter_bytes():
+                        body += chunk
+                        if len(body) > _LIST_BYTES:
+                            raise _NoList("its list is too large")
+                finally:
+                    await upstream.aclose()
+            return _parse_list(bytes(body))
+        except (_NoList, ProxyError, UpstreamError, PluginError, TimeoutError) as exc:
+            reason = "it timed out" if isinstance(exc, TimeoutError) else str(exc)
+            logger.warning("GET /v1/models: region %s gave no list: %s", region.name, reason)
+            return None
+
+    def _merge(self, regions: list[Region]) -> list[dict[str, Any]]:
+        entries: dict[str, dict[str, Any]] = {}
+
+        def add(model: str, region: str | None, found: dict[str, Any] | None = None) -> None:
+            entry = entries.get(model)
+            if entry is None:
+                entry = entries[model] = {
+                    "id": model,
+                    "object": "model",
+                    "created": self.created,
+                    "owned_by": "edgeproxy",
+                    "edgeproxy": {"regions": []},
+                }
+                if found is not None:
+                    entry["created"] = found.get("created", self.created)
+                    entry["owned_by"] = found.get("owned_by", "edgeproxy")
+            if region is None:
+                entry["edgeproxy"]["local_model"] = True
+            elif region not in entry["edgeproxy"]["regions"]:
+                entry["edgeproxy"]["regions"].append(region)
+
+        for region in regions:
+            listed = self._listed.get(region.name)
+            if listed is not None:
+                for model in listed:
+                    add(model, region.name)
+            else:
+                for found in self._fetched.get(region.name, ()):
+                    add(found["id"], region.name, found)
+            for model in region.config.model_aliases:
+                add(model, region.name)
+        for model in self._local:
+            add(model, None)
+        return [entries[model] for model in sorted(entries)]
+
+
+class _NoList(Exception):
+    """A region's /v1/models answer that is not a list of models."""
+
+
+def _parse_list(body: bytes) -> list[dict[str, Any]]:
+    """The models of an OpenAI list answer: each with a string ``id``, ``created`` and
+    ``owned_by`` kept when well-typed."""
+    try:
+        value = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        raise _NoList("its answer is not JSON") from None
+    data = value.get("data") if isinstance(value, dict) else None
+    if not isinstance(data, list):
+        raise _NoList("its answer has no list of models")
+    models: list[dict[str, Any]] = []
+    for item in data[:_LIST_MODELS]:
+        if not isinstance(item, dict):
+            continue
+        model = item.get("id")
+        if not isinstance(model, str) or not model:
+            continue
+        found: dict[str, Any] = {"id": model}
+        created = item.get("created")
+        if isinstance(created, int) and not isinstance(created, bool):
+            found["created"] = created
+        owned_by = item.get("owned_by")
+        if isinstance(owned_by, str):
+            found["owned_by"] = owned_by
+        models.append(found)
+    return models
