@@ -28,6 +28,7 @@ from edgeproxy._local.model import LocalAnswer
 from edgeproxy._plugins import PluginError, Plugins
 from edgeproxy._protocol.headers import request_id, trace_context
 from edgeproxy._stages.admission import AdmissionStage, Admitted, Overloaded
+from edgeproxy._stages.affinity import AffinityPlan
 from edgeproxy._stages.cache.stage import CacheRecorder, CacheStage
 from edgeproxy._stages.failover import (
     AttemptResponse,
@@ -127,6 +128,7 @@ class Pipeline:
                     ctx.route = self.config.route_for(ctx.method, ctx.path)
             # admission: body validation, rate limits, then a slot (may queue, or shed).
             failure: ProxyError | None = None
+            plan: AffinityPlan | None = None  # the prompt key, with prefix affinity on
             try:
                 admitted = await self.admission.admit(request, ctx)
             except Overloaded as err:
@@ -147,7 +149,8 @@ class Pipeline:
                 # route + upstream: the first byte from the best region, failing over (or
                 # hedging) until then; residency violations are refused, never degraded.
                 try:
-                    candidates = await self._candidates(request, ctx)
+                    plan = self.router.plan(ctx)
+                    candidates = await self._candidates(request, ctx, plan)
                     upstream = await self.failover.send(
                         request, ctx, candidates, keep_late=ctx.route.deadline_action == "race"
                     )
@@ -179,6 +182,8 @@ class Pipeline:
                     return response
             # stream: relay chunk by chunk to the client.
             assert upstream is not None
+            if plan is not None:
+                self.router.routed(plan, upstream.region)  # its KV cache now holds the prompt
             response = await self.stream.relay(
                 request, ctx, upstream, close_connection=self.draining, recorder=recorder
             )
@@ -228,9 +233,11 @@ class Pipeline:
         finally:
             await upstream.aclose()
 
-    async def _candidates(self, request: web.Request | None, ctx: RequestContext) -> list[Region]:
+    async def _candidates(
+        self, request: web.Request | None, ctx: RequestContext, plan: AffinityPlan | None = None
+    ) -> list[Region]:
         """The regions this request may use, best first; the edgeproxy_route hook may override."""
-        candidates = self.router.candidates(ctx)
+        candidates = self.router.candidates(ctx, plan)
         if self.plugins.has("edgeproxy_route"):
             chosen = await self.plugins.call_first(
                 "edgeproxy_route", request=request, ctx=ctx, candidates=candidates

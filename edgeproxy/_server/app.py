@@ -212,6 +212,8 @@ class EdgeProxy:
                 load_view = LoadView(self.config.shared_load, regions, pop=self.config.pop.name)
                 await load_view.open()
                 stack.push_async_callback(load_view.close)
+                # The router scores with its global in-flight counts while they are fresh.
+                pipeline.router.load_view = load_view
             for region in regions:
                 if not region.up:
                     logger.warning(

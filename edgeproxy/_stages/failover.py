@@ -68,6 +68,7 @@ from edgeproxy._upstream.pool import (
     UpstreamTimeout,
 )
 from edgeproxy._upstream.regions import Endpoint, Region, RegionSet
+from edgeproxy._upstream.reported import LOAD_FORMAT_HEADER, without_load_header
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -190,6 +191,12 @@ class _Attempt:
         try:
             response = self.response = await failover.upstream.send(request, ctx, region, endpoint)
             self.headers_at = time.monotonic()
+            if region.reads_load:
+                # The load the region reports (ORCA endpoint-load-metrics), kept off the
+                # client's answer when the proxy asked for it and the client did not.
+                region.reported.from_headers(response.headers, failover.regions.clock)
+                if region.asks_load and LOAD_FORMAT_HEADER not in ctx.headers:
+                    response.headers = without_load_header(response.headers)
             status = response.status
             if status in failover.retry_statuses:
                 self.failed_status = status

@@ -17,12 +17,19 @@ For each request the router:
    byte (a region that just stalled looks slow before any answer arrives),
    and, while the region gets no answers, fading back towards the prior (so
    that a region that was slow is probed again, one request at a time, and
-   gets traffic back once it recovered);
+   gets traffic back once it recovered). A fresh load report from the region
+   (:mod:`edgeproxy._upstream.reported`) multiplies it by
+   1 + ``reported_load_weight`` x its load score. The requests in flight are
+   those of every process sharing the load view when it is fresh
+   (:attr:`Router.load_view`), else this process's own;
 4. picks the first region by power of two choices among the best priority
    tier: the regions scoring within ``[routing] equal_within`` of the best
    are equals, two of them are drawn by weight and the better one wins (so
    equals share traffic by weight, and the busier of two loses). The
-   other regions follow, best first, as failover and hedge targets.
+   other regions follow, best first, as failover and hedge targets. With
+   ``prefix_affinity``, a chat or completions request whose prompt was
+   recently sent to some candidate is ranked by prefix match and load
+   instead (:mod:`edgeproxy._stages.affinity`).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import random
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from edgeproxy._stages.affinity import Affinity, AffinityPlan
 from edgeproxy._stages.geo import GeoResolver, Residency
 from edgeproxy._stages.models import ModelCatalog
 from edgeproxy._upstream.regions import Region, RegionSet
@@ -39,6 +47,7 @@ from edgeproxy._upstream.regions import Region, RegionSet
 if TYPE_CHECKING:
     from edgeproxy._core.config import Config
     from edgeproxy._core.context import RequestContext
+    from edgeproxy._stages.loadview import LoadView
 
 __all__ = ["Router", "great_circle_km"]
 
@@ -90,14 +99,31 @@ class Router:
         self.residency = Residency(config.geo, config.regions)
         self._rng = random.Random(seed)
         self.models = ModelCatalog(config.regions)
+        self.affinity = Affinity(routing) if routing.prefix_affinity else None
+        self.report_max_age = routing.load_report_max_age
+        self.reported_load_weight = routing.reported_load_weight
+        # The load of every process sharing a Redis ([shared_load]), set by whoever opens
+        # it; None: this process's own counts.
+        self.load_view: LoadView | None = None
 
     def close(self) -> None:
         self.geo.close()
 
     # -- the choice ---------------------------------------------------------------
 
-    def candidates(self, ctx: RequestContext | None = None) -> list[Region]:
-        """The regions this request may use, best first.
+    def plan(self, ctx: RequestContext) -> AffinityPlan | None:
+        """The request's prompt key for prefix affinity; None when affinity is off or the
+        request has none. Pass it to :meth:`candidates`, then to :meth:`routed`."""
+        return None if self.affinity is None else self.affinity.plan(ctx)
+
+    def routed(self, plan: AffinityPlan, region: Region) -> None:
+        """``region`` gave the first byte of the request ``plan`` was made for."""
+        Affinity.routed(plan, region, self.clock())
+
+    def candidates(
+        self, ctx: RequestContext | None = None, plan: AffinityPlan | None = None
+    ) -> list[Region]:
+        """The regions this request may use, best first (by affinity too, given a ``plan``).
 
         Raises a 503 :class:`ProxyError` when a residency rule applies and
         none of the regions it allows is available, and a
@@ -134,6 +160,10 @@ class Router:
             ((self.score(r, now, geo, service), r) for r in available),
             key=lambda pair: (pair[1].priority, pair[0]),
         )
+        if plan is not None and self.affinity is not None:
+            ranked = self.affinity.rank(plan, scored, now, self.load)
+            if ranked is not None:
+                return ranked
         tier = scored[0][1].priority
         best = scored[0][0]
         equals = [(s, r) for s, r in scored if r.priority == tier and s <= best * self.equal_within]
@@ -211,6 +241,23 @@ class Router:
                 estimate = value
         return max(estimate, region.oldest_pending(now))
 
+    def in_flight(self, region: Region) -> float:
+        """Requests in flight at ``region``: over every process sharing the load view while
+        it is fresh, else this process's own."""
+        view = self.load_view
+        if view is not None:
+            shared = view.global_in_flight(region.name)
+            if shared is not None:
+                return shared
+        return region.in_flight
+
+    def load(self, region: Region, now: float) -> float:
+        """Requests ``region`` holds, for the balance guard: those in flight, or as many as
+        it reports running and waiting (while its report is fresh), whichever is more."""
+        seen = self.in_flight(region)
+        reported = region.reported.queued(now, self.report_max_age)
+        return seen if reported is None else max(seen, reported)
+
     def score(
         self,
         region: Region,
@@ -218,7 +265,11 @@ class Router:
         client_geo: tuple[float, float] | None = None,
         service: float | None = None,
     ) -> float:
-        """Lower is better: expected latency x (in flight + 1)."""
+        """Lower is better: expected latency x (in flight + 1), the latency raised by a
+        fresh load report: x (1 + reported_load_weight x its load score)."""
         # The floor keeps load counting between regions that all look instant.
         latency = max(self.expected_latency(region, now, client_geo, service), 1e-4)
-        return latency * (region.in_flight + 1)
+        reported = region.reported.fresh_score(now, self.report_max_age)
+        if reported is not None:
+            latency *= 1.0 + self.reported_load_weight * reported
+        return latency * (self.in_flight(region) + 1)

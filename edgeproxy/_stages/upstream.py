@@ -26,6 +26,7 @@ from edgeproxy._protocol.headers import (
 )
 from edgeproxy._upstream.pool import UpstreamResponse
 from edgeproxy._upstream.regions import Endpoint, Region
+from edgeproxy._upstream.reported import LOAD_FORMAT_HEADER
 
 __all__ = ["UpstreamStage"]
 
@@ -76,6 +77,9 @@ class UpstreamStage:
         out.append(("via", append_via(ctx.headers.get("via"), ctx.http_version, self.via_name)))
         out.append(("x-request-id", ctx.request_id))
         out.append(("traceparent", ctx.trace.traceparent))
+        if region.asks_load and LOAD_FORMAT_HEADER not in ctx.headers:
+            # load_reporting = "header": the region's answer carries its load (ORCA).
+            out.append((LOAD_FORMAT_HEADER, "TEXT"))
         # Region credentials go last and replace anything of the same name.
         if region.credential_headers:
             injected = {k for k, _ in region.credential_headers}

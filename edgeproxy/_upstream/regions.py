@@ -4,8 +4,10 @@ A :class:`Region` is one cluster of the config: one or more endpoints (each
 with its own keep-alive pool), where it is, its weight, jurisdiction, tags
 and priority tier, and what the proxy has learnt about it: a peak-EWMA of its
 latency, a window of recent times to first byte (for hedging), the requests
-in flight and those still waiting for their first byte, and its
-:class:`~edgeproxy._upstream.health.RegionHealth`.
+in flight and those still waiting for their first byte, its
+:class:`~edgeproxy._upstream.health.RegionHealth`, the load it reports itself
+(:class:`~edgeproxy._upstream.reported.ReportedLoad`) and the prompt prefixes
+recently routed to it (:class:`~edgeproxy._upstream.affinity.PrefixIndex`).
 """
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from edgeproxy._core.config import Config, RegionConfig
+from edgeproxy._upstream.affinity import PrefixIndex
 from edgeproxy._upstream.factory import make_pool
 from edgeproxy._upstream.health import Health, RegionHealth
 from edgeproxy._upstream.pool import PoolLimits, UpstreamError, UpstreamPool, split_origin
+from edgeproxy._upstream.reported import LoadScraper, ReportedLoad
 
 __all__ = ["Endpoint", "LatencyWindow", "PeakEwma", "Region", "RegionSet"]
 
@@ -149,6 +153,8 @@ class Region:
         http2: bool,
         decay: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
+        prefix_index: PrefixIndex | None = None,
+        queue_saturation: float = 16.0,
     ) -> None:
         self.config = config
         self.name = config.name
@@ -171,6 +177,16 @@ class Region:
         self.latency = PeakEwma(decay, clock=clock)
         self.ttfb = LatencyWindow()
         self.health = RegionHealth()
+        # Load the region reports itself (ORCA header, /metrics), and whether to read it.
+        self.reported = ReportedLoad(queue_saturation)
+        self.reads_load = config.load_reporting != "off"
+        self.asks_load = config.load_reporting == "header"
+        # Prompt blocks recently routed here (prefix affinity), and the requests with a
+        # prompt key it answered: all of them, and those affinity sent (a prefix matched).
+        self.prefix_index = prefix_index or PrefixIndex(32768, 300.0)
+        self.affinity_requests_total = 0
+        self.affinity_hits_total = 0
+        self.affinity_balanced_total = 0
         # Expected round trip from the PoP, set by the router from the geo prior.
         self.geo_rtt = 0.0
         self._recent = 0.0
@@ -311,6 +327,15 @@ class Region:
                 "samples": self.latency.samples,
                 "geo_rtt_ms": round(self.geo_rtt * 1000, 3),
             },
+            "affinity": {
+                "index_size": len(self.prefix_index),
+                "requests_total": self.affinity_requests_total,
+                "hits_total": self.affinity_hits_total,
+                "balanced_total": self.affinity_balanced_total,
+                "hit_share": round(self.affinity_hits_total / self.affinity_requests_total, 4)
+                if self.affinity_requests_total
+                else 0.0,
+            },
             "pool": {
                 "http_version": pools[0].http_version,
                 "connections_open": sum(p.connections_open for p in pools),
@@ -355,6 +380,7 @@ class RegionSet:
             warm_connections=up.warm_connections,
             ping_interval=up.ping_interval,
         )
+        routing = config.routing
         self.regions: list[Region] = []
         for rc in config.regions:
             http2 = up.http2 if rc.http2 is None else rc.http2
@@ -365,10 +391,24 @@ class RegionSet:
                 pool = make_pool(origin, http2=http2, limits=limits, ssl_context=tls)
                 endpoints.append(Endpoint(rc.name, url, pool, rc.host_header))
             self.regions.append(
-                Region(rc, endpoints, http2=http2, decay=config.routing.decay, clock=clock)
+                Region(
+                    rc,
+                    endpoints,
+                    http2=http2,
+                    decay=routing.decay,
+                    clock=clock,
+                    prefix_index=PrefixIndex(routing.prefix_index_size, routing.prefix_index_ttl),
+                    queue_saturation=routing.load_queue_saturation,
+                )
             )
         self.by_name = {r.name: r for r in self.regions}
         self.health = Health(config.health, self.regions, clock=clock)
+        self.scraper = LoadScraper(
+            self.regions,
+            interval=routing.load_scrape_interval,
+            timeout=routing.load_scrape_timeout,
+            clock=lambda: self.clock(),
+        )
         self.warmed = False
         self._tasks: set[asyncio.Task[None]] = set()
         self._closing = False
@@ -393,6 +433,7 @@ class RegionSet:
         await asyncio.gather(*(self._warm(e) for r in self.regions for e in r.endpoints))
         self.warmed = True
         self.health.start()
+        self.scraper.start()
 
     async def _warm(self, endpoint: Endpoint) -> None:
         try:
@@ -425,6 +466,7 @@ class RegionSet:
     async def close(self) -> None:
         self._closing = True
         await self.health.close()
+        await self.scraper.close()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -441,5 +483,8 @@ class RegionSet:
             data = region.snapshot()
             data["share"] = round(recent[region.name] / total, 4) if total else 0.0
             data["health"] = self.health.snapshot(region, now)
+            data["reported_load"] = region.reported.snapshot(
+                now, self.config.routing.load_report_max_age
+            )
             out.append(data)
         return out

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from edgeproxy._core.config.base import Section
+from edgeproxy._core.config.checks import check_header_name
 
 __all__ = ["HealthConfig", "RoutingConfig"]
 
@@ -90,6 +91,113 @@ class RoutingConfig(Section):
         description="GET /v1/models: seconds a merged list with fetched parts is reused before "
         "the regions are asked again.",
     )
+
+    # -- prefix (KV-cache) affinity: docs/routing.md#prefix-affinity --------------------
+    prefix_affinity: bool = Field(
+        False,
+        description="Send chat and completions requests whose prompt starts like an earlier "
+        "one to the region that answered it (its KV cache holds that prefix), weighed against "
+        "load: prefix_weight, load_weight, balance_*_threshold.",
+    )
+    prefix_block_chars: int = Field(
+        256,
+        ge=1,
+        description="Prompts are hashed in blocks of this many characters (256: about 64 "
+        "tokens); only whole blocks count.",
+    )
+    prefix_max_blocks: int = Field(
+        64,
+        ge=1,
+        le=4096,
+        description="Blocks hashed per prompt, from its start (64 x 256 characters: the "
+        "first 16 KiB); the rest of a longer prompt is not looked at.",
+    )
+    prefix_index_size: int = Field(
+        32768,
+        ge=1,
+        description="Block hashes remembered per region (least recently routed out first); "
+        "about 100 bytes each.",
+    )
+    prefix_index_ttl: float = Field(
+        300.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Seconds a block routed to a region counts as still in its KV cache.",
+    )
+    prefix_weight: float = Field(
+        3.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="Weight of the prefix match (matched blocks / prompt blocks, 0 to 1) in "
+        "the affinity score.",
+    )
+    load_weight: float = Field(
+        4.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="Weight of the load (best score / region's score, 0 to 1, score being "
+        "expected latency x (in flight + 1)) in the affinity score.",
+    )
+    balance_abs_threshold: float = Field(
+        64.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="Balance guard: when the most and least loaded candidates differ by more "
+        "than this many requests, and by more than balance_rel_threshold, load alone routes.",
+    )
+    balance_rel_threshold: float = Field(
+        1.5,
+        ge=1,
+        allow_inf_nan=False,
+        description="Balance guard: ... and the most loaded one holds more than this many "
+        "times the least loaded one's requests.",
+    )
+    session_header: str = Field(
+        "X-Session-Id",
+        description="Request header carrying a session key: the requests of one session "
+        "stick to one region (with prefix_affinity); '' for none.",
+    )
+    session_from_user: bool = Field(
+        True,
+        description="Without a session header, the body's 'user' member is the session key.",
+    )
+    # -- load reported by the regions: docs/routing.md#load-reported-by-the-regions -----
+    load_report_max_age: float = Field(
+        5.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Seconds a region's load report (header or scrape) is used; an older one "
+        "is ignored, and the proxy's own in-flight count alone judges the load.",
+    )
+    load_scrape_interval: float = Field(
+        1.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Seconds between two polls of the metrics_path of each region with "
+        "load_reporting = 'scrape'.",
+    )
+    load_scrape_timeout: float = Field(
+        1.0, gt=0, allow_inf_nan=False, description="Seconds one metrics poll may take."
+    )
+    load_queue_saturation: float = Field(
+        16.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="A reported waiting queue this long counts as a saturated region (load "
+        "score: the mean of waiting / this, capped at 1, and the KV-cache utilisation).",
+    )
+    reported_load_weight: float = Field(
+        4.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="A fresh load report multiplies a region's expected latency by "
+        "1 + this x its load score (0 to 1): 4 makes a saturated region look 5 times slower.",
+    )
+
+    @field_validator("session_header")
+    @classmethod
+    def _check_session_header(cls, value: str) -> str:
+        return check_header_name(value)
 
     @field_validator("retry_statuses")
     @classmethod

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
+from typing import Literal
 from urllib.parse import urlsplit
 
 from pydantic import Field, ValidationInfo, field_validator
@@ -121,6 +122,18 @@ class RegionConfig(Section):
     host_header: str | None = Field(
         None, description="Host (or :authority) to send; defaults to the URL's host."
     )
+    load_reporting: Literal["auto", "header", "scrape", "off"] = Field(
+        "auto",
+        description="Load the region reports itself: 'auto' reads an endpoint-load-metrics "
+        "header (ORCA, as vLLM writes it) when an answer has one; 'header' also asks for it "
+        "on every request (endpoint-load-metrics-format: TEXT); 'scrape' polls metrics_path "
+        "every [routing] load_scrape_interval (vLLM/SGLang gauges); 'off' reads nothing.",
+    )
+    metrics_path: str = Field(
+        "/metrics",
+        description="Path of the region's Prometheus endpoint, polled with load_reporting = "
+        "'scrape'.",
+    )
 
     @field_validator("url")
     @classmethod
@@ -163,6 +176,13 @@ class RegionConfig(Section):
     def _check_model_aliases(cls, value: dict[str, str], info: ValidationInfo) -> dict[str, str]:
         # `models` is validated first (it is declared first); absent if it was invalid.
         return check_model_aliases(value, info.data.get("models"))
+
+    @field_validator("metrics_path")
+    @classmethod
+    def _check_metrics_path(cls, value: str) -> str:
+        if not value.startswith("/"):
+            raise ValueError("must start with '/'")
+        return value
 
     @field_validator("lat")
     @classmethod

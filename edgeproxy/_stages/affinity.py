@@ -1,0 +1,157 @@
+"""Prefix (KV-cache) affinity: a conversation's next turn goes where its last turn went.
+
+With ``[routing] prefix_affinity`` on, the router ranks the candidates of a
+chat or completions request by a weighted sum, highest first, of
+
+* the **prefix match**: how much of the request's prompt the region was
+  recently sent (its :class:`~edgeproxy._upstream.affinity.PrefixIndex`),
+  as matched blocks over the prompt's blocks, 0 to 1, weight
+  ``prefix_weight`` (3);
+* the **load**: the best candidate's score over the region's (the
+  router's score, expected latency x (in flight + 1), where the expected
+  latency includes the load the region reports, see
+  :mod:`edgeproxy._upstream.reported`), 0 to 1, weight ``load_weight`` (4).
+
+The weights follow the Gateway API Inference Extension's default profile
+(prefix-cache scorer 3, queue and KV-utilisation scorers 2 each): here the
+queue depth and KV utilisation are folded into one load term, through the
+expected latency, which takes both their weights. Against a region that
+holds nothing of the prompt and has the best score, a region holding all of
+it keeps the request while its score is under 4 times the best (3 + 4/4 = 4),
+one holding 80% of it while under 2.5 times (2.4 + 4/2.5 = 4).
+
+Priority tiers still come first, and residency, the model catalog and health
+have already filtered the candidates: affinity only ranks what is left.
+
+**Balance guard** (SGLang's cache-aware router): when the loads of the
+candidates are too uneven, affinity is ignored and the router's own choice
+stands (power of two choices among the best). Loads are the requests each
+region holds, as the proxy sees them in flight (over every process sharing
+the load view, when it is fresh) or as the region reports them waiting and
+running, whichever is larger; too uneven is
+``max - min > balance_abs_threshold`` (64) and
+``max > min x balance_rel_threshold`` (1.5).
+
+When no candidate matches any block, or the request has no prompt key, the
+router chooses as it does without affinity. After the first byte, the
+request's blocks are recorded for the region that answered (whichever it
+was: failover and hedging included).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from edgeproxy._protocol.endpoints import CHAT_COMPLETIONS, COMPLETIONS, openai_endpoint
+from edgeproxy._protocol.prefix import PromptKey, prompt_key
+
+if TYPE_CHECKING:
+    from edgeproxy._core.config import RoutingConfig
+    from edgeproxy._core.context import RequestContext
+    from edgeproxy._upstream.regions import Region
+
+__all__ = ["Affinity", "AffinityPlan"]
+
+
+@dataclass(slots=True)
+class AffinityPlan:
+    """One request's prompt key and what affinity decided for it.
+
+    ``chosen``: the region affinity put first because a prefix matched there;
+    ``balanced``: the balance guard set affinity aside.
+    """
+
+    key: PromptKey
+    chosen: Region | None = None
+    balanced: bool = False
+
+
+class Affinity:
+    """Prompt keys, the ranking by prefix match and load, and the balance guard."""
+
+    def __init__(self, routing: RoutingConfig) -> None:
+        self.block_chars = routing.prefix_block_chars
+        self.max_blocks = routing.prefix_max_blocks
+        self.prefix_weight = routing.prefix_weight
+        self.load_weight = routing.load_weight
+        self.balance_abs = routing.balance_abs_threshold
+        self.balance_rel = routing.balance_rel_threshold
+        self.session_header = routing.session_header
+        self.session_from_user = routing.session_from_user
+
+    def plan(self, ctx: RequestContext) -> AffinityPlan | None:
+        """The prompt key of a chat or completions POST with a JSON body; None for any other
+        request, or a prompt too short to key and no session."""
+        if ctx.method != "POST":
+            return None
+        endpoint = openai_endpoint(ctx.path)
+        if endpoint is CHAT_COMPLETIONS:
+            chat = True
+        elif endpoint is COMPLETIONS:
+            chat = False
+        else:
+            return None
+        body = ctx.json
+        if not isinstance(body, dict):
+            return None
+        session = ctx.headers.get(self.session_header) if self.session_header else None
+        if not session and self.session_from_user:
+            user = body.get("user")
+            session = user if isinstance(user, str) else None
+        key = prompt_key(
+            body,
+            chat=chat,
+            block_chars=self.block_chars,
+            max_blocks=self.max_blocks,
+            session=session or None,
+        )
+        return None if key is None else AffinityPlan(key)
+
+    def rank(
+        self,
+        plan: AffinityPlan,
+        scored: list[tuple[float, Region]],
+        now: float,
+        load: Callable[[Region, float], float],
+    ) -> list[Region] | None:
+        """The candidates (``scored``: (score, region), by tier then score) best first by
+        prefix match and load; None when affinity has nothing to say (no match anywhere)
+        or the balance guard sets it aside."""
+        blocks = plan.key.blocks
+        matches = [region.prefix_index.match(blocks, now) for _, region in scored]
+        if not any(matches):
+            return None
+        if self.unbalanced([load(region, now) for _, region in scored]):
+            plan.balanced = True
+            return None
+        best = min(score for score, _ in scored)
+        prefix_weight = self.prefix_weight / len(blocks)
+        load_weight = self.load_weight * best
+        ranked = sorted(
+            zip(scored, matches, strict=True),
+            key=lambda item: (
+                item[0][1].priority,
+                -(prefix_weight * item[1] + load_weight / item[0][0]),
+            ),
+        )
+        (_, first), matched = ranked[0]
+        if matched:
+            plan.chosen = first
+        return [region for (_, region), _ in ranked]
+
+    def unbalanced(self, loads: list[float]) -> bool:
+        """SGLang's guard: the loads differ by more than both thresholds."""
+        low, high = min(loads), max(loads)
+        return high - low > self.balance_abs and high > low * self.balance_rel
+
+    @staticmethod
+    def routed(plan: AffinityPlan, region: Region, now: float) -> None:
+        """``region`` answered the request (its first byte came): it now holds the prompt."""
+        region.prefix_index.record(plan.key.blocks, now)
+        region.affinity_requests_total += 1
+        if plan.chosen is region:
+            region.affinity_hits_total += 1
+        if plan.balanced:
+            region.affinity_balanced_total += 1
