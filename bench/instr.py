@@ -6,17 +6,41 @@ Each target runs under ``valgrind --tool=callgrind --instr-atstart=no``: the war
 requests go uninstrumented, then instrumentation is switched on (``callgrind_control
 -i on``), a fixed number of requests is sent, instrumentation goes off, the counters
 are dumped, and the total is divided by the request count. Only the proxy process is
-counted; the upstream and the client run outside valgrind.
+counted; the upstream and the client run outside valgrind. A target whose process
+serves both a JSON answer and a streamed one is measured for each in turn (one
+warm-up, then one counted phase, each), so the two rows share a process.
 
-Targets, in one run, against the same upstream (nginx with a canned answer when
-installed, else the fake region of ``edgeproxy.testing``):
+The upstream is nginx with canned answers when nginx is installed (``--skip-nginx``
+turns it off), else the fake region of ``edgeproxy.testing``; the output says which.
+With nginx, the JSON answer is a ``return 200 '<json>'`` location, and a streamed answer
+(selected by an ``X-Bench-SSE`` request header, which every proxy forwards) is a static
+file of ``--events`` chat-completion chunks plus the finish, usage and ``[DONE]`` events,
+served as ``text/event-stream`` and paced by ``limit_rate`` + ``sendfile_max_chunk`` to
+one event per write every ``--pace`` ms (the HTTP/1.1 file starts with an SSE comment
+that pads the response head to a whole number of events, so every write after the
+first is exactly one event). The fake region writes each token after ``--pace`` ms.
+Pacing matters: a proxy under callgrind runs 30 to 100 times slower, and events that
+pile up in a socket are read several at a time, which would hide the per-event cost.
+``client reads per event`` in the table checks it (about 1 means one event per read).
 
-* ``reference``: ``bench/reference_proxy.py``, a bare aiohttp server + client pool;
-* ``h1``: edgeproxy, HTTP/1.1 upstream, cache bypassed (non-deterministic body);
-* ``h2c``: edgeproxy, h2c upstream, cache bypassed;
+Targets (``--only``), each one process:
+
+* ``reference``: ``bench/reference_proxy.py``, a bare aiohttp server + client pool
+  (rows ``reference`` and ``reference sse``);
+* ``nginx``: nginx as a plain ``proxy_pass`` reverse proxy with an HTTP/1.1 keep-alive
+  upstream pool, run as one process (``daemon off; master_process off;``) so callgrind
+  sees all of it (rows ``nginx`` and ``nginx sse``; needs nginx);
+* ``h1``: edgeproxy, HTTP/1.1 upstream, cache off (rows ``h1`` and ``h1 sse``);
+* ``h2c``: edgeproxy, h2c upstream, cache off (rows ``h2c`` and ``h2c sse``);
 * ``hit``: edgeproxy, memory cache hit (deterministic body);
-* ``sse``: edgeproxy, h2c upstream, a streamed answer (``--events`` tokens), counted per
-  request and per event.
+* ``litellm``: the LiteLLM proxy (``litellm --num_workers 1``) from the venv given by
+  ``--litellm-venv`` (``pip install 'litellm[proxy]'`` there), with its defaults
+  (rows ``litellm`` and ``litellm sse``); skipped, with the reason, without it.
+
+``x reference`` divides a JSON row by ``reference`` and a streamed row by
+``reference sse``. ``per SSE event`` is the streamed row's instructions over the events
+the client saw; ``marginal per event`` takes the same process's JSON request off first,
+so it is what one more event costs.
 
 ``--tree DIR`` runs edgeproxy from another checkout as well (``before`` rows), so a
 change can be measured against the code before it in the same run::
@@ -24,6 +48,7 @@ change can be measured against the code before it in the same run::
     git worktree add /tmp/before HEAD~5
     python bench/instr.py --tree /tmp/before --count 300
 
+``--quick`` (60 requests after 60 warm-up, 12 streamed after 6) is the CI smoke run.
 Needs valgrind (Debian: ``apt-get install valgrind``). Results: the table printed, and
 ``bench/results/instr.{md,json}``. Everything talks to 127.0.0.1 only.
 """
@@ -37,6 +62,8 @@ import glob
 import json
 import os
 import re
+import resource
+import secrets
 import shutil
 import signal
 import socket
@@ -45,39 +72,273 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import aiohttp
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import _util as u  # noqa: E402
+
 ROOT = HERE.parent
 RESULTS = HERE / "results"
 LOOPBACK = "127.0.0.1"
 PATH = "/v1/chat/completions"
 BYPASS = b'{"model":"m","messages":[{"role":"user","content":"hello there"}],"temperature":1}'
 HIT = b'{"model":"m","messages":[{"role":"user","content":"hello there"}],"temperature":0}'
+SSE_HEADER = "X-Bench-SSE"
 
 
-def stream_body(events: int) -> bytes:
+def stream_body(events: int, model: str = "m") -> bytes:
     return (
-        b'{"model":"m","messages":[{"role":"user","content":"hello there"}],'
-        b'"temperature":1,"stream":true,"max_tokens":%d}' % events
+        b'{"model":"%s","messages":[{"role":"user","content":"hello there"}],'
+        b'"temperature":1,"stream":true,"max_tokens":%d}' % (model.encode(), events)
     )
+
+
+def raise_nofile() -> int:
+    """Raise this process's open-file limit (inherited by its children) to the hard limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft < want:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+# -- the canned SSE answer --------------------------------------------------------
+
+_CHUNK = (
+    b'data: {"id":"chatcmpl-bench","object":"chat.completion.chunk","created":1700000000,'
+    b'"model":"bench","choices":[{"index":0,"delta":{"content":" tok%06d"},'
+    b'"finish_reason":null}]}\n\n'
+)
+_TAIL = (
+    b'data: {"id":"chatcmpl-bench","object":"chat.completion.chunk","created":1700000000,'
+    b'"model":"bench","choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n'
+    b'data: {"id":"chatcmpl-bench","object":"chat.completion.chunk","created":1700000000,'
+    b'"model":"bench","choices":[],"usage":{"prompt_tokens":2,"completion_tokens":%d,'
+    b'"total_tokens":%d}}\n\n'
+    b"data: [DONE]\n\n"
+)
+EVENT_LEN = len(_CHUNK % 0)
+
+
+def sse_answer(tokens: int) -> bytes:
+    """What the fake region streams: ``tokens`` chunks (all ``EVENT_LEN`` bytes), the
+    finish chunk, the usage chunk and ``[DONE]``."""
+    return b"".join(_CHUNK % i for i in range(tokens)) + _TAIL % (tokens, tokens + 2)
+
+
+def sse_pad(head_len: int, body: bytes) -> bytes:
+    """An SSE comment that brings an HTTP/1.1 head plus itself to a multiple of
+    ``EVENT_LEN``, so that writes of ``EVENT_LEN`` bytes after it are whole events.
+
+    The head carries the file's Content-Length, which the comment lengthens: counted in.
+    """
+    digits = len(str(len(body)))
+    for extra in range(3, 3 + 2 * EVENT_LEN):
+        head = head_len + len(str(len(body) + extra)) - digits
+        if (head + extra) % EVENT_LEN == 0:
+            return b":" + b"p" * (extra - 3) + b"\n\n"
+    raise AssertionError("unreachable")
+
+
+def nginx_origin_conf(
+    h1: int, h2: int, root: Path, *, pace_ms: float, json_body: str, max_streams: int = 128
+) -> str:
+    """The canned upstream: JSON from ``return 200``, and with the SSE header (or under
+    ``/sse/``) ``sse-h1.txt`` / ``sse-h2.txt`` paced to one event per write."""
+    rate = max(1, round(EVENT_LEN * 1000 / pace_ms))
+    quoted = "'" + json_body.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+    def server(port: int, listen_opts: str, sse_file: str) -> str:
+        return f"""
+    server {{
+        listen {LOOPBACK}:{port}{listen_opts} backlog=4096;
+        location / {{
+            if ($http_x_bench_sse) {{ rewrite ^ /sse/ last; }}
+            default_type application/json;
+            return 200 {quoted};
+        }}
+        location /sse/ {{
+            root {root};
+            types {{ }}
+            default_type text/event-stream;
+            etag off;
+            limit_rate {rate};
+            sendfile off;
+            sendfile_max_chunk {EVENT_LEN};
+            postpone_output 0;
+            try_files /{sse_file} =404;
+            error_page 405 =200 /sse/;
+        }}
+    }}"""
+
+    nofile = raise_nofile()
+    return f"""
+worker_processes 1;
+worker_rlimit_nofile {nofile};
+error_log logs/error.log warn;
+pid logs/nginx.pid;
+events {{ worker_connections {nofile}; }}
+http {{
+    access_log off;
+    server_tokens off;
+    keepalive_requests 1000000;
+    keepalive_timeout 300s;
+    send_timeout 300s;
+    http2_max_concurrent_streams {max_streams};
+    {server(h1, "", "sse-h1.txt")}
+    {server(h2, " http2", "sse-h2.txt")}
+}}
+"""
+
+
+def response_head_len(port: int, headers: dict[str, str]) -> int:
+    """Bytes of the head nginx sends before a streamed answer on ``port`` (HTTP/1.1)."""
+    lines = [f"POST {PATH} HTTP/1.1", "Host: bench", "Content-Length: 2"]
+    lines += [f"{k}: {v}" for k, v in headers.items()]
+    raw = ("\r\n".join(lines) + "\r\n\r\n{}").encode()
+    with socket.create_connection((LOOPBACK, port), 5) as s:
+        s.sendall(raw)
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = s.recv(4096)
+            if not chunk:
+                break
+            data += chunk
+    if not data.startswith(b"HTTP/1.1 200 "):
+        raise RuntimeError(f"the nginx upstream answered {data[:200]!r}")
+    return data.index(b"\r\n\r\n") + 4
+
+
+@dataclass
+class Origin:
+    kind: str  # "nginx" or "fake region"
+    h1: str  # base URL, HTTP/1.1
+    h2c: str  # base URL, h2c (prior knowledge)
+    sse_h1: str  # base URL whose /v1/chat/completions always streams (for LiteLLM)
+    describe: str
+
+
+@contextlib.contextmanager
+def nginx_origin(
+    nginx: str, tokens: int, pace_ms: float, *, max_streams: int = 128, keep: bool = False
+) -> Iterator[Origin]:
+    """nginx serving the canned answers on an HTTP/1.1 port and an h2c port."""
+    work = Path(tempfile.mkdtemp(prefix="instr-origin-"))
+    work.chmod(0o755)  # nginx's worker runs as another user when started as root
+    body = sse_answer(tokens)
+    (work / "html").mkdir()
+    (work / "html" / "sse-h1.txt").write_bytes(body)
+    (work / "html" / "sse-h2.txt").write_bytes(body)
+    h1, h2 = free_port(), free_port()
+    conf = nginx_origin_conf(
+        h1, h2, work / "html", pace_ms=pace_ms, json_body=u.UPSTREAM_JSON, max_streams=max_streams
+    )
+    svc = u.nginx_service("nginx-origin", nginx, work, conf, []).start()
+    try:
+        if not wait_port(h1, 10) or not wait_port(h2, 10):
+            raise RuntimeError(f"the nginx upstream did not start:\n{svc.log_tail()}")
+        pad = sse_pad(response_head_len(h1, {SSE_HEADER: "1"}), body)
+        (work / "html" / "sse-h1.txt").write_bytes(pad + body)
+        version = u.tool_version([nginx, "-v"]).replace("nginx version: ", "")
+        yield Origin(
+            "nginx",
+            f"http://{LOOPBACK}:{h1}",
+            f"http://{LOOPBACK}:{h2}",
+            f"http://{LOOPBACK}:{h1}/sse",
+            f"{version} with canned answers (JSON: `return 200`; SSE: a static file of "
+            f"{tokens} chunks + finish, usage and [DONE], one event per write every "
+            f"{pace_ms:g} ms)",
+        )
+    finally:
+        svc.stop()
+        if not keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def fake_origin(tokens: int, pace_ms: float, reason: str) -> Iterator[Origin]:
+    """The fake region (h2c and HTTP/1.1 on one port), ``tokens`` tokens a stream."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "edgeproxy.testing",
+            "--port",
+            str(port),
+            "--tokens",
+            str(tokens),
+            "--inter-token-delay",
+            str(pace_ms / 1000),
+        ],
+        stdout=subprocess.DEVNULL,
+        cwd=ROOT,
+    )
+    try:
+        if not wait_port(port, 30):
+            raise RuntimeError("the fake region did not start")
+        url = f"http://{LOOPBACK}:{port}"
+        yield Origin(
+            "fake region",
+            url,
+            url,
+            url,
+            f"the fake region (python -m edgeproxy.testing, {pace_ms:g} ms between tokens), "
+            f"because {reason}; its JSON answers vary in length",
+        )
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+# -- measuring ------------------------------------------------------------------
+
+
+@dataclass
+class Phase:
+    row: str
+    body: bytes
+    sse: bool
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Target:
+    name: str
+    tree: str
+    cmd: list[str]
+    env: dict[str, str]
+    port: int
+    phases: list[Phase]
+    wait: float
+    auth: str | None = None
 
 
 @dataclass
 class Row:
     name: str
+    process: str
     tree: str
     instructions: float
     requests: int
     failed: int
     events: int = 0
+    reads: int = 0
+    seconds: float = 0.0
 
     @property
     def per_request(self) -> float:
         return self.instructions / self.requests
+
+    @property
+    def per_event(self) -> float:
+        return self.instructions / self.events if self.events else float("nan")
 
 
 def free_port() -> int:
@@ -86,9 +347,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_port(port: int, timeout: float) -> bool:
+def wait_port(port: int, timeout: float, proc: subprocess.Popen[bytes] | None = None) -> bool:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
+        if proc is not None and proc.poll() is not None:
+            return False
         try:
             socket.create_connection((LOOPBACK, port), 0.5).close()
             return True
@@ -97,23 +360,30 @@ def wait_port(port: int, timeout: float) -> bool:
     return False
 
 
-async def drive(port: int, count: int, body: bytes, conc: int) -> tuple[int, int]:
-    """Send ``count`` POSTs, ``conc`` at a time; returns (failed, SSE events seen)."""
-    headers = {"content-type": "application/json"}
-    failed = events = 0
+async def drive(
+    port: int, count: int, body: bytes, conc: int, headers: dict[str, str]
+) -> tuple[int, int, int]:
+    """Send ``count`` POSTs, ``conc`` at a time; returns (failed, SSE events, body reads)."""
+    headers = {"content-type": "application/json", **headers}
+    failed = events = reads = 0
     sem = asyncio.Semaphore(conc)
     url = f"http://{LOOPBACK}:{port}{PATH}"
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=conc)) as session:
+    timeout = aiohttp.ClientTimeout(total=300)
+    connector = aiohttp.TCPConnector(limit=conc)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
 
         async def one() -> None:
-            nonlocal failed, events
+            nonlocal failed, events, reads
             async with sem, session.post(url, data=body, headers=headers) as resp:
-                data = await resp.read()
+                data = bytearray()
+                async for chunk in resp.content.iter_any():
+                    data += chunk
+                    reads += 1
                 failed += resp.status != 200
                 events += data.count(b"\ndata: ") + data.startswith(b"data: ")
 
         await asyncio.gather(*(one() for _ in range(count)))
-    return failed, events
+    return failed, events, reads
 
 
 def callgrind(cmd: list[str], env: dict[str, str], work: Path) -> subprocess.Popen[bytes]:
@@ -122,9 +392,11 @@ def callgrind(cmd: list[str], env: dict[str, str], work: Path) -> subprocess.Pop
     return subprocess.Popen(
         ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}.%p"]
         + cmd,
-        stdout=subprocess.DEVNULL,
-        stderr=log,
+        stdout=log,
+        stderr=subprocess.STDOUT,
         env=env,
+        cwd=work,
+        start_new_session=True,
     )
 
 
@@ -138,41 +410,66 @@ def control(pid: int, *args: str) -> None:
     )
 
 
-def total_instructions(work: Path) -> int:
-    total = 0
-    for name in glob.glob(str(work / "cg.out*")):
-        with open(name, errors="replace") as f:
-            found = (re.match(r"(?:summary|totals):\s+(\d+)", line) for line in f)
-            values = [int(m.group(1)) for m in found if m]
-        total += max(values, default=0)
-    return total
+def dump_instructions(pid: int, work: Path) -> int:
+    """Dump the counters (which zeroes them) and return the dump's total."""
+    before = set(glob.glob(str(work / "cg.out*")))
+    control(pid, "-d")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        for name in set(glob.glob(str(work / "cg.out*"))) - before:
+            # "summary:" is in the head (0 while the file is written), "totals:" closes it.
+            text = Path(name).read_text(errors="replace")
+            found = [int(m.group(1)) for m in re.finditer(r"^totals:\s+(\d+)", text, re.M)]
+            if found:
+                return max(found)
+        time.sleep(0.2)
+    raise RuntimeError(f"callgrind wrote no dump into {work}")
 
 
-def measure(
-    name: str,
-    tree: str,
-    cmd: list[str],
-    env: dict[str, str],
-    port: int,
-    body: bytes,
-    args: argparse.Namespace,
-) -> Row:
-    work = Path(tempfile.mkdtemp(prefix=f"instr-{name}-"))
-    proc = callgrind(cmd, env, work)
+def measure(target: Target, args: argparse.Namespace) -> list[Row]:
+    work = Path(tempfile.mkdtemp(prefix=f"instr-{target.name}-"))
+    proc = callgrind(target.cmd, target.env, work)
+    rows: list[Row] = []
     try:
-        if not wait_port(port, args.wait):
-            raise RuntimeError(f"{name}: port {port} never opened; see {work}/valgrind.log")
-        asyncio.run(drive(port, args.warmup, body, args.concurrency))
-        control(proc.pid, "-i", "on")
-        failed, events = asyncio.run(drive(port, args.count, body, args.concurrency))
-        control(proc.pid, "-i", "off")
-        control(proc.pid, "-d")
-        time.sleep(1.0)  # the dump is written asynchronously
-        return Row(name, tree, total_instructions(work), args.count, failed, events)
+        if not wait_port(target.port, target.wait, proc):
+            tail = (work / "valgrind.log").read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"{target.name}: port {target.port} never opened:\n{tail}")
+        for phase in target.phases:
+            headers = dict(phase.headers)
+            if target.auth:
+                headers["Authorization"] = f"Bearer {target.auth}"
+            if phase.sse:
+                count, warmup, conc = args.sse_count, args.sse_warmup, args.sse_concurrency
+            else:
+                count, warmup, conc = args.count, args.warmup, args.concurrency
+            asyncio.run(drive(target.port, warmup, phase.body, conc, headers))
+            control(proc.pid, "-i", "on")
+            start = time.monotonic()
+            failed, events, reads = asyncio.run(
+                drive(target.port, count, phase.body, conc, headers)
+            )
+            seconds = time.monotonic() - start
+            control(proc.pid, "-i", "off")
+            total = dump_instructions(proc.pid, work)
+            row = Row(
+                phase.row,
+                target.name,
+                target.tree,
+                total,
+                count,
+                failed,
+                events if phase.sse else 0,
+                reads if phase.sse else 0,
+                round(seconds, 2),
+            )
+            rows.append(row)
+            print(_line(row), flush=True)
+        return rows
     finally:
-        proc.send_signal(signal.SIGTERM)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(30)
+            proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
@@ -192,7 +489,8 @@ enabled = false
 
 [upstream]
 http2 = {str(http2).lower()}
-max_connections = {8 if http2 else 100}
+max_connections = 8
+http1_max_connections = 100
 
 [[regions]]
 name = "origin"
@@ -206,115 +504,245 @@ entry_points = false
     return text
 
 
-@contextlib.contextmanager
-def upstream(events: int) -> Iterator[str]:
-    """The fake region (h2c and HTTP/1.1 on one port), answering ``events`` tokens a stream."""
+def litellm_yaml(origin: Origin, key: str) -> str:
+    return f"""
+model_list:
+  - model_name: m
+    litellm_params:
+      model: openai/m
+      api_base: {origin.h1}/v1
+      api_key: sk-bench
+  - model_name: s
+    litellm_params:
+      model: openai/s
+      api_base: {origin.sse_h1}/v1
+      api_key: sk-bench
+general_settings:
+  master_key: {key}
+  disable_spend_logs: true
+litellm_settings:
+  telemetry: false
+"""
+
+
+def litellm_target(
+    venv: Path, origin: Origin, args: argparse.Namespace, work: Path
+) -> Target | str:
+    """The LiteLLM proxy from ``venv``, or why it cannot be measured."""
+    python, script = venv / "bin" / "python", venv / "bin" / "litellm"
+    if not (python.exists() and script.exists()):
+        return f"{venv} has no bin/litellm (pip install 'litellm[proxy]' there)"
+    key = "sk-" + secrets.token_hex(32)
+    cfg = work / "litellm.yaml"
+    cfg.write_text(litellm_yaml(origin, key))
     port = free_port()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "edgeproxy.testing",
-            "--port",
-            str(port),
-            "--tokens",
-            str(events),
-        ],
-        stdout=subprocess.DEVNULL,
-        cwd=ROOT,
-    )
-    try:
-        if not wait_port(port, 30):
-            raise RuntimeError("the fake region did not start")
-        yield f"http://{LOOPBACK}:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(10)
+    cmd = [str(python), str(script), "--config", str(cfg), "--host", LOOPBACK]
+    cmd += ["--port", str(port), "--num_workers", "1"]
+    env = dict(os.environ, LITELLM_LOCAL_MODEL_COST_MAP="True", LITELLM_LOG="ERROR")
+    env.pop("PYTHONPATH", None)
+    phases = [
+        Phase("litellm", BYPASS, False),
+        Phase("litellm sse", stream_body(args.events, "s"), True),
+    ]
+    return Target("litellm", "-", cmd, env, port, phases, args.litellm_wait, auth=key)
 
 
-def run(args: argparse.Namespace) -> list[Row]:
-    rows: list[Row] = []
-    trees = [("now", ROOT)] + ([("before", Path(args.tree).resolve())] if args.tree else [])
-    with upstream(args.events) as origin:
-        if "reference" in args.only:
+def targets(origin: Origin, args: argparse.Namespace, work: Path) -> Iterator[Target | str]:
+    """Each target to measure, or a line saying why one is skipped."""
+    sse = {SSE_HEADER: "1"} if origin.kind == "nginx" else {}
+    json_sse = [Phase("{} sse", stream_body(args.events), True, sse)]
+    if "reference" in args.only:
+        port = free_port()
+        cmd = [sys.executable, str(HERE / "reference_proxy.py"), "--port", str(port)]
+        cmd += ["--upstream", origin.h1]
+        phases = [Phase("reference", BYPASS, False)] + _named(json_sse, "reference")
+        yield Target("reference", "-", cmd, dict(os.environ), port, phases, args.wait)
+    if "nginx" in args.only:
+        nginx = None if args.skip_nginx else u.nginx_binary()
+        if nginx is None:
+            why = "--skip-nginx given" if args.skip_nginx else "nginx is not installed"
+            yield f"nginx: skipped ({why})"
+        else:
             port = free_port()
-            cmd = [
-                sys.executable,
-                str(HERE / "reference_proxy.py"),
-                "--port",
-                str(port),
-                "--upstream",
-                origin,
-            ]
-            rows.append(measure("reference", "-", cmd, dict(os.environ), port, BYPASS, args))
-            print(_line(rows[-1], rows[0]), flush=True)
-        for tree_name, tree in trees:
-            env = dict(os.environ, PYTHONPATH=str(tree))
-            for name, http2, cache, body in (
-                ("h1", False, False, BYPASS),
-                ("h2c", True, False, BYPASS),
-                ("hit", False, True, HIT),
-                ("sse", True, False, stream_body(args.events)),
-            ):
-                if name not in args.only:
+            prefix = work / "nginx-proxy"
+            (prefix / "logs").mkdir(parents=True)
+            conf = prefix / "nginx.conf"
+            upstream_port = int(origin.h1.rsplit(":", 1)[1])
+            conf.write_text(u.nginx_proxy_conf(port, upstream_port, 100))
+            cmd = [nginx, "-p", str(prefix), "-c", str(conf), "-e", str(prefix / "error.log")]
+            cmd += ["-g", "daemon off; master_process off;"]
+            phases = [Phase("nginx", BYPASS, False)] + _named(json_sse, "nginx")
+            yield Target("nginx", "-", cmd, dict(os.environ), port, phases, args.wait)
+    trees = [("now", ROOT)] + ([("before", Path(args.tree).resolve())] if args.tree else [])
+    for tree_name, tree in trees:
+        env = dict(os.environ, PYTHONPATH=str(tree))
+        for name, http2, cache, phases in (
+            ("h1", False, False, [Phase("h1", BYPASS, False)] + _named(json_sse, "h1")),
+            ("h2c", True, False, [Phase("h2c", BYPASS, False)] + _named(json_sse, "h2c")),
+            ("hit", False, True, [Phase("hit", HIT, False)]),
+        ):
+            if name not in args.only:
+                continue
+            port = free_port()
+            conf = work / f"edge-{tree_name}-{name}.toml"
+            url = origin.h2c if http2 else origin.h1
+            conf.write_text(proxy_toml(port, url, http2=http2, cache=cache))
+            cmd = [sys.executable, "-m", "edgeproxy", "serve", "--config", str(conf)]
+            yield Target(name, tree_name, cmd, env, port, phases, args.wait)
+    if "litellm" in args.only:
+        if not args.litellm_venv:
+            yield "litellm: skipped (no --litellm-venv PATH given)"
+        else:
+            yield litellm_target(Path(args.litellm_venv), origin, args, work)
+
+
+def _named(phases: list[Phase], name: str) -> list[Phase]:
+    return [Phase(p.row.format(name), p.body, p.sse, p.headers) for p in phases]
+
+
+@contextlib.contextmanager
+def origin_for(args: argparse.Namespace) -> Iterator[Origin]:
+    nginx = None if args.skip_nginx else u.nginx_binary()
+    if nginx:
+        with nginx_origin(nginx, args.events, args.pace, keep=args.keep) as origin:
+            yield origin
+    else:
+        reason = "--skip-nginx was given" if args.skip_nginx else "nginx is not installed"
+        with fake_origin(args.events, args.pace, reason) as origin:
+            yield origin
+
+
+def run(args: argparse.Namespace) -> tuple[list[Row], list[str], Origin]:
+    rows: list[Row] = []
+    skipped: list[str] = []
+    work = Path(tempfile.mkdtemp(prefix="instr-conf-"))
+    try:
+        with origin_for(args) as origin:
+            print(f"upstream: {origin.describe}", flush=True)
+            for target in targets(origin, args, work):
+                if isinstance(target, str):
+                    skipped.append(target)
+                    print(target, flush=True)
                     continue
-                port = free_port()
-                conf = Path(tempfile.mkdtemp(prefix="instr-conf-")) / "edge.toml"
-                conf.write_text(proxy_toml(port, origin, http2=http2, cache=cache))
-                cmd = [sys.executable, "-m", "edgeproxy", "serve", "--config", str(conf)]
-                rows.append(measure(name, tree_name, cmd, env, port, body, args))
-                print(_line(rows[-1], rows[0]), flush=True)
-    return rows
+                try:
+                    rows += measure(target, args)
+                except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+                    if target.name != "litellm":
+                        raise
+                    line = f"litellm: skipped ({exc})".splitlines()[0]
+                    skipped.append(line)
+                    print(f"{line}\n{exc}", flush=True)
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    return rows, skipped, origin
 
 
-def _line(row: Row, ref: Row) -> str:
-    ratio = row.per_request / ref.per_request if ref.name == "reference" else float("nan")
-    return f"{row.name:10} {row.tree:7} {row.per_request / 1000:10,.0f} k/req  x{ratio:.2f}"
+def _ref_for(row: Row, rows: list[Row]) -> Row | None:
+    want = "reference sse" if row.events else "reference"
+    return next((r for r in rows if r.name == want), None)
+
+
+def _json_twin(row: Row, rows: list[Row]) -> Row | None:
+    return next(
+        (r for r in rows if r.process == row.process and r.tree == row.tree and not r.events),
+        None,
+    )
+
+
+def _line(row: Row) -> str:
+    text = f"{row.name:14} {row.tree:7} {row.per_request / 1000:10,.0f} k/req"
+    if row.events:
+        text += f"  {row.per_event / 1000:,.1f} k/event"
+    return text + f"  ({row.failed} failed, {row.seconds:g} s)"
 
 
 def table(rows: list[Row]) -> str:
-    ref = next((r for r in rows if r.name == "reference"), None)
     lines = [
-        "| target | tree | instructions per request | x reference | per SSE event | failed |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| target | tree | instructions per request | x reference | per SSE event "
+        "| marginal per event | client reads per event | failed |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
+        ref = _ref_for(r, rows)
         ratio = f"{r.per_request / ref.per_request:.2f}" if ref else "-"
-        per_event = f"{r.instructions / r.events / 1000:,.1f} k" if r.events > r.requests else "-"
+        per_event = marginal = reads = "-"
+        if r.events:
+            per_event = f"{r.per_event / 1000:,.1f} k"
+            twin = _json_twin(r, rows)
+            if twin:
+                extra = (r.per_request - twin.per_request) / (r.events / r.requests)
+                marginal = f"{extra / 1000:,.1f} k"
+            reads = f"{r.reads / r.events:.2f}"
         lines.append(
             f"| {r.name} | {r.tree} | {r.per_request / 1000:,.0f} k | {ratio} | {per_event} "
-            f"| {r.failed} |"
+            f"| {marginal} | {reads} | {r.failed} |"
         )
     return "\n".join(lines)
 
 
+def _exit_on_signal(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--count", type=int, default=300, help="instrumented requests per target")
-    parser.add_argument("--warmup", type=int, default=200, help="uninstrumented requests first")
+    parser.add_argument("--quick", action="store_true", help="a short run for CI")
+    parser.add_argument("--count", type=int, help="counted JSON requests (300; quick 60)")
+    parser.add_argument("--warmup", type=int, help="uncounted JSON requests first (200; 60)")
     parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--sse-count", type=int, help="counted streamed requests (60; quick 12)")
+    parser.add_argument("--sse-warmup", type=int, help="uncounted streamed requests (20; 6)")
+    parser.add_argument("--sse-concurrency", type=int, default=2)
     parser.add_argument("--events", type=int, default=100, help="tokens per streamed answer")
+    parser.add_argument("--pace", type=float, default=10.0, help="ms between streamed events")
     parser.add_argument("--tree", help="another checkout of edgeproxy to measure as 'before'")
     parser.add_argument(
         "--only",
         nargs="+",
-        default=["reference", "h1", "h2c", "hit", "sse"],
+        default=["reference", "nginx", "h1", "h2c", "hit", "litellm"],
+        choices=["reference", "nginx", "h1", "h2c", "hit", "litellm"],
         help="targets to run",
     )
+    parser.add_argument("--skip-nginx", action="store_true", help="no nginx, even if installed")
+    parser.add_argument("--litellm-venv", help="a venv with litellm[proxy]: adds its rows")
     parser.add_argument("--wait", type=float, default=240.0, help="seconds for a port to open")
+    parser.add_argument(
+        "--litellm-wait", type=float, default=900.0, help="the same for LiteLLM (slow to start)"
+    )
     parser.add_argument("--keep", action="store_true", help="keep the callgrind files")
     args = parser.parse_args(argv)
+    # A SIGTERM (CI's timeout) unwinds, so that the servers this started are stopped.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    quick = args.quick
+    for name, full, short in (
+        ("count", 300, 60),
+        ("warmup", 200, 60),
+        ("sse_count", 60, 12),
+        ("sse_warmup", 20, 6),
+    ):
+        if getattr(args, name) is None:
+            setattr(args, name, short if quick else full)
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         print("instr: valgrind is not installed (Debian: apt-get install valgrind); skipped")
         return 0
-    rows = run(args)
+    raise_nofile()
+    started = time.monotonic()
+    rows, skipped, origin = run(args)
     text = table(rows)
+    notes = [f"upstream: {origin.describe}"] + skipped
     print(text)
+    print(f"({time.monotonic() - started:.0f} s)")
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "instr.md").write_text(text + "\n")
-    (RESULTS / "instr.json").write_text(
-        json.dumps([asdict(r) | {"per_request": r.per_request} for r in rows], indent=2)
-    )
+    (RESULTS / "instr.md").write_text(text + "\n\n" + "\n".join(f"* {n}" for n in notes) + "\n")
+    data = {
+        "upstream": origin.kind,
+        "upstream_detail": origin.describe,
+        "skipped": skipped,
+        "settings": {k: v for k, v in vars(args).items() if k != "keep"},
+        "rows": [asdict(r) | {"per_request": r.per_request} for r in rows],
+    }
+    (RESULTS / "instr.json").write_text(json.dumps(data, indent=2) + "\n")
     return 1 if any(r.failed for r in rows) else 0
 
 
