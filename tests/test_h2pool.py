@@ -37,7 +37,7 @@ import pytest
 from hypercorn.asyncio import serve
 from hypercorn.config import Config
 
-from edgeproxy._upstream import h2conn
+from edgeproxy._upstream import h2conn, h2fields
 from edgeproxy._upstream.h2pool import H2Pool
 from edgeproxy._upstream.pool import (
     PoolLimits,
@@ -1022,7 +1022,7 @@ async def test_ping_flood_while_our_replies_go_unread_closes_the_connection() ->
     ],
 )
 def test_well_formed_response_fields_pass(block: list[tuple[bytes, bytes]]) -> None:
-    status, headers, _ = h2conn._parse_fields(block, trailers=False)
+    status, headers, _ = h2fields.parse_fields(block, trailers=False)
     assert status == int(block[0][1])
     assert len(headers) == len(block) - 1
 
@@ -1044,14 +1044,14 @@ def test_well_formed_response_fields_pass(block: list[tuple[bytes, bytes]]) -> N
     ],
 )
 def test_malformed_response_fields_are_named(block: list[tuple[bytes, bytes]], reason: str) -> None:
-    with pytest.raises(h2conn._Malformed, match=reason):
-        h2conn._parse_fields(block, trailers=False)
+    with pytest.raises(h2fields.Malformed, match=reason):
+        h2fields.parse_fields(block, trailers=False)
 
 
 def test_trailers_may_not_carry_pseudo_headers() -> None:
-    assert h2conn._parse_fields([(b"x-t", b"1")], trailers=True)[1] == [("x-t", "1")]
-    with pytest.raises(h2conn._Malformed, match="in trailers"):
-        h2conn._parse_fields([(b":status", b"200")], trailers=True)
+    assert h2fields.parse_fields([(b"x-t", b"1")], trailers=True)[1] == [("x-t", "1")]
+    with pytest.raises(h2fields.Malformed, match="in trailers"):
+        h2fields.parse_fields([(b":status", b"200")], trailers=True)
 
 
 # --------------------------------------------------------------------------

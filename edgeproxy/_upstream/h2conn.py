@@ -26,7 +26,6 @@ This is the only module that imports the HTTP/2 protocol engine (``h2`` and
 from __future__ import annotations
 
 import asyncio
-import re
 import socket
 import struct
 from collections.abc import Iterable
@@ -46,7 +45,12 @@ import jh2.stream
 import jh2.utilities
 from jh2.hpack import NeverIndexedHeaderTuple
 
-from edgeproxy._core.types import Headers
+from edgeproxy._upstream.h2fields import (
+    Malformed,
+    parse_fields,
+    request_method,
+    set_response_headers,
+)
 from edgeproxy._upstream.h2stream import H2Response, Stream, timeout_waiter
 from edgeproxy._upstream.pool import (
     UpstreamConnectError,
@@ -92,13 +96,6 @@ _END_STREAM_OR_PADDED: Final = 0x1 | 0x8
 _CLIENT_OPEN: Final = h2.connection.ConnectionState.CLIENT_OPEN
 # States in which a stream still expects response frames from the peer.
 _RECEIVING: Final = frozenset({h2.stream.StreamState.OPEN, h2.stream.StreamState.HALF_CLOSED_LOCAL})
-# Response fields (RFC 9113 §8.2): a name has no upper case, control, non-ASCII
-# byte or colon; a value no NUL, CR or LF, nor whitespace at either end.
-_BAD_NAME: Final = re.compile(rb"[^\x21-\x39\x3b-\x40\x5b-\x7e]")
-_BAD_VALUE: Final = re.compile(rb"[\x00\n\r]|\A[ \t]|[ \t]\Z")
-_CONNECTION_SPECIFIC: Final = frozenset(
-    {b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"upgrade"}
-)
 
 
 class RefusedStream(UpstreamProtocolError):
@@ -146,7 +143,7 @@ class _ResetStreams(h2.utilities.SizeLimitDict):
             super().__setitem__(key, value)
 
 
-class _MalformedHeaders(h2.events.ResponseReceived):
+class MalformedHeaders(h2.events.ResponseReceived):
     """A HEADERS frame that makes the response malformed; h2 would end the connection.
 
     A :class:`~h2.events.ResponseReceived`, because h2 attaches PRIORITY
@@ -160,7 +157,7 @@ class _MalformedHeaders(h2.events.ResponseReceived):
         self.reason = reason
 
 
-class _MalformedData(h2.events.Event):
+class MalformedData(h2.events.Event):
     """A DATA frame before the response's HEADERS; h2 would end the connection."""
 
     def __init__(self, stream_id: int, flow_controlled_length: int, reason: str) -> None:
@@ -195,7 +192,7 @@ class _H2Stream(h2.stream.H2Stream):
             elif machine.headers_received and not end_stream:
                 reason = "trailers did not end the stream"
             if reason:
-                event = _MalformedHeaders(stream_id=self.stream_id, headers=headers, reason=reason)
+                event = MalformedHeaders(stream_id=self.stream_id, headers=headers, reason=reason)
                 return [], [event]
         return super().receive_headers(headers, end_stream, header_encoding)
 
@@ -204,7 +201,7 @@ class _H2Stream(h2.stream.H2Stream):
     ) -> tuple[list[Any], list[h2.events.Event]]:
         machine = self.state_machine
         if machine.state in _RECEIVING and not machine.headers_received:
-            event = _MalformedData(
+            event = MalformedData(
                 stream_id=self.stream_id,
                 flow_controlled_length=flow_control_len,
                 reason="DATA came before the response headers",
@@ -475,14 +472,14 @@ class Connection(asyncio.Protocol):
             elif event.flow_controlled_length:
                 self.h2.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
             stream.wake()
-        elif isinstance(event, _MalformedHeaders):
+        elif isinstance(event, MalformedHeaders):
             self._malformed(event.stream_id, event.reason)
         elif isinstance(event, h2.events.ResponseReceived):
             stream = self.streams.get(event.stream_id)
             if stream is not None:
                 try:
-                    _set_response_headers(stream, event.headers)
-                except _Malformed as exc:
+                    set_response_headers(stream, event.headers)
+                except Malformed as exc:
                     self._malformed(event.stream_id, str(exc))
                     return
                 stream.wake()
@@ -508,10 +505,10 @@ class Connection(asyncio.Protocol):
             if event.stream_id in self.streams:
                 trailers = isinstance(event, h2.events.TrailersReceived)
                 try:
-                    _parse_fields(event.headers, trailers=trailers)
-                except _Malformed as exc:
+                    parse_fields(event.headers, trailers=trailers)
+                except Malformed as exc:
                     self._malformed(event.stream_id, str(exc))
-        elif isinstance(event, _MalformedData):
+        elif isinstance(event, MalformedData):
             self._malformed(event.stream_id, event.reason)
             # h2 counted the frame against the connection window only.
             self.acknowledge(event.stream_id, event.flow_controlled_length)
@@ -607,7 +604,7 @@ class Connection(asyncio.Protocol):
             # sent, so the request can go elsewhere.
             self.close(UpstreamProtocolError(f"HTTP/2 connection unusable: {exc}"))
             return None
-        stream = Stream(self, stream_id, head=_method(headers) == "HEAD")
+        stream = Stream(self, stream_id, head=request_method(headers) == "HEAD")
         stream.local_ended = end_stream
         self.streams[stream_id] = stream
         self.idle_since = None
@@ -730,85 +727,3 @@ def _error_name(code: int) -> str:
         return h2.errors.ErrorCodes(code).name
     except ValueError:
         return f"error {code}"
-
-
-def _method(headers: list[tuple[str, str]]) -> str:
-    for name, value in headers:
-        if name == ":method":
-            return value
-        if name[:1] != ":":
-            break
-    return ""
-
-
-class _Malformed(Exception):
-    """A response header block that RFC 9113 (§8.1.1, §8.2, §8.3.2) calls malformed."""
-
-
-def _show(name: bytes) -> str:
-    return repr(name if len(name) <= 40 else name[:40] + b"...")
-
-
-def _parse_fields(raw: Iterable[Any], *, trailers: bool) -> tuple[int, Headers, int | None]:
-    """Check a response (or trailer) header block; its status, fields and Content-Length.
-
-    Raises :class:`_Malformed` for what h2's own inbound validation would
-    reject, a ``:status`` that is not three digits in 100..599, 101 (which
-    HTTP/2 does not have, RFC 9113 §8.6) and a ``Content-Length`` that is not
-    one number.
-    """
-    status_value: bytes | None = None
-    seen_regular = False
-    length: int | None = None
-    headers: Headers = []
-    for name, value in raw:
-        if name[:1] == b":":
-            if trailers:
-                raise _Malformed(f"pseudo-header {_show(name)} in trailers")
-            if seen_regular:
-                raise _Malformed(f"pseudo-header {_show(name)} after a regular field")
-            if name != b":status":
-                raise _Malformed(f"pseudo-header {_show(name)} in a response")
-            if status_value is not None:
-                raise _Malformed("more than one :status")
-            status_value = value
-            continue
-        seen_regular = True
-        if not name or _BAD_NAME.search(name):
-            raise _Malformed(f"invalid field name {_show(name)}")
-        if _BAD_VALUE.search(value):
-            raise _Malformed(f"invalid value in field {_show(name)}")
-        if name in _CONNECTION_SPECIFIC or (name == b"te" and value.lower() != b"trailers"):
-            raise _Malformed(f"connection-specific field {_show(name)}")
-        if name == b"content-length":
-            if not value.isdigit():
-                raise _Malformed(f"invalid content-length {_show(value)}")
-            parsed = int(value)
-            if length is not None and parsed != length:
-                raise _Malformed("conflicting content-length fields")
-            length = parsed
-        headers.append((name.decode("latin-1"), value.decode("utf-8", "surrogateescape")))
-    if trailers:
-        return 0, headers, length
-    if status_value is None:
-        raise _Malformed("no :status")
-    if len(status_value) != 3 or not status_value.isdigit():
-        raise _Malformed(f"invalid :status {_show(status_value)}")
-    status = int(status_value)
-    if not 100 <= status <= 599:
-        raise _Malformed(f":status {status} is out of range")
-    if status == 101:
-        raise _Malformed("101 (Switching Protocols) does not exist in HTTP/2")
-    return status, headers, length
-
-
-def _set_response_headers(stream: Stream, raw: list[Any]) -> None:
-    """Take the final response's header block; raises :class:`_Malformed`."""
-    status, headers, length = _parse_fields(raw, trailers=False)
-    if status < 200:
-        raise _Malformed(f"informational :status {status} where the final one was due")
-    stream.headers = headers
-    stream.status = status
-    # A response to HEAD, a 204 and a 304 have no content whatever
-    # Content-Length says (RFC 9110 §6.4.1).
-    stream.expected_length = 0 if stream.head or status in (204, 304) else length

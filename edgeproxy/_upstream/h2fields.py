@@ -1,0 +1,105 @@
+"""The fields of an HTTP/2 response, checked per stream as RFC 9113 asks (§8.1.1, §8.2,
+§8.3.2), so that a malformed response is that stream's error and not its connection's.
+No protocol engine here: plain bytes in, a status, fields and a Content-Length out.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import Any, Final
+
+from edgeproxy._core.types import Headers
+from edgeproxy._upstream.h2stream import Stream
+
+__all__ = ["Malformed", "parse_fields", "request_method", "set_response_headers"]
+
+# Response fields (RFC 9113 §8.2): a name has no upper case, control, non-ASCII
+# byte or colon; a value no NUL, CR or LF, nor whitespace at either end.
+_BAD_NAME: Final = re.compile(rb"[^\x21-\x39\x3b-\x40\x5b-\x7e]")
+_BAD_VALUE: Final = re.compile(rb"[\x00\n\r]|\A[ \t]|[ \t]\Z")
+_CONNECTION_SPECIFIC: Final = frozenset(
+    {b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"upgrade"}
+)
+
+
+def request_method(headers: list[tuple[str, str]]) -> str:
+    for name, value in headers:
+        if name == ":method":
+            return value
+        if name[:1] != ":":
+            break
+    return ""
+
+
+class Malformed(Exception):
+    """A response header block that RFC 9113 (§8.1.1, §8.2, §8.3.2) calls malformed."""
+
+
+def _show(name: bytes) -> str:
+    return repr(name if len(name) <= 40 else name[:40] + b"...")
+
+
+def parse_fields(raw: Iterable[Any], *, trailers: bool) -> tuple[int, Headers, int | None]:
+    """Check a response (or trailer) header block; its status, fields and Content-Length.
+
+    Raises :class:`Malformed` for what h2's own inbound validation would
+    reject, a ``:status`` that is not three digits in 100..599, 101 (which
+    HTTP/2 does not have, RFC 9113 §8.6) and a ``Content-Length`` that is not
+    one number.
+    """
+    status_value: bytes | None = None
+    seen_regular = False
+    length: int | None = None
+    headers: Headers = []
+    for name, value in raw:
+        if name[:1] == b":":
+            if trailers:
+                raise Malformed(f"pseudo-header {_show(name)} in trailers")
+            if seen_regular:
+                raise Malformed(f"pseudo-header {_show(name)} after a regular field")
+            if name != b":status":
+                raise Malformed(f"pseudo-header {_show(name)} in a response")
+            if status_value is not None:
+                raise Malformed("more than one :status")
+            status_value = value
+            continue
+        seen_regular = True
+        if not name or _BAD_NAME.search(name):
+            raise Malformed(f"invalid field name {_show(name)}")
+        if _BAD_VALUE.search(value):
+            raise Malformed(f"invalid value in field {_show(name)}")
+        if name in _CONNECTION_SPECIFIC or (name == b"te" and value.lower() != b"trailers"):
+            raise Malformed(f"connection-specific field {_show(name)}")
+        if name == b"content-length":
+            if not value.isdigit():
+                raise Malformed(f"invalid content-length {_show(value)}")
+            parsed = int(value)
+            if length is not None and parsed != length:
+                raise Malformed("conflicting content-length fields")
+            length = parsed
+        headers.append((name.decode("latin-1"), value.decode("utf-8", "surrogateescape")))
+    if trailers:
+        return 0, headers, length
+    if status_value is None:
+        raise Malformed("no :status")
+    if len(status_value) != 3 or not status_value.isdigit():
+        raise Malformed(f"invalid :status {_show(status_value)}")
+    status = int(status_value)
+    if not 100 <= status <= 599:
+        raise Malformed(f":status {status} is out of range")
+    if status == 101:
+        raise Malformed("101 (Switching Protocols) does not exist in HTTP/2")
+    return status, headers, length
+
+
+def set_response_headers(stream: Stream, raw: list[Any]) -> None:
+    """Take the final response's header block; raises :class:`Malformed`."""
+    status, headers, length = parse_fields(raw, trailers=False)
+    if status < 200:
+        raise Malformed(f"informational :status {status} where the final one was due")
+    stream.headers = headers
+    stream.status = status
+    # A response to HEAD, a 204 and a 304 have no content whatever
+    # Content-Length says (RFC 9110 §6.4.1).
+    stream.expected_length = 0 if stream.head or status in (204, 304) else length
