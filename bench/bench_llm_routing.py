@@ -27,6 +27,7 @@ the other, each against a cold cache and zeroed counters:
   load reports on (its keys are read from docs/configuration.md; when they are
   not there yet the policy is reported as skipped).
 
+Then ``p2c`` and ``affinity+load`` again with smaller caches (``--tight-kv-shares``).
 Reported per policy: client-side TTFT (request sent to first streamed byte) p50 /
 p90 / p99, the KV hit rate (cached / prompt tokens, from the regions' counters), and
 the load spread: max / mean over the regions of their time-averaged requests in
@@ -34,11 +35,13 @@ flight (sampled every 0.25 s), and of their request counts.
 
 **Part 2, herding.** Three ``edgeproxy serve`` processes (PoPs in Frankfurt, Paris
 and Amsterdam) in front of three regions, one of which (``eu-central``) is nearest
-to every PoP and answers fastest; each PoP gets its own Poisson load, together more
-than ``eu-central`` can take alone. Run with the shared load view off, then on
-(a ``redis-server`` started on a free port, stopped at the end). Reported: the
-regions' queue depth (``requests_waiting``, sampled every 0.1 s: max and mean per
-region) and the client-side TTFT p50 / p99.
+to every PoP and answers fastest; each PoP gets its own load (Poisson arrivals, and
+bursts that come 0.4 s after the previous PoP's), together more than ``eu-central``
+can take alone, routed by today's default (``--herd-policy affinity+load``: the
+LLM-aware policy, every request with one shared system prompt). Run with the shared
+load view off, then on (a ``redis-server`` started on a free port, stopped at the end).
+Reported: the regions' queue depth (``requests_waiting``, sampled every 0.1 s: max and
+mean per region) and the client-side TTFT p50 / p99.
 
 Printed, and written to ``bench/results/llm_routing.{md,json}``,
 ``llm_routing_ttft.png`` (TTFT CDF per policy) and ``llm_routing_herding.png``
@@ -562,7 +565,9 @@ class HerdLoad:
         return self.rate + self.burst / self.period if self.period > 0 else self.rate
 
 
-async def run_herd(rig: Rig, load: HerdLoad, seed: int) -> tuple[list[Result], list[Gauge]]:
+async def run_herd(
+    rig: Rig, load: HerdLoad, seed: int, system: str | None = None
+) -> tuple[list[Result], list[Gauge]]:
     """Every PoP's schedule of streaming chat requests, each to its own PoP."""
     import aiohttp
 
@@ -576,9 +581,12 @@ async def run_herd(rig: Rig, load: HerdLoad, seed: int) -> tuple[list[Result], l
 
     async def one(session: aiohttp.ClientSession, pop: str, n: int, at: float) -> None:
         port = rig.proxy_ports[pop][0]
+        messages = [{"role": "user", "content": f"{pop} request {n}: " + "word " * 40}]
+        if system is not None:
+            messages.insert(0, {"role": "system", "content": system})
         body = {
             "model": "fake-llm",
-            "messages": [{"role": "user", "content": f"{pop} request {n}: " + "word " * 40}],
+            "messages": messages,
             "stream": True,
             "max_tokens": HERD_TOKENS,
             "temperature": 0.7,
@@ -827,7 +835,8 @@ def markdown(data: dict[str, Any]) -> str:
                 for (n, *_, t), cap in zip(HERD_REGIONS, hw["capacity"], strict=True)
             )
             + f", each {hw['max_running']} running at once, {HERD_TOKENS} streamed tokens "
-            f"{hw['inter_token_ms']:g} ms apart; eu-central is nearest to every PoP. Queue "
+            f"{hw['inter_token_ms']:g} ms apart; eu-central is nearest to every PoP. Routing: "
+            f"{hw.get('policy', 'p2c')}. Queue "
             "depth: the regions' `requests_waiting`, sampled every 0.1 s under the full load.",
             "",
         ]
@@ -1023,9 +1032,21 @@ def herd_part(
         period=args.herd_period,
         stagger=args.herd_stagger,
     )
+    options: dict[str, Any] = {}
+    system = None
+    if args.herd_policy == "affinity+load":
+        if features.affinity_missing:
+            note = f"herding under affinity+load: {features.affinity_missing}; p2c instead"
+            print(f"  skipped: {note}", flush=True)
+            skipped.append(note)
+        else:
+            options = {"routing": features.routing, "region_keys": features.region}
+            # Every request starts with the same system prompt: the prefix pulls them together.
+            system = make_users(0, 0.0, args.seed)[0][0]
     workload = {
         **asdict(load),
         "offered_per_pop": load.offered(),
+        "policy": args.herd_policy if options else "p2c",
         "max_running": args.herd_max_running,
         "inter_token_ms": args.herd_inter_token_ms,
         "capacity": [args.herd_max_running / (t + service) for *_, t in HERD_REGIONS],
@@ -1050,9 +1071,9 @@ def herd_part(
             sections[section] = {key: url}
         rig.reset_regions()
         for pop in HERD_POPS:
-            rig.start_proxy(pop[0], pop=pop, sections=sections)
+            rig.start_proxy(pop[0], pop=pop, sections=sections, **options)
         try:
-            res, gauges = asyncio.run(run_herd(rig, load, args.seed))
+            res, gauges = asyncio.run(run_herd(rig, load, args.seed, system))
         finally:
             rig.stop_proxies()
             if rig.redis is not None:
@@ -1137,6 +1158,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--herd-stagger", type=float, default=0.4,
                         help="seconds between the bursts of two PoPs")  # fmt: skip
     parser.add_argument("--herd-warm", type=float, default=5.0)
+    parser.add_argument(
+        "--herd-policy",
+        choices=("p2c", "affinity+load"),
+        default="p2c",
+        help="routing of the PoPs (affinity+load: every request shares one system prompt)",
+    )
     parser.add_argument("--herd-seconds", type=float, default=40.0)
     parser.add_argument("--herd-max-running", type=int, default=4)
     parser.add_argument("--herd-inter-token-ms", type=float, default=30.0)
