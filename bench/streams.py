@@ -54,7 +54,7 @@ figure is low).
 Results: the tables printed, and ``bench/results/streams.{md,json,png}``. Everything talks
 to 127.0.0.1 only; every phase is bounded in time.
 
-    python bench/streams.py                      # about 6 minutes
+    python bench/streams.py                      # 4 to 6 minutes
     python bench/streams.py --streams 1000 --callgrind-streams 0   # about a minute
 """
 
