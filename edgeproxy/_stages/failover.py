@@ -60,6 +60,7 @@ import orjson
 from edgeproxy._core.errors import ProxyError
 from edgeproxy._core.types import Headers
 from edgeproxy._protocol.endpoints import endpoint_suffixes
+from edgeproxy._stages.deadlines import Deadlines
 from edgeproxy._upstream.pool import (
     UpstreamConnectError,
     UpstreamError,
@@ -430,6 +431,7 @@ class Failover:
         self.hedge_budget = Budget(
             routing.hedge_budget, routing.hedge_budget_min, routing.budget_window
         )
+        self.deadlines = Deadlines()
 
     async def send(
         self,
@@ -571,11 +573,16 @@ class _Plan:
                     del running[task]
                     task.result()  # a plugin's failure ends the request
                 else:
+                    deadlines = self.failover.deadlines
+                    watch = deadlines.watch(asyncio.get_running_loop(), remaining)
                     try:
-                        async with asyncio.timeout(remaining):
-                            await attempt.run(self.request, self.ctx)
-                    except TimeoutError:
-                        raise self.deadline_error(running) from None
+                        await attempt.run(self.request, self.ctx)
+                    except asyncio.CancelledError:
+                        if watch.expired():
+                            raise self.deadline_error(running) from None
+                        raise
+                    finally:
+                        deadlines.release(watch)
                 if attempt.ok:
                     return self.win(attempt)
                 await self.keep_failure(attempt)
