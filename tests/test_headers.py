@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import pytest
+
 from edgeproxy._protocol.headers import (
     append_forwarded_for,
     append_via,
@@ -57,3 +59,21 @@ def test_forwarding_headers() -> None:
     assert append_forwarded_for("1.1.1.1", None) == "1.1.1.1"
     assert append_via(None, "1.1", "edge-sin") == "1.1 edge-sin"
     assert append_via("1.0 a", "2.0", "edge-sin") == "1.0 a, 2.0 edge-sin"
+
+
+def test_trace_contexts_built_slot_by_slot_are_ordinary_frozen_dataclasses() -> None:
+    import dataclasses
+
+    from edgeproxy._core.types import TraceContext
+    from edgeproxy._protocol.headers import trace_context
+
+    fresh = trace_context(None)
+    twin = TraceContext(fresh.trace_id, fresh.span_id, None, "01")
+    assert fresh == twin and hash(fresh) == hash(twin) and repr(fresh) == repr(twin)
+    assert dataclasses.asdict(fresh) == dataclasses.asdict(twin)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fresh.trace_id = "0" * 32  # type: ignore[misc]
+    assert len(fresh.trace_id) == 32 and len(fresh.span_id) == 16
+    assert int(fresh.trace_id, 16) and int(fresh.span_id, 16)
+    ids = {trace_context(None).span_id for _ in range(100)}
+    assert len(ids) == 100

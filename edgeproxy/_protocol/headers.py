@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import random
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from edgeproxy._core.types import TraceContext
 
@@ -56,6 +56,9 @@ def connection_tokens(values: Iterable[str]) -> set[str]:
     return tokens
 
 
+_RESPONSE_DROP = HOP_BY_HOP | CLIENT_CREDENTIAL_HEADERS
+
+
 def strip_hop_by_hop(
     items: Iterable[tuple[str, str]], *, extra: Iterable[str] = ()
 ) -> list[tuple[str, str]]:
@@ -65,17 +68,67 @@ def strip_hop_by_hop(
     legitimately carries them, and an upstream echoing its own API key must
     not hand it to the client.
     """
-    pairs = list(items)
-    named = connection_tokens(v for k, v in pairs if k.lower() == "connection")
-    drop = HOP_BY_HOP | CLIENT_CREDENTIAL_HEADERS | named | set(extra)
-    return [(k, v) for k, v in pairs if k.lower() not in drop]
+    # One pass for the usual answer; a second only when Connection names more headers.
+    out: list[tuple[str, str]] = []
+    named: list[str] = []
+    for pair in items:
+        lname = pair[0].lower()
+        if lname in _RESPONSE_DROP:
+            if lname == "connection":
+                named.append(pair[1])
+            continue
+        out.append(pair)
+    if named or extra:
+        drop = connection_tokens(named) | set(extra)
+        out = [pair for pair in out if pair[0].lower() not in drop]
+    return out
 
 
 def request_id(incoming: str | None) -> str:
     """The client's request id when well-formed, else a fresh one."""
     if incoming and _REQUEST_ID_RE.match(incoming):
         return incoming
-    return f"{_bits(128):032x}"
+    return _bits(128).to_bytes(16, "big").hex()
+
+
+# Trace contexts are built slot by slot: the frozen dataclass's own __init__ goes through
+# object.__setattr__ once a field, about half the cost of a trace context.
+_new_trace = object.__new__
+
+
+def _slot_setter(name: str) -> Callable[[TraceContext, object], None]:
+    setter: Callable[[TraceContext, object], None] = TraceContext.__dict__[name].__set__
+    return setter
+
+
+_set_trace_id = _slot_setter("trace_id")
+_set_span_id = _slot_setter("span_id")
+_set_parent_id = _slot_setter("parent_id")
+_set_flags = _slot_setter("flags")
+
+
+def _trace(trace_id: str, span_id: str, parent_id: str | None, flags: str) -> TraceContext:
+    trace = _new_trace(TraceContext)
+    _set_trace_id(trace, trace_id)
+    _set_span_id(trace, span_id)
+    _set_parent_id(trace, parent_id)
+    _set_flags(trace, flags)
+    return trace
+
+
+def _fresh_ids() -> tuple[str, str]:
+    """A new trace id (32 hex digits) and span id (16), neither all zeros (W3C)."""
+    ids = _bits(192).to_bytes(24, "big").hex()
+    trace_id, span_id = ids[:32], ids[32:]
+    if trace_id == _ZERO_TRACE:
+        trace_id = trace_id[:-1] + "1"
+    if span_id == _ZERO_SPAN:
+        span_id = span_id[:-1] + "1"
+    return trace_id, span_id
+
+
+_ZERO_TRACE = "0" * 32
+_ZERO_SPAN = "0" * 16
 
 
 def trace_context(incoming: str | None) -> TraceContext:
@@ -84,20 +137,20 @@ def trace_context(incoming: str | None) -> TraceContext:
     The proxy is a participant: it keeps the trace id and sends a new parent
     id (its own span), so upstream spans hang under the proxy's hop.
     """
-    span_id = f"{_bits(64) or 1:016x}"
+    trace_id, span_id = _fresh_ids()
     if incoming:
         m = _TRACEPARENT_RE.match(incoming.strip())
         if m:
-            version, trace_id, parent_id, flags, rest = m.groups()
+            version, caller_trace, parent_id, flags, rest = m.groups()
             valid = (
                 version != "ff"
                 and not (version == "00" and rest)
-                and trace_id != "0" * 32
-                and parent_id != "0" * 16
+                and caller_trace != _ZERO_TRACE
+                and parent_id != _ZERO_SPAN
             )
             if valid:
-                return TraceContext(trace_id, span_id, parent_id, flags)
-    return TraceContext(f"{_bits(128) or 1:032x}", span_id, None, "01")
+                return _trace(caller_trace, span_id, parent_id, flags)
+    return _trace(trace_id, span_id, None, "01")
 
 
 def append_forwarded_for(existing: str | None, client_ip: str | None) -> str | None:
