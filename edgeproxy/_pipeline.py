@@ -19,10 +19,11 @@ import logging
 import time
 
 from aiohttp import web
+from aiohttp.http_writer import HttpVersion10, HttpVersion11
 from multidict import CIMultiDict
 
 from edgeproxy._core.config import Config
-from edgeproxy._core.context import RequestContext
+from edgeproxy._core.context import RequestContext, start_context
 from edgeproxy._core.errors import ProxyError, error_response
 from edgeproxy._local.model import LocalAnswer
 from edgeproxy._plugins import PluginError, Plugins
@@ -55,6 +56,10 @@ SMALL_BODY = 64 * 1024
 JSON_BODY_LIMIT = 4 * 1024 * 1024
 
 
+# The version strings of the requests the listener accepts, made once.
+_HTTP_VERSIONS = {HttpVersion10: "1.0", HttpVersion11: "1.1"}
+
+
 def _context(request: web.Request, config: Config, strip_prefix: str) -> RequestContext:
     """The request's context, as the stages and hooks will see it."""
     headers = request.headers
@@ -63,18 +68,21 @@ def _context(request: web.Request, config: Config, strip_prefix: str) -> Request
         target = target[len(strip_prefix) :] or "/"
         if target[0] == "?":
             target = "/" + target
-    return RequestContext(
-        request_id=request_id(headers.get("x-request-id")),
-        trace=trace_context(headers.get("traceparent")),
-        method=request.method,
-        target=target,
-        headers=CIMultiDict(headers),
-        client_ip=request.remote,
-        scheme=request.scheme,
-        http_version=f"{request.version.major}.{request.version.minor}",
-        host=request.host,
-        started=time.monotonic(),
-        route=config.route_for(request.method, target.split("?", 1)[0]),
+    method = request.method
+    version = request.version
+    return start_context(
+        request_id(headers.get("x-request-id")),
+        trace_context(headers.get("traceparent")),
+        method,
+        target,
+        CIMultiDict(headers),
+        request.remote,
+        time.monotonic(),
+        config.route_for(method, target.split("?", 1)[0]),
+        request.scheme,
+        _HTTP_VERSIONS.get(version) or f"{version.major}.{version.minor}",
+        # What request.host answers, without its call when the client sent a Host.
+        headers.get("Host") or request.host,
     )
 
 
