@@ -407,6 +407,28 @@ async def test_a_refused_request_leaves_no_head_timer_behind(
     assert proxy.guard.header_timeouts == 0
 
 
+async def test_each_head_of_a_busy_connection_gets_its_full_header_timeout(
+    region: FakeRegion, make_proxy: ProxyFactory
+) -> None:
+    """The head timer stays armed across requests; when it fires for an earlier head it
+    gives the head now arriving the rest of its own time, and refuses a late one."""
+    proxy = await make_proxy([region], limits={"header_timeout": 0.4, "keepalive_timeout": 30})
+    raw = await Raw.open(port_of(proxy))
+    await raw.send(head("GET /echo/x HTTP/1.1"))
+    assert (await raw.response())[1] == 200
+    await asyncio.sleep(0.25)
+    # The first head's timer fires while this one arrives, before its own time is up.
+    await raw.send(b"GET /echo/x HTTP/1.1\r\nHost: x\r\n")
+    await asyncio.sleep(0.25)
+    await raw.send(b"\r\n")
+    assert (await raw.response())[1] == 200
+    assert proxy.guard.header_timeouts == 0
+    await raw.send(b"GET /echo/x HTTP/1.1\r\n")
+    assert (await raw.response())[1] == 408
+    assert proxy.guard.header_timeouts == 1
+    await raw.close()
+
+
 # -- 3. status lines -------------------------------------------------------------------
 
 

@@ -288,6 +288,8 @@ class EdgeRequestHandler(web.RequestHandler):
         "_peer",
         "_phase",
         "_timer",
+        "_head_timer",
+        "_head_at",
         "_payload",
         "_request_task",
         "_last_data",
@@ -305,7 +307,11 @@ class EdgeRequestHandler(web.RequestHandler):
         self._counted = False
         self._peer = ""
         self._phase = _IDLE
+        # The body's timers; the head's has its own, kept armed across the requests of a
+        # busy connection: it checks, when it fires, whether the head now arriving is late.
         self._timer: asyncio.TimerHandle | None = None
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._head_at = 0.0  # when the bytes of the head now arriving started
         self._payload: Any = None
         self._request_task: asyncio.Task[Any] | None = None
         self._last_data = 0.0
@@ -348,8 +354,7 @@ class EdgeRequestHandler(web.RequestHandler):
         self._peer = ip
         self._counted = True
         # A new connection must send its first request head in time.
-        self._phase = _HEAD
-        self._arm(guard.limits.header_timeout, self._head_timeout)
+        self._head_started()
 
     def connection_lost(self, exc: BaseException | None) -> None:
         if self._counted:
@@ -363,6 +368,9 @@ class EdgeRequestHandler(web.RequestHandler):
             else:
                 guard.per_ip.pop(self._peer, None)
         self._cancel_timer()
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
         self._payload = None
         self._request_task = None
         super().connection_lost(exc)
@@ -379,10 +387,9 @@ class EdgeRequestHandler(web.RequestHandler):
             return
         elif data and phase != _BUSY:
             if phase == _IDLE:
-                self._phase = _HEAD
                 self._head_bytes = 0
                 self._line_len = -1
-                self._arm(self._guard.limits.header_timeout, self._head_timeout)
+                self._head_started()
             if self._line_len < 0:
                 end = data.find(b"\n")
                 if end >= 0:
@@ -495,9 +502,24 @@ class EdgeRequestHandler(web.RequestHandler):
             self._timer.cancel()
             self._timer = None
 
+    def _head_started(self) -> None:
+        """A request head starts arriving: it has ``header_timeout`` seconds from now."""
+        self._phase = _HEAD
+        loop = self._loop
+        self._head_at = now = loop.time()
+        if self._head_timer is None:
+            self._head_timer = loop.call_at(
+                now + self._guard.limits.header_timeout, self._head_timeout
+            )
+
     def _head_timeout(self) -> None:
-        self._timer = None
+        self._head_timer = None
         if self._phase != _HEAD or self.transport is None:
+            return
+        due = self._head_at + self._guard.limits.header_timeout
+        if self._loop.time() < due:
+            # Armed for an earlier head, answered in time: this one is due later.
+            self._head_timer = self._loop.call_at(due, self._head_timeout)
             return
         self._guard.header_timeouts += 1
         self._refuse(
