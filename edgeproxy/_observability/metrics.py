@@ -82,19 +82,25 @@ class _Labels:
     as they come, and everything after that reads ``other``.
     """
 
-    __slots__ = ("_known", "_extra")
+    __slots__ = ("known", "_extra")
 
-    def __init__(self, known: Iterable[str], extra: int = EXTRA_LABEL_VALUES) -> None:
-        self._known = {v: v for v in known}
+    def __init__(
+        self, known: Iterable[str], extra: int = EXTRA_LABEL_VALUES, *, upper: bool = False
+    ) -> None:
+        # Raw value -> label; with ``upper``, the upper-case spellings map to the
+        # lower-case labels too (the cache outcomes as the stages set them).
+        self.known = {v: v for v in known}
+        if upper:
+            self.known.update({v.upper(): v for v in list(self.known)})
         self._extra = extra
 
     def __call__(self, value: str) -> str:
-        label = self._known.get(value)
+        label = self.known.get(value)
         if label is not None:
             return label
         if self._extra > 0 and len(value) <= 64 and _LABEL_VALUE_RE.match(value):
             self._extra -= 1
-            self._known[value] = value
+            self.known[value] = value
             return value
         return "other"
 
@@ -132,7 +138,7 @@ class Metrics:
         route_names = ["default", *(r.name for r in config.routes)]
         self._route = _Labels(route_names)
         self._region = _Labels(["none", *(r.name for r in config.regions)])
-        self._cache = _Labels(["none", *CACHE_OUTCOMES])
+        self._cache = _Labels(["none", *CACHE_OUTCOMES], upper=True)
         self._reason = _Labels([])
         self._sync_task: asyncio.Task[None] | None = None
 
@@ -144,21 +150,30 @@ class Metrics:
 
     def observe(self, ctx: RequestContext) -> None:
         """Record one finished request in the histograms, counters and recent window."""
+        # Once a request: label lookups go straight to the known values, and max(0, x)
+        # is written out.
+        started = ctx.started
         finished = ctx.finished_at if ctx.finished_at is not None else time.monotonic()
-        duration = max(0.0, finished - ctx.started)
-        route = self._route(ctx.route.name)
-        region = self._region(ctx.region or "none")
-        cache = self._cache((ctx.cache or "none").lower())
-        status_class = _STATUS_CLASS.get(ctx.status // 100, "other")
+        duration = finished - started
+        if duration < 0.0:
+            duration = 0.0
+        name = ctx.route.name
+        route = self._route.known.get(name) or self._route(name)
+        name = ctx.region or "none"
+        region = self._region.known.get(name) or self._region(name)
+        name = ctx.cache or "none"
+        cache = self._cache.known.get(name) or self._cache(name.lower())
+        status = ctx.status
+        status_class = _STATUS_CLASS.get(status // 100, "other")
         # Headers of a local answer leave with its body: its TTFB is its duration.
         ttfb: float | None = None
-        if ctx.status:
+        if status:
             first = ctx.first_byte_at if ctx.first_byte_at is not None else finished
-            ttfb = max(0.0, first - ctx.started)
+            ttfb = first - started if first > started else 0.0
         upstream = ctx.upstream_ttfb
         overhead = None
         if upstream is not None and ttfb is not None:
-            overhead = max(0.0, ttfb - upstream)
+            overhead = ttfb - upstream if ttfb > upstream else 0.0
         prompt = completion = 0
         rate = None
         usage = ctx.usage
@@ -169,6 +184,7 @@ class Metrics:
                 streamed = finished - ctx.first_byte_at
                 if streamed > 0:
                     rate = completion / streamed
+        degraded = ctx.degraded
         observation = Observation(
             duration,
             ttfb,
@@ -179,18 +195,11 @@ class Metrics:
             prompt,
             completion,
             rate,
-            self._reason(ctx.degraded) if ctx.degraded else None,
+            self._reason(degraded) if degraded else None,
         )
-        key = (route, region, cache, "yes" if ctx.degraded else "no", status_class)
+        key = (route, region, cache, "yes" if degraded else "no", status_class)
         self._series.record(key, observation)
-        self.window.observe(
-            duration,
-            ttfb,
-            region=region,
-            cache=cache,
-            error=ctx.status >= 500,
-            tokens=completion,
-        )
+        self.window.observe(duration, ttfb, region, cache, status >= 500, completion)
 
     def recent(self) -> dict[str, Any]:
         """Traffic and latency percentiles over the last ``metrics.window`` seconds."""

@@ -29,11 +29,7 @@ class _LogHistogram:
         self.n = 0
 
     def add(self, seconds: float) -> None:
-        if seconds <= self.MIN:
-            index = 0
-        else:
-            index = min(self.SIZE - 1, int(math.log(seconds / self.MIN) * self._INV_LOG) + 1)
-        self.counts[index] += 1
+        self.counts[_bucket(seconds)] += 1
         self.n += 1
 
     def merge(self, other: _LogHistogram) -> None:
@@ -63,6 +59,20 @@ class _LogHistogram:
         if index == 0:
             return self.MIN
         return float(self.MIN * self.RATIO ** (index - 0.5))
+
+
+_MIN = _LogHistogram.MIN
+_LAST = _LogHistogram.SIZE - 1
+_INV_LOG = _LogHistogram._INV_LOG
+_log = math.log
+
+
+def _bucket(seconds: float) -> int:
+    """The index of ``seconds`` in a :class:`_LogHistogram`."""
+    if seconds <= _MIN:
+        return 0
+    index = int(_log(seconds / _MIN) * _INV_LOG) + 1
+    return index if index < _LAST else _LAST
 
 
 class _Slot:
@@ -100,31 +110,58 @@ class RecentTraffic:
         self.window = self.size * step
         self._clock = clock
         self._slots: list[_Slot | None] = [None] * self.size
+        # The slot being filled and the clock readings it covers: [_start, _end).
+        self._current: _Slot | None = None
+        self._start = self._end = 0.0
 
     def _slot(self) -> _Slot:
-        epoch = int(self._clock() // self.step)
+        now = self._clock()
+        slot = self._current
+        if slot is not None and self._start <= now < self._end:
+            return slot
+        epoch = int(now // self.step)
         index = epoch % self.size
         slot = self._slots[index]
         if slot is None or slot.epoch != epoch:
             slot = self._slots[index] = _Slot(epoch)
+        self._current = slot
+        self._start = epoch * self.step
+        self._end = self._start + self.step
         return slot
 
     def observe(
         self,
         duration: float,
         ttfb: float | None,
-        *,
         region: str,
         cache: str,
         error: bool,
         tokens: int = 0,
     ) -> None:
-        slot = self._slot()
-        slot.duration.add(duration)
+        now = self._clock()
+        slot = self._current
+        if slot is None or not self._start <= now < self._end:
+            slot = self._slot()
+        # The histograms' add() and _bucket(), inlined: this runs once a request.
+        hist = slot.duration
+        if duration <= _MIN:
+            hist.counts[0] += 1
+        else:
+            index = int(_log(duration / _MIN) * _INV_LOG) + 1
+            hist.counts[index if index < _LAST else _LAST] += 1
+        hist.n += 1
         if ttfb is not None:
-            slot.ttfb.add(ttfb)
-        slot.cache[cache] = slot.cache.get(cache, 0) + 1
-        slot.regions[region] = slot.regions.get(region, 0) + 1
+            hist = slot.ttfb
+            if ttfb <= _MIN:
+                hist.counts[0] += 1
+            else:
+                index = int(_log(ttfb / _MIN) * _INV_LOG) + 1
+                hist.counts[index if index < _LAST else _LAST] += 1
+            hist.n += 1
+        counts = slot.cache
+        counts[cache] = counts.get(cache, 0) + 1
+        counts = slot.regions
+        counts[region] = counts.get(region, 0) + 1
         if error:
             slot.errors += 1
         slot.tokens += tokens
