@@ -261,3 +261,15 @@ def test_trusts_only_configured_peers() -> None:
 def test_bad_networks_are_value_errors(entry: Any) -> None:
     with pytest.raises(ValueError, match="is not an IP address or CIDR network"):
         ClientIPResolver(["10.0.0.0/8", entry])
+
+
+def test_endpoint_lookups_are_remembered_within_a_bound() -> None:
+    from edgeproxy._protocol import endpoints
+
+    for i in range(3 * endpoints._KNOWN_PATHS_MAX):
+        path = f"/tenant-{i}/v1/chat/completions" if i % 2 else f"/other/{i}"
+        assert (openai_endpoint(path) is CHAT_COMPLETIONS) == bool(i % 2)
+        assert endpoint_has(path, "usage") == bool(i % 2)
+        assert len(endpoints._KNOWN_PATHS) <= endpoints._KNOWN_PATHS_MAX
+    assert openai_endpoint("/v1/embeddings") is EMBEDDINGS
+    assert openai_endpoint("/v1/embeddings") is EMBEDDINGS

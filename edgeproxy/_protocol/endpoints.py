@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cache
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
 __all__ = [
     "CHAT_COMPLETIONS",
@@ -120,21 +120,40 @@ ENDPOINTS: Final[tuple[OpenAIEndpoint, ...]] = (
     MODERATIONS,
 )
 
+_UNKNOWN: Final[Any] = object()
+
 # Longest suffix first: "/chat/completions" must be tried before "/completions".
 _BY_SUFFIX: Final = tuple(sorted(ENDPOINTS, key=lambda e: len(e.suffix), reverse=True))
 
 
+# Paths already looked up: several stages ask about every request's path. Bounded,
+# since paths come from clients: emptied when full.
+_KNOWN_PATHS: dict[str, OpenAIEndpoint | None] = {}
+_KNOWN_PATHS_MAX = 1024
+
+
 def openai_endpoint(path: str) -> OpenAIEndpoint | None:
     """The endpoint ``path`` (without its query) names, or None for any other path."""
+    try:
+        return _KNOWN_PATHS[path]
+    except KeyError:
+        pass
+    found = None
     for endpoint in _BY_SUFFIX:
         if path.endswith(endpoint.suffix):
-            return endpoint
-    return None
+            found = endpoint
+            break
+    if len(_KNOWN_PATHS) >= _KNOWN_PATHS_MAX:
+        _KNOWN_PATHS.clear()
+    _KNOWN_PATHS[path] = found
+    return found
 
 
 def endpoint_has(path: str, prop: Property) -> bool:
     """Whether ``path`` names an endpoint with the property ``prop``."""
-    endpoint = openai_endpoint(path)
+    endpoint = _KNOWN_PATHS.get(path, _UNKNOWN)
+    if endpoint is _UNKNOWN:
+        endpoint = openai_endpoint(path)
     return endpoint is not None and bool(getattr(endpoint, prop))
 
 
