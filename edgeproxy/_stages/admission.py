@@ -106,7 +106,8 @@ class Admitted:
         self._stage = stage
         self.route = route
         self.rate = rate
-        self.started = time.monotonic()
+        # When the slot was taken, for the service time (only a counted slot has one).
+        self.started = time.monotonic() if counted else 0.0
         self.counted = counted
         self._released = False
 
@@ -166,18 +167,30 @@ class AdmissionStage:
             except ProxyError:
                 self.invalid_total += 1
                 raise
-        self._priority(ctx)  # for the queue, and for logs even when nothing queues
+        # For the queue, and for logs even when nothing queues.
+        header = self.config.priority_header
+        if header and not ctx.priority:
+            raw = ctx.headers.get(header)
+            if raw is not None:
+                self._priority(ctx, raw)
         ticket: RateTicket | None = None
         if self.rate.enabled:
             ticket = await self._rate_limit(request, ctx, body)
-        try:
-            counted = await self._acquire(ctx)
-        except BaseException:
-            if ticket is not None:
-                # Shed, not served: the client keeps its quota.
-                self.rate.refund(ticket)
-            raise
-        self._send_deadline(ctx)
+        if self.max_in_flight is None and route.max_in_flight is None:
+            self.admitted_total += 1
+            counted = False  # no cap applies: nothing to hold
+        else:
+            try:
+                counted = await self._acquire(ctx)
+            except BaseException:
+                if ticket is not None:
+                    # Shed, not served: the client keeps its quota.
+                    self.rate.refund(ticket)
+                raise
+        header = self.config.deadline_header
+        if header:
+            left = int((ctx.started + route.deadline - time.monotonic()) * 1000)
+            ctx.headers[header] = str(left if left > 1 else 1)
         return Admitted(self, route, ticket, counted)
 
     async def _rate_limit(
@@ -200,13 +213,8 @@ class AdmissionStage:
             return None
         return await rate.take(charges, estimate)
 
-    def _priority(self, ctx: RequestContext) -> None:
-        """``ctx.priority`` from the header, unless a plugin set one already."""
-        if ctx.priority or not self.config.priority_header:
-            return
-        raw = ctx.headers.get(self.config.priority_header)
-        if raw is None:
-            return
+    def _priority(self, ctx: RequestContext, raw: str) -> None:
+        """``ctx.priority`` from the priority header's value ``raw``."""
         try:
             value = int(raw.strip())
         except ValueError:
@@ -269,13 +277,6 @@ class AdmissionStage:
         finally:
             timer.cancel()
         return True
-
-    def _send_deadline(self, ctx: RequestContext) -> None:
-        name = self.config.deadline_header
-        if not name:
-            return
-        left = ctx.started + ctx.route.deadline - time.monotonic()
-        ctx.headers[name] = str(max(1, int(left * 1000)))
 
     # -- the queue ---------------------------------------------------------------
 
