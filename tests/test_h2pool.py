@@ -1230,3 +1230,38 @@ async def test_acknowledged_bytes_open_the_windows_as_h2_would() -> None:
     )
     assert conn.h2.streams[stream_id]._inbound_window_manager._bytes_processed == sent - 512 * 1024
     assert conn.h2._inbound_flow_control_window_manager._bytes_processed == sent
+
+
+async def test_a_last_data_frame_short_of_the_content_length_fails_its_stream() -> None:
+    conn, wire, server, stream_id = await _exchange()
+    server.send_headers(stream_id, [(b":status", b"200"), (b"content-length", b"5")])
+    conn.data_received(server.data_to_send())
+    stream = conn.streams[stream_id]
+    frame = hyperframe.frame.DataFrame(stream_id, data=b"abc", flags=["END_STREAM"])
+    conn.data_received(frame.serialize())
+    assert await stream.read(1.0) == b"abc"
+    with pytest.raises(UpstreamProtocolError, match="3 bytes of DATA for a content-length of 5"):
+        await stream.read(1.0)
+    assert not conn.closing
+
+
+@pytest.mark.parametrize("last", [b"done", b""], ids=["with-data", "empty"])
+async def test_a_last_data_frame_closes_the_stream_in_h2_too(last: bytes) -> None:
+    conn, wire, server, stream_id = await _exchange()
+    server.send_headers(stream_id, [(b":status", b"200"), (b"content-length", b"4")])
+    stream = conn.streams[stream_id]
+    if not last:
+        server.send_data(stream_id, b"done")
+    server.send_data(stream_id, last, end_stream=True)
+    conn.data_received(server.data_to_send())
+    assert stream.remote_ended and stream.released and stream.error is None
+    assert await stream.read(1.0) == b"done"
+    assert stream_id not in conn.streams  # released: the request had ended, the response too
+    h2stream = conn.h2.streams[stream_id]
+    assert h2stream.closed
+    assert h2stream.closed_by is h2conn._CLOSED_BY_END_STREAM
+    # h2 forgets it as it forgets any stream that ended, without remembering it.
+    assert conn.h2.open_outbound_streams == 0
+    assert stream_id not in conn.h2.streams
+    assert len(conn.h2._closed_streams) == 0
+

@@ -92,8 +92,12 @@ _ANSWERED: Final = (h2.events.PingReceived, h2.events.RemoteSettingsChanged)
 _MAX_UNREAD_REPLIES: Final = 1000
 # The 9-byte frame header (RFC 9113 §4.1): length (24 bits), type, flags, stream id.
 _FRAME_HEADER: Final = struct.Struct(">BHBBL")
-_END_STREAM_OR_PADDED: Final = 0x1 | 0x8
+_PADDED: Final = 0x8
 _CLIENT_OPEN: Final = h2.connection.ConnectionState.CLIENT_OPEN
+_HALF_CLOSED_LOCAL: Final = h2.stream.StreamState.HALF_CLOSED_LOCAL
+_HALF_CLOSED_REMOTE: Final = h2.stream.StreamState.HALF_CLOSED_REMOTE
+_CLOSED: Final = h2.stream.StreamState.CLOSED
+_CLOSED_BY_END_STREAM: Final = h2.stream.StreamClosedBy.RECV_END_STREAM
 # States in which a stream still expects response frames from the peer.
 _RECEIVING: Final = frozenset({h2.stream.StreamState.OPEN, h2.stream.StreamState.HALF_CLOSED_LOCAL})
 
@@ -335,12 +339,12 @@ class Connection(asyncio.Protocol):
             end = pos + 9 + (hi << 16 | lo)
             if end > size:
                 break
-            if kind == 0 and not flags & _END_STREAM_OR_PADDED:
+            if kind == 0 and not flags & _PADDED:
                 if run >= 0:
                     if not self._receive(buf[run:pos]):
                         return
                     run = -1
-                if self._fast_data(stream_id & 0x7FFFFFFF, buf, pos + 9, end):
+                if self._fast_data(stream_id & 0x7FFFFFFF, buf, pos + 9, end, flags & 1):
                     pos = end
                     continue
             if run < 0:
@@ -378,15 +382,15 @@ class Connection(asyncio.Protocol):
                 return False
         return not self.closing
 
-    def _fast_data(self, stream_id: int, buf: bytes, start: int, end: int) -> bool:
-        """A DATA frame (neither padded nor ending its stream) taken without h2's frame
-        objects, state machines and events; False leaves it to h2.
+    def _fast_data(self, stream_id: int, buf: bytes, start: int, end: int, last: int) -> bool:
+        """A DATA frame (not padded) taken without h2's frame objects, state machines and
+        events; False leaves it to h2. ``last``: it ends the stream (END_STREAM).
 
-        Taken only where h2 would accept it and do nothing but count it: the
-        connection open, no header block in progress, the frame within the size
-        limit, the stream one of ours, open for receiving, its response headers
-        in, and both receive windows with room for it. h2's two windows are
-        charged here exactly as it charges them.
+        Taken only where h2 would accept it and do nothing but count it (and, for the
+        last, move the stream's state on): the connection open, no header block in
+        progress, the frame within the size limit, the stream one of ours, open for
+        receiving, its response headers in, and both receive windows with room for it.
+        h2's two windows are charged, and its stream state changed, as h2 does.
         """
         stream = self.streams.get(stream_id)
         if stream is None or stream.finished:
@@ -410,16 +414,24 @@ class Connection(asyncio.Protocol):
             return False
         conn_window.current_window_size -= length
         stream_window.current_window_size -= length
-        if not length:
+        if length:
+            stream.received_length += length
+            expected = stream.expected_length
+            if expected is not None and stream.received_length > expected:
+                self._malformed(stream_id, f"more DATA than its content-length of {expected}")
+                self.acknowledge(stream_id, length)
+                return True
+            stream.chunks.append(buf[start:end])
+            stream.unacked += length
+        if last:
+            # h2's stream state machine on END_STREAM (its stream_ended/_half_closed).
+            if machine.state is _HALF_CLOSED_LOCAL:
+                machine.state = _CLOSED
+                machine.stream_closed_by = _CLOSED_BY_END_STREAM
+            else:
+                machine.state = _HALF_CLOSED_REMOTE
+            self._ended(stream)
             return True
-        stream.received_length += length
-        expected = stream.expected_length
-        if expected is not None and stream.received_length > expected:
-            self._malformed(stream_id, f"more DATA than its content-length of {expected}")
-            self.acknowledge(stream_id, length)
-            return True
-        stream.chunks.append(buf[start:end])
-        stream.unacked += length
         stream.wake()
         return True
 
@@ -486,18 +498,7 @@ class Connection(asyncio.Protocol):
         elif isinstance(event, h2.events.StreamEnded):
             stream = self.streams.get(event.stream_id)
             if stream is not None:
-                expected = stream.expected_length
-                if expected is not None and stream.received_length != expected:
-                    received = stream.received_length
-                    self._malformed(
-                        event.stream_id,
-                        f"{received} bytes of DATA for a content-length of {expected}",
-                    )
-                    return
-                stream.remote_ended = True
-                if stream.local_ended:
-                    self.release(stream)
-                stream.wake()
+                self._ended(stream)
         elif isinstance(
             event, h2.events.InformationalResponseReceived | h2.events.TrailersReceived
         ):
@@ -537,6 +538,20 @@ class Connection(asyncio.Protocol):
         elif isinstance(event, h2.events.ConnectionTerminated):
             self._on_goaway(event.last_stream_id, event.error_code)
         # Priority and settings acks need no action.
+
+    def _ended(self, stream: Stream) -> None:
+        """The response ended (END_STREAM): checked against its Content-Length."""
+        expected = stream.expected_length
+        if expected is not None and stream.received_length != expected:
+            received = stream.received_length
+            self._malformed(
+                stream.id, f"{received} bytes of DATA for a content-length of {expected}"
+            )
+            return
+        stream.remote_ended = True
+        if stream.local_ended:
+            self.release(stream)
+        stream.wake()
 
     def _malformed(self, stream_id: int, reason: str) -> None:
         """A malformed response: reset its stream and fail its request (RFC 9113 §8.1.1).
