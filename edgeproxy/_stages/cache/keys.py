@@ -73,6 +73,11 @@ def cache_scope(ctx: RequestContext) -> str:
 def _deterministic(path: str, body: dict[str, Any]) -> bool:
     if path in endpoint_paths("deterministic"):
         return True
+    return _deterministic_body(body)
+
+
+def _deterministic_body(body: dict[str, Any]) -> bool:
+    """A request body whose answer is the same every time: a seed, or temperature 0."""
     if body.get("seed") is not None:
         return True
     temperature = body.get("temperature")

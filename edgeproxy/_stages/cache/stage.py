@@ -33,6 +33,7 @@ from multidict import CIMultiDict
 
 from edgeproxy._core.config import Config
 from edgeproxy._core.context import RequestContext
+from edgeproxy._protocol.endpoints import openai_endpoint
 from edgeproxy._protocol.headers import request_id
 from edgeproxy._stages.cache.backends import CacheBackend, make_backend
 from edgeproxy._stages.cache.entry import Entry, ReplayResponse, replay_parts, response_headers
@@ -46,8 +47,7 @@ from edgeproxy._stages.cache.flight import (
     wait_started,
 )
 from edgeproxy._stages.cache.keys import (
-    CACHEABLE_PATHS,
-    _deterministic,
+    _deterministic_body,
     _get_digest,
     _post_digest,
     cache_scope,
@@ -154,19 +154,31 @@ class CacheStage:
         request the cache leaves alone, ``ctx.cache = "BYPASS"``."""
         if self.backend is None:
             return None
-        key, reason = await self._key(request, ctx)
-        if key is None:
-            ctx.cache = "BYPASS"
-            self.stats.outcomes["BYPASS"] += 1
-            self.stats.bypass[reason] += 1
+        reason = self._bypass_reason(ctx)
+        if reason:
+            self._bypass(ctx, reason)
             return None
+        return await self._plan(request, ctx)
+
+    async def _plan(self, request: web.Request, ctx: RequestContext) -> CachePlan:
+        """The plan of a request :meth:`_bypass_reason` let through."""
+        key = await self._cacheable_key(request, ctx)
         ctx.cache_key = key
         return _plan_for_ctx(ctx, key, coalesce=self.config.coalesce)
+
+    def _bypass(self, ctx: RequestContext, reason: str) -> None:
+        ctx.cache = "BYPASS"
+        stats = self.stats
+        stats.outcomes["BYPASS"] += 1
+        stats.bypass[reason] += 1
 
     async def _key(self, request: web.Request, ctx: RequestContext) -> tuple[str | None, str]:
         reason = self._bypass_reason(ctx)
         if reason:
             return None, reason
+        return await self._cacheable_key(request, ctx), ""
+
+    async def _cacheable_key(self, request: web.Request, ctx: RequestContext) -> str:
         # Only now: the scope hashes the tenant or credential, wasted on a bypass.
         scope = cache_scope(ctx)
         digest = self._digest(ctx, scope)
@@ -177,7 +189,7 @@ class CacheStage:
             if custom is not None:
                 digest = hash_key("custom:" + str(custom))
         # The scope stays in front whatever the hook says: entries never cross tenants.
-        return f"{scope}:{digest}", ""
+        return f"{scope}:{digest}"
 
     def _bypass_reason(self, ctx: RequestContext) -> str:
         """Why the cache leaves ``ctx`` alone (a ``bypass`` counter name); "" when cacheable."""
@@ -186,18 +198,22 @@ class CacheStage:
             return "route_off"
         if "no-store" in ctx.headers.get("cache-control", "").lower():
             return "no_store"
-        if ctx.method == "GET":
+        method = ctx.method
+        if method == "GET":
             return "get_with_body" if ctx.body else ""
-        if ctx.method != "POST":
+        if method != "POST":
             return "method"
-        path = ctx.path
-        if path not in CACHEABLE_PATHS and mode != "always":
+        # The endpoint looked up once (CACHEABLE_PATHS and _deterministic ask the same).
+        endpoint = openai_endpoint(ctx.path)
+        if mode != "always" and (endpoint is None or not endpoint.cacheable):
             return "path"
         body = ctx.json
         if not isinstance(body, dict):
             return "not_json"
-        if mode != "always" and not _deterministic(path, body):
-            return "not_deterministic"
+        if mode != "always":
+            assert endpoint is not None
+            if not endpoint.deterministic and not _deterministic_body(body):
+                return "not_deterministic"
         return ""
 
     def _digest(self, ctx: RequestContext, scope: str) -> str:
@@ -254,9 +270,14 @@ class CacheStage:
     ) -> tuple[web.StreamResponse | None, CacheRecorder | None]:
         """An answer from the cache or from an identical request in flight; else, for a
         cacheable request, the recorder that stores what the pipeline relays."""
-        plan = await self.plan(request, ctx)
-        if plan is None or self.backend is None:
+        if self.backend is None:
             return None, None
+        # The bypass decided here, without the coroutines of plan().
+        reason = self._bypass_reason(ctx)
+        if reason:
+            self._bypass(ctx, reason)
+            return None, None
+        plan = await self._plan(request, ctx)
         if plan.lookup:
             entry = await self.backend.get(plan.key)
             if entry is not None:
