@@ -86,6 +86,10 @@ def _context(request: web.Request, config: Config, strip_prefix: str) -> Request
     )
 
 
+def _no_region() -> ProxyError:
+    return ProxyError(503, "no_region", "no region may serve this request", code="no_region")
+
+
 class Pipeline:
     """received → admission → cache → route → upstream → fallback → stream, for every request."""
 
@@ -105,12 +109,13 @@ class Pipeline:
         # While draining, responses close their connection so keep-alive
         # clients reconnect to a live instance.
         self.draining = False
-        self._idle = asyncio.Event()
-        self._idle.set()
+        # Futures of wait_idle() callers, resolved when in_flight drops to zero.
+        self._idle_waiters: list[asyncio.Future[None]] = []
 
     async def handle(self, request: web.Request, *, strip_prefix: str = "") -> web.StreamResponse:
         ctx = _context(request, self.config, strip_prefix)
-        self._enter()
+        self.in_flight += 1
+        active = self.plugins.active
         # What the request holds, each let go of in `finally` whatever happens: its
         # admission slot, the cache's recording, the upstream answer relayed, the attempts
         # still running past the deadline (deadline_action = "race") and a local answer.
@@ -121,9 +126,20 @@ class Pipeline:
         degraded: web.StreamResponse | None = None
         response: web.StreamResponse | None = None
         try:
-            await self._read_body(request, ctx)
+            # Small bodies, and JSON ones up to JSON_BODY_LIMIT, are read now so that
+            # plugins, the cache and routing can look inside; others stream upstream.
+            if not request.body_exists:
+                ctx.body_read = True
+            else:
+                length = request.content_length
+                if length is not None and (
+                    length <= SMALL_BODY
+                    or (length <= JSON_BODY_LIMIT and "json" in ctx.headers.get("content-type", ""))
+                ):
+                    ctx.body = await request.read()
+                    ctx.body_read = True
             # received: plugins may rewrite the request through ctx, or answer it.
-            if self.plugins.has("edgeproxy_request_received"):
+            if "edgeproxy_request_received" in active:
                 method, target = ctx.method, ctx.target
                 answer = await self.plugins.call_first(
                     "edgeproxy_request_received", request=request, ctx=ctx
@@ -158,7 +174,12 @@ class Pipeline:
                 # hedging) until then; residency violations are refused, never degraded.
                 try:
                     plan = self.router.plan(ctx)
-                    candidates = await self._candidates(request, ctx, plan)
+                    if "edgeproxy_route" in active:
+                        candidates = await self._candidates(request, ctx, plan)
+                    else:
+                        candidates = self.router.candidates(ctx, plan)
+                        if not candidates:
+                            raise _no_region()
                     upstream = await self.failover.send(
                         request, ctx, candidates, keep_late=ctx.route.deadline_action == "race"
                     )
@@ -224,11 +245,13 @@ class Pipeline:
             ctx.finished_at = time.monotonic()
             if response is not None and not ctx.status:
                 ctx.status = response.status
-            if self.plugins.has("edgeproxy_response_complete"):
+            if "edgeproxy_response_complete" in active:
                 await self.plugins.call_all_logged(
                     "edgeproxy_response_complete", request=request, ctx=ctx
                 )
-            self._exit()
+            self.in_flight -= 1
+            if not self.in_flight and self._idle_waiters:
+                self._now_idle()
 
     async def _refresh(self, ctx: RequestContext, recorder: CacheRecorder) -> None:
         """A background cache refresh (stale-while-revalidate, early refresh), with no client:
@@ -246,28 +269,15 @@ class Pipeline:
     ) -> list[Region]:
         """The regions this request may use, best first; the edgeproxy_route hook may override."""
         candidates = self.router.candidates(ctx, plan)
-        if self.plugins.has("edgeproxy_route"):
+        if "edgeproxy_route" in self.plugins.active:
             chosen = await self.plugins.call_first(
                 "edgeproxy_route", request=request, ctx=ctx, candidates=candidates
             )
             if chosen is not None:
                 candidates = list(chosen)
         if not candidates:
-            raise ProxyError(503, "no_region", "no region may serve this request", code="no_region")
+            raise _no_region()
         return candidates
-
-    async def _read_body(self, request: web.Request, ctx: RequestContext) -> None:
-        """Buffer small and JSON bodies; leave anything else to stream upstream."""
-        if not request.body_exists:
-            ctx.body_read = True
-            return
-        length = request.content_length
-        if length is None:
-            return
-        is_json = "json" in request.headers.get("content-type", "")
-        if length <= SMALL_BODY or (is_json and length <= JSON_BODY_LIMIT):
-            ctx.body = await request.read()
-            ctx.body_read = True
 
     async def _send_degraded(
         self, request: web.Request, ctx: RequestContext, answer: web.StreamResponse
@@ -296,19 +306,20 @@ class Pipeline:
             err.status, err.type, err.message, code=err.code, headers=headers, param=err.param
         )
 
-    def _enter(self) -> None:
-        self.in_flight += 1
-        self._idle.clear()
-
-    def _exit(self) -> None:
-        self.in_flight -= 1
-        if self.in_flight == 0:
-            self._idle.set()
+    def _now_idle(self) -> None:
+        waiters, self._idle_waiters = self._idle_waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no request is in flight; false if ``timeout`` passed first."""
+        if not self.in_flight:
+            return True
+        waiter = asyncio.get_running_loop().create_future()
+        self._idle_waiters.append(waiter)
         try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
+            await asyncio.wait_for(waiter, timeout)
         except TimeoutError:
             return False
         return True

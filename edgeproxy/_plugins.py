@@ -139,6 +139,9 @@ class Plugins:
         self.pm.add_hookspecs(hookspecs)
         self.fail_open = set(fail_open)
         self._cache: dict[str, _Hook] = {}
+        # The hooks that have implementations: ``name in plugins.active`` is has(name)
+        # without a call, for the checks made several times a request.
+        self.active: frozenset[str] = frozenset()
 
     # -- registration ----------------------------------------------------
 
@@ -166,7 +169,7 @@ class Plugins:
             raise PluginLoadError(label, reason) from exc
         if registered is None:
             raise PluginLoadError(label, "already registered or blocked")
-        self._cache.clear()
+        self._changed()
         return registered
 
     def _check_impls(self, plugin: object, label: str) -> None:
@@ -201,7 +204,12 @@ class Plugins:
 
     def unregister(self, name: str) -> None:
         self.pm.unregister(name=name)
+        self._changed()
+
+    def _changed(self) -> None:
+        """The registered plugins changed: hooks are resolved again."""
         self._cache.clear()
+        self.active = frozenset(name for name in hookspecs.hook_names() if self.impls(name))
 
     def load_configured(self, config: PluginsConfig, *, base_dir: Path | None = None) -> None:
         """Load ``[plugins] enabled`` by dotted path or file path, then entry points.

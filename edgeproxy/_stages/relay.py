@@ -68,7 +68,7 @@ class StreamStage:
         chunk as it passes, and is told when the body ended cleanly."""
         region = upstream.region
         reply = await self._reply(request, ctx, upstream, recorder)
-        transform = self.plugins.has("edgeproxy_stream_chunk")
+        transform = "edgeproxy_stream_chunk" in self.plugins.active
         # The headers go into one list that becomes the response's CIMultiDict in a
         # single step; the proxy's own names replace any the region sent.
         own = _OWN_WITH_CACHE if ctx.cache else _OWN
@@ -164,7 +164,7 @@ class StreamStage:
         if ctx.model is not None and _alias(ctx, upstream.region) is not None:
             # The body is renamed back to the client's model: its length changes.
             reply.headers = [(k, v) for k, v in reply.headers if k.lower() != "content-length"]
-        if self.plugins.has("edgeproxy_upstream_response"):
+        if "edgeproxy_upstream_response" in self.plugins.active:
             await self.plugins.call_all(
                 "edgeproxy_upstream_response",
                 request=request,
@@ -187,7 +187,7 @@ class StreamStage:
         usage: UsageTracker | None,
     ) -> None:
         """The one body loop: each chunk through the plugins, to the recorder and ``write``."""
-        transform = self.plugins.has("edgeproxy_stream_chunk")
+        transform = "edgeproxy_stream_chunk" in self.plugins.active
         chunks = upstream.aiter_bytes()
         if ctx.model is not None:
             target = _alias(ctx, upstream.region)

@@ -110,7 +110,7 @@ class UpstreamStage:
             if target is not None:
                 aliased = orjson.dumps({**ctx.json, "model": target})
         headers = self.headers(request, ctx, region, aliased)
-        if self.plugins.has("edgeproxy_upstream_request"):
+        if "edgeproxy_upstream_request" in self.plugins.active:
             await self.plugins.call_all(
                 "edgeproxy_upstream_request",
                 request=request,

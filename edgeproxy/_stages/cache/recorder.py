@@ -86,7 +86,7 @@ class CacheRecorder:
             elif lname == "content-length":
                 length = value
         # A chunk plugin changes the length: then only the end of the body says it is whole.
-        if length.isdigit() and not self.stage.plugins.has("edgeproxy_stream_chunk"):
+        if length.isdigit() and "edgeproxy_stream_chunk" not in self.stage.plugins.active:
             self.expected = int(length)
         if content_type.startswith("text/event-stream"):
             self.kind = "sse"

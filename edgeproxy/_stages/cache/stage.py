@@ -182,7 +182,7 @@ class CacheStage:
         # Only now: the scope hashes the tenant or credential, wasted on a bypass.
         scope = cache_scope(ctx)
         digest = self._digest(ctx, scope)
-        if self.plugins.has("edgeproxy_cache_key"):
+        if "edgeproxy_cache_key" in self.plugins.active:
             custom = await self.plugins.call_first(
                 "edgeproxy_cache_key", request=request, ctx=ctx, default_key=digest
             )
