@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import itertools
 import os
 import shutil
 import socket
@@ -1265,3 +1266,10 @@ async def test_a_last_data_frame_closes_the_stream_in_h2_too(last: bytes) -> Non
     assert stream_id not in conn.h2.streams
     assert len(conn.h2._closed_streams) == 0
 
+
+def test_the_byte_tests_of_field_values_agree_with_the_rfc_pattern() -> None:
+    alphabet = [b"a", b" ", b"\t", b"\n", b"\r", b"\x00", b"\x7f", b"\xff"]
+    for size in range(5):
+        for parts in itertools.product(alphabet, repeat=size):
+            value = b"".join(parts)
+            assert h2fields._bad_value(value) == bool(h2fields._BAD_VALUE.search(value)), value

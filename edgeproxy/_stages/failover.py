@@ -120,7 +120,11 @@ class Budget:
 
     def deposit(self, now: float | None = None) -> None:
         """Count one request."""
-        self._requests[self._advance(time.monotonic() if now is None else now)] += 1
+        if now is None:
+            now = time.monotonic()
+        epoch = int(now / self.slot)
+        # _advance() only when a bucket ends: most requests land in the current one.
+        self._requests[(epoch if epoch == self._epoch else self._advance(now)) % 10] += 1
 
     def available(self, now: float | None = None) -> float:
         self._advance(time.monotonic() if now is None else now)
@@ -589,8 +593,11 @@ class _Plan:
                 remaining = self.ctx.started + self.ctx.route.deadline - time.monotonic()
             raise await self.failure_error()
         finally:
-            await _cancel(running)
-            await self.drop_failure()
+            # Both are no-ops for a request that got its answer at the first attempt.
+            if running:
+                await _cancel(running)
+            if self.last is not None:
+                await self.drop_failure()
 
     async def race(self, remaining: float) -> AttemptResponse:
         """The first attempt, a hedge if it is slow, retries after failures; first answer wins."""

@@ -44,6 +44,8 @@ class UpstreamStage:
         if not config.server.forward_client_credentials:
             drop |= CLIENT_CREDENTIAL_HEADERS
         self._drop = frozenset(drop)
+        # This hop's Via value by HTTP version, for requests that arrive without a Via.
+        self._hops = {v: append_via(None, v, self.via_name) for v in ("1.0", "1.1")}
 
     def headers(
         self,
@@ -70,11 +72,18 @@ class UpstreamStage:
                 out.append(("content-length", str(len(body))))
         elif request is not None and request.content_length is not None:
             out.append(("content-length", str(request.content_length)))
-        xff = append_forwarded_for(ctx.headers.get("x-forwarded-for"), ctx.client_ip)
+        headers = ctx.headers
+        xff = headers.get("x-forwarded-for")
+        if ctx.client_ip:
+            xff = append_forwarded_for(xff, ctx.client_ip)
         if xff:
             out.append(("x-forwarded-for", xff))
         out.append(("x-forwarded-proto", ctx.scheme))
-        out.append(("via", append_via(ctx.headers.get("via"), ctx.http_version, self.via_name)))
+        via = headers.get("via")
+        hop = self._hops.get(ctx.http_version) if via is None else None
+        if hop is None:
+            hop = append_via(via, ctx.http_version, self.via_name)
+        out.append(("via", hop))
         out.append(("x-request-id", ctx.request_id))
         out.append(("traceparent", ctx.trace.traceparent))
         if region.asks_load and LOAD_FORMAT_HEADER not in ctx.headers:

@@ -22,6 +22,9 @@ from edgeproxy._upstream.pool import (
 __all__ = ["AiohttpPool", "AiohttpResponse"]
 
 
+_VERSIONS = {aiohttp.HttpVersion10: "1.0", aiohttp.HttpVersion11: "1.1"}
+
+
 class AiohttpResponse:
     """:class:`UpstreamResponse` over an aiohttp client response."""
 
@@ -33,7 +36,10 @@ class AiohttpResponse:
         self._pool = pool
         self.status = resp.status
         self.headers: Headers = list(resp.headers.items())
-        self.http_version = f"{resp.version.major}.{resp.version.minor}" if resp.version else "1.1"
+        version = resp.version
+        self.http_version = (
+            _VERSIONS.get(version) or f"{version.major}.{version.minor}" if version else "1.1"
+        )
 
     async def aiter_bytes(self) -> AsyncIterator[bytes]:
         try:
