@@ -17,6 +17,25 @@ turn before.
 Full blocks of ``block_size`` tokens are chained: block *i*'s hash covers
 blocks 0..i, so a block is only found after the same whole prefix, as in
 vLLM's automatic prefix caching. A partial last block is never cached.
+
+**Answers are cached too.** vLLM and SGLang keep the blocks of the tokens a
+request generated, not only of its prompt: in a chat, the answer is the
+start of the next turn's prompt, so the next turn finds the whole previous
+turn cached, answer included, where it was generated. The fake's answer
+depends only on the prompt and its length (:mod:`edgeproxy.testing._content`),
+so :func:`read_prompt` can chain the answer's blocks after the prompt's: the
+tokens of ``<|assistant|>`` and the answer's text, as a next chat turn that
+sends the answer back as an ``assistant`` message has them (a completions
+answer: its text right after the prompt, as when the client appends it after
+a space). Like a server, only full blocks count, and the answer's last token
+is left out (it was sampled, never fed through the model). The answer's
+length is the request's ``max_tokens`` (or ``max_completion_tokens``), or
+``completion_tokens`` when the caller knows it; without either, only the
+prompt is cached. The region inserts all these blocks when the request gets
+its slot, not when it ends: a prompt can only start with an answer once the
+client has read it, so this changes no lookup, only where the answer's
+blocks stand in the LRU order while the request runs (and a request cut
+short leaves its whole answer cached).
 """
 
 from __future__ import annotations
@@ -32,6 +51,9 @@ from edgeproxy.testing import _content as content
 TOKEN_CHARS: Final = 4
 """Characters per token piece of a word."""
 
+MAX_ANSWER_TOKENS: Final = 100_000
+"""The fake's longest answer (its ``max_tokens`` cap)."""
+
 
 @dataclass(frozen=True, slots=True)
 class Prompt:
@@ -40,7 +62,12 @@ class Prompt:
     tokens: int
     """Prompt tokens (the model's own count, not ``usage.prompt_tokens``)."""
     blocks: tuple[bytes, ...] = ()
-    """Chained hashes of the full blocks; empty when not hashed."""
+    """Chained hashes of the full blocks of the prompt, then of the answer after it
+    (see the module's docstring); empty when not hashed. A lookup only counts the
+    prompt's: the first ``(tokens - 1) // block_size``."""
+    answer_tokens: int = 0
+    """Tokens of the answer chained after the prompt's, by this module's tokeniser
+    (0: the answer is not cached)."""
 
 
 def _units(request: Mapping[str, Any], *, chat: bool) -> Iterator[tuple[bool, str]]:
@@ -122,24 +149,71 @@ def prompt_tokens(request: Mapping[str, Any], *, chat: bool) -> list[str]:
     return list(_pieces(_units(request, chat=chat)))
 
 
-def read_prompt(request: Mapping[str, Any], *, chat: bool, block_size: int, hashed: bool) -> Prompt:
-    """Count the prompt's tokens and, if ``hashed``, chain-hash its full blocks."""
+def answer_length(request: Mapping[str, Any]) -> int | None:
+    """The answer's length in completion tokens, as the request states it; None if it
+    does not (then the region's default applies, which only the region knows)."""
+    for key in ("max_tokens", "max_completion_tokens"):
+        value = request.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            return None
+        return min(value, MAX_ANSWER_TOKENS)
+    return None
+
+
+def _answer_units(
+    request: Mapping[str, Any], *, chat: bool, completion_tokens: int
+) -> Iterator[tuple[bool, str]]:
+    """The answer as the next turn's prompt holds it, its last token left out."""
+    prompt = request.get("messages" if chat else "prompt")
+    words = list(content.tokens(content.digest(prompt), completion_tokens))[:-1]
+    if chat:
+        yield False, "<|assistant|>"
+    if words:
+        yield True, "".join(words)
+
+
+def read_prompt(
+    request: Mapping[str, Any],
+    *,
+    chat: bool,
+    block_size: int,
+    hashed: bool,
+    completion_tokens: int | None = None,
+) -> Prompt:
+    """Count the prompt's tokens and, if ``hashed``, chain-hash its full blocks, then
+    those of the answer after it (``completion_tokens`` long, else as the request
+    states; see the module's docstring)."""
     units = _units(request, chat=chat)
     if not hashed:
         return Prompt(_count(units))
     hashes: list[bytes] = []
     block: list[str] = []
     previous = b""
-    count = 0
-    for piece in _pieces(units):
-        count += 1
-        block.append(piece)
-        if len(block) == block_size:
-            data = previous + "\x00".join(block).encode("utf-8", "surrogatepass")
-            previous = hashlib.blake2b(data, digest_size=16).digest()
-            hashes.append(previous)
-            block.clear()
-    return Prompt(count, tuple(hashes))
+
+    def chain(pieces: Iterable[str]) -> int:
+        nonlocal previous
+        n = 0
+        for piece in pieces:
+            n += 1
+            block.append(piece)
+            if len(block) == block_size:
+                data = previous + "\x00".join(block).encode("utf-8", "surrogatepass")
+                previous = hashlib.blake2b(data, digest_size=16).digest()
+                hashes.append(previous)
+                block.clear()
+        return n
+
+    count = chain(_pieces(units))
+    if completion_tokens is None:
+        completion_tokens = answer_length(request)
+    answered = 0
+    if completion_tokens and count:
+        answered = chain(
+            _pieces(_answer_units(request, chat=chat, completion_tokens=completion_tokens))
+        )
+    return Prompt(count, tuple(hashes), answered)
 
 
 def blocks_for(tokens: int, block_size: int) -> int:
