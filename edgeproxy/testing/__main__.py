@@ -29,6 +29,20 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--fault", choices=sorted(FAULTS), default=None)
     parser.add_argument("--fault-rate", type=float, default=1.0)
     parser.add_argument("--fault-status", type=int, default=503)
+    parser.add_argument(
+        "--fault-after-tokens", type=int, default=2, help="tokens sent before a reset"
+    )
+    parser.add_argument(
+        "--fault-after-tokens-random",
+        action="store_true",
+        help="reset after a seeded random 1..tokens-1 tokens instead",
+    )
+    parser.add_argument(
+        "--continuation-overlap",
+        type=int,
+        default=0,
+        help="tokens of the partial answer a continuation repeats first",
+    )
     parser.add_argument("--seed", type=int, default=None, help="seed for --fault-rate draws")
     parser.add_argument("--http1-only", action="store_true", help="refuse HTTP/2")
     parser.add_argument("--certfile", help="PEM certificate; serve TLS with --keyfile")
@@ -101,6 +115,9 @@ def main(argv: list[str] | None = None) -> int:
             fault=args.fault,
             fault_rate=args.fault_rate,
             fault_status=args.fault_status,
+            fault_after_tokens=args.fault_after_tokens,
+            fault_after_tokens_random=args.fault_after_tokens_random,
+            continuation_overlap=args.continuation_overlap,
             ttft_per_uncached_token=args.ttft_per_uncached_token,
             ttft_per_cached_token=args.ttft_per_cached_token,
             load_metrics_fault=args.load_metrics_fault,

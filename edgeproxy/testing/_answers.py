@@ -84,9 +84,16 @@ def _completion(
     model = request.get("model")
     model = model if isinstance(model, str) and model else region_model
 
-    generation = Generation(request, chat, n_tokens)
-    words = list(content.tokens(content.digest(prompt), n_tokens))
-    usage = content.usage(max(1, content.count_words(prompt)), n_tokens)
+    partial = _continued_answer(request, prompt) if chat else None
+    if partial is None:
+        words = list(content.tokens(content.digest(prompt), n_tokens))
+    else:
+        # The digest of the conversation without the partial answer: the same
+        # as the unbroken request's, whose answer this continues.
+        answer = list(content.tokens(content.digest(prompt[:-1]), n_tokens))
+        words = content.continuation(answer, partial, behavior.continuation_overlap)
+    generation = Generation(request, chat, len(words))
+    usage = content.usage(max(1, content.count_words(prompt)), len(words))
     created = int(time.time())
     id_ = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
 
@@ -130,6 +137,43 @@ def _completion(
         gap_units=len(words),
         generation=generation,
     )
+
+
+def _continued_answer(request: dict[str, Any], messages: list[Any]) -> str | None:
+    """The partial answer a chat request asks to continue, or ``None`` for a new answer.
+
+    vLLM continues the final assistant message with ``continue_final_message``
+    (and refuses it alongside its default ``add_generation_prompt``);
+    llama.cpp continues a trailing assistant message without being asked.
+    """
+    flag = request.get("continue_final_message", False)
+    if not isinstance(flag, bool):
+        raise BadRequest("'continue_final_message' must be a boolean")
+    last = messages[-1] if messages else None
+    if not isinstance(last, dict) or last.get("role") != "assistant":
+        if flag:
+            raise BadRequest(
+                "'continue_final_message' is set but the final message is not from the assistant"
+            )
+        return None
+    if flag and request.get("add_generation_prompt", True) is not False:
+        raise BadRequest(
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+        )
+    text = last.get("content")
+    if text is None:
+        return ""
+    if isinstance(text, str):
+        return text
+    if isinstance(text, list):
+        return "".join(
+            part["text"]
+            for part in text
+            if isinstance(part, dict)
+            and part.get("type") == "text"
+            and isinstance(part.get("text"), str)
+        )
+    raise BadRequest("the final assistant message's 'content' must be a string or an array")
 
 
 def _embeddings(request: dict[str, Any], behavior: Behavior, region_model: str) -> Reply:

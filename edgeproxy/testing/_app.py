@@ -464,6 +464,13 @@ class RegionApp:
             return None
         return behavior.fault
 
+    def _draw_reset_point(self, reply: Reply) -> int:
+        """Where a random reset comes: after 1 to tokens - 1 tokens (body parts if no tokens)."""
+        units = (
+            reply.generation.completion_tokens if reply.generation is not None else len(reply.parts)
+        )
+        return self._rng.randint(1, max(1, units - 1))
+
     def _enter(
         self, conn: _Connection, path: str, http_version: str, handle: StreamHandle | None
     ) -> None:
@@ -534,6 +541,8 @@ class RegionApp:
                 )
             except BadRequest as exc:
                 reply = error_reply(exc.status, str(exc))
+        if fault == "reset" and behavior.fault_after_tokens_random:
+            behavior = behavior.copy(fault_after_tokens=self._draw_reset_point(reply))
         if reply.generation is not None:
             await self._generate(ex, reply, behavior, fault)
         else:

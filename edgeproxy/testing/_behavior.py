@@ -32,6 +32,12 @@ def _count(name: str, value: object, minimum: int) -> int:
     return value
 
 
+def _flag(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be true or false, not {value!r}")
+    return value
+
+
 def _fault(name: str, value: object) -> Fault | None:
     if value is None:
         return None
@@ -84,12 +90,14 @@ _VALIDATORS: Final[dict[str, Callable[[str, object], object]]] = {
     "fault_rate": _rate,
     "fault_status": _status,
     "fault_after_tokens": lambda n, v: _count(n, v, 0),
+    "fault_after_tokens_random": _flag,
     "fault_paths": _paths,
     "slow_headers_delay": _duration,
     "goaway_after": lambda n, v: _count(n, v, 1),
     "ttft_per_uncached_token": _duration,
     "ttft_per_cached_token": _duration,
     "load_metrics_fault": _load_metrics_fault,
+    "continuation_overlap": lambda n, v: _count(n, v, 0),
 }
 
 
@@ -159,6 +167,7 @@ class Behavior:
           echo chunks, or half of a single-piece body), then reset: HTTP/2
           sends RST_STREAM(INTERNAL_ERROR), HTTP/1.1 drops the connection.
           ``fault_after_tokens=0`` resets before the response headers;
+          with ``fault_after_tokens_random``, after a count drawn instead;
         * ``"stall"``: read the request, then never answer until the client
           goes away or the region stops;
         * ``"stall_body"``: send the headers and the first body unit, then
@@ -181,6 +190,32 @@ class Behavior:
     ``fault_paths``
         ``None`` for every path, or the path prefixes the fault applies to,
         e.g. ``("/v1/",)`` to keep ``/healthz`` answering.
+    ``fault_after_tokens_random``
+        ``True``: a ``"reset"`` comes after a number of tokens drawn
+        uniformly from 1 to the answer's tokens minus one (at least 1), by
+        the region's seeded generator, instead of ``fault_after_tokens``: a
+        stream always breaks after its first token and before its last.
+
+    Continuations (chat completions, as vLLM and llama.cpp serve them): a
+    request whose last message has ``role: assistant`` asks for the rest of
+    that answer. With ``"continue_final_message": true`` (vLLM's switch,
+    which vLLM refuses unless ``"add_generation_prompt": false`` comes with
+    it, and so does the fake) or with no such flag (llama.cpp's prefill),
+    the region answers with the rest of the deterministic answer to the
+    conversation without that last message: if the unbroken answer is
+    ``max_tokens`` (or ``tokens``) tokens long and the partial answer is its
+    first *k* tokens, the continuation is the other tokens, so a partial
+    answer followed by its continuation equals the unbroken answer. A
+    partial answer that ends inside a token is continued from the rest of
+    that token. A partial answer that is not a prefix of the region's answer
+    is continued after as many tokens as it has words. The usage counts the
+    partial answer in ``prompt_tokens`` and the continued tokens alone in
+    ``completion_tokens``.
+
+    ``continuation_overlap``
+        A continuation first repeats the last this many tokens of the
+        partial answer (0 by default), as some servers do; the client (the
+        proxy) must trim the repeated text.
     """
 
     ttft: float = 0.0
@@ -196,6 +231,8 @@ class Behavior:
     ttft_per_uncached_token: float = 0.0
     ttft_per_cached_token: float = 0.0
     load_metrics_fault: LoadMetricsFault | None = None
+    fault_after_tokens_random: bool = False
+    continuation_overlap: int = 0
 
     def __setattr__(self, name: str, value: object) -> None:
         validator = _VALIDATORS.get(name)

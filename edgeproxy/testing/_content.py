@@ -8,7 +8,7 @@ identically and a shorter ``max_tokens`` yields a prefix of a longer one.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, Final
 
 import orjson
@@ -38,6 +38,31 @@ def tokens(prompt_digest: bytes, count: int) -> Iterator[str]:
         h = hashlib.sha256(prompt_digest + index.to_bytes(4, "big")).digest()
         word = _VOCABULARY[int.from_bytes(h[:4], "big") % len(_VOCABULARY)]
         yield word if index == 0 else " " + word
+
+
+def continuation(answer: Sequence[str], partial: str, overlap: int = 0) -> list[str]:
+    """The tokens of ``answer`` that follow the text ``partial``.
+
+    ``partial`` is normally a prefix of the joined ``answer``: the rest is
+    returned, beginning with the rest of a token the prefix cuts, so that
+    ``partial + "".join(result) == "".join(answer)``. With ``overlap``, the
+    last ``overlap`` tokens of ``partial`` (a cut token counting as one) come
+    first again, whole. A ``partial`` that is not a prefix is taken as that
+    many tokens as it has words.
+    """
+    if not "".join(answer).startswith(partial):
+        return list(answer[max(0, len(partial.split()) - overlap) :])
+    cut = len(partial)
+    start = whole = 0
+    while whole < len(answer) and start + len(answer[whole]) <= cut:
+        start += len(answer[whole])
+        whole += 1
+    cut_token = start < cut
+    if overlap > 0:
+        return list(answer[max(0, whole + cut_token - overlap) :])
+    if not cut_token:
+        return list(answer[whole:])
+    return [answer[whole][cut - start :], *answer[whole + 1 :]]
 
 
 def count_words(value: object) -> int:
