@@ -17,7 +17,7 @@ import aiohttp
 import httpx
 import pytest
 
-from edgeproxy.testing import Behavior, FakeRegion
+from edgeproxy.testing import Behavior, FakeRegion, answer_text
 
 CHAT = "/v1/chat/completions"
 MESSAGES = [
@@ -275,3 +275,28 @@ def test_new_behavior_fields_are_validated() -> None:
     copy = behavior.copy(fault_after_tokens_random=True, continuation_overlap=2)
     assert copy.to_dict()["continuation_overlap"] == 2
     assert {"fault_after_tokens_random", "continuation_overlap"} <= Behavior.field_names()
+
+
+async def test_answer_text_is_the_unbroken_answer(
+    region: FakeRegion, session: aiohttp.ClientSession
+) -> None:
+    assert await answer(session, region.url, body()) == answer_text(MESSAGES, 20)
+    assert await answer(session, region.url, body(max_tokens=5)) == answer_text(MESSAGES, 5)
+
+
+async def test_tokens_sent_count_what_left_the_region(
+    region: FakeRegion, session: aiohttp.ClientSession
+) -> None:
+    await stream(session, region.url, body())
+    await answer(session, region.url, body(max_tokens=4))
+    assert region.counters().tokens_sent_total == 20 + 4
+    region.reset_counters()
+    region.configure(fault="reset", fault_after_tokens=3)
+    broken = await stream(session, region.url, body())
+    assert broken.broken and len(broken.chunks) == 3
+    with pytest.raises(aiohttp.ClientPayloadError):
+        async with session.post(region.url + CHAT, json=body()) as response:
+            await response.read()
+    counters = region.counters()
+    assert counters.tokens_sent_total == 3  # a JSON answer cut off counts nothing
+    assert counters.generation_tokens_total == 40

@@ -20,6 +20,9 @@ behaviour, ``GET /_control`` returns it with the counters,
 ``POST /_control/reset-counters`` zeroes the counters and
 ``POST /_control/clear-kv-cache`` empties the prefix cache.
 
+:func:`answer_text` is the deterministic answer to a prompt, to compare
+what a client received (spliced from a continuation or not) against.
+
 For LLM-aware routing, a region models an LLM server (see :class:`FakeRegion`):
 a FIFO queue in front of ``max_running`` slots, an LRU prefix (KV) cache whose
 hits shorten the modelled TTFT, vLLM's ORCA ``endpoint-load-metrics`` header
@@ -35,6 +38,7 @@ and gguf (the ``testing`` extra).
 
 from edgeproxy.testing._app import Counters
 from edgeproxy.testing._behavior import FAULTS, Behavior, Fault
+from edgeproxy.testing._content import answer_text
 from edgeproxy.testing._gguf import TinyLlamaSpec, tiny_llama_gguf, write_tiny_llama_gguf
 from edgeproxy.testing._hostile import HostileCounters, HostileRegion
 from edgeproxy.testing._load import LOAD_METRICS_FAULTS, LoadMetricsFault
@@ -51,6 +55,7 @@ __all__ = [
     "HostileRegion",
     "LoadMetricsFault",
     "TinyLlamaSpec",
+    "answer_text",
     "tiny_llama_gguf",
     "write_tiny_llama_gguf",
 ]

@@ -100,6 +100,10 @@ class Counters:
     """Of those, the tokens found in the prefix cache."""
     generation_tokens_total: int = 0
     """Completion tokens of the requests that got a slot."""
+    tokens_sent_total: int = 0
+    """Completion tokens that left the region: the token events a stream wrote
+    (a stream reset after *k* tokens counts *k*), a JSON answer's tokens once
+    its body was written whole."""
     modelled_ttft_seconds_total: float = 0.0
     """Sum of the modelled TTFTs (``x-fake-ttft-ms``; queue time excluded)."""
     kv_cache_blocks: int = 0
@@ -137,6 +141,7 @@ class Counters:
             "cached_tokens_total": self.cached_tokens_total,
             "kv_hit_rate": self.kv_hit_rate,
             "generation_tokens_total": self.generation_tokens_total,
+            "tokens_sent_total": self.tokens_sent_total,
             "modelled_ttft_seconds_total": self.modelled_ttft_seconds_total,
             "kv_cache_blocks": self.kv_cache_blocks,
             "kv_blocks_in_use": self.kv_blocks_in_use,
@@ -231,6 +236,7 @@ class RegionApp:
         self._prompt_tokens = 0
         self._cached_tokens = 0
         self._generation_tokens = 0
+        self._tokens_sent = 0
         self._modelled_ttft = 0.0
 
     @property
@@ -312,6 +318,7 @@ class RegionApp:
                 prompt_tokens_total=self._prompt_tokens,
                 cached_tokens_total=self._cached_tokens,
                 generation_tokens_total=self._generation_tokens,
+                tokens_sent_total=self._tokens_sent,
                 modelled_ttft_seconds_total=self._modelled_ttft,
                 kv_cache_blocks=len(self._kv),
                 kv_blocks_in_use=self._kv_held,
@@ -336,6 +343,7 @@ class RegionApp:
             self._prompt_tokens = 0
             self._cached_tokens = 0
             self._generation_tokens = 0
+            self._tokens_sent = 0
             self._modelled_ttft = 0.0
             self._kv.evicted_total = 0
 
@@ -611,6 +619,7 @@ class RegionApp:
         finally:
             with self._lock:
                 self._kv_held -= held
+                self._tokens_sent += ex.tokens_sent
             self._release()
 
     async def _admit(self) -> None:

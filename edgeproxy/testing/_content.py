@@ -40,6 +40,17 @@ def tokens(prompt_digest: bytes, count: int) -> Iterator[str]:
         yield word if index == 0 else " " + word
 
 
+def answer_text(prompt: object, count: int) -> str:
+    """The whole answer a fake region gives to ``prompt`` with ``count`` tokens.
+
+    ``prompt`` is a chat request's ``messages`` or a completions request's
+    ``prompt``, as sent; ``count`` its ``max_tokens``, or the region's
+    ``Behavior.tokens`` when it sets none. A test compares what a client
+    received, spliced or not, against this.
+    """
+    return "".join(tokens(digest(prompt), count))
+
+
 def continuation(answer: Sequence[str], partial: str, overlap: int = 0) -> list[str]:
     """The tokens of ``answer`` that follow the text ``partial``.
 

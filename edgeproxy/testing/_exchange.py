@@ -120,6 +120,8 @@ class Exchange:
         self._watcher: asyncio.Task[None] | None = None
         self._gone = asyncio.Event()
         self._cancel_requested = False
+        # Completion tokens of a generated answer that were written out.
+        self.tokens_sent = 0
 
     async def run(self, handler: Awaitable[None]) -> None:
         """Run ``handler``, turning a client disconnect into a normal return."""
@@ -281,5 +283,9 @@ class Exchange:
                 await self.abort()
                 return
             await self.write(part, more=index < len(parts) - 1)
+            if index < reply.gap_units and reply.generation is not None:
+                self.tokens_sent += 1
         if not parts:
             await self.write(b"", more=False)
+        if reply.gap_units == 0 and reply.generation is not None:
+            self.tokens_sent = reply.generation.completion_tokens  # a JSON answer, sent whole
