@@ -47,6 +47,7 @@ from jh2.hpack import NeverIndexedHeaderTuple
 
 from edgeproxy._upstream.h2fields import (
     Malformed,
+    header_frames,
     parse_fields,
     request_method,
     set_response_headers,
@@ -99,6 +100,13 @@ _HALF_CLOSED_REMOTE: Final = h2.stream.StreamState.HALF_CLOSED_REMOTE
 _CLOSED: Final = h2.stream.StreamState.CLOSED
 _CLOSED_BY_END_STREAM: Final = h2.stream.StreamClosedBy.RECV_END_STREAM
 # States in which a stream still expects response frames from the peer.
+_SEND_HEADERS: Final = h2.connection.ConnectionInputs.SEND_HEADERS
+_STREAM_SEND_HEADERS: Final = h2.stream.StreamInputs.SEND_HEADERS
+_STREAM_SEND_END_STREAM: Final = h2.stream.StreamInputs.SEND_END_STREAM
+_CLIENT_IDS: Final = h2.connection.AllowedStreamIDs.ODD
+# jh2 encodes (name, value, never indexed) byte triples with its compiled HPACK; without
+# it (a pure-Python fallback) h2's own send_headers is used.
+_COMPILED_HPACK: Final = bool(h2.connection.ALTERNATIVE_HPACK)
 _RECEIVING: Final = frozenset({h2.stream.StreamState.OPEN, h2.stream.StreamState.HALF_CLOSED_LOCAL})
 
 
@@ -608,7 +616,7 @@ class Connection(asyncio.Protocol):
         h2conn = self.h2
         try:
             stream_id = h2conn.get_next_available_stream_id()
-            h2conn.send_headers(stream_id, headers, end_stream=end_stream)
+            self._send_head(stream_id, headers, end_stream)
         except h2.exceptions.TooManyStreamsError:
             return None
         except h2.exceptions.NoAvailableStreamIDError:
@@ -631,6 +639,46 @@ class Connection(asyncio.Protocol):
             self.start_draining()
         self.flush_soon()
         return stream
+
+    def _send_head(self, stream_id: int, headers: list[tuple[str, str]], end_stream: bool) -> None:
+        """h2's ``send_headers`` for a new request stream, without its frame objects.
+
+        The same checks and state transitions in h2's order, the block encoded by h2's
+        own HPACK encoder (the compression context stays h2's), then framed here. h2 also
+        built validation flags from the stream's events and a frame object per frame,
+        and passed every field through two isinstance tests: a third of opening a stream.
+        """
+        h2conn = self.h2
+        if not _COMPILED_HPACK or stream_id in h2conn.streams:
+            h2conn.send_headers(stream_id, headers, end_stream=end_stream)
+            return
+        limit = h2conn.remote_settings.max_concurrent_streams
+        if h2conn.open_outbound_streams + 1 > limit:
+            raise h2.exceptions.TooManyStreamsError(f"Max outbound streams is {limit}")
+        h2conn.state_machine.process_input(_SEND_HEADERS)
+        stream = h2conn._begin_new_stream(stream_id, _CLIENT_IDS)
+        stream.state_machine.process_input(_STREAM_SEND_HEADERS)
+        block = h2conn.encoder.encode(
+            [
+                (f[0].encode(), f[1].encode(), isinstance(f, NeverIndexedHeaderTuple))
+                for f in headers
+            ]
+        )
+        if end_stream:
+            stream.state_machine.process_input(_STREAM_SEND_END_STREAM)
+        method = authority = None
+        for name, value in headers:
+            if name == ":method":
+                method = value.encode()
+            elif name == ":authority":
+                authority = value.encode()
+            elif name[:1] != ":":
+                break
+        stream._authority = authority
+        stream.request_method = method
+        h2conn._data_to_send += header_frames(
+            stream_id, block, end_stream, stream.max_outbound_frame_size
+        )
 
     def start_draining(self) -> None:
         if not self.draining:

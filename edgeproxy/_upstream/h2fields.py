@@ -6,13 +6,20 @@ No protocol engine here: plain bytes in, a status, fields and a Content-Length o
 from __future__ import annotations
 
 import re
+import struct
 from collections.abc import Iterable
 from typing import Any, Final
 
 from edgeproxy._core.types import Headers
 from edgeproxy._upstream.h2stream import Stream
 
-__all__ = ["Malformed", "parse_fields", "request_method", "set_response_headers"]
+__all__ = [
+    "Malformed",
+    "header_frames",
+    "parse_fields",
+    "request_method",
+    "set_response_headers",
+]
 
 # Response fields (RFC 9113 §8.2): a name has no upper case, control, non-ASCII
 # byte or colon; a value no NUL, CR or LF, nor whitespace at either end.
@@ -37,6 +44,32 @@ def _bad_value(value: bytes) -> bool:
         or 0 in value
         or (value and (value[0] in _BLANK or value[-1] in _BLANK))
     )
+
+
+# The 9-byte frame header (RFC 9113 §4.1): length (24 bits), type, flags, stream id.
+_FRAME_HEADER: Final = struct.Struct(">BHBBL")
+_HEADERS: Final = 0x1
+_CONTINUATION: Final = 0x9
+_END_STREAM: Final = 0x1
+_END_HEADERS: Final = 0x4
+
+
+def header_frames(stream_id: int, block: bytes, end_stream: bool, max_frame: int) -> bytes:
+    """An encoded header block as a HEADERS frame, and CONTINUATION frames past
+    ``max_frame`` bytes (END_STREAM, if set, on the HEADERS frame: RFC 9113 §6.2)."""
+    first = block[:max_frame]
+    flags = _END_STREAM if end_stream else 0
+    if len(first) == len(block):
+        flags |= _END_HEADERS
+    size = len(first)
+    out = [_FRAME_HEADER.pack(size >> 16, size & 0xFFFF, _HEADERS, flags, stream_id), first]
+    for start in range(max_frame, len(block), max_frame):
+        part = block[start : start + max_frame]
+        flags = _END_HEADERS if start + max_frame >= len(block) else 0
+        size = len(part)
+        out.append(_FRAME_HEADER.pack(size >> 16, size & 0xFFFF, _CONTINUATION, flags, stream_id))
+        out.append(part)
+    return b"".join(out)
 
 
 def request_method(headers: list[tuple[str, str]]) -> str:
