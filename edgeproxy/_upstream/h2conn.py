@@ -51,6 +51,7 @@ from edgeproxy._upstream.h2fields import (
     parse_fields,
     request_method,
     set_response_headers,
+    window_update_due,
 )
 from edgeproxy._upstream.h2stream import H2Response, Stream, timeout_waiter
 from edgeproxy._upstream.pool import (
@@ -103,6 +104,8 @@ _CLOSED_BY_END_STREAM: Final = h2.stream.StreamClosedBy.RECV_END_STREAM
 _SEND_HEADERS: Final = h2.connection.ConnectionInputs.SEND_HEADERS
 _STREAM_SEND_HEADERS: Final = h2.stream.StreamInputs.SEND_HEADERS
 _STREAM_SEND_END_STREAM: Final = h2.stream.StreamInputs.SEND_END_STREAM
+_SEND_DATA: Final = h2.connection.ConnectionInputs.SEND_DATA
+_STREAM_SEND_DATA: Final = h2.stream.StreamInputs.SEND_DATA
 _CLIENT_IDS: Final = h2.connection.AllowedStreamIDs.ODD
 # jh2 encodes (name, value, never indexed) byte triples with its compiled HPACK; without
 # it (a pure-Python fallback) h2's own send_headers is used.
@@ -641,13 +644,8 @@ class Connection(asyncio.Protocol):
         return stream
 
     def _send_head(self, stream_id: int, headers: list[tuple[str, str]], end_stream: bool) -> None:
-        """h2's ``send_headers`` for a new request stream, without its frame objects.
-
-        The same checks and state transitions in h2's order, the block encoded by h2's
-        own HPACK encoder (the compression context stays h2's), then framed here. h2 also
-        built validation flags from the stream's events and a frame object per frame,
-        and passed every field through two isinstance tests: a third of opening a stream.
-        """
+        """h2's ``send_headers`` for a new request stream, without its frame objects: h2's
+        checks and state transitions in its order, h2's own HPACK encoder, framed here."""
         h2conn = self.h2
         if not _COMPILED_HPACK or stream_id in h2conn.streams:
             h2conn.send_headers(stream_id, headers, end_stream=end_stream)
@@ -666,19 +664,35 @@ class Connection(asyncio.Protocol):
         )
         if end_stream:
             stream.state_machine.process_input(_STREAM_SEND_END_STREAM)
-        method = authority = None
-        for name, value in headers:
-            if name == ":method":
-                method = value.encode()
-            elif name == ":authority":
-                authority = value.encode()
-            elif name[:1] != ":":
-                break
-        stream._authority = authority
-        stream.request_method = method
+        stream._authority = h2.utilities.authority_from_headers(headers)
+        stream.request_method = h2.utilities.extract_method_header(headers)
         h2conn._data_to_send += header_frames(
             stream_id, block, end_stream, stream.max_outbound_frame_size
         )
+
+    def send_data(self, stream_id: int, data: memoryview, end_stream: bool) -> None:
+        """h2's ``send_data`` without its frame objects: h2's checks, state transitions
+        and window charges, the DATA frame built here (unpadded, as we send them)."""
+        h2conn = self.h2
+        stream = h2conn.streams.get(stream_id)
+        size = len(data)
+        if (
+            stream is None
+            or size > stream.outbound_flow_control_window
+            or size > h2conn.outbound_flow_control_window
+            or size > h2conn.max_outbound_frame_size
+        ):
+            h2conn.send_data(stream_id, data, end_stream=end_stream)  # raises as h2 does
+            return
+        h2conn.state_machine.process_input(_SEND_DATA)
+        stream.state_machine.process_input(_STREAM_SEND_DATA)
+        if end_stream:
+            stream.state_machine.process_input(_STREAM_SEND_END_STREAM)
+        stream.outbound_flow_control_window -= size
+        h2conn.outbound_flow_control_window -= size
+        out = h2conn._data_to_send
+        out += _FRAME_HEADER.pack(size >> 16, size & 0xFFFF, 0, 1 if end_stream else 0, stream_id)
+        out += data
 
     def start_draining(self) -> None:
         if not self.draining:
@@ -721,8 +735,8 @@ class Connection(asyncio.Protocol):
         h2stream = h2conn.streams.get(stream_id)
         stream_window = h2stream._inbound_window_manager if h2stream is not None else None
         if (
-            not _update_due(conn_window, size)
-            and (stream_window is None or not _update_due(stream_window, size))
+            not window_update_due(conn_window, size)
+            and (stream_window is None or not window_update_due(stream_window, size))
             and (h2stream is None or h2stream.open)
         ):
             conn_window._bytes_processed += size
@@ -774,15 +788,6 @@ class Connection(asyncio.Protocol):
             stream.fail(error)
         if self.transport is not None:
             self.transport.abort()
-
-
-def _update_due(window: Any, size: int) -> bool:
-    """Whether h2's window manager would send a WINDOW_UPDATE once ``size`` more bytes are
-    processed (its own rule, ``WindowManager._maybe_update_window``)."""
-    processed = window._bytes_processed + size
-    if window.current_window_size == 0 and processed > min(1024, window.max_window_size // 4):
-        return True
-    return bool(processed >= window.max_window_size // 2)
 
 
 def _error_name(code: int) -> str:

@@ -19,6 +19,7 @@ __all__ = [
     "parse_fields",
     "request_method",
     "set_response_headers",
+    "window_update_due",
 ]
 
 # Response fields (RFC 9113 §8.2): a name has no upper case, control, non-ASCII
@@ -70,6 +71,15 @@ def header_frames(stream_id: int, block: bytes, end_stream: bool, max_frame: int
         out.append(_FRAME_HEADER.pack(size >> 16, size & 0xFFFF, _CONTINUATION, flags, stream_id))
         out.append(part)
     return b"".join(out)
+
+
+def window_update_due(window: Any, size: int) -> bool:
+    """Whether h2's window manager would send a WINDOW_UPDATE once ``size`` more bytes are
+    processed (its own rule, ``WindowManager._maybe_update_window``)."""
+    processed = window._bytes_processed + size
+    if window.current_window_size == 0 and processed > min(1024, window.max_window_size // 4):
+        return True
+    return bool(processed >= window.max_window_size // 2)
 
 
 def request_method(headers: list[tuple[str, str]]) -> str:

@@ -174,7 +174,7 @@ class Stream:
                 continue
             size = min(len(view), window, h2conn.max_outbound_frame_size)
             last = size == len(view)
-            h2conn.send_data(self.id, view[:size], end_stream=end and last)
+            conn.send_data(self.id, view[:size], end and last)
             conn.flush_soon()
             if last:
                 if end:
