@@ -23,8 +23,15 @@ still go to the next region:
   ``RST_STREAM``, or the HTTP/1.1 connection closed). Hedges have their own
   budget, ``hedge_budget``.
 
+A non-streamed answer of an LLM endpoint is read to its end inside its
+attempt (up to ``WHOLE_BODY_LIMIT``), within the deadline: a region that
+resets mid-body has sent the client nothing, so the request is retried whole
+on the next region like any failure before the first byte.
+
 Once the winner is handed to the stream stage there is no retry: a stream
-that breaks later ends with an SSE error event and a truncated body.
+that breaks later ends with an SSE error event and a truncated body, unless
+the route continues it (``continue_on_break``, see
+:mod:`edgeproxy._stages.continuation`).
 
 Every attempt has exactly one owner, which cancels it upstream and stops
 counting it on every way out (a failure, the deadline, a plugin's
@@ -88,6 +95,9 @@ IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE", "TRACE"})
 LLM_SUFFIXES = endpoint_suffixes("retry_safe")
 # Hedging waits for this much history before trusting a region's p95.
 HEDGE_MIN_SAMPLES = 20
+# A non-streamed LLM answer up to this size is read whole inside its attempt (see
+# _Attempt._read_whole); a larger one streams through and a break in it is final.
+WHOLE_BODY_LIMIT = 8 * 1024 * 1024
 _NO_BODY = frozenset({204, 304})
 _ids = itertools.count(1)
 
@@ -182,7 +192,7 @@ class _Attempt:
 
     @property
     def ok(self) -> bool:
-        return self.response is not None and not self.failed_status
+        return self.response is not None and not self.failed_status and self.error is None
 
     async def run(self, request: web.Request | None, ctx: RequestContext) -> None:
         """Send, wait for the headers and (for a 2xx) the first body chunk."""
@@ -212,6 +222,9 @@ class _Attempt:
                     self.first = await anext(self.iterator)
                 except StopAsyncIteration:
                     self.eof = True
+                else:
+                    if not self.sse and ctx.method == "POST" and ctx.path.endswith(LLM_SUFFIXES):
+                        await self._read_whole()
         except UpstreamError as exc:
             self.error = exc
         except BaseException:
@@ -231,6 +244,22 @@ class _Attempt:
         failover.health.record(
             region, failed=self.response is not None and self.response.status >= 500
         )
+
+    async def _read_whole(self) -> None:
+        """Read a non-streamed LLM answer to its end (up to ``WHOLE_BODY_LIMIT``) before it
+        counts as an answer: a region that breaks mid-body has then sent the client nothing,
+        and the request can go whole to the next region."""
+        assert self.iterator is not None and self.first is not None
+        parts = [self.first]
+        size = len(self.first)
+        async for chunk in self.iterator:
+            parts.append(chunk)
+            size += len(chunk)
+            if size > WHOLE_BODY_LIMIT:
+                break  # too big to hold: the rest streams as it comes, as before
+        else:
+            self.eof = True
+        self.first = b"".join(parts)
 
     def _failed(self, now: float) -> None:
         region, failover = self.region, self.failover
