@@ -72,6 +72,26 @@ class RouteConfig(Section):
         description="Retry-After seconds of the 503 sent when neither a region nor the "
         "fallback ladder can answer.",
     )
+    continue_on_break: bool = Field(
+        False,
+        description="Continue a chat completions stream that breaks after tokens were sent on "
+        "the next-best region able to (its continuation method), or the local model, spliced "
+        "into the client's stream; off: the stream ends with an error event.",
+    )
+    max_continuations: int = Field(
+        1,
+        ge=0,
+        description="Most continuations of one streamed answer (continue_on_break), within "
+        "the route's deadline and [routing] retry_budget.",
+    )
+    sse_heartbeat: float | None = Field(
+        None,
+        gt=0,
+        allow_inf_nan=False,
+        description="Seconds without a first token after which a streaming request gets its "
+        "200 text/event-stream headers and a ': waiting' comment, repeated at this interval "
+        "until the first token; unset: off.",
+    )
 
     cache: Literal["auto", "always", "off"] = Field(
         "auto",

@@ -13,7 +13,16 @@ from pydantic import Field, ValidationInfo, field_validator
 from edgeproxy._core.config.base import Section
 from edgeproxy._core.config.models import check_model_aliases, check_model_names
 
-__all__ = ["RegionConfig", "UpstreamConfig"]
+__all__ = ["ContinuationMethod", "RegionConfig", "ServerKind", "UpstreamConfig"]
+
+ServerKind = Literal["generic", "openai", "vllm", "sglang", "llama.cpp"]
+ContinuationMethod = Literal["auto", "off", "continue_final_message", "prefill", "reissue"]
+# What continuation = "auto" means for each kind of server.
+_AUTO_CONTINUATION: dict[str, str] = {
+    "vllm": "continue_final_message",
+    "sglang": "continue_final_message",
+    "llama.cpp": "prefill",
+}
 
 
 class UpstreamConfig(Section):
@@ -134,6 +143,20 @@ class RegionConfig(Section):
         description="Path of the region's Prometheus endpoint, polled with load_reporting = "
         "'scrape'.",
     )
+    server: ServerKind = Field(
+        "generic",
+        description="What the region runs: 'generic', 'openai', 'vllm', 'sglang' or "
+        "'llama.cpp'; it decides how the region continues a broken stream (continuation).",
+    )
+    continuation: ContinuationMethod = Field(
+        "auto",
+        description="How this region continues a stream another region broke (routes' "
+        "continue_on_break): 'continue_final_message' (the partial answer as a final assistant "
+        "message with vLLM's switches), 'prefill' (the same without them, as llama.cpp "
+        "continues), 'reissue' (deterministic requests only: the original request again, the "
+        "text already sent skipped), 'off'; 'auto' picks from server (vllm and sglang: "
+        "continue_final_message, llama.cpp: prefill, others: off).",
+    )
 
     @field_validator("url")
     @classmethod
@@ -176,6 +199,24 @@ class RegionConfig(Section):
     def _check_model_aliases(cls, value: dict[str, str], info: ValidationInfo) -> dict[str, str]:
         # `models` is validated first (it is declared first); absent if it was invalid.
         return check_model_aliases(value, info.data.get("models"))
+
+    @field_validator("continuation")
+    @classmethod
+    def _check_continuation(cls, value: str, info: ValidationInfo) -> str:
+        # `server` is validated first (it is declared first); absent if it was invalid.
+        if info.data.get("server") == "openai" and value in ("continue_final_message", "prefill"):
+            raise ValueError(
+                f"{value!r} needs a server that continues a final assistant message; "
+                "OpenAI's API does not (use 'reissue' or 'off')"
+            )
+        return value
+
+    @property
+    def continuation_method(self) -> str:
+        """The continuation method in effect: ``continuation`` with ``auto`` resolved."""
+        if self.continuation == "auto":
+            return _AUTO_CONTINUATION.get(self.server, "off")
+        return self.continuation
 
     @field_validator("metrics_path")
     @classmethod
