@@ -78,8 +78,10 @@ def strip_hop_by_hop(
                 named.append(pair[1])
             continue
         out.append(pair)
-    if named or extra:
-        drop = connection_tokens(named) | set(extra)
+    # "Connection: keep-alive" (every HTTP/1.1 answer of nginx) names a header already
+    # dropped: a second pass only for names not dropped yet.
+    drop = (connection_tokens(named) - _RESPONSE_DROP if named else set()) | set(extra)
+    if drop:
         out = [pair for pair in out if pair[0].lower() not in drop]
     return out
 
