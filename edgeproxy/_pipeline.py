@@ -31,6 +31,7 @@ from edgeproxy._protocol.headers import request_id, trace_context
 from edgeproxy._stages.admission import AdmissionStage, Admitted, Overloaded
 from edgeproxy._stages.affinity import AffinityPlan
 from edgeproxy._stages.cache.stage import CacheRecorder, CacheStage
+from edgeproxy._stages.continuation import ContinuationStage
 from edgeproxy._stages.failover import (
     AttemptResponse,
     DeadlineExceeded,
@@ -101,8 +102,9 @@ class Pipeline:
         self.cache = CacheStage(config, plugins, fetch=self._refresh)
         self.upstream = UpstreamStage(config, plugins)
         self.failover = Failover(config, regions, self.upstream)
-        self.stream = StreamStage(plugins)
         self.fallback = FallbackStage(config, plugins)
+        self.continuation = ContinuationStage(self.router, self.failover, self.fallback)
+        self.stream = StreamStage(plugins, self.continuation)
         self.admission = AdmissionStage(config)
         self.models = ModelList(config, regions, self.failover)
         self.in_flight = 0
@@ -209,7 +211,8 @@ class Pipeline:
                     degraded = outcome.response
                     response = await self._send_degraded(request, ctx, degraded)
                     return response
-            # stream: relay chunk by chunk to the client.
+            # stream: relay chunk by chunk to the client; with the route's continue_on_break,
+            # a stream that breaks after tokens were sent goes on at another region.
             assert upstream is not None
             if plan is not None:
                 self.router.routed(plan, upstream.region)  # its KV cache now holds the prompt

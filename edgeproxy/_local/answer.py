@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -108,8 +109,12 @@ class LocalAnswer(web.StreamResponse):
         await self._generation.first_token()
 
     def abandon(self) -> None:
-        """Give up on this answer, started or not, if it was not sent; nothing is written."""
+        """Give up on this answer, started or not, if it was not sent; nothing is written.
+
+        An answer streamed through :meth:`events` stops at the next token."""
         if self._sent:
+            if self._generation is not None and not self.prepared:
+                self._generation.cancel()
             return
         if self._generation is not None:
             # The thread stops at its next token and then gives the slot back.
@@ -195,9 +200,18 @@ class LocalAnswer(web.StreamResponse):
     async def _stream(
         self, request: web.Request, ctx: RequestContext, generation: _Generation, head: AnswerHead
     ) -> None:
-        async def event(data: bytes) -> None:
+        ctx.response_is_sse = True
+        await self.prepare(request)
+        ctx.first_byte_at = time.monotonic()
+        async for data in self._events(generation, head):
             await self.write(data)
             ctx.bytes_out += len(data)
+            if self._client_gone(request):
+                raise ConnectionResetError("client disconnected")
+        await self.write_eof()
+
+    async def _events(self, generation: _Generation, head: AnswerHead) -> AsyncIterator[bytes]:
+        """The answer as SSE events, one per piece of text as the model produces it."""
 
         def piece(text: str | None, finish: str | None) -> bytes:
             if head.chat:
@@ -207,19 +221,39 @@ class LocalAnswer(web.StreamResponse):
                 choice = text_choice(0, text or "", finish)
             return sse_event(chunk(head, [choice]))
 
-        ctx.response_is_sse = True
-        await self.prepare(request)
-        ctx.first_byte_at = time.monotonic()
         if head.chat:
-            await event(
-                sse_event(chunk(head, [chat_chunk_choice(0, {"role": "assistant", "content": ""})]))
+            yield sse_event(
+                chunk(head, [chat_chunk_choice(0, {"role": "assistant", "content": ""})])
             )
         async for text in generation.texts():
-            await event(piece(text, None))
-            if self._client_gone(request):
-                raise ConnectionResetError("client disconnected")
-        await event(piece(None, generation.finish_reason))
+            yield piece(text, None)
+        yield piece(None, generation.finish_reason)
         if self.req.include_usage:
-            await event(sse_event(usage_chunk(head, self._usage(generation))))
-        await event(SSE_DONE)
-        await self.write_eof()
+            yield sse_event(usage_chunk(head, self._usage(generation)))
+        yield SSE_DONE
+
+    async def events(self, ctx: RequestContext) -> AsyncIterator[bytes]:
+        """Generate the streamed answer as SSE event bytes, written by the caller (a
+        continued stream splices them into its own); :meth:`abandon` stops it."""
+        if self._sent or (self._generation is None and self._slot is None):
+            raise RuntimeError("this answer was already sent or discarded")
+        self._sent = True
+        self.start()
+        generation = self._generation
+        assert generation is not None
+        model = self.model
+        head = AnswerHead(
+            completion_id(chat=self.req.chat), int(time.time()), model.model_name, self.req.chat
+        )
+        model.prompt_tokens_total += len(self.plan.tokens)
+        try:
+            async for data in self._events(generation, head):
+                yield data
+        except Exception:
+            model.errors_total += 1
+            raise
+        else:
+            model.answered_total += 1
+        finally:
+            generation.cancel()
+            model.completion_tokens_total += generation.completion_tokens

@@ -286,8 +286,11 @@ class LocalModel:
         if self._slots is not None and not self._closing:
             self._slots.put_nowait(slot)
 
-    async def answer(self, ctx: RequestContext) -> LocalAnswer:
+    async def answer(self, ctx: RequestContext, *, prefix: str = "") -> LocalAnswer:
         """Validate, queue for a slot and tokenize: an answer ready to be sent or discarded.
+
+        ``prefix`` is text the answer already begins with (a broken stream's partial
+        answer, for a chat request): the model goes on from it.
 
         Raises :class:`ProxyError`: 400 for bad input or a prompt that does
         not fit (``on_overflow = "refuse"``), 503 with Retry-After when the
@@ -297,6 +300,7 @@ class LocalModel:
             raise RuntimeError(f"the local model is {self.state}")
         self.requests_total += 1
         req = parse_generation_request(ctx.path, ctx.json)
+        req.prefix = prefix if req.chat else ""
         slot = await self._acquire()
         try:
             loop = asyncio.get_running_loop()

@@ -44,6 +44,10 @@ def prepare_prompt(config: LocalModelConfig, slot: _Slot, req: GenerationRequest
                 del messages[drop]
                 tokens, format_stop = _render(slot, messages)
         stop += [s for s in format_stop if s and s not in stop]
+        if req.prefix:
+            # The answer's start, after the template opened the assistant's turn.
+            tokens = tokens + llm.tokenize(req.prefix.encode("utf-8"), add_bos=False, special=False)
+            original = len(tokens)
     else:
         if isinstance(req.prompt, list):
             n_vocab = llm.n_vocab()

@@ -88,6 +88,9 @@ class GenerationRequest:
     sampling: dict[str, Any] = field(default_factory=dict)
     logit_bias: dict[int, float] = field(default_factory=dict)
     ignored: list[str] = field(default_factory=list)
+    # Text the answer already begins with (a continued stream's partial answer): the model
+    # goes on from it, and it is not sent again.
+    prefix: str = ""
 
 
 def _number(

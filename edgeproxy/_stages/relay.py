@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 from aiohttp.http_writer import StreamWriter
@@ -28,6 +28,7 @@ from edgeproxy._protocol.headers import strip_hop_by_hop
 from edgeproxy._protocol.models import ModelRewriter
 from edgeproxy._protocol.usage import UsageTracker
 from edgeproxy._stages.cache.stage import CacheRecorder
+from edgeproxy._stages.continuation import ContinuationStage, Leg, Splice
 from edgeproxy._stages.failover import AttemptResponse
 from edgeproxy._upstream.pool import UpstreamError
 from edgeproxy._upstream.regions import Region
@@ -49,8 +50,10 @@ class StreamStage:
     happened here.
     """
 
-    def __init__(self, plugins: Plugins) -> None:
+    def __init__(self, plugins: Plugins, continuation: ContinuationStage | None = None) -> None:
         self.plugins = plugins
+        # Continues a stream that breaks after tokens were sent (routes' continue_on_break).
+        self.continuation = continuation
         # Set when the proxy's grace period ended: a relay cancelled from then on
         # was cut by the shutdown, and tells its client so.
         self.shutting_down = False
@@ -93,25 +96,32 @@ class StreamStage:
         content_type = resp.headers.get("content-type", "")
         ctx.response_is_sse = content_type.startswith("text/event-stream")
         usage = UsageTracker.for_response(ctx.path, content_type, reply.status)
+        splice: Splice | None = None
+        if ctx.route.continue_on_break and self.continuation is not None:
+            splice = self.continuation.splice(ctx, reply.status, content_type)
         try:
             # Inside the try: the client may already be gone when headers go out.
             await resp.prepare(request)
             ctx.first_byte_at = time.monotonic()
-            await self._body(request, ctx, upstream, recorder, resp.write, usage)
+            if splice is None:
+                await self._body(
+                    request, ctx, self._chunks(ctx, upstream), recorder, resp.write, usage
+                )
+            else:
+                await self._spliced(request, ctx, upstream, recorder, resp, usage, splice)
             await resp.write_eof()
         except UpstreamError as exc:
             # Counted against the region by the attempt itself (AttemptResponse).
             # The detail (addresses, parser text) is logged, never sent to the client.
+            name = ctx.region or region.name
             ctx.error = f"upstream broke mid-body: {exc}"
-            logger.warning(
-                "request %s: region %s broke the stream: %s", ctx.request_id, region.name, exc
-            )
+            logger.warning("request %s: region %s broke the stream: %s", ctx.request_id, name, exc)
             await self._abort(
                 request,
                 resp,
                 502,
                 "upstream_error",
-                f"region {region.name} broke the stream",
+                f"region {name} broke the stream",
                 "upstream_stream_broken",
             )
             return resp
@@ -149,7 +159,7 @@ class StreamStage:
         Raises what breaks it: :class:`UpstreamError`, :class:`PluginError`.
         """
         await self._reply(None, ctx, upstream, recorder)
-        await self._body(None, ctx, upstream, recorder, None, None)
+        await self._body(None, ctx, self._chunks(ctx, upstream), recorder, None, None)
 
     async def _reply(
         self,
@@ -177,23 +187,80 @@ class StreamStage:
         ctx.status = reply.status
         return reply
 
-    async def _body(
-        self,
-        request: web.Request | None,
-        ctx: RequestContext,
-        upstream: AttemptResponse,
-        recorder: CacheRecorder | None,
-        write: Callable[[bytes], Awaitable[None]] | None,
-        usage: UsageTracker | None,
-    ) -> None:
-        """The one body loop: each chunk through the plugins, to the recorder and ``write``."""
-        transform = "edgeproxy_stream_chunk" in self.plugins.active
+    def _chunks(self, ctx: RequestContext, upstream: AttemptResponse) -> AsyncIterator[bytes]:
+        """The region's body, renamed back to the client's model if the region aliases it."""
         chunks = upstream.aiter_bytes()
         if ctx.model is not None:
             target = _alias(ctx, upstream.region)
             if target is not None:
                 # The region answered under its own name: the client sees its own again.
                 chunks = ModelRewriter(target, ctx.model).stream(chunks)
+        return chunks
+
+    async def _spliced(
+        self,
+        request: web.Request,
+        ctx: RequestContext,
+        upstream: AttemptResponse,
+        recorder: CacheRecorder | None,
+        resp: web.StreamResponse,
+        usage: UsageTracker | None,
+        splice: Splice,
+    ) -> None:
+        """The body with continuation on: whole events reach the client through ``splice``,
+        and a break after tokens were sent goes on at the next leg the continuation stage
+        finds. This stage owns each such leg (closed here); the first stays the caller's.
+
+        Raises the :class:`UpstreamError` of a break that could not be continued.
+        """
+        assert self.continuation is not None
+
+        async def write(chunk: bytes) -> None:
+            out = splice.feed(chunk)
+            if out:
+                await resp.write(out)
+
+        leg: Leg | None = None
+        source = upstream.region.name
+        chunks = self._chunks(ctx, upstream)
+        try:
+            while True:
+                try:
+                    await self._body(request, ctx, chunks, recorder, write, usage)
+                    break
+                except UpstreamError:
+                    # The broken leg is let go of now, its region's slot with it.
+                    if leg is not None:
+                        await leg.close()
+                        leg = None
+                    else:
+                        await upstream.aclose()
+                    leg = await self.continuation.next_leg(request, ctx, splice, source)
+                    if leg is None:
+                        raise
+                    # A spliced answer is not stored; its own usage is the legs' sum.
+                    source, chunks, recorder, usage = leg.name, leg.chunks, None, None
+            if splice.continued:
+                tail = splice.finish()
+                if tail:
+                    await resp.write(tail)
+                    ctx.bytes_out += len(tail)
+                ctx.usage = splice.usage()
+        finally:
+            if leg is not None:
+                await leg.close()
+
+    async def _body(
+        self,
+        request: web.Request | None,
+        ctx: RequestContext,
+        chunks: AsyncIterator[bytes],
+        recorder: CacheRecorder | None,
+        write: Callable[[bytes], Awaitable[None]] | None,
+        usage: UsageTracker | None,
+    ) -> None:
+        """The one body loop: each chunk through the plugins, to the recorder and ``write``."""
+        transform = "edgeproxy_stream_chunk" in self.plugins.active
         async for chunk in chunks:
             if usage is not None:
                 usage.feed(chunk)
