@@ -1,25 +1,34 @@
-"""The ``edgeproxy`` command: serve, check-config, demo, config-docs."""
+"""The ``edgeproxy`` command: serve, check-config, demo, config-docs (and the hidden
+``_worker`` that ``serve --workers N`` starts)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import ctypes
 import logging
 import os
+import signal
 import sys
 from collections.abc import Callable, Coroutine, Sequence
+from pathlib import Path
 from typing import Any
+
+import orjson
 
 from edgeproxy._core.config import (
     Config,
     ConfigError,
     config_docs_markdown,
-    config_from_mapping,
     load_config,
 )
 from edgeproxy._core.version import __version__
 
 __all__ = ["main"]
+
+# prctl(2): the signal a process gets when its parent dies (Linux).
+_PR_SET_PDEATHSIG = 1
 
 
 def _run(coro_fn: Callable[[], Coroutine[Any, Any, int]]) -> int:
@@ -35,10 +44,12 @@ def _run(coro_fn: Callable[[], Coroutine[Any, Any, int]]) -> int:
         return runner.run(coro_fn())
 
 
-def _setup_logging(level: str) -> None:
+def _setup_logging(level: str, *, process: bool = False) -> None:
+    # Under the supervisor several processes share stderr: each line names its process.
+    where = "[%(process)d] " if process else ""
     logging.basicConfig(
         level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        format=f"%(asctime)s {where}%(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
 
@@ -50,6 +61,7 @@ def _apply_flags(config: Config, args: argparse.Namespace) -> Config:
         ("server", "host"): args.host,
         ("server", "port"): args.port,
         ("server", "grace_period"): args.grace_period,
+        ("server", "workers"): getattr(args, "workers", None),
         ("admin", "host"): args.admin_host,
         ("admin", "port"): args.admin_port,
         ("pop", "name"): args.pop_name,
@@ -57,7 +69,7 @@ def _apply_flags(config: Config, args: argparse.Namespace) -> Config:
     for (section, key), value in overrides.items():
         if value is not None:
             data[section][key] = value
-    return config_from_mapping(data, environ={})
+    return Config.from_mapping(data, environ={}, base_dir=config.base_dir)
 
 
 def _add_listener_flags(parser: argparse.ArgumentParser) -> None:
@@ -72,14 +84,43 @@ def _add_listener_flags(parser: argparse.ArgumentParser) -> None:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from edgeproxy._server.app import serve
+    from edgeproxy._server.supervisor import Supervisor
 
-    _setup_logging(args.log_level)
+    def load() -> Config:
+        return _apply_flags(load_config(args.config), args)
+
     try:
-        config = _apply_flags(load_config(args.config), args)
+        config = load()
     except ConfigError as exc:
         print(f"edgeproxy: {exc}", file=sys.stderr)
         return 2
+    if config.server.worker_count() > 1:
+        _setup_logging(args.log_level, process=True)
+        supervisor = Supervisor(config, load, log_level=args.log_level)
+        return _run(supervisor.run)
+    _setup_logging(args.log_level)
     return _run(lambda: serve(config))
+
+
+def _follow_supervisor(pid: int) -> bool:
+    """Have the kernel send SIGTERM (a drain) when the supervisor dies, however it dies,
+    so that no worker outlives it; False if it is gone already."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    return os.getppid() == pid
+
+
+def _cmd_worker(args: argparse.Namespace) -> int:
+    from edgeproxy._server.app import serve
+
+    _setup_logging(args.log_level, process=True)
+    if not _follow_supervisor(args.supervisor_pid):
+        return 1
+    path = Path(args.config_json)
+    data = orjson.loads(path.read_bytes())
+    config = Config.from_mapping(data, environ={}, base_dir=data.pop("base_dir", None))
+    return _run(lambda: serve(config, admin_socket=args.admin_socket))
 
 
 def _cmd_check_config(args: argparse.Namespace) -> int:
@@ -115,12 +156,23 @@ def build_parser() -> argparse.ArgumentParser:
         description="Edge-to-region reverse proxy for OpenAI-compatible LLM APIs and plain HTTP.",
     )
     parser.add_argument("--version", action="version", version=f"edgeproxy {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="{serve,check-config,config-docs,demo}"
+    )
 
     serve = sub.add_parser("serve", help="run the proxy from a TOML config file")
     serve.add_argument("--config", required=True, help="path to the TOML config")
     _add_listener_flags(serve)
+    serve.add_argument("--workers", help="[server] workers: a number, or 'auto' (one per core)")
     serve.set_defaults(func=_cmd_serve)
+
+    # Started by the supervisor of `serve --workers N`; not for people.
+    worker = sub.add_parser("_worker")
+    worker.add_argument("--config-json", required=True)
+    worker.add_argument("--admin-socket", required=True)
+    worker.add_argument("--log-level", default="info")
+    worker.add_argument("--supervisor-pid", type=int, required=True)
+    worker.set_defaults(func=_cmd_worker)
 
     check = sub.add_parser("check-config", help="validate a config file and list every error")
     check.add_argument("file")

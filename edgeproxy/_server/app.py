@@ -350,8 +350,12 @@ class EdgeProxy:
         starts with ``prefix`` (``""``: all). Returns how many went."""
         return await self.pipeline.cache.purge(key=key, prefix=prefix, tenant=tenant)
 
-    async def start(self) -> None:
-        """Listen on ``[server]`` and, when enabled, ``[admin]``; returns once both listen."""
+    async def start(self, *, admin_socket: str | None = None) -> None:
+        """Listen on ``[server]`` and, when enabled, ``[admin]``; returns once both listen.
+
+        ``admin_socket``: serve the admin app on this Unix socket instead of ``[admin]``'s
+        address (a worker under the supervisor, which owns the admin port).
+        """
         server = self.config.server
         self._runner = web.AppRunner(
             self.app,
@@ -372,10 +376,16 @@ class EdgeProxy:
             reuse_port=server.reuse_port,
         )
         await site.start()
-        if self.config.admin.enabled:
+        if admin_socket is not None or self.config.admin.enabled:
             self._admin_runner = web.AppRunner(self.admin_app, access_log=None)
             await self._admin_runner.setup()
-            admin = web.TCPSite(self._admin_runner, self.config.admin.host, self.config.admin.port)
+            admin: web.BaseSite
+            if admin_socket is not None:
+                admin = web.UnixSite(self._admin_runner, admin_socket)
+            else:
+                admin = web.TCPSite(
+                    self._admin_runner, self.config.admin.host, self.config.admin.port
+                )
             await admin.start()
         logger.info("edgeproxy %s listening on %s", self.config.pop.name, self.url)
 
@@ -460,7 +470,10 @@ PROXY_KEY = web.AppKey("edgeproxy.proxy", EdgeProxy)
 def _runner_url(runner: web.AppRunner | None) -> str:
     if runner is None or not runner.addresses:
         raise RuntimeError("not listening")
-    host, port = runner.addresses[0][:2]
+    address = runner.addresses[0]
+    if isinstance(address, str):  # a Unix socket
+        return f"unix:{address}"
+    host, port = address[:2]
     if ":" in host:
         host = f"[{host}]"
     return f"http://{host}:{port}"
@@ -470,10 +483,13 @@ def _runner_url(runner: web.AppRunner | None) -> str:
 _GC_YOUNG_THRESHOLD = 7000
 
 
-async def serve(config: Config) -> int:
-    """Run until SIGTERM or SIGINT, then drain. Returns the process exit code."""
+async def serve(config: Config, *, admin_socket: str | None = None) -> int:
+    """Run until SIGTERM or SIGINT, then drain. Returns the process exit code.
+
+    ``admin_socket`` is for a worker under the supervisor (see :meth:`EdgeProxy.start`).
+    """
     proxy = EdgeProxy(config)
-    await proxy.start()
+    await proxy.start(admin_socket=admin_socket)
     # Garbage collector tuning for a serving process (embedding apps keep their own).
     # What start-up built (modules, config, plugins, the apps) lives as long as the
     # process: frozen, it is left out of the full passes, which otherwise walk all of
@@ -488,11 +504,22 @@ async def serve(config: Config) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    # A reload is the supervisor's: it starts workers on the new config and drains these.
+    # A lone process keeps serving rather than die of SIGHUP's default action.
+    loop.add_signal_handler(signal.SIGHUP, _no_reload, admin_socket is not None)
     try:
         await stop.wait()
         logger.info("draining for up to %.1fs", config.server.grace_period)
         await proxy.stop()
     finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(sig)
     return 0
+
+
+def _no_reload(worker: bool) -> None:
+    if not worker:
+        logger.warning(
+            "SIGHUP: a single process does not reload its config; run with [server] workers "
+            ">= 2 (the supervisor reloads by starting new workers) or restart"
+        )

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+import os
+from typing import Literal
+
+from pydantic import Field, field_validator
 
 from edgeproxy._core.config.base import Section
 
@@ -42,6 +45,29 @@ class ServerConfig(Section):
             "the port and the kernel spreads connections; give each its own admin port."
         ),
     )
+    workers: int | Literal["auto"] = Field(
+        1,
+        description=(
+            "Worker processes sharing the port (SO_REUSEPORT) under one supervisor that owns "
+            "the admin listener and restarts a worker that dies; 'auto' is one per usable core. "
+            "1 serves from this one process."
+        ),
+    )
+
+    @field_validator("workers", mode="before")
+    @classmethod
+    def _check_workers(cls, value: object) -> object:
+        if isinstance(value, str) and value.strip().isdigit():
+            value = int(value)
+        if value == "auto" or (type(value) is int and value >= 1):
+            return value
+        raise ValueError("must be a whole number of at least 1, or 'auto'")
+
+    def worker_count(self) -> int:
+        """``workers`` as a number: ``auto`` is the cores this process may run on."""
+        if self.workers == "auto":
+            return max(1, len(os.sched_getaffinity(0)))
+        return self.workers
 
 
 class AdminConfig(Section):

@@ -1,0 +1,589 @@
+"""``edgeproxy serve --workers N``: one supervisor process, N workers sharing the port.
+
+The workers are ``edgeproxy`` processes that bind the client port with SO_REUSEPORT, so
+the kernel spreads connections over them. Each serves its admin app on a private Unix
+socket in a directory only this user can open; the supervisor owns the one admin port
+and answers it from theirs (``/status`` and ``/readyz`` summed, ``/metrics`` from
+prometheus-client's multiprocess files, which any worker sums).
+
+The supervisor restarts a worker that dies, after a pause that doubles while workers
+keep dying young. SIGTERM or SIGINT drains every worker (the supervisor exits 0 when all
+drained in their grace period). SIGHUP, or ``POST /reload`` on the admin port, reloads
+the way nginx does: the config is read and checked again, new workers start on it and
+take connections once they listen (their pools are warm by then), and the old ones
+drain; a config that does not load leaves the running workers as they are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+from prometheus_client.multiprocess import mark_process_dead
+
+from edgeproxy._core.config import Config, ConfigError
+from edgeproxy._core.errors import error_response
+from edgeproxy._observability.multiprocess import multiprocess_dir
+from edgeproxy._observability.statuspage import StatusPage
+
+__all__ = ["Supervisor", "WORKER_COMMAND"]
+
+logger = logging.getLogger("edgeproxy.supervisor")
+
+# The hidden subcommand a worker runs (see edgeproxy._cli).
+WORKER_COMMAND = "_worker"
+
+# How long a new worker may take to listen (the pools open and warm before that).
+_START_TIMEOUT = 60.0
+# A worker that lived at least this long died of something new: its pause starts over.
+_STABLE_AFTER = 10.0
+_BACKOFF_FIRST = 0.5
+_BACKOFF_MAX = 30.0
+# Seconds a worker's admin socket gets to answer the supervisor.
+_ASK_TIMEOUT = 5.0
+# Past the workers' own grace period: what they need to cut the last streams and exit.
+_EXIT_MARGIN = 15.0
+
+# The counters and gauges of a region that add up over workers (the rest, such as the
+# latency estimates and the health of a region, are each worker's own view).
+_REGION_SUMS = (
+    "in_flight",
+    "pending",
+    "requests_total",
+    "errors_total",
+    "retries_total",
+    "hedges_total",
+)
+_POOL_SUMS = ("connections_open", "streams_in_use", "requests_total")
+
+
+@dataclass
+class Worker:
+    """One worker process and what the supervisor knows of it."""
+
+    index: int
+    generation: int
+    socket: str
+    process: asyncio.subprocess.Process | None = None
+    started_at: float = 0.0
+    restarts: int = 0
+    failures: int = 0
+    last_exit: str | None = None
+    retiring: bool = False
+    watcher: asyncio.Task[None] | None = field(default=None, repr=False)
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.returncode is None
+
+
+def _exit_reason(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _reserve_port(host: str, port: int) -> socket.socket:
+    """A socket bound to the client address with SO_REUSEPORT, never listening.
+
+    It checks the address before any worker starts, and it pins port 0's pick, so that
+    every worker binds the same port; the kernel gives connections to listening sockets
+    only, so it takes none.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+class Supervisor:
+    """Runs ``config.server.workers`` workers until SIGTERM; see the module docstring.
+
+    ``load`` reads the config again for a reload (the file and the command-line flags);
+    it raises :class:`~edgeproxy.ConfigError` for a config that does not load.
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        load: Callable[[], Config],
+        *,
+        log_level: str = "info",
+        python: Sequence[str] = (sys.executable, "-m", "edgeproxy"),
+    ) -> None:
+        self.config = config
+        self._load = load
+        self._log_level = log_level
+        self._python = tuple(python)
+        self._dir = ""
+        self._metrics_dir: str | None = None
+        self._port = config.server.port
+        self._generation = 0
+        self._workers: list[Worker] = []
+        self._stopping = False
+        self._stop = asyncio.Event()
+        self._reload_lock = asyncio.Lock()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.last_reload: dict[str, Any] | None = None
+        self.started_at = time.time()
+        self.admin_url = ""
+
+    # -- the run -----------------------------------------------------------
+
+    async def run(self) -> int:
+        """Serve until SIGTERM or SIGINT, then drain every worker. The exit code."""
+        server = self.config.server
+        try:
+            reserved = _reserve_port(server.host, server.port)
+        except OSError as exc:
+            logger.error("server.port: cannot bind %s:%d: %s", server.host, server.port, exc)
+            return 2
+        self._port = reserved.getsockname()[1]
+        self._dir = tempfile.mkdtemp(prefix="edgeproxy-")  # mode 0700: this user only
+        self._metrics_dir = multiprocess_dir() or os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        if not self._metrics_dir:
+            self._metrics_dir = os.path.join(self._dir, "metrics")
+            os.mkdir(self._metrics_dir)
+        runner = web.AppRunner(self._admin_app(), access_log=None)
+        loop = asyncio.get_running_loop()
+        signals = {signal.SIGTERM: self._stop.set, signal.SIGINT: self._stop.set}
+        signals[signal.SIGHUP] = self._reload_in_background
+        try:
+            await runner.setup()
+            admin = self.config.admin
+            site = web.TCPSite(runner, admin.host, admin.port)
+            await site.start()
+            host, port = runner.addresses[0][:2]
+            self.admin_url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+            for sig, handler in signals.items():
+                loop.add_signal_handler(sig, handler)
+            self._generation = 1
+            started = await self._start_generation(self.config, self._generation)
+            if not started:
+                logger.error("the workers did not start; see their log above")
+                return 1
+            logger.info(
+                "edgeproxy supervisor: %d workers serving on http://%s:%d; admin on %s",
+                len(self._workers),
+                server.host,
+                self._port,
+                self.admin_url,
+            )
+            await self._stop.wait()
+            return await self._drain()
+        finally:
+            for sig in signals:
+                loop.remove_signal_handler(sig)
+            await runner.cleanup()
+            for task in list(self._tasks):
+                task.cancel()
+            for worker in self._workers:
+                if worker.alive and worker.process is not None:
+                    worker.process.kill()
+            reserved.close()
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+    async def _drain(self) -> int:
+        """SIGTERM to every worker; 0 when all exited cleanly within the grace period."""
+        self._stopping = True
+        grace = self.config.server.grace_period
+        logger.info("draining %d workers for up to %.1fs", len(self._workers), grace)
+        workers = [w for w in self._workers if w.alive]
+        for worker in workers:
+            self._signal(worker, signal.SIGTERM)
+        codes = await self._wait_exit(workers, grace + _EXIT_MARGIN)
+        clean = all(code == 0 for code in codes)
+        logger.info("workers stopped: %s", "all drained" if clean else f"exit codes {codes}")
+        return 0 if clean else 1
+
+    async def _wait_exit(self, workers: list[Worker], timeout: float) -> list[int | None]:
+        procs = [w.process for w in workers if w.process is not None]
+        waits = [asyncio.ensure_future(p.wait()) for p in procs]
+        if waits:
+            await asyncio.wait(waits, timeout=timeout)
+        for proc in procs:
+            if proc.returncode is None:
+                logger.warning("worker pid %d did not exit in time; killing it", proc.pid)
+                proc.kill()
+        for wait in waits:
+            wait.cancel()
+        return [p.returncode for p in procs]
+
+    # -- workers ------------------------------------------------------------
+
+    def _worker_config(self, config: Config, generation: int) -> str:
+        """The worker's config, as JSON in the private directory: the port fixed, shared."""
+        data = config.model_dump(mode="json")
+        data["server"].update(port=self._port, reuse_port=True, workers=1)
+        data["admin"]["enabled"] = False
+        if config.base_dir is not None:
+            data["base_dir"] = str(config.base_dir)
+        path = os.path.join(self._dir, f"config-{generation}.json")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(orjson.dumps(data))
+        return path
+
+    async def _start_generation(self, config: Config, generation: int) -> bool:
+        """Start ``config``'s workers and wait until each listens; False (and none left
+        running) when one does not."""
+        path = self._worker_config(config, generation)
+        workers = [
+            Worker(index, generation, os.path.join(self._dir, f"worker-{generation}-{index}.sock"))
+            for index in range(config.server.worker_count())
+        ]
+        for worker in workers:
+            await self._spawn(worker, path)
+        listening = await asyncio.gather(*(self._until_listening(w) for w in workers))
+        if not all(listening):
+            for worker in workers:
+                if worker.alive and worker.process is not None:
+                    worker.process.kill()
+                    await worker.process.wait()
+            return False
+        for worker in workers:
+            worker.watcher = self._keep(self._watch(worker, path))
+        self._workers.extend(workers)
+        return True
+
+    async def _spawn(self, worker: Worker, config_path: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(worker.socket)
+        env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=self._metrics_dir or "")
+        worker.process = await asyncio.create_subprocess_exec(
+            *self._python,
+            WORKER_COMMAND,
+            "--config-json",
+            config_path,
+            "--admin-socket",
+            worker.socket,
+            "--log-level",
+            self._log_level,
+            "--supervisor-pid",
+            str(os.getpid()),
+            env=env,
+            stdin=asyncio.subprocess.DEVNULL,
+        )
+        worker.started_at = time.monotonic()
+
+    async def _until_listening(self, worker: Worker) -> bool:
+        """Whether the worker's admin socket answers before it exits or the time is up."""
+        deadline = time.monotonic() + _START_TIMEOUT
+        while time.monotonic() < deadline:
+            if not worker.alive:
+                assert worker.process is not None and worker.process.returncode is not None
+                logger.error(
+                    "worker %d (pid %s) %s while starting",
+                    worker.index,
+                    worker.pid,
+                    _exit_reason(worker.process.returncode),
+                )
+                return False
+            if await self._ask(worker, "GET", "/healthz") is not None:
+                return True
+            await asyncio.sleep(0.05)
+        logger.error(
+            "worker %d (pid %s) did not listen within %.0fs",
+            worker.index,
+            worker.pid,
+            _START_TIMEOUT,
+        )
+        return False
+
+    async def _watch(self, worker: Worker, config_path: str) -> None:
+        """Restart the worker whenever it dies, unless it was asked to stop."""
+        while True:
+            assert worker.process is not None
+            code = await worker.process.wait()
+            pid = worker.process.pid
+            if self._metrics_dir:
+                # Its live gauges must leave the sums (a clean exit does this itself).
+                with contextlib.suppress(OSError):
+                    await asyncio.to_thread(mark_process_dead, pid, self._metrics_dir)
+            if self._stopping or worker.retiring:
+                self._forget(worker)
+                return
+            worker.last_exit = _exit_reason(code)
+            lived = time.monotonic() - worker.started_at
+            worker.failures = 1 if lived >= _STABLE_AFTER else worker.failures + 1
+            pause = min(_BACKOFF_MAX, _BACKOFF_FIRST * 2 ** (worker.failures - 1))
+            logger.warning(
+                "worker %d (pid %d) %s after %.1fs; restarting it in %.1fs",
+                worker.index,
+                pid,
+                worker.last_exit,
+                lived,
+                pause,
+            )
+            await asyncio.sleep(pause)
+            if self._stopping or worker.retiring:
+                self._forget(worker)
+                return
+            worker.restarts += 1
+            await self._spawn(worker, config_path)
+
+    def _forget(self, worker: Worker) -> None:
+        if worker in self._workers and worker.retiring:
+            self._workers.remove(worker)
+
+    def _signal(self, worker: Worker, sig: signal.Signals) -> None:
+        if worker.alive and worker.process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                worker.process.send_signal(sig)
+
+    def _keep(self, coro: Any) -> asyncio.Task[Any]:
+        task: asyncio.Task[Any] = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # -- reload ---------------------------------------------------------------
+
+    def _reload_in_background(self) -> None:
+        self._keep(self.reload())
+
+    async def reload(self) -> dict[str, Any]:
+        """Read the config again and, when it loads, replace the workers with new ones.
+
+        Returns what happened: ``{"reloaded": True, "generation": n}`` or
+        ``{"reloaded": False, "errors": [...]}`` (the running workers are untouched).
+        """
+        async with self._reload_lock:
+            result = await self._reload()
+            self.last_reload = dict(result, at=time.time())
+            return result
+
+    async def _reload(self) -> dict[str, Any]:
+        if self._stopping:
+            return {"reloaded": False, "errors": ["the supervisor is shutting down"]}
+        try:
+            config = await asyncio.to_thread(self._load)
+        except ConfigError as exc:
+            errors = [str(exc)]
+            logger.error("reload refused, the running config stays: %s", exc)
+            return {"reloaded": False, "errors": errors}
+        moved = [
+            f"{key}: listener address changes need a restart"
+            for key, old, new in (
+                ("server.host", self.config.server.host, config.server.host),
+                ("server.port", self.config.server.port, config.server.port),
+                ("admin.host", self.config.admin.host, config.admin.host),
+                ("admin.port", self.config.admin.port, config.admin.port),
+            )
+            if old != new
+        ]
+        if moved:
+            logger.error("reload refused, the running config stays: %s", "; ".join(moved))
+            return {"reloaded": False, "errors": moved}
+        old = [w for w in self._workers if not w.retiring]
+        generation = self._generation + 1
+        if not await self._start_generation(config, generation):
+            message = "the new workers did not start; the running ones stay (see the log)"
+            logger.error("reload refused: %s", message)
+            return {"reloaded": False, "errors": [message]}
+        self._generation = generation
+        self.config = config
+        for worker in old:
+            worker.retiring = True
+            self._signal(worker, signal.SIGTERM)
+        logger.info(
+            "reloaded: generation %d serving, %d old workers draining", generation, len(old)
+        )
+        return {"reloaded": True, "generation": generation}
+
+    # -- the admin port ---------------------------------------------------------
+
+    async def _ask(
+        self, worker: Worker, method: str, path: str, **kwargs: Any
+    ) -> tuple[int, bytes, str] | None:
+        """A request to a worker's admin socket: (status, body, content type), None when it
+        does not answer."""
+        try:
+            connector = aiohttp.UnixConnector(path=worker.socket)
+            timeout = aiohttp.ClientTimeout(total=_ASK_TIMEOUT)
+            async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+                async with session.request(method, "http://worker" + path, **kwargs) as resp:
+                    return resp.status, await resp.read(), resp.content_type
+        except (TimeoutError, aiohttp.ClientError, OSError):
+            return None
+
+    def _serving(self) -> list[Worker]:
+        return [w for w in self._workers if w.alive and not w.retiring]
+
+    async def _ask_all(self, method: str, path: str, **kwargs: Any) -> list[Any]:
+        workers = self._serving()
+        answers = await asyncio.gather(*(self._ask(w, method, path, **kwargs) for w in workers))
+        return list(zip(workers, answers, strict=True))
+
+    async def status(self) -> dict[str, Any]:
+        """The admin ``/status``: the first worker's, with what adds up summed over all,
+        and a ``workers`` list."""
+        statuses: list[tuple[Worker, dict[str, Any] | None]] = []
+        for worker, answer in await self._ask_all("GET", "/status"):
+            body = orjson.loads(answer[1]) if answer is not None and answer[0] == 200 else None
+            statuses.append((worker, body))
+        found = [s for _, s in statuses if s is not None]
+        merged: dict[str, Any] = dict(found[0]) if found else {"pop": self.config.pop.name}
+        merged["in_flight"] = sum(s.get("in_flight", 0) for s in found)
+        merged["ready"] = any(s.get("ready") for s in found)
+        merged["regions"] = _sum_regions([s.get("regions") or [] for s in found])
+        merged["supervisor"] = {
+            "pid": os.getpid(),
+            "uptime_s": round(time.time() - self.started_at, 3),
+            "generation": self._generation,
+            "workers": len(self._serving()),
+            "last_reload": self.last_reload,
+        }
+        merged["workers"] = [
+            {
+                "index": worker.index,
+                "generation": worker.generation,
+                "pid": worker.pid,
+                "restarts": worker.restarts,
+                "last_exit": worker.last_exit,
+                "answering": body is not None,
+                "ready": bool(body and body.get("ready")),
+                "in_flight": body.get("in_flight") if body else None,
+                "requests_total": (
+                    sum(r.get("requests_total", 0) for r in body.get("regions") or [])
+                    if body
+                    else None
+                ),
+            }
+            for worker, body in statuses
+        ]
+        return merged
+
+    def _admin_app(self) -> web.Application:
+        async def healthz(request: web.Request) -> web.Response:
+            alive = len(self._serving())
+            return _json({"status": "ok" if alive else "no workers", "workers": alive}, alive > 0)
+
+        async def readyz(request: web.Request) -> web.Response:
+            workers = []
+            for worker, answer in await self._ask_all("GET", "/readyz"):
+                ready = answer is not None and answer[0] == 200
+                body = orjson.loads(answer[1]) if answer is not None else None
+                workers.append(
+                    {"index": worker.index, "pid": worker.pid, "ready": ready, "detail": body}
+                )
+            ready = any(w["ready"] for w in workers)
+            return _json({"ready": ready, "workers": workers}, ready)
+
+        async def status(request: web.Request) -> web.Response:
+            return _json(await self.status(), True)
+
+        async def metrics(request: web.Request) -> web.Response:
+            # Any worker serves the sum over all of them (multiprocess mode).
+            headers = {"Accept": request.headers.get("Accept", "*/*")}
+            for worker in self._serving():
+                answer = await self._ask(worker, "GET", "/metrics", headers=headers)
+                if answer is not None and answer[0] == 200:
+                    status_, body, content_type = answer
+                    return web.Response(
+                        body=body, headers={"Content-Type": _full_type(content_type)}
+                    )
+            return error_response(503, "server_error", "no worker answered", code="no_worker")
+
+        async def purge(request: web.Request) -> web.Response:
+            body = await request.read()
+            purged = 0
+            answered = 0
+            last: tuple[int, bytes, str] | None = None
+            for _, answer in await self._ask_all(
+                "POST",
+                "/cache/purge",
+                data=body,
+                params=request.query,
+                headers={"Content-Type": request.headers.get("Content-Type", "application/json")},
+            ):
+                if answer is None:
+                    continue
+                last = answer
+                if answer[0] == 200:
+                    answered += 1
+                    purged += int(orjson.loads(answer[1]).get("purged", 0))
+            if answered == 0 and last is not None:
+                return web.Response(status=last[0], body=last[1], content_type="application/json")
+            return _json({"purged": purged, "workers": answered}, True)
+
+        async def reload(request: web.Request) -> web.Response:
+            result = await self.reload()
+            if result["reloaded"]:
+                return _json(result, True)
+            return error_response(
+                409, "invalid_request_error", "; ".join(result["errors"]), code="reload_refused"
+            )
+
+        app = web.Application()
+        app.router.add_get("/healthz", healthz)
+        app.router.add_get("/readyz", readyz)
+        app.router.add_get("/status", status)
+        app.router.add_get("/metrics", metrics)
+        app.router.add_post("/cache/purge", purge)
+        app.router.add_post("/reload", reload)
+        app.router.add_get("/", StatusPage().handle)
+        return app
+
+
+def _json(data: Any, ok: bool) -> web.Response:
+    return web.Response(
+        status=200 if ok else 503, body=orjson.dumps(data), content_type="application/json"
+    )
+
+
+def _full_type(content_type: str) -> str:
+    if content_type.startswith("text/plain"):
+        return "text/plain; version=0.0.4; charset=utf-8"
+    if content_type.startswith("application/openmetrics-text"):
+        return "application/openmetrics-text; version=1.0.0; charset=utf-8"
+    return content_type
+
+
+def _sum_regions(per_worker: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The first worker's region entries, with the counters and gauges that add up summed
+    over every worker, and ``share`` recomputed from the summed requests."""
+    merged: dict[str, dict[str, Any]] = {}
+    for regions in per_worker:
+        for region in regions:
+            name = str(region.get("name"))
+            if name not in merged:
+                merged[name] = dict(region)
+                merged[name]["pool"] = dict(region.get("pool") or {})
+                continue
+            into = merged[name]
+            for key in _REGION_SUMS:
+                into[key] = into.get(key, 0) + region.get(key, 0)
+            pool = region.get("pool") or {}
+            for key in _POOL_SUMS:
+                into["pool"][key] = into["pool"].get(key, 0) + pool.get(key, 0)
+    total = sum(r.get("requests_total", 0) for r in merged.values())
+    for region in merged.values():
+        region["share"] = round(region.get("requests_total", 0) / total, 4) if total else 0.0
+    return list(merged.values())

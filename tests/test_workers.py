@@ -1,0 +1,308 @@
+"""``edgeproxy serve --workers N``: the supervisor and its workers, run as real processes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import signal
+import socket
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from edgeproxy import Config, ConfigError
+
+from .conftest import RegionFactory
+
+CHAT = "/v1/chat/completions"
+BODY = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
+STREAM = {**BODY, "stream": True}
+
+_SERVING = re.compile(r"serving on (http://\S+); admin on (http://\S+)")
+
+
+@dataclass
+class Supervised:
+    proc: asyncio.subprocess.Process
+    url: str = ""
+    admin: str = ""
+    log: list[str] = field(default_factory=list)
+
+    async def status(self) -> dict[str, Any]:
+        async with aiohttp.ClientSession() as client:
+            async with client.get(self.admin + "/status") as resp:
+                assert resp.status == 200
+                data: dict[str, Any] = await resp.json()
+                return data
+
+    async def until(self, predicate: Any, what: str) -> dict[str, Any]:
+        for _ in range(600):
+            status = await self.status()
+            if predicate(status):
+                return status
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"{what}; log:\n" + "".join(self.log[-40:]))
+
+
+def write_config(path: Path, regions: list[tuple[str, str]], **server: Any) -> None:
+    settings = {"host": '"127.0.0.1"', "port": 0, "workers": 2, "grace_period": 20.0}
+    settings.update(server)
+    lines = ["[server]", *(f"{k} = {v}" for k, v in settings.items())]
+    lines += ["[admin]", 'host = "127.0.0.1"', "port = 0"]
+    for name, url in regions:
+        lines += ["[[regions]]", f'name = "{name}"', f'url = "{url}"']
+    path.write_text("\n".join(lines) + "\n")
+
+
+@contextlib.asynccontextmanager
+async def supervise(config: Path) -> AsyncIterator[Supervised]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "edgeproxy",
+        "serve",
+        "--config",
+        str(config),
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    run = Supervised(proc)
+    started = asyncio.get_running_loop().create_future()
+
+    async def read() -> None:
+        assert proc.stderr is not None
+        async for raw in proc.stderr:
+            line = raw.decode(errors="replace")
+            run.log.append(line)
+            match = _SERVING.search(line)
+            if match and not started.done():
+                started.set_result(match.groups())
+        if not started.done():
+            started.set_exception(AssertionError("exited:\n" + "".join(run.log)))
+
+    reader = asyncio.create_task(read())
+    try:
+        run.url, run.admin = await asyncio.wait_for(started, 120)
+        yield run
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        await asyncio.wait_for(reader, 30)
+
+
+async def post_new_connection(url: str) -> int:
+    """A request on a connection of its own, so the kernel picks a worker for each."""
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(connector=connector) as client:
+        async with client.post(url + CHAT, json=BODY) as resp:
+            await resp.read()
+            return resp.status
+
+
+async def test_two_workers_share_the_port_and_the_admin_port_sums_them(
+    tmp_path: Path, make_region: RegionFactory
+) -> None:
+    region = await make_region("ap-1")
+    config = tmp_path / "edge.toml"
+    write_config(config, [("ap-1", region.url)])
+    async with supervise(config) as run:
+        statuses = [await post_new_connection(run.url) for _ in range(40)]
+        assert statuses == [200] * 40
+
+        status = await run.until(
+            lambda s: sum(w["requests_total"] or 0 for w in s["workers"]) == 40,
+            "the workers' counts did not add up",
+        )
+        workers = status["workers"]
+        assert len(workers) == 2
+        assert len({w["pid"] for w in workers}) == 2
+        assert os.getpid() not in {w["pid"] for w in workers}
+        # The kernel spreads 40 connections over both (all on one: a 2 ** -39 chance).
+        assert all(w["requests_total"] > 0 for w in workers)
+        assert status["regions"][0]["requests_total"] == 40
+        assert status["supervisor"]["workers"] == 2
+
+        async with aiohttp.ClientSession() as client:
+            async with client.get(run.admin + "/healthz") as resp:
+                assert resp.status == 200
+            async with client.get(run.admin + "/readyz") as resp:
+                assert resp.status == 200
+                ready = await resp.json()
+                assert [w["ready"] for w in ready["workers"]] == [True, True]
+            async with client.get(run.admin + "/metrics") as resp:
+                assert resp.status == 200
+                text = await resp.text()
+        counts = [
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("edgeproxy_request_duration_seconds_count{")
+        ]
+        assert sum(counts) == 40
+
+        run.proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(run.proc.wait(), 60) == 0
+
+
+async def test_a_killed_worker_is_restarted_and_the_other_one_serves_on(
+    tmp_path: Path, make_region: RegionFactory
+) -> None:
+    region = await make_region("ap-1")
+    config = tmp_path / "edge.toml"
+    write_config(config, [("ap-1", region.url)])
+    async with supervise(config) as run:
+        # One kept-alive connection, and the worker that holds it.
+        connector = aiohttp.TCPConnector(limit=1)
+        async with aiohttp.ClientSession(connector=connector) as client:
+            async with client.post(run.url + CHAT, json=BODY) as resp:
+                assert resp.status == 200
+                await resp.read()
+            status = await run.until(
+                lambda s: sum(w["requests_total"] or 0 for w in s["workers"]) == 1,
+                "the first request was not counted",
+            )
+            kept = next(w for w in status["workers"] if w["requests_total"] == 1)
+            other = next(w for w in status["workers"] if w is not kept)
+            os.kill(other["pid"], signal.SIGKILL)
+
+            statuses = []
+            for _ in range(20):
+                async with client.post(run.url + CHAT, json=BODY) as resp:
+                    await resp.read()
+                    statuses.append(resp.status)
+            assert statuses == [200] * 20
+
+        status = await run.until(
+            lambda s: any(
+                w["index"] == other["index"] and w["restarts"] == 1 and w["answering"]
+                for w in s["workers"]
+            ),
+            "the killed worker was not restarted",
+        )
+        restarted = next(w for w in status["workers"] if w["index"] == other["index"])
+        assert restarted["pid"] != other["pid"]
+        assert restarted["last_exit"] == "was killed by SIGKILL"
+        assert any("restarting it in" in line for line in run.log)
+        # Both serve again.
+        assert [await post_new_connection(run.url) for _ in range(5)] == [200] * 5
+
+
+async def test_sigterm_drains_every_worker_with_a_stream_in_flight(
+    tmp_path: Path, make_region: RegionFactory
+) -> None:
+    region = await make_region("ap-1", inter_token_delay=0.1, tokens=15)
+    config = tmp_path / "edge.toml"
+    write_config(config, [("ap-1", region.url)])
+    async with supervise(config) as run:
+        async with aiohttp.ClientSession() as client:
+            async with client.post(run.url + CHAT, json=STREAM) as resp:
+                first = await resp.content.readuntil(b"\n\n")
+                run.proc.send_signal(signal.SIGTERM)
+                rest = await resp.content.read()
+        assert (first + rest).rstrip().endswith(b"data: [DONE]")
+        assert (first + rest).count(b"data: {") >= 15
+        assert await asyncio.wait_for(run.proc.wait(), 60) == 0
+        assert any("all drained" in line for line in run.log)
+
+
+async def test_reload_under_load_swaps_regions_and_refuses_a_bad_config(
+    tmp_path: Path, make_region: RegionFactory
+) -> None:
+    old_region = await make_region("old", inter_token_delay=0.05, tokens=20)
+    new_region = await make_region("new")
+    config = tmp_path / "edge.toml"
+    write_config(config, [("old", old_region.url)])
+    async with supervise(config) as run:
+        statuses: list[int] = []
+        stop = asyncio.Event()
+
+        async def steady_load() -> None:
+            while not stop.is_set():
+                statuses.append(await post_new_connection(run.url))
+
+        async with aiohttp.ClientSession() as client:
+            # A stream on the old region, in flight across the reload.
+            async with client.post(run.url + CHAT, json=STREAM) as stream:
+                first = await stream.content.readuntil(b"\n\n")
+                load = asyncio.create_task(steady_load())
+                write_config(config, [("new", new_region.url)])
+                run.proc.send_signal(signal.SIGHUP)
+                status = await run.until(
+                    lambda s: (
+                        s["supervisor"]["generation"] == 2
+                        and [r["name"] for r in s["regions"]] == ["new"]
+                    ),
+                    "the reload did not happen",
+                )
+                rest = await stream.content.read()
+            assert (first + rest).rstrip().endswith(b"data: [DONE]")
+            for _ in range(5):
+                statuses.append(await post_new_connection(run.url))
+            stop.set()
+            await load
+            assert statuses and set(statuses) == {200}
+            assert [w["generation"] for w in status["workers"]] == [2, 2]
+
+            # A config that does not load: refused, generation 2 keeps serving.
+            config.write_text(config.read_text() + "bogus = 1\n")
+            async with client.post(run.admin + "/reload") as resp:
+                assert resp.status == 409
+                error = (await resp.json())["error"]
+                assert error["code"] == "reload_refused"
+                assert "regions[0].bogus: unknown key" in error["message"]
+            # A listener that moves needs a restart.
+            write_config(config, [("new", new_region.url)], port=1)
+            async with client.post(run.admin + "/reload") as resp:
+                assert resp.status == 409
+                assert (
+                    "server.port: listener address changes need a restart"
+                    in (await resp.json())["error"]["message"]
+                )
+            status = await run.status()
+            assert status["supervisor"]["generation"] == 2
+            assert status["supervisor"]["last_reload"]["reloaded"] is False
+            assert await post_new_connection(run.url) == 200
+        run.proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(run.proc.wait(), 60) == 0
+
+
+async def test_a_port_taken_by_another_process_is_a_clear_error(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = tmp_path / "edge.toml"
+        write_config(config, [("ap-1", "http://127.0.0.1:9")], port=port)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "edgeproxy",
+            "serve",
+            "--config",
+            str(config),
+            stderr=asyncio.subprocess.PIPE,
+        )
+        _, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 2
+    assert f"server.port: cannot bind 127.0.0.1:{port}" in err.decode()
+
+
+@pytest.mark.parametrize("value", [0, -1, "many", True, 1.5])
+def test_workers_must_be_a_positive_number_or_auto(value: object) -> None:
+    data = {"server": {"workers": value}, "regions": [{"name": "a", "url": "http://x"}]}
+    with pytest.raises(ConfigError, match=r"server\.workers: must be a whole number"):
+        Config.from_mapping(data, environ={})
+
+
+def test_auto_is_one_worker_per_usable_core() -> None:
+    data = {"server": {"workers": "auto"}, "regions": [{"name": "a", "url": "http://x"}]}
+    config = Config.from_mapping(data, environ={})
+    assert config.server.worker_count() == len(os.sched_getaffinity(0))
