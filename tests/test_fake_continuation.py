@@ -150,14 +150,23 @@ async def test_empty_and_whole_partial_answers(
     assert whole.done and whole.text == "" and whole.roles == 1
 
 
-async def test_max_tokens_is_the_length_of_the_whole_answer(
+async def test_max_tokens_counts_the_new_tokens_as_vllm_does(
     region: FakeRegion, session: aiohttp.ClientSession
 ) -> None:
-    full = await answer(session, region.url, body(max_tokens=6))
-    partial = " ".join(full.split(" ")[:2])
-    rest = await answer(session, region.url, continuing(partial, max_tokens=6, **VLLM))
+    full = await answer(session, region.url, body(max_tokens=30))
+    partial = " ".join(full.split(" ")[:12])
+    # The client's limit less what was sent: the unbroken answer again.
+    rest = await answer(session, region.url, continuing(partial, max_tokens=18, **VLLM))
     assert partial + rest == full
-    assert len(rest.split()) == 4
+    # A larger limit runs on past the unbroken answer's end, as a model without EOS does.
+    longer = await answer(session, region.url, continuing(partial, max_tokens=25, **VLLM))
+    assert len(longer.split()) == 25 and longer.startswith(rest)
+    assert partial + longer == answer_text(MESSAGES, 37)
+    # A repeated overlap counts against the limit.
+    region.behavior.continuation_overlap = 2
+    overlapped = await answer(session, region.url, continuing(partial, max_tokens=18))
+    assert len(overlapped.split()) == 18
+    assert overlapped == " " + " ".join(full.split(" ")[10:28])
 
 
 async def test_content_as_text_parts(region: FakeRegion, session: aiohttp.ClientSession) -> None:
@@ -289,6 +298,8 @@ async def test_tokens_sent_count_what_left_the_region(
 ) -> None:
     await stream(session, region.url, body())
     await answer(session, region.url, body(max_tokens=4))
+    # Counted as each request ends in the region, which may be just after the client has read it.
+    await region.wait_until(lambda c: c.in_flight == 0, timeout=10)
     assert region.counters().tokens_sent_total == 20 + 4
     region.reset_counters()
     region.configure(fault="reset", fault_after_tokens=3)
@@ -297,6 +308,6 @@ async def test_tokens_sent_count_what_left_the_region(
     with pytest.raises(aiohttp.ClientPayloadError):
         async with session.post(region.url + CHAT, json=body()) as response:
             await response.read()
-    counters = region.counters()
+    counters = await region.wait_until(lambda c: c.in_flight == 0, timeout=10)
     assert counters.tokens_sent_total == 3  # a JSON answer cut off counts nothing
     assert counters.generation_tokens_total == 40

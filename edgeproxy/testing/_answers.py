@@ -90,8 +90,17 @@ def _completion(
     else:
         # The digest of the conversation without the partial answer: the same
         # as the unbroken request's, whose answer this continues.
-        answer = list(content.tokens(content.digest(prompt[:-1]), n_tokens))
-        words = content.continuation(answer, partial, behavior.continuation_overlap)
+        base = content.digest(prompt[:-1])
+        overlap = behavior.continuation_overlap
+        if any(request.get(key) is not None for key in ("max_tokens", "max_completion_tokens")):
+            # As vLLM counts it, the limit is on the new tokens (a repeated
+            # overlap included), so the answer runs on past the partial one.
+            answer = list(content.tokens(base, len(partial.split()) + n_tokens + 1))
+            words = content.continuation(answer, partial, overlap)[:n_tokens]
+        else:
+            # Unlimited, it ends where the unbroken answer does.
+            answer = list(content.tokens(base, n_tokens))
+            words = content.continuation(answer, partial, overlap)
     generation = Generation(request, chat, len(words))
     usage = content.usage(max(1, content.count_words(prompt)), len(words))
     created = int(time.time())

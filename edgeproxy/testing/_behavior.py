@@ -202,10 +202,13 @@ class Behavior:
     which vLLM refuses unless ``"add_generation_prompt": false`` comes with
     it, and so does the fake) or with no such flag (llama.cpp's prefill),
     the region answers with the rest of the deterministic answer to the
-    conversation without that last message: if the unbroken answer is
-    ``max_tokens`` (or ``tokens``) tokens long and the partial answer is its
-    first *k* tokens, the continuation is the other tokens, so a partial
-    answer followed by its continuation equals the unbroken answer. A
+    conversation without that last message, so a partial answer followed by
+    its continuation equals the unbroken answer. As in vLLM, the
+    continuation's ``max_tokens`` (or ``max_completion_tokens``) counts the
+    new tokens only: a partial answer of *k* tokens of an answer asked with
+    ``max_tokens = n`` is continued with ``max_tokens = n - k`` (a repeated
+    overlap counts against it too). Without a limit, the continuation ends
+    where an unlimited answer does, after ``tokens`` tokens in all. A
     partial answer that ends inside a token is continued from the rest of
     that token. A partial answer that is not a prefix of the region's answer
     is continued after as many tokens as it has words. The usage counts the
