@@ -39,6 +39,7 @@ from edgeproxy._stages.failover import (
     PendingUpstream,
 )
 from edgeproxy._stages.fallback import Degraded, FallbackStage, UpstreamWon
+from edgeproxy._stages.heartbeat import Heartbeat, start_heartbeat
 from edgeproxy._stages.models import ModelError, ModelList
 from edgeproxy._stages.relay import StreamStage
 from edgeproxy._stages.routing import Router
@@ -127,6 +128,10 @@ class Pipeline:
         pending: PendingUpstream | None = None
         degraded: web.StreamResponse | None = None
         response: web.StreamResponse | None = None
+        # Early SSE heartbeats (the route's sse_heartbeat) while no first token came;
+        # `early` is the response they started, in which the answer or an error goes on.
+        heartbeat: Heartbeat | None = None
+        early: web.StreamResponse | None = None
         try:
             # Small bodies, and JSON ones up to JSON_BODY_LIMIT, are read now so that
             # plugins, the cache and routing can look inside; others stream upstream.
@@ -182,6 +187,7 @@ class Pipeline:
                         candidates = self.router.candidates(ctx, plan)
                         if not candidates:
                             raise _no_region()
+                    heartbeat = start_heartbeat(request, ctx, close_connection=self.draining)
                     upstream = await self.failover.send(
                         request, ctx, candidates, keep_late=ctx.route.deadline_action == "race"
                     )
@@ -209,18 +215,35 @@ class Pipeline:
                     await pending.aclose()  # the race is over: what it left is cancelled
                 if isinstance(outcome, Degraded):
                     degraded = outcome.response
-                    response = await self._send_degraded(request, ctx, degraded)
+                    if heartbeat is not None:
+                        early = await heartbeat.stop()
+                    response = await self._send_degraded(request, ctx, degraded, early)
                     return response
             # stream: relay chunk by chunk to the client; with the route's continue_on_break,
             # a stream that breaks after tokens were sent goes on at another region.
             assert upstream is not None
             if plan is not None:
                 self.router.routed(plan, upstream.region)  # its KV cache now holds the prompt
+            if heartbeat is not None:
+                early = await heartbeat.stop()
             response = await self.stream.relay(
-                request, ctx, upstream, close_connection=self.draining, recorder=recorder
+                request,
+                ctx,
+                upstream,
+                close_connection=self.draining,
+                recorder=recorder,
+                started=early,
             )
             return response
         except ProxyError as err:
+            if heartbeat is not None:
+                early = await heartbeat.stop()
+            if early is not None:
+                # The heartbeats sent 200 already: the error goes as an SSE error event.
+                ctx.error = err.message
+                await self.stream.error_after_heartbeats(request, early, err)
+                response = early
+                return response
             response = self._error_response(ctx, err)
             return response
         except PluginError as err:
@@ -231,6 +254,8 @@ class Pipeline:
             )
             return response
         finally:
+            if heartbeat is not None:
+                await heartbeat.stop()  # its task, on any way out
             if isinstance(degraded, LocalAnswer):
                 degraded.abandon()  # its generation slot, unless it was sent
             if recorder is not None:
@@ -283,9 +308,23 @@ class Pipeline:
         return candidates
 
     async def _send_degraded(
-        self, request: web.Request, ctx: RequestContext, answer: web.StreamResponse
+        self,
+        request: web.Request,
+        ctx: RequestContext,
+        answer: web.StreamResponse,
+        early: web.StreamResponse | None = None,
     ) -> web.StreamResponse:
-        """A fallback answer with the proxy's headers; a local answer is generated and sent."""
+        """A fallback answer with the proxy's headers; a local answer is generated and sent.
+
+        After heartbeats (``early``), a streamed local answer goes on in their response;
+        another answer cannot follow a 200 already sent, and an error event says so."""
+        if early is not None:
+            if isinstance(answer, LocalAnswer) and answer.req.stream:
+                await self.stream.local_after_heartbeats(request, ctx, answer, early)
+            else:
+                err = ProxyError(503, "service_unavailable", "no region answered", code="no_region")
+                await self.stream.error_after_heartbeats(request, early, err)
+            return early
         self._local_answer(ctx, answer)
         if isinstance(answer, LocalAnswer):
             await answer.send(request, ctx)

@@ -12,7 +12,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import openai
+import orjson
 import pytest
 
 from edgeproxy import Config, EdgeProxy
@@ -99,4 +101,32 @@ async def test_a_broken_stream_is_continued_by_the_local_model(
     assert len({c.id for c in chunks}) == 1 and chunks[-1].usage is not None
     assert chunks[-1].usage.completion_tokens >= 4
     assert proxy.pipeline.continuation.counts[("chat", "broken", "local", "continued")] == 1
-    assert proxy.pipeline.fallback.local.busy == 0
+    local = proxy.pipeline.fallback.local
+    await eventually(lambda: local.busy == 0)  # the slot comes back once its thread ends
+
+
+async def test_heartbeats_then_the_local_model(
+    make_region: RegionFactory, proxy_with: ProxyMaker
+) -> None:
+    """A stalled region past the deadline, heartbeats meanwhile: the local model answers in the
+    response the heartbeats started."""
+    stalled = await make_region("stalled", fault="stall", fault_paths=[CHAT])
+    proxy = await proxy_with(
+        [{"name": "stalled", "url": stalled.url}],
+        [{"name": "chat", "path": CHAT, "sse_heartbeat": 0.02, "deadline": 0.4}],
+    )
+    body = {"model": "m", "messages": MESSAGES, "stream": True, "max_tokens": 6}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(proxy.url + CHAT, json=body) as resp:
+            assert resp.status == 200
+            raw = await resp.read()
+    events = [e for e in raw.split(b"\n\n") if e]
+    assert events[0] == b": waiting"
+    answer = events[events.index(next(e for e in events if e != b": waiting")) :]
+    assert b": waiting" not in answer
+    assert answer[-1] == b"data: [DONE]"
+    first = orjson.loads(answer[0].removeprefix(b"data: "))
+    assert first["choices"][0]["delta"]["role"] == "assistant"
+    assert first["model"] == proxy.pipeline.fallback.local.model_name
+    local = proxy.pipeline.fallback.local
+    await eventually(lambda: local.busy == 0)  # the slot comes back once its thread ends

@@ -21,8 +21,9 @@ from aiohttp import web
 from aiohttp.http_writer import StreamWriter
 
 from edgeproxy._core.context import RequestContext, UpstreamReply
-from edgeproxy._core.errors import error_response
+from edgeproxy._core.errors import ProxyError, error_response
 from edgeproxy._core.types import Headers
+from edgeproxy._local.model import LocalAnswer
 from edgeproxy._plugins import PluginError, Plugins
 from edgeproxy._protocol.headers import strip_hop_by_hop
 from edgeproxy._protocol.models import ModelRewriter
@@ -66,11 +67,17 @@ class StreamStage:
         *,
         close_connection: bool = False,
         recorder: CacheRecorder | None = None,
+        started: web.StreamResponse | None = None,
     ) -> web.StreamResponse:
         """Send the region's answer on; ``recorder`` (the cache's) sees the headers and each
-        chunk as it passes, and is told when the body ended cleanly."""
+        chunk as it passes, and is told when the body ended cleanly.
+
+        ``started`` is the SSE response early heartbeats already began: the answer's events
+        go on in it, and anything but a 200 stream becomes an ``error`` event there."""
         region = upstream.region
         reply = await self._reply(request, ctx, upstream, recorder)
+        if started is not None:
+            return await self._after_heartbeats(request, ctx, upstream, reply, recorder, started)
         transform = "edgeproxy_stream_chunk" in self.plugins.active
         # The headers go into one list that becomes the response's CIMultiDict in a
         # single step; the proxy's own names replace any the region sent.
@@ -149,6 +156,85 @@ class StreamStage:
                 await self._cut(request, resp)
             raise
         return resp
+
+    async def _after_heartbeats(
+        self,
+        request: web.Request,
+        ctx: RequestContext,
+        upstream: AttemptResponse,
+        reply: UpstreamReply,
+        recorder: CacheRecorder | None,
+        resp: web.StreamResponse,
+    ) -> web.StreamResponse:
+        """The region's answer in the SSE response the heartbeats started (status 200 sent)."""
+        name = upstream.region.name
+        content_type = next((v for k, v in reply.headers if k.lower() == "content-type"), "")
+        if reply.status != 200 or not content_type.startswith("text/event-stream"):
+            ctx.error = f"region {name} answered {reply.status} after heartbeats"
+            await self._abort(
+                request,
+                resp,
+                reply.status if reply.status >= 400 else 502,
+                "upstream_error",
+                f"region {name} answered {reply.status}",
+                "upstream_error",
+            )
+            return resp
+        ctx.status = 200
+        usage = UsageTracker.for_response(ctx.path, content_type, 200)
+        splice: Splice | None = None
+        if ctx.route.continue_on_break and self.continuation is not None:
+            splice = self.continuation.splice(ctx, 200, content_type)
+        try:
+            ctx.first_byte_at = time.monotonic()
+            if splice is None:
+                chunks = self._chunks(ctx, upstream)
+                await self._body(request, ctx, chunks, recorder, resp.write, usage)
+            else:
+                await self._spliced(request, ctx, upstream, recorder, resp, usage, splice)
+            await resp.write_eof()
+        except UpstreamError as exc:
+            ctx.error = f"upstream broke mid-body: {exc}"
+            await self._abort(
+                request,
+                resp,
+                502,
+                "upstream_error",
+                f"region {ctx.region or name} broke the stream",
+                "upstream_stream_broken",
+            )
+        except ConnectionResetError:
+            ctx.error = "client disconnected"
+        return resp
+
+    async def local_after_heartbeats(
+        self,
+        request: web.Request,
+        ctx: RequestContext,
+        answer: LocalAnswer,
+        resp: web.StreamResponse,
+    ) -> None:
+        """The local model's streamed answer in the SSE response the heartbeats started."""
+        try:
+            ctx.first_byte_at = time.monotonic()
+            async for event in answer.events(ctx):
+                await resp.write(event)
+                ctx.bytes_out += len(event)
+            await resp.write_eof()
+        except ConnectionResetError:
+            ctx.error = "client disconnected"
+        except Exception as exc:  # noqa: BLE001 - too late for a status: an error event
+            logger.exception("local model generation failed after heartbeats")
+            ctx.error = f"local model failed mid-answer: {exc}"
+            await self._abort(
+                request, resp, 500, "server_error", "the local model failed", "local_model_error"
+            )
+
+    async def error_after_heartbeats(
+        self, request: web.Request, resp: web.StreamResponse, err: ProxyError
+    ) -> None:
+        """The answer is an error, but heartbeats already sent 200: an ``error`` event."""
+        await self._abort(request, resp, err.status, err.type, err.message, err.code or err.type)
 
     async def drain(
         self, ctx: RequestContext, upstream: AttemptResponse, recorder: CacheRecorder

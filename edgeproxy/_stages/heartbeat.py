@@ -1,0 +1,111 @@
+"""Early SSE heartbeats: a streaming request with no first token yet gets its first byte.
+
+On a route with ``sse_heartbeat``, a streaming request (``"stream": true``)
+that has no first token after that many seconds gets its response headers
+(200, ``text/event-stream``) and an SSE comment, ``: waiting``, repeated at
+the same interval until the answer starts. Intermediaries and browsers then
+see a live response instead of timing out while a saturated region queues.
+
+Only comments were sent, so failover, hedging and the degradation ladder go
+on as before. What follows is the answer (from a region or the local model,
+written by the stream stage into the response already started), or, since
+the status is already 200, an ``error`` event in the OpenAI error shape.
+
+The :class:`Heartbeat` owns its task and the response it started; the
+pipeline stops it (:meth:`Heartbeat.stop`) before anything else writes, and
+on every way out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+if TYPE_CHECKING:
+    from edgeproxy._core.context import RequestContext
+
+__all__ = ["HEARTBEAT", "Heartbeat", "start_heartbeat"]
+
+HEARTBEAT = b": waiting\n\n"
+
+
+class Heartbeat:
+    """The heartbeats of one request, from a task of their own until :meth:`stop`."""
+
+    __slots__ = ("request", "ctx", "interval", "close_connection", "response", "sent", "_task")
+
+    def __init__(
+        self,
+        request: web.Request,
+        ctx: RequestContext,
+        interval: float,
+        *,
+        close_connection: bool = False,
+    ) -> None:
+        self.request = request
+        self.ctx = ctx
+        self.interval = interval
+        self.close_connection = close_connection
+        # The response the first heartbeat started; the stream stage writes the rest.
+        self.response: web.StreamResponse | None = None
+        self.sent = 0
+        self._task: asyncio.Task[None] | None = asyncio.get_running_loop().create_task(
+            self._beat(), name="edgeproxy-sse-heartbeat"
+        )
+
+    async def _beat(self) -> None:
+        try:
+            while True:
+                await asyncio.sleep(self.interval)
+                if self.response is None:
+                    self.response = self._start()
+                    await self.response.prepare(self.request)
+                await self.response.write(HEARTBEAT)
+                self.sent += 1
+                self.ctx.bytes_out += len(HEARTBEAT)
+        except ConnectionResetError:
+            pass  # the client left: what comes next notices it as well
+
+    def _start(self) -> web.StreamResponse:
+        ctx = self.ctx
+        resp = web.StreamResponse(
+            status=200,
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                "X-Request-Id": ctx.request_id,
+            },
+        )
+        if self.close_connection:
+            resp.force_close()
+        ctx.status = 200
+        ctx.response_is_sse = True
+        return resp
+
+    async def stop(self) -> web.StreamResponse | None:
+        """Stop beating (idempotent): the response the heartbeats started, if they did."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            # Its cancellation is its result; this task's own still propagates.
+            await asyncio.gather(task, return_exceptions=True)
+        response = self.response
+        if response is not None and not response.prepared:
+            # Cancelled while its headers were going out: nothing usable was sent.
+            return None
+        return response
+
+
+def start_heartbeat(
+    request: web.Request | None, ctx: RequestContext, *, close_connection: bool = False
+) -> Heartbeat | None:
+    """Heartbeats for this request if its route asks for them and it streams; else None."""
+    interval = ctx.route.sse_heartbeat
+    if interval is None or request is None:
+        return None
+    body = ctx.json
+    if not isinstance(body, dict) or body.get("stream") is not True:
+        return None
+    return Heartbeat(request, ctx, interval, close_connection=close_connection)
