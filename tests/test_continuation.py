@@ -13,8 +13,10 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
+from aiohttp import web
 
-from edgeproxy import Config, ConfigError
+from edgeproxy import Config, ConfigError, RequestContext, hookimpl
+from edgeproxy._observability.access_log import record
 from edgeproxy.testing import FakeRegion, answer_text
 
 from .conftest import ProxyFactory, RegionFactory, eventually
@@ -238,3 +240,40 @@ def test_continue_final_message_on_an_openai_region_is_refused_naming_the_key() 
     assert "regions[1].continuation" in str(caught.value)
     data["regions"][1]["continuation"] = "reissue"
     assert Config.from_mapping(data, environ={}).regions[1].continuation_method == "reissue"
+
+
+class Finished:
+    """Keeps the access-log record of each finished request."""
+
+    def __init__(self) -> None:
+        self.records: list[dict[str, Any]] = []
+
+    @hookimpl
+    def edgeproxy_response_complete(self, request: web.Request, ctx: RequestContext) -> None:
+        self.records.append(record(request, ctx))
+
+
+async def test_a_continuation_is_counted_in_the_metrics_and_the_access_log(
+    make_region: RegionFactory, make_proxy: ProxyFactory
+) -> None:
+    broken, sound = await regions(make_region)
+    finished = Finished()
+    proxy = await make_proxy(
+        [table(broken, 0), table(sound, 1)], routes=[route()], plugins=[finished]
+    )
+    await raw_stream(proxy.url, {"model": "m", "messages": MESSAGES, "stream": True})
+    entry = finished.records[-1]
+    assert entry["continued"] == 1
+    assert (entry["continued_from"], entry["continued_to"]) == ("broken", "sound")
+    assert entry["region"] == "sound" and entry["status"] == 200
+    async with aiohttp.ClientSession() as session:
+        async with session.get(proxy.admin_url + "/metrics") as resp:
+            text = await resp.text()
+    assert (
+        'edgeproxy_continuations_total{from_region="broken",outcome="continued",'
+        'route="chat",to_region="sound"} 1.0' in text
+    )
+    # An answer that was not continued has no such fields.
+    broken.behavior.fault = None
+    await raw_stream(proxy.url, {"model": "m", "messages": MESSAGES, "stream": True})
+    assert "continued" not in finished.records[-1]

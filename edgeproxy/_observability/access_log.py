@@ -66,7 +66,7 @@ def record(request: web.Request, ctx: RequestContext) -> dict[str, Any]:
     error = ctx.error
     if error is not None and len(error) > _ERROR_LIMIT:
         error = error[:_ERROR_LIMIT] + "..."
-    return {
+    out = {
         "ts": round(time.time(), 6),
         "request_id": ctx.request_id,
         "trace_id": ctx.trace.trace_id,
@@ -92,6 +92,19 @@ def record(request: web.Request, ctx: RequestContext) -> dict[str, Any]:
         "error": error,
         "usage": ctx.usage,
     }
+    if ctx.extra:
+        continuations = ctx.extra.get("continuations")
+        if continuations:
+            _continued(out, continuations)
+    return out
+
+
+def _continued(out: dict[str, Any], continuations: list[tuple[str, str, str]]) -> None:
+    """A continued stream's fields: from the first region that broke to the last that went on."""
+    done = [(source, target) for source, target, outcome in continuations if outcome == "continued"]
+    out["continued"] = 1 if done else 0
+    out["continued_from"] = continuations[0][0]
+    out["continued_to"] = done[-1][1] if done else None
 
 
 def _dumps(data: dict[str, Any]) -> bytes:

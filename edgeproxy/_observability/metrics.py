@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.exposition import choose_encoder
 
 from edgeproxy._core.version import __version__
@@ -140,6 +140,15 @@ class Metrics:
         self._region = _Labels(["none", *(r.name for r in config.regions)])
         self._cache = _Labels(["none", *CACHE_OUTCOMES], upper=True)
         self._reason = _Labels([])
+        # Streams continued after a break (routes' continue_on_break), and those that could
+        # not be; in multiprocess mode the value goes to the shared directory.
+        self._continuations = Counter(
+            "edgeproxy_continuations",
+            "Broken streams by continuation outcome (continued, limit, budget, failed, "
+            "impossible), from the region that broke to the one that went on.",
+            ("route", "from_region", "to_region", "outcome"),
+            registry=self.registry if self.multiprocess_dir is None else None,
+        )
         self._sync_task: asyncio.Task[None] | None = None
 
     # -- observing --------------------------------------------------------------------
@@ -200,6 +209,13 @@ class Metrics:
         key = (route, region, cache, "yes" if degraded else "no", status_class)
         self._series.record(key, observation)
         self.window.observe(duration, ttfb, region, cache, status >= 500, completion)
+        if ctx.extra:
+            continuations = ctx.extra.get("continuations")
+            if continuations:
+                for source, target, outcome in continuations:
+                    self._continuations.labels(
+                        route, self._region(source), self._region(target), outcome
+                    ).inc()
 
     def recent(self) -> dict[str, Any]:
         """Traffic and latency percentiles over the last ``metrics.window`` seconds."""
