@@ -29,10 +29,12 @@ round. Every stream asks a different question for ``--tokens`` tokens, with
   comment), the longest gap between two tokens, p50/p99, against the
   region's TTFT (target: p99 at most twice the TTFT), next to the ordinary
   gap between tokens;
+* the resets the regions drew per upstream request (about 5%; the seeded
+  draws fall unevenly between rounds, so one proxy may meet more);
 * the upstream cost: requests, completion tokens that left the regions
-  (a reset stream counts the tokens it sent) and prompt tokens (the
-  continuation re-reads the conversation and the partial answer) per stream,
-  and what ``on`` spends beyond ``off``.
+  (a reset stream counts the tokens it sent) and prompt tokens (by the fake
+  region's tokeniser; a continuation re-reads the conversation and the
+  partial answer) per stream, against an unbroken stream's.
 
 Targets: at least 99.9% of streams complete with continuation on (about 95%
 off); the seam gap p99 at most 2x the region's TTFT.
@@ -402,16 +404,30 @@ def summarize(batches: list[Batch], args: argparse.Namespace) -> dict[str, Any]:
             "upstream_per_stream": {k: v / n for k, v in upstream.items()},
             "client_tokens": sum(len(s.text.split()) for s, _ in pairs),
         }
+    if "off" in modes:
+        # Every request of the off proxy is an original one: its prompt is the unbroken cost.
+        off_up = modes["off"]["upstream"]
+        prompt = off_up["prompt_tokens_total"] / max(1, off_up["requests_total"])
+        unbroken = prompt + args.tokens
+        for mode in MODES:
+            if mode not in modes:
+                continue
+            m, per = modes[mode], modes[mode]["upstream_per_stream"]
+            again = m["upstream"]["requests_total"] - m["streams"]
+            m["vs_unbroken"] = (
+                per["prompt_tokens_total"] + per["tokens_sent_total"]
+            ) / unbroken - 1
+            m["continuation_requests"] = again
+            m["prompt_tokens_per_continuation"] = (
+                (m["upstream"]["prompt_tokens_total"] - prompt * m["streams"]) / again
+                if again
+                else None
+            )
+            m["completion_tokens_beyond_answers"] = (
+                m["upstream"]["tokens_sent_total"] - m["client_tokens"]
+            )
+        modes["unbroken_tokens_per_stream"] = {"prompt": prompt, "completion": args.tokens}
     if "on" in modes and "off" in modes:
-        on, off = modes["on"]["upstream_per_stream"], modes["off"]["upstream_per_stream"]
-        spent_on = on["tokens_sent_total"] + on["prompt_tokens_total"]
-        spent_off = off["tokens_sent_total"] + off["prompt_tokens_total"]
-        modes["extra"] = {
-            "requests_per_stream": on["requests_total"] - off["requests_total"],
-            "completion_tokens_per_stream": on["tokens_sent_total"] - off["tokens_sent_total"],
-            "prompt_tokens_per_stream": on["prompt_tokens_total"] - off["prompt_tokens_total"],
-            "tokens_share": (spent_on - spent_off) / spent_off if spent_off else None,
-        }
         seam_p99 = modes["on"]["seam_gap_p99_ms"]
         modes["targets"] = {
             "complete_on": modes["on"]["complete_share"] >= 0.999,
@@ -458,9 +474,11 @@ def markdown(data: dict[str, Any]) -> str:
         "seam gap p99",
         "p99 / TTFT",
         "token gap p50 / p99",
+        "resets / upstream req",
         "upstream req / stream",
         "completion tok / stream",
         "prompt tok / stream",
+        "tokens vs unbroken",
     ]
     lines += ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
     for mode in MODES:
@@ -478,21 +496,29 @@ def markdown(data: dict[str, Any]) -> str:
             f"{_n(p99)} ms" if p99 is not None else "-",
             f"{p99 / ttft:.2f}x" if p99 is not None and ttft else "-",
             f"{_n(m['gap_p50_ms'])} / {_n(m['gap_p99_ms'])} ms",
+            f"{m['upstream']['faults_total'] / max(1, m['upstream']['requests_total']):.2%}",
             f"{per['requests_total']:.3f}",
             f"{per['tokens_sent_total']:.2f}",
             f"{per['prompt_tokens_total']:.2f}",
+            f"{m['vs_unbroken']:+.2%}" if "vs_unbroken" in m else "-",
         ]
         lines.append("| " + " | ".join(row) + " |")
-    extra = modes.get("extra")
-    if extra:
-        share = extra["tokens_share"]
+    base = modes.get("unbroken_tokens_per_stream")
+    on = modes.get("on")
+    if base and on:
+        each = on["prompt_tokens_per_continuation"]
         lines += [
             "",
-            f"Continuation spends {extra['requests_per_stream']:+.3f} upstream requests, "
-            f"{extra['completion_tokens_per_stream']:+.2f} completion and "
-            f"{extra['prompt_tokens_per_stream']:+.2f} prompt tokens per stream against off "
-            f"({'-' if share is None else f'{share:+.2%}'} of all upstream tokens).",
+            f"An unbroken stream costs {base['prompt']:.1f} prompt and {base['completion']} "
+            f"completion tokens upstream. With continuation on, {on['continuation_requests']:,} "
+            "continuation requests each re-read "
+            + ("-" if each is None else f"{each:.1f}")
+            + " prompt tokens (the conversation and the partial answer); the regions sent "
+            f"{on['completion_tokens_beyond_answers']:,} completion tokens beyond the answers "
+            "the clients got. Off, the broken streams' tokens are spent for an answer the "
+            "client cannot use.",
         ]
+    if "targets" in modes:
         targets = modes["targets"]
         lines += [
             "",
@@ -564,6 +590,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--overlap", type=int, default=0, help="tokens a continuation repeats")
     parser.add_argument("--continuations", type=int, default=2, help="max_continuations")
     parser.add_argument("--timeout", type=float, default=30.0, help="per stream (s)")
+    parser.add_argument(
+        "--seed", type=int, default=1, help="the regions' fault draws: seeds N, N+1, N+2"
+    )
     parser.add_argument("--keep-tmp", action="store_true")
     args = parser.parse_args(argv)
     if args.streams is None:
@@ -606,7 +635,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     try:
         for index, name in enumerate(("region-a", "region-b", "region-c")):
-            rig.start_region(name, seed=index + 1)
+            rig.start_region(name, seed=args.seed + index)
         for mode in modes:
             rig.start_proxy(mode)
         print(f"{args.streams} streams per proxy, {args.concurrency} at once", flush=True)
