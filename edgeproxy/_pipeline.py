@@ -187,7 +187,8 @@ class Pipeline:
                         candidates = self.router.candidates(ctx, plan)
                         if not candidates:
                             raise _no_region()
-                    heartbeat = start_heartbeat(request, ctx, close_connection=self.draining)
+                    if ctx.route.sse_heartbeat is not None:
+                        heartbeat = start_heartbeat(request, ctx, close_connection=self.draining)
                     upstream = await self.failover.send(
                         request, ctx, candidates, keep_late=ctx.route.deadline_action == "race"
                     )

@@ -12,11 +12,13 @@ from typing import Any
 
 import aiohttp
 import openai
+import orjson
 import pytest
 from aiohttp import web
 
 from edgeproxy import Config, ConfigError, RequestContext, hookimpl
 from edgeproxy._observability.access_log import record
+from edgeproxy._stages.continuation import Splice
 from edgeproxy.testing import FakeRegion, answer_text
 
 from .conftest import ProxyFactory, RegionFactory, eventually
@@ -277,3 +279,56 @@ async def test_a_continuation_is_counted_in_the_metrics_and_the_access_log(
     broken.behavior.fault = None
     await raw_stream(proxy.url, {"model": "m", "messages": MESSAGES, "stream": True})
     assert "continued" not in finished.records[-1]
+
+
+def _event(
+    content: str | None = None, *, role: bool = False, finish: str | None = None, leg: int = 0
+) -> bytes:
+    delta: dict[str, Any] = {"role": "assistant"} if role else {}
+    if content is not None:
+        delta["content"] = content
+    chunk = {
+        "id": f"chatcmpl-leg{leg}",
+        "object": "chat.completion.chunk",
+        "created": 7 + leg,
+        "model": "m",
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+    }
+    return b"data: " + orjson.dumps(chunk) + b"\n\n"
+
+
+def _texts(raw: bytes) -> str:
+    out = ""
+    for event in raw.split(b"\n\n"):
+        if event.startswith(b"data: {"):
+            out += orjson.loads(event[6:])["choices"][0]["delta"].get("content", "")
+    return out
+
+
+@pytest.mark.parametrize(
+    ("sent", "continuation", "expected"),
+    [
+        # A server repeating the end of the partial answer: the repeat is cut.
+        ("the quick brown fox", [" brown fox", " jumps"], " jumps"),
+        # An answer that says a word twice at the seam keeps both.
+        ("we said cedar", [" cedar", " again"], " cedar again"),
+        ("one two", [" three"], " three"),
+    ],
+)
+def test_the_seam_trims_a_repeat_but_not_a_word_said_twice(
+    sent: str, continuation: list[str], expected: str
+) -> None:
+    splice = Splice({"messages": [], "stream": True})
+    first = splice.feed(_event("", role=True) + _event(sent))
+    assert _texts(first) == sent
+    splice.broke("a")
+    splice.start_leg("a", "b", "continue_final_message")
+    raw = splice.feed(_event("", role=True, leg=1))
+    for piece in continuation:
+        raw += splice.feed(_event(piece, leg=1))
+    raw += splice.feed(_event(finish="stop", leg=1) + b"data: [DONE]\n\n")
+    raw += splice.finish()
+    assert _texts(raw) == expected
+    assert b'"role"' not in raw and raw.endswith(b"data: [DONE]\n\n")
+    # The first leg's id and created throughout.
+    assert b'"chatcmpl-leg0"' in raw and b"leg1" not in raw and b'"created":8' not in raw

@@ -63,8 +63,9 @@ logger = logging.getLogger("edgeproxy")
 
 # How much of the relayed text the seam check compares a new leg's start against.
 _SEAM_WINDOW = 256
-# A shorter match at the seam is taken as chance, not as a repeated overlap.
-_MIN_OVERLAP = 3
+# A shorter match at the seam is taken as the answer repeating itself (a word said twice),
+# not as a server re-emitting the end of the partial answer.
+_MIN_OVERLAP = 8
 LOCAL = "local"
 
 
@@ -143,6 +144,9 @@ class Splice:
     def feed(self, chunk: bytes) -> bytes:
         """The whole events of ``chunk`` (with what came before it) the client is to get."""
         data = self._buffer + chunk if self._buffer else chunk
+        if b"\r" in data:
+            # SSE allows CRLF and CR line ends; one kind makes the events' ends findable.
+            data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
         end = data.rfind(b"\n\n")
         if end < 0:
             self._buffer = data

@@ -19,6 +19,7 @@ on every way out.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -56,9 +57,12 @@ class Heartbeat:
         )
 
     async def _beat(self) -> None:
+        # The first comes `interval` after the request arrived (admission may have queued it).
+        delay = self.interval - (time.monotonic() - self.ctx.started)
         try:
             while True:
-                await asyncio.sleep(self.interval)
+                await asyncio.sleep(max(0.0, delay))
+                delay = self.interval
                 if self.response is None:
                     self.response = self._start()
                     await self.response.prepare(self.request)
