@@ -1,5 +1,6 @@
 """The ``edgeproxy`` command: serve, check-config, demo, config-docs (and the hidden
-``_worker`` that ``serve --workers N`` starts)."""
+``_worker`` that ``serve --workers N`` starts), and the operator's commands of
+:mod:`edgeproxy._opscli` (status, top, reload, purge, bench-client)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from edgeproxy._core.config import (
     load_config,
 )
 from edgeproxy._core.version import __version__
+from edgeproxy._opscli import add_commands as add_operator_commands
 
 __all__ = ["main"]
 
@@ -99,7 +101,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         supervisor = Supervisor(config, load, log_level=args.log_level)
         return _run(supervisor.run)
     _setup_logging(args.log_level)
-    return _run(lambda: serve(config))
+    try:
+        return _run(lambda: serve(config))
+    except ConfigError as exc:
+        # What only shows when the listeners open: TLS files, the admin token's variable.
+        print(f"edgeproxy: {exc}", file=sys.stderr)
+        return 2
 
 
 def _follow_supervisor(pid: int) -> bool:
@@ -124,8 +131,11 @@ def _cmd_worker(args: argparse.Namespace) -> int:
 
 
 def _cmd_check_config(args: argparse.Namespace) -> int:
+    from edgeproxy._server.tls import check_tls_files
+
     try:
         config = load_config(args.file)
+        check_tls_files(config)
     except ConfigError as exc:
         print(f"edgeproxy: {exc}", file=sys.stderr)
         return 1
@@ -157,7 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"edgeproxy {__version__}")
     sub = parser.add_subparsers(
-        dest="command", required=True, metavar="{serve,check-config,config-docs,demo}"
+        dest="command",
+        required=True,
+        metavar="{serve,check-config,config-docs,demo,status,top,reload,purge,bench-client}",
     )
 
     serve = sub.add_parser("serve", help="run the proxy from a TOML config file")
@@ -194,6 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--duration", type=float, default=None, help="stop after this many seconds (for scripts)"
     )
     demo.set_defaults(func=_cmd_demo)
+
+    add_operator_commands(sub)
     return parser
 
 
