@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import socket
+import ssl
 import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+import trustme
 
 from edgeproxy import Config, ConfigError
 
@@ -25,7 +27,7 @@ CHAT = "/v1/chat/completions"
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
 STREAM = {**BODY, "stream": True}
 
-_SERVING = re.compile(r"serving on (http://\S+); admin on (http://\S+)")
+_SERVING = re.compile(r"serving on (https?://\S+); admin on (https?://\S+)")
 
 
 @dataclass
@@ -35,8 +37,10 @@ class Supervised:
     admin: str = ""
     log: list[str] = field(default_factory=list)
 
+    headers: dict[str, str] = field(default_factory=dict)
+
     async def status(self) -> dict[str, Any]:
-        async with aiohttp.ClientSession() as client:
+        async with aiohttp.ClientSession(headers=self.headers) as client:
             async with client.get(self.admin + "/status") as resp:
                 assert resp.status == 200
                 data: dict[str, Any] = await resp.json()
@@ -48,14 +52,20 @@ class Supervised:
             if predicate(status):
                 return status
             await asyncio.sleep(0.05)
-        raise AssertionError(f"{what}; log:\n" + "".join(self.log[-40:]))
+        raise AssertionError(f"{what}: {status}; log:\n" + "".join(self.log[-40:]))
 
 
-def write_config(path: Path, regions: list[tuple[str, str]], **server: Any) -> None:
+def write_config(
+    path: Path,
+    regions: list[tuple[str, str]],
+    admin: dict[str, Any] | None = None,
+    **server: Any,
+) -> None:
     settings = {"host": '"127.0.0.1"', "port": 0, "workers": 2, "grace_period": 20.0}
     settings.update(server)
     lines = ["[server]", *(f"{k} = {v}" for k, v in settings.items())]
     lines += ["[admin]", 'host = "127.0.0.1"', "port = 0"]
+    lines += [f"{k} = {v}" for k, v in (admin or {}).items()]
     for name, url in regions:
         lines += ["[[regions]]", f'name = "{name}"', f'url = "{url}"']
     path.write_text("\n".join(lines) + "\n")
@@ -306,3 +316,41 @@ def test_auto_is_one_worker_per_usable_core() -> None:
     data = {"server": {"workers": "auto"}, "regions": [{"name": "a", "url": "http://x"}]}
     config = Config.from_mapping(data, environ={})
     assert config.server.worker_count() == len(os.sched_getaffinity(0))
+
+
+async def test_workers_speak_tls_and_the_supervisors_admin_port_needs_its_token(
+    tmp_path: Path, make_region: RegionFactory
+) -> None:
+    region = await make_region("ap-1")
+    ca = trustme.CA()
+    pair = ca.issue_cert("127.0.0.1")
+    pair.private_key_and_cert_chain_pem.write_to_path(str(tmp_path / "proxy.pem"))
+    pair.private_key_pem.write_to_path(str(tmp_path / "proxy.key"))
+    config = tmp_path / "edge.toml"
+    write_config(
+        config,
+        [("ap-1", region.url)],
+        admin={"token": '"s3cret"'},
+        tls_cert='"proxy.pem"',
+        tls_key='"proxy.key"',
+    )
+    async with supervise(config) as run:
+        assert run.url.startswith("https://")
+        context = ssl.create_default_context()
+        ca.configure_trust(context)
+        connector = aiohttp.TCPConnector(ssl=context, force_close=True)
+        async with aiohttp.ClientSession(connector=connector) as client:
+            for _ in range(4):
+                async with client.post(run.url + CHAT, json=BODY) as resp:
+                    assert resp.status == 200
+        async with aiohttp.ClientSession() as client:
+            async with client.get(run.admin + "/status") as resp:
+                assert resp.status == 401
+            async with client.get(run.admin + "/healthz") as resp:
+                assert resp.status == 200
+        run.headers["Authorization"] = "Bearer s3cret"
+        status = await run.until(
+            lambda s: sum(w["requests_total"] or 0 for w in s["workers"]) == 4,
+            "the requests were not counted",
+        )
+        assert len(status["workers"]) == 2

@@ -5,10 +5,12 @@ Every handler goes through :class:`~edgeproxy.EdgeProxy`'s public methods.
 
 from __future__ import annotations
 
+import hmac
 from typing import TYPE_CHECKING, Any
 
 import orjson
 from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
 
 from edgeproxy._core.errors import ProxyError, error_response
 from edgeproxy._observability.statuspage import StatusPage
@@ -16,7 +18,7 @@ from edgeproxy._observability.statuspage import StatusPage
 if TYPE_CHECKING:
     from edgeproxy._server.app import EdgeProxy
 
-__all__ = ["admin_app"]
+__all__ = ["admin_app", "admin_auth"]
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
@@ -45,8 +47,35 @@ async def _purge_params(request: web.Request) -> tuple[str, str]:
     return given[0], value
 
 
-def admin_app(proxy: EdgeProxy) -> web.Application:
-    """The admin listener's application for ``proxy``."""
+# What probes and load balancers call, often unable to send a header: open without a token.
+_OPEN_PATHS = frozenset({"/healthz", "/readyz"})
+
+
+def admin_auth(token: str) -> Middleware:
+    """A middleware that lets a request through only with ``Authorization: Bearer <token>``
+    (``/healthz`` and ``/readyz`` excepted); others get a 401 in the OpenAI error shape."""
+    expected = f"Bearer {token}".encode()
+
+    @web.middleware
+    async def edgeproxy_admin_auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path not in _OPEN_PATHS:
+            given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+            if not hmac.compare_digest(given, expected):
+                response = error_response(
+                    401,
+                    "authentication_error",
+                    "the admin listener needs Authorization: Bearer <admin.token>",
+                    code="invalid_admin_token",
+                )
+                response.headers["WWW-Authenticate"] = 'Bearer realm="edgeproxy admin"'
+                return response
+        return await handler(request)
+
+    return edgeproxy_admin_auth
+
+
+def admin_app(proxy: EdgeProxy, *, token: str | None = None) -> web.Application:
+    """The admin listener's application for ``proxy``; ``token``: see :func:`admin_auth`."""
 
     async def healthz(request: web.Request) -> web.Response:
         return _json({"status": "ok"})
@@ -72,7 +101,7 @@ def admin_app(proxy: EdgeProxy) -> web.Application:
             return error_response(err.status, err.type, err.message, code=err.code)
         return _json({"purged": purged, name: value})
 
-    app = web.Application()
+    app = web.Application(middlewares=[admin_auth(token)] if token else [])
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/status", status)

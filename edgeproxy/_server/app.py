@@ -16,7 +16,7 @@ from aiohttp.typedefs import Middleware
 from aiohttp.web_urldispatcher import AbstractResource
 from yarl import URL
 
-from edgeproxy._core.config import Config
+from edgeproxy._core.config import Config, ConfigError
 from edgeproxy._observability.access_log import AccessLog
 from edgeproxy._observability.metrics import Metrics
 from edgeproxy._observability.tracing import Tracing
@@ -29,6 +29,7 @@ from edgeproxy._server.listener import (
     expect_handler,
     limits_middleware,
 )
+from edgeproxy._server.tls import ListenerTls
 from edgeproxy._stages.loadview import LoadView
 from edgeproxy._upstream.regions import RegionSet
 
@@ -122,7 +123,9 @@ class EdgeProxy:
         asterisk.add_route("*", self._handle, expect_handler=expect)
         # The prefix _handle strips, by the route's resource.
         self._prefixes: dict[AbstractResource | None, str] = {}
-        self.admin_app = admin_app(self)
+        self.admin_app = admin_app(self, token=_admin_token(config))
+        self.tls: ListenerTls | None = None
+        self.admin_tls: ListenerTls | None = None
 
     def _register_observability(self) -> None:
         """Built-in metrics, tracing and access log: plugins on the same hooks as any other.
@@ -355,8 +358,25 @@ class EdgeProxy:
 
         ``admin_socket``: serve the admin app on this Unix socket instead of ``[admin]``'s
         address (a worker under the supervisor, which owns the admin port).
+
+        Raises :class:`~edgeproxy.ConfigError` when a TLS file of ``[server]`` or
+        ``[admin]`` does not load, before anything opens.
         """
         server = self.config.server
+        base_dir = self.config.base_dir
+        if server.tls_cert and server.tls_key:
+            self.tls = ListenerTls(
+                "server",
+                server.tls_cert,
+                server.tls_key,
+                client_ca=server.tls_client_ca,
+                base_dir=base_dir,
+            )
+        admin_config = self.config.admin
+        if admin_socket is None and admin_config.tls_cert and admin_config.tls_key:
+            self.admin_tls = ListenerTls(
+                "admin", admin_config.tls_cert, admin_config.tls_key, base_dir=base_dir
+            )
         self._runner = web.AppRunner(
             self.app,
             handler_cancellation=True,
@@ -374,6 +394,7 @@ class EdgeProxy:
             guard=self.guard,
             backlog=server.backlog,
             reuse_port=server.reuse_port,
+            ssl_context=self.tls.context if self.tls is not None else None,
         )
         await site.start()
         if admin_socket is not None or self.config.admin.enabled:
@@ -384,7 +405,10 @@ class EdgeProxy:
                 admin = web.UnixSite(self._admin_runner, admin_socket)
             else:
                 admin = web.TCPSite(
-                    self._admin_runner, self.config.admin.host, self.config.admin.port
+                    self._admin_runner,
+                    admin_config.host,
+                    admin_config.port,
+                    ssl_context=self.admin_tls.context if self.admin_tls is not None else None,
                 )
             await admin.start()
         logger.info("edgeproxy %s listening on %s", self.config.pop.name, self.url)
@@ -392,11 +416,18 @@ class EdgeProxy:
     @property
     def url(self) -> str:
         """The proxy listener's base URL, with the real port when port 0 was asked."""
-        return _runner_url(self._runner)
+        return _runner_url(self._runner, tls=self.tls is not None)
 
     @property
     def admin_url(self) -> str:
-        return _runner_url(self._admin_runner)
+        return _runner_url(self._admin_runner, tls=self.admin_tls is not None)
+
+    def reload_tls(self) -> bool:
+        """Read the listeners' certificates and keys again (SIGHUP does this): new
+        handshakes get the new ones; a pair that does not load is logged and the old one
+        kept. False when one did not load."""
+        results = [tls.reload() for tls in (self.tls, self.admin_tls) if tls is not None]
+        return all(results)
 
     async def stop(self, grace: float | None = None) -> bool:
         """Drain: stop accepting, let in-flight requests finish for ``grace`` seconds, close.
@@ -467,7 +498,7 @@ class EdgeProxy:
 PROXY_KEY = web.AppKey("edgeproxy.proxy", EdgeProxy)
 
 
-def _runner_url(runner: web.AppRunner | None) -> str:
+def _runner_url(runner: web.AppRunner | None, *, tls: bool = False) -> str:
     if runner is None or not runner.addresses:
         raise RuntimeError("not listening")
     address = runner.addresses[0]
@@ -476,7 +507,14 @@ def _runner_url(runner: web.AppRunner | None) -> str:
     host, port = address[:2]
     if ":" in host:
         host = f"[{host}]"
-    return f"http://{host}:{port}"
+    return f"{'https' if tls else 'http'}://{host}:{port}"
+
+
+def _admin_token(config: Config) -> str | None:
+    try:
+        return config.admin.resolved_token()
+    except ValueError as exc:
+        raise ConfigError([str(exc)]) from None
 
 
 # Allocations (net of frees) between young-generation collections in `serve`.
@@ -505,8 +543,8 @@ async def serve(config: Config, *, admin_socket: str | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     # A reload is the supervisor's: it starts workers on the new config and drains these.
-    # A lone process keeps serving rather than die of SIGHUP's default action.
-    loop.add_signal_handler(signal.SIGHUP, _no_reload, admin_socket is not None)
+    # A lone process reloads its certificates and keeps serving.
+    loop.add_signal_handler(signal.SIGHUP, _on_sighup, proxy)
     try:
         await stop.wait()
         logger.info("draining for up to %.1fs", config.server.grace_period)
@@ -517,9 +555,9 @@ async def serve(config: Config, *, admin_socket: str | None = None) -> int:
     return 0
 
 
-def _no_reload(worker: bool) -> None:
-    if not worker:
-        logger.warning(
-            "SIGHUP: a single process does not reload its config; run with [server] workers "
-            ">= 2 (the supervisor reloads by starting new workers) or restart"
-        )
+def _on_sighup(proxy: EdgeProxy) -> None:
+    proxy.reload_tls()
+    logger.warning(
+        "SIGHUP: a single process reloads its TLS certificates only, not its config; run with "
+        "[server] workers >= 2 (the supervisor reloads by starting new workers) or restart"
+    )

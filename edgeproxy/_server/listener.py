@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Any
@@ -654,7 +655,7 @@ class EdgeRequestHandler(web.RequestHandler):
 class GuardedSite(web.BaseSite):
     """A TCP site serving :class:`EdgeRequestHandler` connections under one guard."""
 
-    __slots__ = ("_host", "_port", "_guard", "_reuse_port")
+    __slots__ = ("_host", "_port", "_guard", "_reuse_port", "_ssl")
 
     def __init__(
         self,
@@ -666,16 +667,19 @@ class GuardedSite(web.BaseSite):
         backlog: int = 128,
         shutdown_timeout: float = 60.0,
         reuse_port: bool = False,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         super().__init__(runner, backlog=backlog, shutdown_timeout=shutdown_timeout)
         self._host = host
         self._port = port
         self._guard = guard
         self._reuse_port = reuse_port
+        self._ssl = ssl_context
 
     @property
     def name(self) -> str:
-        return str(URL.build(scheme="http", host=self._host, port=self._port))
+        scheme = "https" if self._ssl is not None else "http"
+        return str(URL.build(scheme=scheme, host=self._host, port=self._port))
 
     async def start(self) -> None:
         await super().start()
@@ -697,4 +701,5 @@ class GuardedSite(web.BaseSite):
             backlog=self._backlog,
             reuse_address=True,
             reuse_port=self._reuse_port or None,
+            ssl=self._ssl,
         )

@@ -39,6 +39,8 @@ from edgeproxy._core.config import Config, ConfigError
 from edgeproxy._core.errors import error_response
 from edgeproxy._observability.multiprocess import multiprocess_dir
 from edgeproxy._observability.statuspage import StatusPage
+from edgeproxy._server.admin import admin_auth
+from edgeproxy._server.tls import ListenerTls, check_tls_files
 
 __all__ = ["Supervisor", "WORKER_COMMAND"]
 
@@ -153,6 +155,7 @@ class Supervisor:
         self.last_reload: dict[str, Any] | None = None
         self.started_at = time.time()
         self.admin_url = ""
+        self._admin_tls: ListenerTls | None = None
 
     # -- the run -----------------------------------------------------------
 
@@ -170,17 +173,33 @@ class Supervisor:
         if not self._metrics_dir:
             self._metrics_dir = os.path.join(self._dir, "metrics")
             os.mkdir(self._metrics_dir)
-        runner = web.AppRunner(self._admin_app(), access_log=None)
+        admin = self.config.admin
+        try:
+            check_tls_files(self.config)
+            token = admin.resolved_token()
+            self._admin_tls = (
+                ListenerTls("admin", admin.tls_cert, admin.tls_key, base_dir=self.config.base_dir)
+                if admin.tls_cert and admin.tls_key
+                else None
+            )
+        except (ConfigError, ValueError) as exc:
+            logger.error("%s", exc)
+            reserved.close()
+            return 2
+        runner = web.AppRunner(self._admin_app(token), access_log=None)
         loop = asyncio.get_running_loop()
         signals = {signal.SIGTERM: self._stop.set, signal.SIGINT: self._stop.set}
         signals[signal.SIGHUP] = self._reload_in_background
         try:
             await runner.setup()
-            admin = self.config.admin
-            site = web.TCPSite(runner, admin.host, admin.port)
+            tls = self._admin_tls
+            site = web.TCPSite(
+                runner, admin.host, admin.port, ssl_context=tls.context if tls else None
+            )
             await site.start()
             host, port = runner.addresses[0][:2]
-            self.admin_url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+            scheme = "https" if tls else "http"
+            self.admin_url = f"{scheme}://{'[' + host + ']' if ':' in host else host}:{port}"
             for sig, handler in signals.items():
                 loop.add_signal_handler(sig, handler)
             self._generation = 1
@@ -189,8 +208,9 @@ class Supervisor:
                 logger.error("the workers did not start; see their log above")
                 return 1
             logger.info(
-                "edgeproxy supervisor: %d workers serving on http://%s:%d; admin on %s",
+                "edgeproxy supervisor: %d workers serving on %s://%s:%d; admin on %s",
                 len(self._workers),
+                "https" if server.tls_cert else "http",
                 server.host,
                 self._port,
                 self.admin_url,
@@ -241,7 +261,8 @@ class Supervisor:
         """The worker's config, as JSON in the private directory: the port fixed, shared."""
         data = config.model_dump(mode="json")
         data["server"].update(port=self._port, reuse_port=True, workers=1)
-        data["admin"]["enabled"] = False
+        # The workers' admin apps are on private sockets: the port, its TLS and token are ours.
+        data["admin"].update(enabled=False, token=None, token_env=None, tls_cert=None, tls_key=None)
         if config.base_dir is not None:
             data["base_dir"] = str(config.base_dir)
         path = os.path.join(self._dir, f"config-{generation}.json")
@@ -366,6 +387,9 @@ class Supervisor:
     # -- reload ---------------------------------------------------------------
 
     def _reload_in_background(self) -> None:
+        # The admin listener's certificate, then the workers (theirs load as they start).
+        if self._admin_tls is not None:
+            self._admin_tls.reload()
         self._keep(self.reload())
 
     async def reload(self) -> dict[str, Any]:
@@ -384,6 +408,7 @@ class Supervisor:
             return {"reloaded": False, "errors": ["the supervisor is shutting down"]}
         try:
             config = await asyncio.to_thread(self._load)
+            await asyncio.to_thread(check_tls_files, config)
         except ConfigError as exc:
             errors = [str(exc)]
             logger.error("reload refused, the running config stays: %s", exc)
@@ -480,7 +505,7 @@ class Supervisor:
         ]
         return merged
 
-    def _admin_app(self) -> web.Application:
+    def _admin_app(self, token: str | None) -> web.Application:
         async def healthz(request: web.Request) -> web.Response:
             alive = len(self._serving())
             return _json({"status": "ok" if alive else "no workers", "workers": alive}, alive > 0)
@@ -541,7 +566,7 @@ class Supervisor:
                 409, "invalid_request_error", "; ".join(result["errors"]), code="reload_refused"
             )
 
-        app = web.Application()
+        app = web.Application(middlewares=[admin_auth(token)] if token else [])
         app.router.add_get("/healthz", healthz)
         app.router.add_get("/readyz", readyz)
         app.router.add_get("/status", status)

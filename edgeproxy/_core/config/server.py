@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
+from collections.abc import Mapping
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from edgeproxy._core.config.base import Section
 
@@ -54,6 +56,34 @@ class ServerConfig(Section):
         ),
     )
 
+    tls_cert: str | None = Field(
+        None,
+        description="Certificate chain (PEM) of the client listener: it speaks TLS 1.2+ with ALPN "
+        "http/1.1. Relative paths are from the config file's folder. Reloaded on SIGHUP.",
+    )
+    tls_key: str | None = Field(
+        None,
+        validate_default=True,
+        description="Private key (PEM) of tls_cert; needed with it.",
+    )
+    tls_client_ca: str | None = Field(
+        None,
+        description="CA bundle (PEM) that client certificates must chain to: mutual TLS, a client "
+        "without a valid certificate is refused in the handshake. Needs tls_cert.",
+    )
+
+    @field_validator("tls_key")
+    @classmethod
+    def _check_tls_key(cls, value: str | None, info: ValidationInfo) -> str | None:
+        return _check_key(value, info)
+
+    @field_validator("tls_client_ca")
+    @classmethod
+    def _check_tls_client_ca(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value and not info.data.get("tls_cert"):
+            raise ValueError("needs tls_cert: client certificates are checked by a TLS listener")
+        return value
+
     @field_validator("workers", mode="before")
     @classmethod
     def _check_workers(cls, value: object) -> object:
@@ -78,6 +108,71 @@ class AdminConfig(Section):
         "127.0.0.1", description="Address of the admin listener (loopback by default)."
     )
     port: int = Field(9901, ge=0, le=65535, description="Port of the admin listener (0 picks one).")
+    tls_cert: str | None = Field(
+        None,
+        description="Certificate chain (PEM) of the admin listener, which then speaks TLS 1.2+. "
+        "Reloaded on SIGHUP.",
+    )
+    tls_key: str | None = Field(
+        None, validate_default=True, description="Private key (PEM) of tls_cert; needed with it."
+    )
+    token: str | None = Field(
+        None,
+        repr=False,
+        description="Bearer token every admin request but /healthz and /readyz must carry "
+        "(Authorization: Bearer ...). Prefer token_env. Without a token the admin listener "
+        "binds to loopback only.",
+    )
+    token_env: str | None = Field(
+        None, description="Name of the environment variable that holds the admin token."
+    )
+
+    @field_validator("tls_key")
+    @classmethod
+    def _check_tls_key(cls, value: str | None, info: ValidationInfo) -> str | None:
+        return _check_key(value, info)
+
+    @model_validator(mode="after")
+    def _check_exposure(self) -> AdminConfig:
+        if self.enabled and not (self.token or self.token_env) and not _is_loopback(self.host):
+            raise ValueError(
+                f"host = {self.host!r} is not a loopback address: set admin.token or "
+                "admin.token_env, or bind admin.host to 127.0.0.1"
+            )
+        return self
+
+    def resolved_token(self, environ: Mapping[str, str] | None = None) -> str | None:
+        """The token, ``token_env`` read from ``environ`` (``os.environ`` when None).
+
+        Raises ``ValueError`` when ``token_env`` names a variable that is not set.
+        """
+        if self.token:
+            return self.token
+        if self.token_env:
+            value = (os.environ if environ is None else environ).get(self.token_env)
+            if not value:
+                raise ValueError(f"admin.token_env: {self.token_env} is not set or empty")
+            return value
+        return None
+
+
+def _check_key(value: str | None, info: ValidationInfo) -> str | None:
+    """``tls_key`` against ``tls_cert``: both or neither."""
+    cert = info.data.get("tls_cert")
+    if cert and not value:
+        raise ValueError("needed with tls_cert")
+    if value and not cert:
+        raise ValueError("given without tls_cert")
+    return value
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class PopConfig(Section):
