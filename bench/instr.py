@@ -49,6 +49,9 @@ change can be measured against the code before it in the same run::
     python bench/instr.py --tree /tmp/before --count 300
 
 ``--quick`` (60 requests after 60 warm-up, 12 streamed after 6) is the CI smoke run.
+``--wallclock`` runs ``bench_proxy.py --only throughput`` (with ``--quick`` when given)
+right after the count, in the same run: its wall-clock table goes under the instruction
+table in ``instr.md``. ``bench/instr_profile.py`` breaks one request down by component.
 Needs valgrind (Debian: ``apt-get install valgrind``). Results: the table printed, and
 ``bench/results/instr.{md,json}``. Everything talks to 127.0.0.1 only.
 """
@@ -711,6 +714,11 @@ def main(argv: list[str] | None = None) -> int:
         "--litellm-wait", type=float, default=900.0, help="the same for LiteLLM (slow to start)"
     )
     parser.add_argument("--keep", action="store_true", help="keep the callgrind files")
+    parser.add_argument(
+        "--wallclock",
+        action="store_true",
+        help="then bench_proxy.py's throughput table (--quick with --quick), in the same run",
+    )
     args = parser.parse_args(argv)
     # A SIGTERM (CI's timeout) unwinds, so that the servers this started are stopped.
     signal.signal(signal.SIGTERM, _exit_on_signal)
@@ -743,7 +751,38 @@ def main(argv: list[str] | None = None) -> int:
         "rows": [asdict(r) | {"per_request": r.per_request} for r in rows],
     }
     (RESULTS / "instr.json").write_text(json.dumps(data, indent=2) + "\n")
-    return 1 if any(r.failed for r in rows) else 0
+    failed = any(r.failed for r in rows)
+    if args.wallclock:
+        failed |= wallclock(args, rows) != 0
+    return 1 if failed else 0
+
+
+def wallclock(args: argparse.Namespace, rows: list[Row]) -> int:
+    """bench_proxy.py's closed-loop throughput section, run right after the count, with
+    its table and the instruction ratios side by side in ``instr.md``."""
+    cmd = [sys.executable, str(HERE / "bench_proxy.py"), "--only", "throughput"]
+    cmd += ["--results", str(RESULTS)] + (["--quick"] if args.quick else [])
+    cmd += ["--skip-nginx"] if args.skip_nginx else []
+    print(f"\nwall-clock: {' '.join(cmd[1:])}", flush=True)
+    rc = subprocess.run(cmd, cwd=ROOT).returncode
+    proxy_md = RESULTS / "proxy.md"
+    if rc != 0 or not proxy_md.exists():
+        print(f"wall-clock: bench_proxy.py failed (exit {rc})")
+        return rc or 1
+    ratios = ["| target | instructions x reference |", "| --- | --- |"]
+    ref = next((r for r in rows if r.name == "reference"), None)
+    for r in rows:
+        if ref and not r.events and r.tree == "now":
+            ratios.append(f"| {r.name} | {r.per_request / ref.per_request:.2f} |")
+    text = (
+        "\n\n## Wall-clock, same run (bench_proxy.py --only throughput)\n\n"
+        + "\n".join(ratios)
+        + "\n\n"
+        + proxy_md.read_text()
+    )
+    with (RESULTS / "instr.md").open("a") as fh:
+        fh.write(text)
+    return 0
 
 
 if __name__ == "__main__":
