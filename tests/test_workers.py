@@ -59,6 +59,7 @@ def write_config(
     path: Path,
     regions: list[tuple[str, str]],
     admin: dict[str, Any] | None = None,
+    extra: str = "",
     **server: Any,
 ) -> None:
     settings = {"host": '"127.0.0.1"', "port": 0, "workers": 2, "grace_period": 20.0}
@@ -68,7 +69,7 @@ def write_config(
     lines += [f"{k} = {v}" for k, v in (admin or {}).items()]
     for name, url in regions:
         lines += ["[[regions]]", f'name = "{name}"', f'url = "{url}"']
-    path.write_text("\n".join(lines) + "\n")
+    path.write_text("\n".join(lines) + "\n" + extra)
 
 
 @contextlib.asynccontextmanager
@@ -227,9 +228,10 @@ async def test_reload_under_load_swaps_regions_and_refuses_a_bad_config(
     tmp_path: Path, make_region: RegionFactory
 ) -> None:
     old_region = await make_region("old", inter_token_delay=0.05, tokens=20)
-    new_region = await make_region("new")
+    new_region = await make_region("new", ttft=0.2)
     config = tmp_path / "edge.toml"
-    write_config(config, [("old", old_region.url)])
+    route = '[[routes]]\nname = "completions"\npath = "/v1/completions"\ndeadline = {}\n'
+    write_config(config, [("old", old_region.url)], extra=route.format(30.0))
     async with supervise(config) as run:
         statuses: list[int] = []
         stop = asyncio.Event()
@@ -243,7 +245,8 @@ async def test_reload_under_load_swaps_regions_and_refuses_a_bad_config(
             async with client.post(run.url + CHAT, json=STREAM) as stream:
                 first = await stream.content.readuntil(b"\n\n")
                 load = asyncio.create_task(steady_load())
-                write_config(config, [("new", new_region.url)])
+                # A region added, one removed, a route's deadline cut below the new one's TTFT.
+                write_config(config, [("new", new_region.url)], extra=route.format(0.05))
                 run.proc.send_signal(signal.SIGHUP)
                 status = await run.until(
                     lambda s: (
@@ -260,6 +263,9 @@ async def test_reload_under_load_swaps_regions_and_refuses_a_bad_config(
             await load
             assert statuses and set(statuses) == {200}
             assert [w["generation"] for w in status["workers"]] == [2, 2]
+            completion = {"model": "m", "prompt": "hello"}
+            async with client.post(run.url + "/v1/completions", json=completion) as resp:
+                assert resp.status == 504
 
             # A config that does not load: refused, generation 2 keeps serving.
             config.write_text(config.read_text() + "bogus = 1\n")
@@ -267,7 +273,7 @@ async def test_reload_under_load_swaps_regions_and_refuses_a_bad_config(
                 assert resp.status == 409
                 error = (await resp.json())["error"]
                 assert error["code"] == "reload_refused"
-                assert "regions[0].bogus: unknown key" in error["message"]
+                assert "routes[0].bogus: unknown key" in error["message"]
             # A listener that moves needs a restart.
             write_config(config, [("new", new_region.url)], port=1)
             async with client.post(run.admin + "/reload") as resp:
