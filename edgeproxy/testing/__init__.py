@@ -43,6 +43,7 @@ from edgeproxy.testing._gguf import TinyLlamaSpec, tiny_llama_gguf, write_tiny_l
 from edgeproxy.testing._hostile import HostileCounters, HostileRegion
 from edgeproxy.testing._load import LOAD_METRICS_FAULTS, LoadMetricsFault
 from edgeproxy.testing._upstream import FakeRegion
+from edgeproxy.testing._wan import WanCounters, WanLink
 
 __all__ = [
     "FAULTS",
@@ -55,6 +56,8 @@ __all__ = [
     "HostileRegion",
     "LoadMetricsFault",
     "TinyLlamaSpec",
+    "WanCounters",
+    "WanLink",
     "answer_text",
     "tiny_llama_gguf",
     "write_tiny_llama_gguf",
