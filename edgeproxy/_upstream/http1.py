@@ -25,6 +25,32 @@ __all__ = ["AiohttpPool", "AiohttpResponse"]
 _VERSIONS = {aiohttp.HttpVersion10: "1.0", aiohttp.HttpVersion11: "1.1"}
 
 
+class _Chunks:
+    """The body as it arrives, aiohttp's errors turned into ours: aiohttp's ``iter_any``
+    in one iterator, where an async generator around it was a second layer per chunk."""
+
+    __slots__ = ("_content",)
+
+    def __init__(self, content: aiohttp.StreamReader) -> None:
+        self._content = content
+
+    def __aiter__(self) -> _Chunks:
+        return self
+
+    async def __anext__(self) -> bytes:
+        try:
+            chunk = await self._content.readany()
+        except aiohttp.EofStream:
+            raise StopAsyncIteration from None
+        except TimeoutError as exc:
+            raise UpstreamTimeout("upstream read timed out", phase="read") from exc
+        except aiohttp.ClientError as exc:
+            raise UpstreamProtocolError(f"upstream body broke: {exc}") from exc
+        if not chunk:
+            raise StopAsyncIteration
+        return chunk
+
+
 class AiohttpResponse:
     """:class:`UpstreamResponse` over an aiohttp client response."""
 
@@ -41,14 +67,8 @@ class AiohttpResponse:
             _VERSIONS.get(version) or f"{version.major}.{version.minor}" if version else "1.1"
         )
 
-    async def aiter_bytes(self) -> AsyncIterator[bytes]:
-        try:
-            async for chunk in self._resp.content.iter_any():
-                yield chunk
-        except TimeoutError as exc:
-            raise UpstreamTimeout("upstream read timed out", phase="read") from exc
-        except aiohttp.ClientError as exc:
-            raise UpstreamProtocolError(f"upstream body broke: {exc}") from exc
+    def aiter_bytes(self) -> AsyncIterator[bytes]:
+        return _Chunks(self._resp.content)
 
     async def aclose(self) -> None:
         if self._pool is not None:
