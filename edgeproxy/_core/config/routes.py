@@ -92,6 +92,11 @@ class RouteConfig(Section):
         "200 text/event-stream headers and a ': waiting' comment, repeated at this interval "
         "until the first token; unset: off.",
     )
+    compress_sse: bool = Field(
+        False,
+        description="Compress this route's SSE streams for clients that accept it, each event "
+        "flushed as it is written ([server] compression must be on).",
+    )
 
     cache: Literal["auto", "always", "off"] = Field(
         "auto",

@@ -14,6 +14,10 @@ from edgeproxy._core.config.base import Section
 __all__ = ["AdminConfig", "LimitsConfig", "PopConfig", "ServerConfig"]
 
 
+Coding = Literal["zstd", "br", "gzip"]
+_CODINGS: tuple[Coding, ...] = ("zstd", "br", "gzip")
+
+
 class ServerConfig(Section):
     """The client-facing listener."""
 
@@ -70,6 +74,24 @@ class ServerConfig(Section):
         None,
         description="CA bundle (PEM) that client certificates must chain to: mutual TLS, a client "
         "without a valid certificate is refused in the handshake. Needs tls_cert.",
+    )
+
+    compression: bool = Field(
+        True,
+        description="Compress JSON and text answers for clients that accept it (zstd, br or "
+        "gzip, per Accept-Encoding); SSE only on routes with compress_sse.",
+    )
+    compression_min_size: int = Field(
+        1024,
+        ge=0,
+        description="Smallest answer, in bytes, worth compressing (an answer of unknown length "
+        "is compressed).",
+    )
+    compression_encodings: list[Coding] = Field(
+        default_factory=lambda: list(_CODINGS),
+        min_length=1,
+        description="Codings offered, in the order preferred when the client accepts several "
+        "equally.",
     )
 
     @field_validator("tls_key")

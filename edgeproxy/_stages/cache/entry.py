@@ -78,6 +78,8 @@ class Entry:
     """Seconds the answer took to compute: XFetch refreshes earlier for slow answers."""
     region: str | None = None
     _events: list[bytes] | None = field(default=None, repr=False, compare=False)
+    encoded: dict[str, bytes] = field(default_factory=dict, repr=False, compare=False)
+    """The answer as sent in a content coding, made on the first hit that asks for it."""
 
     @classmethod
     def build(

@@ -56,6 +56,7 @@ from edgeproxy._stages.cache.keys import (
 )
 from edgeproxy._stages.cache.plan import CachePlan, _directives, _plan_for_ctx, _seconds
 from edgeproxy._stages.cache.recorder import CacheRecorder
+from edgeproxy._stages.compression import Compression
 
 if TYPE_CHECKING:
     from edgeproxy._plugins import Plugins
@@ -110,6 +111,7 @@ class CacheStage:
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.config = config.cache
+        self.compression = Compression(config)
         # Wall-clock seconds, as entries are shared across hosts: freshness, Age, stale windows.
         self.clock = clock
         self.plugins = plugins
@@ -329,6 +331,22 @@ class CacheStage:
             ("X-Edgeproxy-Region", region),
             ("X-Request-Id", ctx.request_id),
         )
+        encoding = self.compression.choose(
+            ctx,
+            entry.status,
+            "text/event-stream" if sse else _content_type(headers),
+            sum(map(len, parts)),
+            content_encoding=_header(headers, "content-encoding"),
+        )
+        if encoding is not None:
+            # Made once per coding and form, kept with the entry for the hits after.
+            form = f"{encoding} {'sse' if sse else 'json'} {plan.include_usage}"
+            packed = entry.encoded.get(form)
+            if packed is None:
+                packed = entry.encoded[form] = self.compression.whole(parts, encoding)
+            parts = [packed]
+            headers = [(k, v) for k, v in headers if k.lower() != "content-length"]
+            headers += (("Content-Encoding", encoding), ("Vary", "Accept-Encoding"))
         resp: web.StreamResponse
         if sse:
             resp = ReplayResponse(status=entry.status, parts=parts)
@@ -570,3 +588,11 @@ def _errors(tiers: dict[str, Any]) -> dict[str, int]:
             elif isinstance(value, dict):
                 stack.append(value)
     return dict(total)
+
+
+def _header(headers: list[tuple[str, str]], name: str) -> str | None:
+    return next((v for k, v in headers if k.lower() == name), None)
+
+
+def _content_type(headers: list[tuple[str, str]]) -> str:
+    return _header(headers, "content-type") or ""

@@ -1,0 +1,91 @@
+"""Compression toward the client: which answers, in which coding, and the cache's copies.
+
+A JSON or text answer of at least ``server.compression_min_size`` bytes (or of unknown
+length) is compressed when the client accepts a coding this proxy offers
+(``server.compression_encodings``, zstd, br and gzip by default). An SSE stream is
+compressed only on a route with ``compress_sse = true``, and then every event is flushed as
+it is written, so compression never holds an event back. A cached answer is stored once,
+uncompressed; each coding of it is made at most once, on the first hit that asks for it,
+and kept with the entry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+from edgeproxy._core.config import Config
+from edgeproxy._core.context import RequestContext
+from edgeproxy._protocol.encoding import (
+    StreamCompressor,
+    choose_encoding,
+    compress,
+    compressible_type,
+)
+
+__all__ = ["Compression", "Encoder"]
+
+_NO_BODY_STATUS = frozenset({204, 304})
+# Answers that must reach the client as the region sent them.
+_KEEP = frozenset({206})
+
+
+class Encoder:
+    """Compresses one response's body as it is written, flushing every chunk."""
+
+    __slots__ = ("encoding", "_stream", "_write")
+
+    def __init__(self, encoding: str, write: Callable[[bytes], Awaitable[None]]) -> None:
+        self.encoding = encoding
+        self._stream = StreamCompressor(encoding)
+        self._write = write
+
+    async def write(self, chunk: bytes) -> None:
+        """Compress ``chunk`` and write it at once."""
+        if chunk:
+            await self._write(self._stream.compress(chunk))
+
+    async def finish(self) -> None:
+        """Write the end of the compressed stream (before the response's EOF)."""
+        await self._write(self._stream.finish())
+
+
+class Compression:
+    """Decides, per response, whether and how to compress it."""
+
+    def __init__(self, config: Config) -> None:
+        server = config.server
+        self.enabled = server.compression
+        self.min_size = server.compression_min_size
+        self.offered = tuple(server.compression_encodings)
+
+    def choose(
+        self,
+        ctx: RequestContext,
+        status: int,
+        content_type: str,
+        content_length: int | None,
+        *,
+        content_encoding: str | None = None,
+    ) -> str | None:
+        """The coding for this answer, or None to send it as it is."""
+        if not self.enabled or ctx.method == "HEAD" or content_encoding:
+            return None
+        if status in _NO_BODY_STATUS or status in _KEEP or not compressible_type(content_type):
+            return None
+        if content_type.startswith("text/event-stream"):
+            if not ctx.route.compress_sse:
+                return None
+        elif content_length is not None and content_length < self.min_size:
+            return None
+        return choose_encoding(ctx.headers.get("accept-encoding"), self.offered)
+
+    def encoder(self, encoding: str, write: Callable[[bytes], Awaitable[None]]) -> Encoder:
+        """An :class:`Encoder` writing through ``write``."""
+        return Encoder(encoding, write)
+
+    def whole(self, parts: list[bytes], encoding: str) -> bytes:
+        """A body known whole (a cached answer's parts) in ``encoding``."""
+        if len(parts) == 1:
+            return compress(parts[0], encoding)
+        stream = StreamCompressor(encoding)
+        return b"".join([*map(stream.compress, parts), stream.finish()])
