@@ -237,21 +237,15 @@ class Pipeline:
             )
             return response
         except ProxyError as err:
-            if heartbeat is not None:
-                early = await heartbeat.stop()
-            if early is not None:
-                # The heartbeats sent 200 already: the error goes as an SSE error event.
-                ctx.error = err.message
-                await self.stream.error_after_heartbeats(request, early, err)
-                response = early
-                return response
-            response = self._error_response(ctx, err)
+            response = await self._error(request, ctx, err, heartbeat)
             return response
         except PluginError as err:
             logger.error("%s (request %s)", err, ctx.request_id, exc_info=err.error)
-            response = self._error_response(
+            response = await self._error(
+                request,
                 ctx,
                 ProxyError(500, "plugin_error", f"plugin {err.plugin} failed", code="plugin_error"),
+                heartbeat,
             )
             return response
         finally:
@@ -339,6 +333,21 @@ class Pipeline:
             answer.headers["X-Edgeproxy-Degraded"] = ctx.degraded
         ctx.status = answer.status
         return answer
+
+    async def _error(
+        self,
+        request: web.Request,
+        ctx: RequestContext,
+        err: ProxyError,
+        heartbeat: Heartbeat | None,
+    ) -> web.StreamResponse:
+        """The error answer; after heartbeats (their 200 already sent), an SSE error event."""
+        early = await heartbeat.stop() if heartbeat is not None else None
+        if early is None:
+            return self._error_response(ctx, err)
+        ctx.error = err.message
+        await self.stream.error_after_heartbeats(request, early, err)
+        return early
 
     def _error_response(self, ctx: RequestContext, err: ProxyError) -> web.Response:
         ctx.status = err.status

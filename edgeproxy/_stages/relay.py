@@ -97,15 +97,20 @@ class StreamStage:
         resp = web.StreamResponse(status=reply.status, headers=headers)
         if close_connection:
             resp.force_close()
-        # A transformed body has an unknown length: let aiohttp chunk it.
-        if content_length is not None and reply.status not in _NO_BODY_STATUS and not transform:
-            resp.content_length = content_length
         content_type = resp.headers.get("content-type", "")
-        ctx.response_is_sse = content_type.startswith("text/event-stream")
-        usage = UsageTracker.for_response(ctx.path, content_type, reply.status)
         splice: Splice | None = None
         if ctx.route.continue_on_break and self.continuation is not None:
             splice = self.continuation.splice(ctx, reply.status, content_type)
+        # A transformed (or continued) body has an unknown length: let aiohttp chunk it.
+        if (
+            content_length is not None
+            and reply.status not in _NO_BODY_STATUS
+            and not transform
+            and splice is None
+        ):
+            resp.content_length = content_length
+        ctx.response_is_sse = content_type.startswith("text/event-stream")
+        usage = UsageTracker.for_response(ctx.path, content_type, reply.status)
         try:
             # Inside the try: the client may already be gone when headers go out.
             await resp.prepare(request)
