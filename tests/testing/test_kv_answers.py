@@ -7,8 +7,7 @@ from typing import Any
 
 import httpx
 
-from edgeproxy.testing import FakeRegion
-from edgeproxy.testing import _content as content
+from edgeproxy.testing import FakeRegion, answer_text
 from edgeproxy.testing._kv import KVCache, answer_length, prompt_tokens, read_prompt
 
 CHAT = "/v1/chat/completions"
@@ -55,7 +54,7 @@ def test_next_turn_prompt_starts_with_the_cached_answer() -> None:
     cache = KVCache(1000)
     cache.insert(turn1.blocks)
     # The answer as the fake region writes it (see edgeproxy.testing._content).
-    from_region = answer_text(first)
+    from_region = answer_text(first["messages"], first["max_tokens"])
     second = chat([*TURN_1, {"role": "assistant", "content": from_region},
                    {"role": "user", "content": "and then what"}])  # fmt: skip
     turn2 = read_prompt(second, chat=True, block_size=BLOCK, hashed=True)
@@ -64,10 +63,6 @@ def test_next_turn_prompt_starts_with_the_cached_answer() -> None:
     assert matched == len(turn1.blocks)
     assert turn2.blocks[:matched] == turn1.blocks
     assert len(prompt_tokens(second, chat=True)) == turn2.tokens
-
-
-def answer_text(request: dict[str, Any]) -> str:
-    return "".join(content.tokens(content.digest(request["messages"]), request["max_tokens"]))
 
 
 async def test_region_caches_the_answer_for_the_next_turn() -> None:
