@@ -1,0 +1,321 @@
+"""The world the lag scenarios run in: fake regions far away behind WAN links, the
+proxies under test as their own processes behind a near PoP link, and one client.
+
+Layout, the same for every variant of a scenario::
+
+    client --pop link (5 ms)--> proxy --far link (150 ms)--> fake region
+    client --direct link (155 ms)-------------------------> fake region
+
+The fake regions and the WAN links run in this process (regions on their own
+threads); nginx, the bare aiohttp forwarder and ``edgeproxy serve`` run as child
+processes, stopped by their own pid.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import _util as u
+import aiohttp
+
+from edgeproxy.testing import Behavior, FakeRegion, WanLink
+
+PYTHON = sys.executable
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+CONFIGS = HERE / "scenarios"
+CHAT = "/v1/chat/completions"
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """One-way delays in seconds: user to PoP, PoP to the far regions."""
+
+    pop: float = 0.005
+    far: float = 0.150
+    jitter: float = 0.002
+
+    @property
+    def direct(self) -> float:
+        return self.pop + self.far
+
+
+@dataclass
+class Rec:
+    """One request as the client saw it."""
+
+    variant: str
+    label: str
+    sent: float  # seconds since the scenario's start
+    status: int  # 0: no answer (connection failed or client timeout)
+    ttfb: float  # to the response head
+    first_token: float  # to the first visible token (the whole body when not streamed)
+    total: float
+    error: str = ""
+    cache: str = ""
+
+
+@dataclass
+class Proxy:
+    """A proxy under test: its process and the PoP link in front of it."""
+
+    name: str
+    kind: str
+    service: u.Service | None
+    link: WanLink | None
+    admin: int = 0
+
+    @property
+    def url(self) -> str:
+        assert self.link is not None
+        return self.link.url
+
+    def status(self) -> dict[str, Any]:
+        data: dict[str, Any] = u.http_json(f"http://127.0.0.1:{self.admin}/status")
+        return data
+
+
+@dataclass
+class World:
+    """Regions, their links, and the proxies started against them; :meth:`close` stops all."""
+
+    geometry: Geometry = field(default_factory=Geometry)
+    tmp: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="scenarios-")))
+    regions: dict[str, FakeRegion] = field(default_factory=dict)
+    far: dict[str, WanLink] = field(default_factory=dict)
+    direct: dict[str, WanLink] = field(default_factory=dict)
+    proxies: list[Proxy] = field(default_factory=list)
+
+    async def region(self, name: str, **settings: Any) -> FakeRegion:
+        """A fake region, with a far link (from the PoP) and a direct one (from the user)."""
+        behavior = {k: v for k, v in settings.items() if k in Behavior.__dataclass_fields__}
+        rest = {k: v for k, v in settings.items() if k not in behavior}
+        region = FakeRegion(name=name, behavior=Behavior(**behavior), seed=1, **rest)
+        await region.start()
+        self.regions[name] = region
+        g = self.geometry
+        self.far[name] = WanLink(region.port, delay=g.far, jitter=g.jitter, seed=2)
+        self.direct[name] = WanLink(region.port, delay=g.direct, jitter=g.jitter, seed=3)
+        await self.far[name].start()
+        await self.direct[name].start()
+        return region
+
+    def upstream_calls(self) -> int:
+        return sum(r.requests_by_path.get(CHAT, 0) for r in self.regions.values())
+
+    async def proxy(self, name: str, kind: str, config: str | None = None, **opts: Any) -> Proxy:
+        """Start a proxy of ``kind`` (``nginx``, ``reference``, ``edgeproxy``) in front of every
+        region's far link, and a PoP link in front of it; ``direct`` is the no-proxy client."""
+        if kind == "direct":
+            proxy = Proxy(name, kind, None, None)
+            self.proxies.append(proxy)
+            return proxy
+        port, admin = u.free_port(), u.free_port()
+        upstreams = [link.port for link in self.far.values()]
+        log = self.tmp / f"{name}.log"
+        if kind == "nginx":
+            binary = u.nginx_binary()
+            assert binary is not None
+            conf = nginx_conf(port, upstreams, float(opts.get("read_timeout", 60.0)))
+            service = u.nginx_service(name, binary, self.tmp / name, conf, [])
+        elif kind == "reference":
+            argv = [PYTHON, str(HERE / "reference_proxy.py"), "--port", str(port)]
+            argv += ["--upstream", f"http://127.0.0.1:{upstreams[0]}"]
+            service = u.Service(name, argv, log, cwd=REPO)
+        else:
+            path = self.tmp / f"{name}.toml"
+            path.write_text(edgeproxy_toml(port, admin, self.far, config))
+            argv = [PYTHON, "-m", "edgeproxy", "serve", "--config", str(path)]
+            service = u.Service(name, [*argv, "--log-level", "error"], log, cwd=REPO)
+        service.start()
+        await asyncio.to_thread(wait_port, service, port)
+        if kind == "edgeproxy":
+            await asyncio.to_thread(service.wait_http, f"http://127.0.0.1:{admin}/readyz")
+        g = self.geometry
+        link = WanLink(port, delay=g.pop, jitter=g.jitter / 2, seed=4)
+        await link.start()
+        proxy = Proxy(name, kind, service, link, admin)
+        self.proxies.append(proxy)
+        return proxy
+
+    async def stop_proxy(self, proxy: Proxy) -> None:
+        if proxy.link is not None:
+            await proxy.link.stop()
+        if proxy.service is not None:
+            await asyncio.to_thread(proxy.service.stop)
+        self.proxies.remove(proxy)
+
+    async def close(self) -> None:
+        for proxy in list(self.proxies):
+            await self.stop_proxy(proxy)
+        for link in [*self.far.values(), *self.direct.values()]:
+            await link.stop()
+        for region in self.regions.values():
+            await region.stop(grace=0.5)
+
+
+def wait_port(service: u.Service, port: int, timeout: float = 20.0) -> None:
+    """Until something accepts on ``port``; fails early if the process died."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        service.check_alive()
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise u.ServiceError(f"{service.name} never listened on {port}:\n{service.log_tail()}")
+
+
+def nginx_conf(port: int, upstreams: Sequence[int], read_timeout: float) -> str:
+    """nginx as a plain reverse proxy: round robin, a keep-alive pool, no buffering."""
+    servers = "".join(f"        server {u.LOOPBACK}:{p};\n" for p in upstreams)
+    return f"""
+worker_processes 1;
+error_log logs/error.log warn;
+pid logs/nginx.pid;
+events {{ worker_connections 4096; }}
+http {{
+    access_log off;
+    upstream origin {{
+{servers}        keepalive 64;
+    }}
+    server {{
+        listen {u.LOOPBACK}:{port} backlog=4096;
+        location / {{
+            proxy_pass http://origin;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+            proxy_request_buffering off;
+            proxy_connect_timeout {read_timeout:g}s;
+            proxy_read_timeout {read_timeout:g}s;
+        }}
+    }}
+}}
+"""
+
+
+def edgeproxy_toml(port: int, admin: int, far: dict[str, WanLink], config: str | None) -> str:
+    """The listeners and the regions (their far links), then the checked-in scenario config
+    ``bench/scenarios/<config>.toml`` as it is (None: edgeproxy's defaults)."""
+    lines = [
+        "[server]",
+        'host = "127.0.0.1"',
+        f"port = {port}",
+        "grace_period = 1.0",
+        "[admin]",
+        'host = "127.0.0.1"',
+        f"port = {admin}",
+        "[plugins]",
+        "entry_points = false",
+    ]
+    for name, link in far.items():
+        lines += ["[[regions]]", f'name = "{name}"', f'url = "{link.url}"']
+    text = "\n".join(lines) + "\n"
+    if config is not None:
+        text += "\n" + (CONFIGS / f"{config}.toml").read_text()
+    return text
+
+
+def chat_body(question: str, *, stream: bool = False, tokens: int | None = None) -> bytes:
+    body: dict[str, Any] = {
+        "model": "fake-llm",
+        "messages": [{"role": "user", "content": question}],
+        "temperature": 0,
+        "stream": stream,
+    }
+    if tokens is not None:
+        body["max_tokens"] = tokens
+    return json.dumps(body).encode()
+
+
+class Client:
+    """The one client of every variant: a new connection per request, as a page opens
+    (``keepalive`` reuses them instead, to tell the cost of the client's handshakes)."""
+
+    def __init__(self, timeout: float, *, keepalive: bool = False) -> None:
+        self.timeout = timeout
+        self.keepalive = keepalive
+        self.session: aiohttp.ClientSession | None = None
+        self.start = time.monotonic()
+
+    async def __aenter__(self) -> Client:
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, force_close=not self.keepalive),
+            timeout=aiohttp.ClientTimeout(total=self.timeout),
+        )
+        self.start = time.monotonic()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+    async def call(
+        self,
+        variant: str,
+        url: str,
+        body: bytes,
+        *,
+        label: str = "",
+        headers: dict[str, str] | None = None,
+    ) -> Rec:
+        """POST a chat request; times the head, the first visible token and the end."""
+        assert self.session is not None
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        sent = time.monotonic() - self.start
+        hdrs = {"content-type": "application/json", **(headers or {})}
+        ttfb = first = 0.0
+        try:
+            async with self.session.post(url + CHAT, data=body, headers=hdrs) as resp:
+                ttfb = loop.time() - t0
+                streamed = resp.headers.get("content-type", "").startswith("text/event-stream")
+                async for chunk in resp.content.iter_any():
+                    if not first and (not streamed or b'"content"' in chunk):
+                        first = loop.time() - t0
+                total = loop.time() - t0
+                if not streamed:
+                    first = total
+                cache = resp.headers.get("x-edgeproxy-cache", resp.headers.get("x-cache", ""))
+                return Rec(variant, label, sent, resp.status, ttfb, first, total, cache=cache)
+        except (aiohttp.ClientError, TimeoutError, ConnectionError) as exc:
+            spent = loop.time() - t0
+            return Rec(variant, label, sent, 0, spent, spent, spent, error=type(exc).__name__)
+
+
+async def closed_loop(workers: int, jobs: Iterable[Callable[[], Awaitable[Rec]]]) -> list[Rec]:
+    """Run the jobs with at most ``workers`` at once, in order of the iterable."""
+    it = iter(jobs)
+    out: list[Rec] = []
+
+    async def worker() -> None:
+        for job in it:
+            out.append(await job())
+
+    await asyncio.gather(*(worker() for _ in range(workers)))
+    return out
+
+
+def pct(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile in milliseconds, None for no values."""
+    if not values:
+        return None
+    return 1000 * u.percentile(sorted(values), q)
+
+
+def ratio(before: float | None, after: float | None) -> float | None:
+    """How many times ``after`` is better (smaller) than ``before``."""
+    if before is None or after is None or after <= 0:
+        return None
+    return before / after
