@@ -84,6 +84,7 @@ class Config:
             "proxy_cores": median("proxy_cores"),
             "cpu_us_per_request": median("cpu_us_per_request"),
             "foreign_cores": max(r["foreign_cores"] for r in self.rounds),
+            "best_rps": round(max(r["rps"] for r in self.rounds), 1),
             "errors": sum(r["errors"] for r in self.rounds),
             "rounds": self.rounds,
         }
@@ -206,6 +207,20 @@ class Bench:
             "foreign_cores": meter.foreign_cores,
         }
 
+    def least_disturbed(self, config: Config, duration: float) -> dict[str, Any]:
+        """A round, run again (up to ``--retries`` times) while others used more than
+        ``--max-foreign`` cores during it; the least disturbed attempt, with its number."""
+        best: dict[str, Any] | None = None
+        for attempt in range(1 + self.args.retries):
+            result = self.run_once(config, duration)
+            result["attempt"] = attempt + 1
+            if best is None or result["foreign_cores"] < best["foreign_cores"]:
+                best = result
+            if result["foreign_cores"] <= self.args.max_foreign:
+                break
+        assert best is not None
+        return best
+
 
 def report(data: dict[str, Any]) -> str:
     rows = data["configs"]
@@ -216,21 +231,25 @@ def report(data: dict[str, Any]) -> str:
         f" wrk -t1 -c{data['conns']}, {data['duration']:g}s x {data['rounds']} rounds,"
         f" median round)",
         "",
-        "| placement | workers | proxy CPUs | req/s | vs 1w pinned | p50 ms | p99 ms |"
-        " proxy cores | CPU us/req | errors | others' cores (max) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| placement | workers | proxy CPUs | req/s | vs 1w pinned | best round req/s |"
+        " vs 1w pinned | p50 ms | p99 ms | proxy cores | CPU us/req | errors |"
+        " others' cores (max) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
+    best = next(r for r in rows if r["name"] == "1w pinned")["best_rps"] or 1.0
     for r in rows:
         lines.append(
             f"| {r['name']} | {r['workers']} | {r['cpus']} | {r['rps']:.0f} |"
-            f" {r['rps'] / base:.2f} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} |"
+            f" {r['rps'] / base:.2f} | {r['best_rps']:.0f} | {r['best_rps'] / best:.2f} |"
+            f" {r['p50_ms']:.2f} | {r['p99_ms']:.2f} |"
             f" {r['proxy_cores']:.2f} | {r['cpu_us_per_request']:.0f} | {r['errors']} |"
             f" {r['foreign_cores']:.2f} |"
         )
     by = {r["name"]: r for r in rows}
     lines += [
         "",
-        f"scaling, 2w free / 1w pinned: {by['2w free']['rps'] / base:.2f}x"
+        f"scaling, 2w free / 1w pinned: {by['2w free']['rps'] / base:.2f}x median rounds,"
+        f" {by['2w free']['best_rps'] / best:.2f}x best rounds"
         f" (2w free / 1w free: {by['2w free']['rps'] / (by['1w free']['rps'] or 1):.2f}x;"
         f" the cost of the supervisor model on one core, 2w pinned / 1w pinned:"
         f" {by['2w pinned']['rps'] / base:.2f}x)",
@@ -271,6 +290,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--quiet-wait", type=float, default=3.0, help="seconds to wait for a quiet machine"
     )
+    parser.add_argument(
+        "--retries", type=int, default=3, help="runs again of a disturbed round (default 3)"
+    )
+    parser.add_argument(
+        "--max-foreign",
+        type=float,
+        default=0.3,
+        help="cores others may use during a round before it is run again (default 0.3)",
+    )
     parser.add_argument("--results", type=Path, default=HERE / "results")
     args = parser.parse_args(argv)
     duration = args.duration or (2.0 if args.quick else 5.0)
@@ -295,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
                 bench.run_once(config, 1.0)  # warm the pools and the code
             for round_ in range(rounds):
                 for config in configs if round_ % 2 == 0 else reversed(configs):
-                    result = bench.run_once(config, duration)
+                    result = bench.least_disturbed(config, duration)
                     config.rounds.append(result)
                     print(f"  round {round_ + 1} {config.name}: {result}", flush=True)
     finally:

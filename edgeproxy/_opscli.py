@@ -16,6 +16,7 @@ import os
 import ssl
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -110,13 +111,7 @@ class Admin:
             raise OpsError(
                 f"GET {self.url}/status answered {response.status_code}: {_error_text(response)}"
             )
-        try:
-            body = orjson.loads(response.content)
-        except orjson.JSONDecodeError:
-            raise OpsError(f"GET {self.url}/status did not answer JSON") from None
-        if not isinstance(body, dict):
-            raise OpsError(f"GET {self.url}/status did not answer a JSON object")
-        return body
+        return _json_object(response, f"GET {self.url}/status")
 
 
 def _admin(args: argparse.Namespace) -> Admin:
@@ -124,7 +119,9 @@ def _admin(args: argparse.Namespace) -> Admin:
     return Admin(args.admin, token=token, cacert=args.cacert, timeout=args.timeout)
 
 
-def _with_admin(command: Any) -> Any:
+def _with_admin(
+    command: Callable[[argparse.Namespace, Admin], int],
+) -> Callable[[argparse.Namespace], int]:
     """Run ``command(args, admin)``, turning :class:`OpsError` into its one line."""
 
     def run(args: argparse.Namespace) -> int:
@@ -133,14 +130,25 @@ def _with_admin(command: Any) -> Any:
         except OpsError as exc:
             return _fail(str(exc))
         try:
-            result: int = command(args, admin)
-            return result
+            return command(args, admin)
         except OpsError as exc:
             return _fail(str(exc))
+        except KeyboardInterrupt:
+            return 130
         finally:
             admin.close()
 
     return run
+
+
+def _json_object(response: httpx.Response, what: str) -> dict[str, Any]:
+    try:
+        body = orjson.loads(response.content)
+    except orjson.JSONDecodeError:
+        raise OpsError(f"{what} did not answer JSON") from None
+    if not isinstance(body, dict):
+        raise OpsError(f"{what} did not answer a JSON object")
+    return body
 
 
 def _console() -> Console:
@@ -190,7 +198,7 @@ def _cmd_top(args: argparse.Namespace, admin: Admin) -> int:
 def _cmd_reload(args: argparse.Namespace, admin: Admin) -> int:
     response = admin.request("POST", "/reload")
     if response.status_code == 200:
-        body = orjson.loads(response.content)
+        body = _json_object(response, f"POST {admin.url}/reload")
         print(f"reloaded: generation {body.get('generation')} serving, the old workers draining")
         return 0
     if response.status_code in (404, 405):
@@ -215,7 +223,7 @@ def _cmd_purge(args: argparse.Namespace, admin: Admin) -> int:
         return _fail(
             f"POST {admin.url}/cache/purge answered {response.status_code}: {_error_text(response)}"
         )
-    body = orjson.loads(response.content)
+    body = _json_object(response, f"POST {admin.url}/cache/purge")
     where = f" on {body['workers']} workers" if "workers" in body else ""
     print(f"purged {body.get('purged', 0)} entries{where} ({name} {value!r})")
     return 0

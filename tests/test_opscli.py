@@ -13,6 +13,7 @@ import re
 import select
 import signal
 import socket
+import ssl
 import struct
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+import trustme
 from aiohttp import web
 
 from edgeproxy import EdgeProxy
@@ -156,6 +158,40 @@ async def test_the_token_is_sent_and_a_refusal_says_how_to_give_it(
         monkeypatch.setenv(TOKEN_ENV, "s3cret")
         code, out, _ = await run_cli(["status", "--admin", admin], capsys)
         assert code == 0 and "PoP tokened" in out
+    finally:
+        await runner.cleanup()
+
+
+async def test_an_https_admin_is_verified_with_cacert(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    cert.configure_cert(server_context)
+    ca_path = tmp_path / "ca.pem"
+    ca.cert_pem.write_to_path(str(ca_path))
+
+    async def status(request: web.Request) -> web.Response:
+        return web.json_response({"pop": "tls", "ready": True, "regions": []})
+
+    app = web.Application()
+    app.router.add_get("/status", status)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=server_context)
+    await site.start()
+    admin = f"https://127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        code, out, err = await run_cli(
+            ["status", "--admin", admin, "--cacert", str(ca_path)], capsys
+        )
+        assert code == 0, err
+        assert "PoP tls" in out
+        # Without the CA the system's trust store does not know the certificate.
+        code, _, err = await run_cli(["status", "--admin", admin], capsys)
+        assert code == 1 and "CERTIFICATE_VERIFY_FAILED" in err
+        assert err.count("\n") == 1 and "Traceback" not in err
     finally:
         await runner.cleanup()
 
