@@ -147,6 +147,20 @@ class World:
         self.proxies.append(proxy)
         return proxy
 
+    async def start_all(
+        self, variants: Sequence[tuple[str, str, str | None]], **opts: Any
+    ) -> dict[str, Proxy]:
+        """Start every variant's proxy at once (name, kind, config), keyed by name: the
+        start-up costs one proxy's wait, and each idles until its turn."""
+        slugs = [name.replace(", ", "-").replace(" ", "-") for name, _, _ in variants]
+        proxies = await asyncio.gather(
+            *(
+                self.proxy(slug, kind, config, **opts)
+                for slug, (_, kind, config) in zip(slugs, variants, strict=True)
+            )
+        )
+        return {name: proxy for (name, _, _), proxy in zip(variants, proxies, strict=True)}
+
     async def stop_proxy(self, proxy: Proxy) -> None:
         if proxy.link is not None:
             await proxy.link.stop()
@@ -269,8 +283,10 @@ class Client:
         *,
         label: str = "",
         headers: dict[str, str] | None = None,
+        buffered: bool = False,
     ) -> Rec:
-        """POST a chat request; times the head, the first visible token and the end."""
+        """POST a chat request; times the head, the first visible token and the end
+        (``buffered``: a page that shows nothing before the whole answer is in)."""
         assert self.session is not None
         loop = asyncio.get_running_loop()
         t0 = loop.time()
@@ -285,7 +301,7 @@ class Client:
                     if not first and (not streamed or b'"content"' in chunk):
                         first = loop.time() - t0
                 total = loop.time() - t0
-                if not streamed:
+                if buffered or not streamed:
                     first = total
                 cache = resp.headers.get("x-edgeproxy-cache", resp.headers.get("x-cache", ""))
                 return Rec(variant, label, sent, resp.status, ttfb, first, total, cache=cache)
@@ -319,3 +335,76 @@ def ratio(before: float | None, after: float | None) -> float | None:
     if before is None or after is None or after <= 0:
         return None
     return before / after
+
+
+@dataclass(frozen=True)
+class Mode:
+    """How long each scenario runs: the full form, or seconds for the test."""
+
+    short: bool
+
+    @property
+    def geometry(self) -> Geometry:
+        # The short form keeps the shape (a near PoP, far regions) at a tenth of the delays.
+        return Geometry(pop=0.002, far=0.03, jitter=0.001) if self.short else Geometry()
+
+
+def plain_proxy() -> str:
+    return "nginx" if u.nginx_binary() is not None else "reference"
+
+
+@dataclass
+class Outcome:
+    """One scenario's result: its table, its headline and the invariants the test checks."""
+
+    name: str
+    title: str
+    header: list[str]
+    rows: list[list[Any]]
+    headline: dict[str, Any]
+    invariants: dict[str, Any]
+    notes: list[str]
+
+
+async def open_loop(
+    client: Client,
+    name: str,
+    urls: list[str],
+    rate: float,
+    phases: list[tuple[str, float, Callable[[], Any] | None]],
+    *,
+    prefix: str,
+    headers: Callable[[int], dict[str, str]] | None = None,
+    sent: list[int] | None = None,
+    questions: int | None = None,
+    skip_first: bool = False,
+) -> list[Rec]:
+    """Fixed-rate requests through ``phases`` (label, seconds, action at its start), spread
+    round robin over ``urls``; waits for every answer. Each request asks its own question, or
+    one of ``questions`` in turn; with ``skip_first`` the first phase only waits."""
+    loop = asyncio.get_running_loop()
+    tasks: list[asyncio.Task[Rec]] = []
+    k = 0
+    for n, (label, seconds, action) in enumerate(phases):
+        if action is not None:
+            result = action()
+            if isinstance(result, Awaitable):
+                await result
+        if skip_first and n == 0:
+            await asyncio.sleep(seconds)
+            continue
+        end = loop.time() + seconds
+        due = loop.time()
+        while due < end:
+            await asyncio.sleep(max(0.0, due - loop.time()))
+            url = urls[k % len(urls)]
+            hdrs = headers(k) if headers is not None else None
+            body = chat_body(f"{prefix} {k if questions is None else k % questions}")
+            tasks.append(
+                asyncio.ensure_future(client.call(name, url, body, label=label, headers=hdrs))
+            )
+            k += 1
+            if sent is not None:
+                sent[0] += 1
+            due += 1 / rate
+    return list(await asyncio.gather(*tasks))
