@@ -148,7 +148,7 @@ async def saturation(mode: Mode) -> Outcome:
 
 async def backlog(mode: Mode) -> Outcome:
     """Interactive requests through a batch burst at 1.6x capacity, with and without priorities."""
-    healthy, burst, recovery = (0.8, 1.0, 1.0) if mode.short else (5.0, 8.0, 15.0)
+    healthy, burst, recovery = (0.8, 1.0, 1.0) if mode.short else (5.0, 8.0, 10.0)
     slots, service = 8, 0.2
     capacity = slots / service
     interactive_rate, batch_rate = 5.0, 1.5 * capacity
@@ -275,7 +275,7 @@ async def backlog(mode: Mode) -> Outcome:
 
 async def cold_start(mode: Mode) -> Outcome:
     """The first request after a proxy starts, and after its region connections dropped."""
-    n = 1 if mode.short else 5
+    n = 1 if mode.short else 3
     world = World(mode.geometry)
     await world.region("us-east", ttft=0.05, tokens=16)
     plain = plain_proxy()

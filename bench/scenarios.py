@@ -225,7 +225,7 @@ def zipf_questions(n: int, distinct: int, seed: int = 5, s: float = 1.1) -> list
 
 async def cache(mode: Mode) -> Outcome:
     """A Zipf mix of questions: upstream calls, hit ratio and TTFB, cache off and on."""
-    n, distinct, workers = (150, 25, 25) if mode.short else (10_000, 500, 200)
+    n, distinct, workers = (150, 25, 25) if mode.short else (10_000, 500, 64)
     questions = zipf_questions(n, distinct)
     world = World(mode.geometry)
     await world.region("us-east", ttft=0.05, tokens=16)
@@ -546,7 +546,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=None, help="seconds per scenario")
     args = parser.parse_args(argv)
     mode = Mode(short=args.short)
-    timeout = args.timeout or (60.0 if args.short else 400.0)
+    timeout = args.timeout or (60.0 if args.short else 600.0)
     info = meta()
     started = time.monotonic()
     outcomes = asyncio.run(run(args.only, mode, timeout))
