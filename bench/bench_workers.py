@@ -13,9 +13,11 @@ their own and the load generator a third, so the run measures four placements:
 
 - ``1w pinned``: one worker on CPU 1; wrk and the origin on CPU 0 (the baseline: one core
   for the proxy, the harness away from it);
+- ``1w pinned, mp metrics``: the baseline writing its metrics to prometheus-client's
+  multiprocess files, as workers under a supervisor do;
 - ``2w pinned``: two workers, both on CPU 1; wrk and the origin on CPU 0. Same CPU as the
-  baseline: the ratio is the cost of the supervisor model itself (SO_REUSEPORT, the
-  multiprocess metrics), not scaling;
+  baseline: the ratio is the cost of the supervisor model itself (two processes taking turns
+  on one core, SO_REUSEPORT, the multiprocess metrics), not scaling;
 - ``1w free`` and ``2w free``: no pinning of the proxy; wrk and the origin still on CPU 0,
   so the workers take what CPU 0 has left besides CPU 1. ``2w free / 1w pinned`` is the
   scaling that two cores can show: at most 1 + (the share of CPU 0 the harness leaves), far
@@ -61,6 +63,9 @@ class Config:
     name: str
     workers: int
     cpus: tuple[int, ...] | None
+    # One process writing its metrics the way workers do (prometheus-client's multiprocess
+    # files), to tell that cost from two processes sharing a core.
+    multiprocess_metrics: bool = False
     port: int = 0
     admin: int = 0
     service: u.Service | None = None
@@ -176,8 +181,13 @@ class Bench:
             "--log-level",
             "warning",
         ]
+        env = dict(self.env)
+        if config.multiprocess_metrics:
+            metrics_dir = self.tmp / f"metrics-{config.port}"
+            metrics_dir.mkdir()
+            env["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
         config.service = self.launch(
-            u.Service(config.name, argv, self.tmp / f"{config.name}.log", env=self.env, cwd=REPO)
+            u.Service(config.name, argv, self.tmp / f"{config.name}.log", env=env, cwd=REPO)
         )
 
     def ready(self, config: Config) -> None:
@@ -252,7 +262,8 @@ def report(data: dict[str, Any]) -> str:
         f" {by['2w free']['best_rps'] / best:.2f}x best rounds"
         f" (2w free / 1w free: {by['2w free']['rps'] / (by['1w free']['rps'] or 1):.2f}x;"
         f" the cost of the supervisor model on one core, 2w pinned / 1w pinned:"
-        f" {by['2w pinned']['rps'] / base:.2f}x)",
+        f" {by['2w pinned']['rps'] / base:.2f}x, of which the multiprocess metrics:"
+        f" {by['1w pinned, mp metrics']['rps'] / base:.2f}x)",
     ]
     return "\n".join(lines)
 
@@ -266,13 +277,20 @@ def chart(data: dict[str, Any], path: Path) -> Path | None:
     except ImportError:
         return None
     rows = data["configs"]
-    base = next(r for r in rows if r["name"] == "1w pinned")["rps"] or 1.0
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    names = [r["name"] for r in rows]
-    ratios = [r["rps"] / base for r in rows]
-    bars = ax.bar(names, ratios, color=["#888", "#aaa", "#48c", "#26a"])
-    ax.bar_label(bars, labels=[f"{x:.2f}x" for x in ratios])
+    first = next(r for r in rows if r["name"] == "1w pinned")
+    fig, ax = plt.subplots(figsize=(7.5, 3.8))
+    xs = range(len(rows))
+    for offset, key, label, color in (
+        (-0.2, "rps", "median round", "#48c"),
+        (0.2, "best_rps", "best round", "#26a"),
+    ):
+        ratios = [r[key] / (first[key] or 1.0) for r in rows]
+        bars = ax.bar([x + offset for x in xs], ratios, width=0.4, label=label, color=color)
+        ax.bar_label(bars, labels=[f"{x:.2f}x" for x in ratios], fontsize=8)
+    ax.set_xticks(list(xs), [r["name"] for r in rows])
     ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.margins(y=0.15)
+    ax.legend(loc="upper left", fontsize=8)
     ax.set_ylabel("req/s vs 1 worker pinned")
     ax.set_title(f"serve --workers, {data['cpus']} CPUs, wrk and origin on CPU 0")
     fig.tight_layout()
@@ -310,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     proxy_cpu = bench.proxy_cpu or None
     configs = [
         Config("1w pinned", 1, proxy_cpu),
+        Config("1w pinned, mp metrics", 1, proxy_cpu, multiprocess_metrics=True),
         Config("2w pinned", 2, proxy_cpu),
         Config("1w free", 1, None),
         Config("2w free", 2, None),
