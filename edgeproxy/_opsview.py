@@ -11,6 +11,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from rich import box
 from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
@@ -84,8 +85,8 @@ def header(status: dict[str, Any]) -> Text:
         ttfb = _dict(recent.get("ttfb_ms"))
         text.append(
             f"\nlast {_num(recent.get('window_s'), 0)}s: {_num(recent.get('requests'))} requests,"
-            f" {_num(recent.get('errors'))} errors;"
-            f" latency ms p50 {_num(latency.get('p50'))} p95 {_num(latency.get('p95'))}"
+            f" {_num(recent.get('errors'))} errors"
+            f"\n  latency ms p50 {_num(latency.get('p50'))} p95 {_num(latency.get('p95'))}"
             f" p99 {_num(latency.get('p99'))}; TTFB ms p50 {_num(ttfb.get('p50'))}"
             f" p95 {_num(ttfb.get('p95'))} p99 {_num(ttfb.get('p99'))}"
         )
@@ -121,21 +122,27 @@ def header(status: dict[str, Any]) -> Text:
     return text
 
 
+def _table(title: str) -> Table:
+    # No vertical rules and two-line headers: the regions fit in 80 columns.
+    return Table(
+        title=title,
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        pad_edge=False,
+        collapse_padding=True,
+        expand=False,
+    )
+
+
 def regions_table(status: dict[str, Any]) -> Table:
     """One row a region: state, health, latency, load and counters."""
-    table = Table(title="regions", title_justify="left", expand=False)
-    for name, justify in (
-        ("region", "left"),
-        ("state", "left"),
-        ("health", "left"),
-        ("EWMA ms", "right"),
-        ("p95 TTFB ms", "right"),
-        ("in flight", "right"),
-        ("share", "right"),
-        ("requests", "right"),
-        ("errors", "right"),
-    ):
-        table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+    table = _table("regions")
+    table.add_column("region", no_wrap=True)
+    table.add_column("state", no_wrap=True)
+    table.add_column("health", no_wrap=True)
+    for name in ("EWMA\nms", "p95 TTFB\nms", "in\nflight", "share", "requests", "errors"):
+        table.add_column(name, justify="right", no_wrap=True)
     regions = status.get("regions")
     for region in regions if isinstance(regions, list) else []:
         region = _dict(region)
@@ -164,8 +171,8 @@ def workers_table(status: dict[str, Any]) -> Table | None:
         f"workers (supervisor pid {_num(supervisor.get('pid'))},"
         f" generation {_num(supervisor.get('generation'))})"
     )
-    table = Table(title=title, title_justify="left", expand=False)
-    for name in ("worker", "pid", "gen", "ready", "in flight", "requests", "restarts"):
+    table = _table(title)
+    for name in ("worker", "pid", "gen", "ready", "in\nflight", "requests", "restarts"):
         table.add_column(name, justify="right", no_wrap=True)
     table.add_column("last exit", no_wrap=True)
     for worker in workers:
@@ -220,14 +227,10 @@ def _series_table(status: dict[str, Any], width: int) -> Table:
     series = [_dict(p) for p in recent.get("series") or [] if isinstance(p, dict)]
     series = series[-max(1, width) :]
     step = recent.get("step_s")
-    table = Table(
-        title=f"latency over the last {len(series)} slots of {_num(step, 0)}s (oldest first)",
-        title_justify="left",
-        expand=False,
-    )
+    table = _table(f"latency, {len(series)} x {_num(step, 0)}s, oldest first")
     table.add_column("", no_wrap=True)
     table.add_column("now ms", justify="right", no_wrap=True)
-    table.add_column("trend (one scale for the three)", no_wrap=True)
+    table.add_column("trend (p50, p95, p99 on one scale)", no_wrap=True)
     lines = {q: [_float(p.get(f"{q}_ms")) for p in series] for q in ("p50", "p95", "p99")}
     top = max((v for vs in lines.values() for v in vs if v is not None), default=0.0)
     for name, values in lines.items():
