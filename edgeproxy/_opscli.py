@@ -201,7 +201,8 @@ def _cmd_reload(args: argparse.Namespace, admin: Admin) -> int:
         body = _json_object(response, f"POST {admin.url}/reload")
         print(f"reloaded: generation {body.get('generation')} serving, the old workers draining")
         return 0
-    if response.status_code in (404, 405):
+    unsupported = response.status_code == 409 and "reload_unsupported" in response.text
+    if response.status_code in (404, 405) or unsupported:
         return _fail(
             f"{admin.url} is a single process, which cannot reload its config: run it with"
             " [server] workers >= 2 (a supervisor reloads by starting new workers) or restart it"

@@ -101,11 +101,22 @@ def admin_app(proxy: EdgeProxy, *, token: str | None = None) -> web.Application:
             return error_response(err.status, err.type, err.message, code=err.code)
         return _json({"purged": purged, name: value})
 
+    async def reload(request: web.Request) -> web.Response:
+        # Only the supervisor of `serve --workers N` reloads; say so rather than 404.
+        return error_response(
+            409,
+            "invalid_request_error",
+            "a single process does not reload its config: run with [server] workers >= 2, "
+            "or restart it",
+            code="reload_unsupported",
+        )
+
     app = web.Application(middlewares=[admin_auth(token)] if token else [])
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/status", status)
     app.router.add_post("/cache/purge", cache_purge)
+    app.router.add_post("/reload", reload)
     app.router.add_get("/", StatusPage().handle)
     if proxy.metrics is not None:
         app.router.add_get("/metrics", proxy.metrics.handle)
