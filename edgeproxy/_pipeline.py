@@ -31,6 +31,7 @@ from edgeproxy._protocol.headers import request_id, trace_context
 from edgeproxy._stages.admission import AdmissionStage, Admitted, Overloaded
 from edgeproxy._stages.affinity import AffinityPlan
 from edgeproxy._stages.cache.stage import CacheRecorder, CacheStage
+from edgeproxy._stages.compression import Compression
 from edgeproxy._stages.continuation import ContinuationStage
 from edgeproxy._stages.failover import (
     AttemptResponse,
@@ -105,7 +106,7 @@ class Pipeline:
         self.failover = Failover(config, regions, self.upstream)
         self.fallback = FallbackStage(config, plugins)
         self.continuation = ContinuationStage(self.router, self.failover, self.fallback)
-        self.stream = StreamStage(plugins, self.continuation)
+        self.stream = StreamStage(plugins, self.continuation, Compression(config))
         self.admission = AdmissionStage(config)
         self.models = ModelList(config, regions, self.failover)
         self.in_flight = 0

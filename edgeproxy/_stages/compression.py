@@ -11,10 +11,11 @@ and kept with the entry.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from aiohttp import web
 
 from edgeproxy._core.config import Config
 from edgeproxy._core.context import RequestContext
+from edgeproxy._core.types import Headers
 from edgeproxy._protocol.encoding import (
     StreamCompressor,
     choose_encoding,
@@ -22,31 +23,36 @@ from edgeproxy._protocol.encoding import (
     compressible_type,
 )
 
-__all__ = ["Compression", "Encoder"]
+__all__ = ["Compression", "EncodedResponse"]
 
 _NO_BODY_STATUS = frozenset({204, 304})
 # Answers that must reach the client as the region sent them.
 _KEEP = frozenset({206})
 
 
-class Encoder:
-    """Compresses one response's body as it is written, flushing every chunk."""
+class EncodedResponse(web.StreamResponse):
+    """A streamed response whose body goes out in ``encoding``, every write flushed.
 
-    __slots__ = ("encoding", "_stream", "_write")
+    Everything written to it is compressed, error events and the end of a cut stream
+    included, so that no code path can put plain bytes into an encoded body.
+    """
 
-    def __init__(self, encoding: str, write: Callable[[bytes], Awaitable[None]]) -> None:
-        self.encoding = encoding
-        self._stream = StreamCompressor(encoding)
-        self._write = write
+    def __init__(self, encoding: str, *, status: int, headers: Headers) -> None:
+        super().__init__(status=status, headers=headers)
+        self.headers["Content-Encoding"] = encoding
+        self.headers.add("Vary", "Accept-Encoding")
+        self._stream: StreamCompressor | None = StreamCompressor(encoding)
 
-    async def write(self, chunk: bytes) -> None:
-        """Compress ``chunk`` and write it at once."""
-        if chunk:
-            await self._write(self._stream.compress(chunk))
+    async def write(self, data: bytes | bytearray | memoryview) -> None:
+        if data and self._stream is not None:
+            await super().write(self._stream.compress(bytes(data)))
 
-    async def finish(self) -> None:
-        """Write the end of the compressed stream (before the response's EOF)."""
-        await self._write(self._stream.finish())
+    async def write_eof(self, data: bytes | bytearray | memoryview = b"") -> None:
+        stream, self._stream = self._stream, None
+        tail = b""
+        if stream is not None:
+            tail = (stream.compress(bytes(data)) if data else b"") + stream.finish()
+        await super().write_eof(tail)
 
 
 class Compression:
@@ -78,10 +84,6 @@ class Compression:
         elif content_length is not None and content_length < self.min_size:
             return None
         return choose_encoding(ctx.headers.get("accept-encoding"), self.offered)
-
-    def encoder(self, encoding: str, write: Callable[[bytes], Awaitable[None]]) -> Encoder:
-        """An :class:`Encoder` writing through ``write``."""
-        return Encoder(encoding, write)
 
     def whole(self, parts: list[bytes], encoding: str) -> bytes:
         """A body known whole (a cached answer's parts) in ``encoding``."""

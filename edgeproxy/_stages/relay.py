@@ -29,6 +29,7 @@ from edgeproxy._protocol.headers import strip_hop_by_hop
 from edgeproxy._protocol.models import ModelRewriter
 from edgeproxy._protocol.usage import UsageTracker
 from edgeproxy._stages.cache.stage import CacheRecorder
+from edgeproxy._stages.compression import Compression, EncodedResponse
 from edgeproxy._stages.continuation import ContinuationStage, Leg, Splice
 from edgeproxy._stages.failover import AttemptResponse
 from edgeproxy._upstream.pool import UpstreamError
@@ -51,8 +52,15 @@ class StreamStage:
     happened here.
     """
 
-    def __init__(self, plugins: Plugins, continuation: ContinuationStage | None = None) -> None:
+    def __init__(
+        self,
+        plugins: Plugins,
+        continuation: ContinuationStage | None = None,
+        compression: Compression | None = None,
+    ) -> None:
         self.plugins = plugins
+        # Compresses answers for clients that accept it ([server] compression).
+        self.compression = compression
         # Continues a stream that breaks after tokens were sent (routes' continue_on_break).
         self.continuation = continuation
         # Set when the proxy's grace period ended: a relay cancelled from then on
@@ -94,10 +102,25 @@ class StreamStage:
         headers.append(("X-Request-Id", ctx.request_id))
         if ctx.cache:
             headers.append(("X-Edgeproxy-Cache", ctx.cache))
-        resp = web.StreamResponse(status=reply.status, headers=headers)
+        content_type = next((v for k, v in headers if k.lower() == "content-type"), "")
+        encoding = None
+        if self.compression is not None:
+            encoding = self.compression.choose(
+                ctx,
+                reply.status,
+                content_type,
+                content_length,
+                content_encoding=next(
+                    (v for k, v in headers if k.lower() == "content-encoding"), None
+                ),
+            )
+        resp: web.StreamResponse
+        if encoding is None:
+            resp = web.StreamResponse(status=reply.status, headers=headers)
+        else:
+            resp = EncodedResponse(encoding, status=reply.status, headers=headers)
         if close_connection:
             resp.force_close()
-        content_type = resp.headers.get("content-type", "")
         splice: Splice | None = None
         if ctx.route.continue_on_break and self.continuation is not None:
             splice = self.continuation.splice(ctx, reply.status, content_type)
@@ -107,6 +130,7 @@ class StreamStage:
             and reply.status not in _NO_BODY_STATUS
             and not transform
             and splice is None
+            and encoding is None
         ):
             resp.content_length = content_length
         ctx.response_is_sse = content_type.startswith("text/event-stream")
