@@ -140,6 +140,11 @@ async def test_two_workers_share_the_port_and_the_admin_port_sums_them(
         # The kernel spreads 40 connections over both (all on one: a 2 ** -39 chance).
         assert all(w["requests_total"] > 0 for w in workers)
         assert status["regions"][0]["requests_total"] == 40
+        status = await run.until(
+            lambda s: s["recent"]["requests"] == 40, "the recent windows were not summed"
+        )
+        assert sum(step["requests"] for step in status["recent"]["series"]) == 40
+        assert sum(status["cache"]["bypass_reasons"].values()) == 40
         assert status["supervisor"]["workers"] == 2
 
         async with aiohttp.ClientSession() as client:

@@ -478,6 +478,9 @@ class Supervisor:
         merged["in_flight"] = sum(s.get("in_flight", 0) for s in found)
         merged["ready"] = any(s.get("ready") for s in found)
         merged["regions"] = _sum_regions([s.get("regions") or [] for s in found])
+        if found:
+            merged["cache"] = _sum_cache([s.get("cache") for s in found])
+            merged["recent"] = _sum_recent([s.get("recent") for s in found])
         merged["supervisor"] = {
             "pid": os.getpid(),
             "uptime_s": round(time.time() - self.started_at, 3),
@@ -612,3 +615,57 @@ def _sum_regions(per_worker: list[list[dict[str, Any]]]) -> list[dict[str, Any]]
     for region in merged.values():
         region["share"] = round(region.get("requests_total", 0) / total, 4) if total else 0.0
     return list(merged.values())
+
+
+def _add_counts(into: dict[str, Any], other: dict[str, Any]) -> None:
+    """Add ``other``'s numbers (not flags) into ``into``, one level of dicts deep."""
+    for key, value in other.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            into[key] = dict(into[key])
+            for name, count in value.items():
+                if isinstance(count, int | float) and not isinstance(count, bool):
+                    into[key][name] = into[key].get(name, 0) + count
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            current = into.get(key)
+            if isinstance(current, int | float) and not isinstance(current, bool):
+                into[key] = current + value
+
+
+def _sum_cache(sections: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """The workers' cache counters summed and the hit ratio worked out from the sums; the
+    tiers as the first worker sees them (a shared Redis is the same for all)."""
+    found = [s for s in sections if s]
+    if not found:
+        return None
+    merged = dict(found[0])
+    for other in found[1:]:
+        _add_counts(merged, {k: v for k, v in other.items() if k not in ("hit_ratio", "tiers")})
+    outcomes = merged.get("outcomes") or {}
+    served = sum(outcomes.get(k, 0) for k in ("HIT", "STALE", "COALESCED"))
+    total = served + outcomes.get("MISS", 0)
+    merged["hit_ratio"] = round(served / total, 4) if total else None
+    return merged
+
+
+def _sum_recent(sections: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """The recent window: requests, errors and per-region counts summed, each series step
+    summed; the latency percentiles are the first worker's (percentiles do not add up)."""
+    found = [s for s in sections if s]
+    if not found:
+        return None
+    merged = dict(found[0])
+    for key in ("requests", "errors", "tokens_per_s"):
+        merged[key] = sum(s.get(key) or 0 for s in found)
+    regions: dict[str, Any] = {}
+    for section in found:
+        for name, count in (section.get("regions") or {}).items():
+            regions[name] = regions.get(name, 0) + count
+    merged["regions"] = regions
+    series = [dict(step) for step in found[0].get("series") or []]
+    for other in found[1:]:
+        for step, add in zip(series, other.get("series") or [], strict=False):
+            for key in ("requests", "errors"):
+                step[key] = (step.get(key) or 0) + (add.get(key) or 0)
+    merged["series"] = series
+    merged["percentiles_from"] = "the first worker"
+    return merged
