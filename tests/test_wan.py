@@ -196,3 +196,18 @@ async def test_a_proxy_reaches_a_region_over_h2c_through_the_link(
         # h2c: the client preface crossed the link, and one connection multiplexes both.
         assert link.counters.bytes_up > len(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
         assert region.connections_total == link.counters.connections_total
+
+
+async def test_stopping_with_connections_open_ends_them_cleanly(
+    echo_port: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    link = WanLink(echo_port, delay=0.01)
+    await link.start()
+    reader, writer = await asyncio.open_connection("127.0.0.1", link.port)
+    await ping(reader, writer)
+    await asyncio.wait_for(link.stop(), 5)
+    with pytest.raises((ConnectionError, asyncio.IncompleteReadError)):
+        await asyncio.wait_for(ping(reader, writer), 5)
+    writer.close()
+    await asyncio.sleep(0.05)  # a handler's done callback would log here
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]

@@ -198,7 +198,8 @@ class WanLink:
         self._server: asyncio.Server | None = None
         self._up = _Direction()
         self._down = _Direction()
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()  # the pumps
+        self._handlers: set[asyncio.Task[None]] = set()  # one per connection, never cancelled
         self._conns: set[_Conn] = set()
 
     # -- settings ------------------------------------------------------------------
@@ -272,8 +273,11 @@ class WanLink:
             conn.drop()
         for task in list(self._tasks):
             task.cancel()
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        # The handlers end on their own once their pumps are gone: asyncio's stream server
+        # reports a cancelled handler as an error (Python 3.11), so they are not cancelled.
+        pending = [*self._tasks, *self._handlers]
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
         await server.wait_closed()
 
     async def __aenter__(self) -> WanLink:
@@ -318,8 +322,8 @@ class WanLink:
             return
         task = asyncio.current_task()
         if task is not None:
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._handlers.add(task)
+            task.add_done_callback(self._handlers.discard)
         conn = _Conn(writer)
         self._conns.add(conn)
         loop = asyncio.get_running_loop()
@@ -346,7 +350,7 @@ class WanLink:
             pumps.append(self._spawn(self._write(conn, up, t_writer)))
             pumps.append(self._spawn(self._read(conn, t_reader, down, self._down, False, 0.0)))
             pumps.append(self._spawn(self._write(conn, down, writer)))
-            await asyncio.gather(*pumps)
+            await asyncio.gather(*pumps, return_exceptions=True)
         finally:
             for pump in pumps:
                 pump.cancel()
