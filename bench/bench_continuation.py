@@ -239,6 +239,8 @@ class Rig:
         ]
         if mode == "on":
             lines += ["continue_on_break = true", f"max_continuations = {self.args.continuations}"]
+            if self.args.race:
+                lines.append("race_continuations = true")
         for name in self.ports:
             lines += [
                 "[[regions]]",
@@ -490,7 +492,8 @@ def markdown(data: dict[str, Any]) -> str:
         f"{args['inter_token_delay'] * 1000:.0f} ms between tokens, "
         f"{args['fault_rate']:.0%} of each region's streams reset after a random token"
         + (f", continuations repeating {args['overlap']} tokens" if args["overlap"] else "")
-        + f"; max_continuations = {args['continuations']}.",
+        + f"; max_continuations = {args['continuations']}"
+        + ("; race_continuations = true." if args.get("race") else "."),
         "",
     ]
     for note in data["skipped"]:
@@ -619,6 +622,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--fault-rate", type=float, default=0.05)
     parser.add_argument("--overlap", type=int, default=0, help="tokens a continuation repeats")
     parser.add_argument("--continuations", type=int, default=2, help="max_continuations")
+    parser.add_argument(
+        "--race", action="store_true", help="race_continuations = true on the 'on' proxy"
+    )
     parser.add_argument("--timeout", type=float, default=30.0, help="per stream (s)")
     parser.add_argument(
         "--seed", type=int, default=1, help="the regions' fault draws: seeds N, N+1, N+2"

@@ -33,6 +33,7 @@ no ``[DONE]``, as without continuation.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import logging
 import time
@@ -52,7 +53,7 @@ if TYPE_CHECKING:
     from aiohttp import web
 
     from edgeproxy._core.context import RequestContext
-    from edgeproxy._stages.failover import Failover
+    from edgeproxy._stages.failover import AttemptResponse, Failover
     from edgeproxy._stages.fallback import FallbackStage
     from edgeproxy._stages.routing import Router
     from edgeproxy._upstream.regions import Region
@@ -370,6 +371,16 @@ class ContinuationStage:
                 continue
             groups.setdefault(method, []).append(region)
         for method, regions in groups.items():
+            if route.race_continuations and len(regions) > 1:
+                raced = await self._race(request, ctx, splice, method, regions)
+                if raced is not None:
+                    upstream, chunks = raced
+                    target = upstream.region.name
+                    splice.start_leg(broken, target, method)
+                    self._count(ctx, broken, target, "continued")
+                    ctx.region = target
+                    return Leg(target, chunks, upstream.aclose)
+                continue
             leg_ctx = self._leg_context(ctx, splice, method)
             try:
                 upstream = await self.failover.send(request, leg_ctx, regions)
@@ -395,6 +406,73 @@ class ContinuationStage:
         if leg is None:
             self._count(ctx, broken, "none", "failed")
         return leg
+
+    async def _race(
+        self,
+        request: web.Request | None,
+        ctx: RequestContext,
+        splice: Splice,
+        method: str,
+        regions: list[Region],
+    ) -> tuple[AttemptResponse, AsyncIterator[bytes]] | None:
+        """Ask the best two regions for the rest at once; the first whose new leg carries
+        a token wins and the other is cancelled (closing its stream). A leg that breaks
+        before its first token, which would stall the client for a second time-to-first-
+        token, so costs nothing but the other leg's prefill. None when neither answered."""
+        # A second leg spends a second unit of the retry budget; without one, no race.
+        if self.failover.retry_budget.try_spend():
+            contenders = [regions[:1], regions[1:]]
+        else:
+            contenders = [regions]
+        legs = [self._leg_context(ctx, splice, method) for _ in contenders]
+        tasks = [
+            asyncio.ensure_future(self._until_token(request, leg, group))
+            for leg, group in zip(legs, contenders, strict=True)
+        ]
+        won: tuple[AttemptResponse, AsyncIterator[bytes]] | None = None
+        try:
+            pending = set(tasks)
+            while pending and won is None:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                won = next((t.result() for t in tasks if t in done and t.result()), None)
+            return won
+        finally:
+            for task in tasks:
+                task.cancel()
+            # A loser still reading closes its own stream as its cancellation unwinds; one
+            # that finished with a token too is closed here.
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            for result in results:
+                if isinstance(result, tuple) and result is not won:
+                    await result[0].aclose()
+            ctx.attempts = max(leg.attempts for leg in legs) + len(legs) - 1
+
+    async def _until_token(
+        self, request: web.Request | None, leg_ctx: RequestContext, regions: list[Region]
+    ) -> tuple[AttemptResponse, AsyncIterator[bytes]] | None:
+        """One contender of a race: its leg, read up to its first token, the bytes read so
+        far put back in front of the rest. None if it failed before a token."""
+        try:
+            upstream = await self.failover.send(request, leg_ctx, regions)
+        except ProxyError:
+            return None
+        if upstream.status != 200:
+            await upstream.aclose()
+            return None
+        chunks = upstream.aiter_bytes()
+        seen: list[bytes] = []
+        try:
+            async for chunk in chunks:
+                seen.append(chunk)
+                if _carries_token(b"".join(seen)):
+                    return upstream, _chain(seen, chunks)
+        except UpstreamError:
+            pass
+        except BaseException:
+            await upstream.aclose()
+            raise
+        await upstream.aclose()
+        return None
 
     def _leg_context(self, ctx: RequestContext, splice: Splice, method: str) -> RequestContext:
         """The request a continuation leg sends: its own body, its deadline from now."""
@@ -463,3 +541,30 @@ def _continuation_body(splice: Splice, method: str) -> dict[str, Any]:
         body["continue_final_message"] = True
         body["add_generation_prompt"] = False
     return body
+
+
+def _carries_token(data: bytes) -> bool:
+    """Whether the whole events in ``data`` include a chunk with content or a finish."""
+    for block in data.split(b"\n\n")[:-1]:
+        for line in block.split(b"\n"):
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                return True
+            try:
+                event = orjson.loads(payload)
+            except orjson.JSONDecodeError:
+                continue
+            for choice in event.get("choices") or () if isinstance(event, dict) else ():
+                delta = choice.get("delta") or {}
+                if delta.get("content") or delta.get("tool_calls") or choice.get("finish_reason"):
+                    return True
+    return False
+
+
+async def _chain(first: list[bytes], rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    for chunk in first:
+        yield chunk
+    async for chunk in rest:
+        yield chunk

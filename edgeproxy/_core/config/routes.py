@@ -92,6 +92,12 @@ class RouteConfig(Section):
         "200 text/event-stream headers and a ': waiting' comment, repeated at this interval "
         "until the first token; unset: off.",
     )
+    race_continuations: bool = Field(
+        False,
+        description="Ask the two best regions for the rest of a broken stream at once and keep "
+        "the first whose leg brings a token (the other is cancelled): a leg that breaks too "
+        "then costs no second wait, for one more prefill per continuation.",
+    )
     compress_sse: bool = Field(
         False,
         description="Compress this route's SSE streams for clients that accept it, each event "
