@@ -538,9 +538,8 @@ class Connection(asyncio.Protocol):
                 self._on_reset(stream, event.error_code, remote=event.remote_reset)
         elif isinstance(event, h2.events.RemoteSettingsChanged):
             if not self.ready.done():
-                self.ready.set_result(None)  # the pool adds us and wakes waiters
-            else:
-                self.pool._capacity_changed(self)
+                self.ready.set_result(None)
+            self.pool._capacity_changed(self)
             # A larger SETTINGS_INITIAL_WINDOW_SIZE opens every send window.
             for blocked in list(self.send_blocked):
                 blocked.wake()

@@ -69,6 +69,12 @@ _NEVER_INDEXED: Final = frozenset(
 )
 
 
+def _stream_limit(conn: Connection) -> int:
+    # Before the server's SETTINGS its limit is unknown (h2 assumes none): one
+    # stream, so a server with a small limit never refuses what we sent early.
+    return conn.max_streams if conn.ready.done() else 1
+
+
 def _copy_error(err: UpstreamError) -> UpstreamError:
     # One failed connect wakes many waiters; each gets its own instance so that
     # tracebacks and __context__ do not get stitched together across tasks.
@@ -150,8 +156,11 @@ class H2Pool:
         missing = warm - sum(1 for c in self._conns if not c.draining)
         if missing <= 0:
             return
+        # Prewarming waits for the server's SETTINGS: nobody waits on it, and
+        # a server that accepts TCP but does not speak HTTP/2 must fail it.
         results = await asyncio.gather(
-            *(self._open_connection() for _ in range(missing)), return_exceptions=True
+            *(self._open_connection(settle=True) for _ in range(missing)),
+            return_exceptions=True,
         )
         errors: list[BaseException] = []
         for result in results:
@@ -161,9 +170,16 @@ class H2Pool:
                 errors.append(result)
         if len(errors) == len(results):
             err = errors[0]
-            if isinstance(err, UpstreamError):
-                raise err
-            raise UpstreamConnectError(f"cannot connect to {self.origin}: {err}") from err
+            error = (
+                err
+                if isinstance(err, UpstreamError)
+                else UpstreamConnectError(f"cannot connect to {self.origin}: {err}")
+            )
+            # Maintenance must not retry at once what just failed.
+            self._connect_failed(_copy_error(error), asyncio.get_running_loop().time())
+            if error is err:
+                raise error
+            raise error from err
 
     async def request(
         self,
@@ -310,7 +326,7 @@ class H2Pool:
             if conn.draining or conn.lost:
                 continue
             load = len(conn.streams)
-            if load >= conn.h2.remote_settings.max_concurrent_streams:
+            if load >= _stream_limit(conn):
                 continue
             if not fresh:
                 if load < best_key:
@@ -393,10 +409,13 @@ class H2Pool:
                 raise _copy_error(self._connect_error)
 
     def _maybe_connect(self, demand: int) -> None:
-        live = sum(1 for c in self._conns if not c.draining and not c.lost)
-        if live + self._connecting >= self.limits.max_connections:
+        live = [c for c in self._conns if not c.draining and not c.lost]
+        if len(live) + self._connecting >= self.limits.max_connections:
             return
-        if self._connecting and demand <= self._connecting * self._expected_streams:
+        # A connection whose SETTINGS are still on their way takes one stream
+        # now and more once they arrive: it counts as one on its way.
+        coming = self._connecting + sum(1 for c in live if not c.ready.done())
+        if coming and demand <= coming * self._expected_streams:
             return  # connections on their way will absorb the queue
         loop = asyncio.get_running_loop()
         if loop.time() < self._connect_backoff_until and self._conns:
@@ -412,17 +431,22 @@ class H2Pool:
         except Exception as exc:
             if not isinstance(exc, UpstreamError):
                 exc = UpstreamConnectError(f"cannot connect to {self.origin}: {exc!r}")
-            self._connect_error = exc
-            self._connect_epoch += 1
-            loop = asyncio.get_running_loop()
-            self._connect_backoff_until = loop.time() + min(1.0, self.limits.connect_timeout)
+            self._connect_failed(exc, asyncio.get_running_loop().time())
         else:
             self._add_connection(conn)
         finally:
             self._connecting -= 1
             self._wake_all()
 
-    async def _open_connection(self) -> Connection:
+    async def _open_connection(self, *, settle: bool = False) -> Connection:
+        """A connection with the preface and our SETTINGS written.
+
+        Without ``settle`` it is handed out without waiting for the server's
+        SETTINGS (RFC 9113 §3.4 lets a client send requests right after its
+        preface): h2c servers that sniff the preface send theirs only after
+        reading it, a round trip the first request would otherwise wait.
+        Until they arrive the connection takes one stream (``_stream_limit``).
+        """
         loop = asyncio.get_running_loop()
         conn = Connection(self, loop)
         try:
@@ -434,7 +458,10 @@ class H2Pool:
                     ssl=self._ssl,
                     server_hostname=self._host if self._ssl is not None else None,
                 )
-                error = await conn.ready
+                if settle or conn.ready.done():
+                    error = await conn.ready
+                else:
+                    error = None
                 if error is not None:
                     raise error
         except TimeoutError as exc:
@@ -457,8 +484,12 @@ class H2Pool:
             conn.close()
             return
         self._conns.append(conn)
-        self._expected_streams = max(1, min(conn.max_streams, self.stream_budget() or 1000))
+        if conn.ready.done():
+            self._settings_known(conn)
         self._ensure_maintenance()
+
+    def _settings_known(self, conn: Connection) -> None:
+        self._expected_streams = max(1, min(conn.max_streams, self.stream_budget() or 1000))
 
     def stream_budget(self, now: float | None = None) -> int:
         """Streams after which a connection is retired; 0 when no limit is known."""
@@ -527,6 +558,8 @@ class H2Pool:
             self._wake_one(self._fresh_waiters)
 
     def _capacity_changed(self, conn: Connection) -> None:
+        if conn.ready.done() and not conn.draining and not conn.lost:
+            self._settings_known(conn)  # their SETTINGS may have just arrived
         if self._waiters or self._fresh_waiters:
             self._wake_all()
 
@@ -534,9 +567,36 @@ class H2Pool:
         try:
             self._conns.remove(conn)
         except ValueError:
-            pass
+            return  # never handed out: its opener reports the failure
+        if self._closed:
+            return
+        loop = asyncio.get_running_loop()
+        setup_error = conn.ready.result()
+        if setup_error is not None:
+            # Lost before the server's SETTINGS: a failed connect, with its backoff.
+            self._connect_failed(setup_error, loop.time())
         if self._waiters or self._fresh_waiters:
             self._wake_all()
+        self._reopen_warm(loop.time())
+
+    def _connect_failed(self, error: UpstreamError, now: float) -> None:
+        self._connect_error = error
+        self._connect_epoch += 1
+        self._connect_backoff_until = now + min(1.0, self.limits.connect_timeout)
+
+    def _reopen_warm(self, now: float) -> None:
+        """Open connections up to ``warm_connections``, unless a connect failed lately.
+
+        Called as soon as a connection is lost, not only from maintenance, so
+        the next request finds one on its way. At most one attempt per backoff
+        period after a failure, and one per tick of maintenance otherwise.
+        """
+        if not self._started or self._closed or self._waiters or self._fresh_waiters:
+            return
+        warm = max(0, min(self.limits.warm_connections, self.limits.max_connections))
+        alive = sum(1 for c in self._conns if not c.draining and not c.lost)
+        if alive + self._connecting < warm and now >= self._connect_backoff_until:
+            self._maybe_connect(1)
 
     # -- maintenance -----------------------------------------------------
 
@@ -579,7 +639,4 @@ class H2Pool:
                     conn.abort(UpstreamProtocolError("upstream did not answer PING"))
             elif now - conn.last_recv >= limits.ping_interval:
                 conn.ping()
-        if self._started and not self._waiters and not self._fresh_waiters:
-            alive = sum(1 for c in self._conns if not c.draining and not c.lost)
-            if alive + self._connecting < warm and now >= self._connect_backoff_until:
-                self._maybe_connect(1)
+        self._reopen_warm(now)
