@@ -93,7 +93,7 @@ class RouteConfig(Section):
         "until the first token; unset: off.",
     )
     race_continuations: bool = Field(
-        False,
+        True,
         description="Ask the two best regions for the rest of a broken stream at once and keep "
         "the first whose leg brings a token (the other is cancelled): a leg that breaks too "
         "then costs no second wait, for one more prefill per continuation.",
