@@ -60,11 +60,12 @@ max_continuations = 2); commit e0d5b53 (seeds 1-3), 2498f97 (``--seed 11``),
 | 776c3d5 (race) | off | 95.50% | 95.50% | 0 | - | - | 4.5% | -1.8% |
 | 776c3d5 (race) | on | 99.90% | 99.90% | 69 | 229 / 253 ms | 1.26x | 6.9% | +13.4% |
 
-Without ``race_continuations`` (the rows before 776c3d5; ``--no-race`` now) the seam p99 rests on a handful of streams (about 70
-are continued), and a continuation leg that itself fails before its first token puts
-two times to first token back to back: 1.40x-1.57x in three runs, 2.37x-2.47x in three
-others. Racing the two best regions for the rest removes that case (1.26x), for 1.14
-upstream requests per stream instead of 1.08.
+Without ``race_continuations`` (the rows before 776c3d5; ``--no-race`` now) the seam
+p99 rests on a handful of streams (about 70 are continued), and a continuation leg
+that itself fails before its first token puts two times to first token back to back:
+1.40x-1.57x in three runs, 2.37x-2.47x in three others. Racing the two best regions for
+the rest removes that case (1.26x), for 1.14 upstream requests per stream instead of
+1.08.
 
 (resets: per upstream request; tokens: upstream tokens per stream against an
 unbroken stream's; the ordinary gap between tokens was 22-23 ms p50 and
