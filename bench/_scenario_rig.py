@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
+import ssl
 import sys
 import tempfile
 import time
@@ -47,6 +49,37 @@ class Geometry:
     @property
     def direct(self) -> float:
         return self.pop + self.far
+
+
+@dataclass(frozen=True)
+class Tls:
+    """The far regions served over TLS: their certificate for 127.0.0.1 (and ``localhost``)
+    from a test CA every client of theirs trusts, verification on."""
+
+    cert: Path
+    key: Path
+    ca: Path
+
+    @classmethod
+    def make(cls, folder: Path) -> Tls:
+        import trustme
+
+        ca = trustme.CA()
+        issued = ca.issue_cert("127.0.0.1", "localhost")
+        paths = cls(folder / "region.pem", folder / "region.key", folder / "ca.pem")
+        issued.cert_chain_pems[0].write_to_path(str(paths.cert))
+        for extra in issued.cert_chain_pems[1:]:
+            extra.write_to_path(str(paths.cert), append=True)
+        issued.private_key_pem.write_to_path(str(paths.key))
+        ca.cert_pem.write_to_path(str(paths.ca))
+        return paths
+
+    def client_context(self) -> ssl.SSLContext:
+        return ssl.create_default_context(cafile=str(self.ca))
+
+
+def region_url(link: WanLink, tls: Tls | None) -> str:
+    return link.url.replace("http://", "https://") if tls is not None else link.url
 
 
 @dataclass
@@ -94,11 +127,22 @@ class World:
     far: dict[str, WanLink] = field(default_factory=dict)
     direct: dict[str, WanLink] = field(default_factory=dict)
     proxies: list[Proxy] = field(default_factory=list)
+    tls: Tls | None = None  # set by use_tls() before the first region
+
+    def use_tls(self) -> Tls:
+        """Serve the regions over TLS: every proxy and the direct client then verify them."""
+        self.tls = Tls.make(self.tmp)
+        return self.tls
+
+    def direct_url(self, name: str) -> str:
+        return region_url(self.direct[name], self.tls)
 
     async def region(self, name: str, **settings: Any) -> FakeRegion:
         """A fake region, with a far link (from the PoP) and a direct one (from the user)."""
         behavior = {k: v for k, v in settings.items() if k in Behavior.__dataclass_fields__}
         rest = {k: v for k, v in settings.items() if k not in behavior}
+        if self.tls is not None:
+            rest.update(certfile=str(self.tls.cert), keyfile=str(self.tls.key))
         region = FakeRegion(name=name, behavior=Behavior(**behavior), seed=1, **rest)
         await region.start()
         self.regions[name] = region
@@ -125,17 +169,26 @@ class World:
         if kind == "nginx":
             binary = u.nginx_binary()
             assert binary is not None
-            conf = nginx_conf(port, upstreams, float(opts.get("read_timeout", 60.0)))
+            read_timeout = float(opts.get("read_timeout", 60.0))
+            conf = nginx_conf(port, upstreams, read_timeout, self.tls)
             service = u.nginx_service(name, binary, self.tmp / name, conf, [])
         elif kind == "reference":
+            scheme = "https" if self.tls is not None else "http"
             argv = [PYTHON, str(HERE / "reference_proxy.py"), "--port", str(port)]
-            argv += ["--upstream", f"http://127.0.0.1:{upstreams[0]}"]
-            service = u.Service(name, argv, log, cwd=REPO)
+            argv += ["--upstream", f"{scheme}://127.0.0.1:{upstreams[0]}"]
+            # aiohttp's default context reads its trust store from SSL_CERT_FILE.
+            env = None if self.tls is None else {**os.environ, "SSL_CERT_FILE": str(self.tls.ca)}
+            service = u.Service(name, argv, log, env=env, cwd=REPO)
         else:
             path = self.tmp / f"{name}.toml"
-            path.write_text(edgeproxy_toml(port, admin, self.far, config))
+            path.write_text(edgeproxy_toml(port, admin, self.far, config, self.tls))
             argv = [PYTHON, "-m", "edgeproxy", "serve", "--config", str(path)]
-            service = u.Service(name, [*argv, "--log-level", "error"], log, cwd=REPO)
+            # [upstream] ca_file through the environment: the scenario's config may have its
+            # own [upstream] table, which TOML will not let the bench open twice.
+            env = None
+            if self.tls is not None:
+                env = {**os.environ, "EDGEPROXY_UPSTREAM__CA_FILE": str(self.tls.ca)}
+            service = u.Service(name, [*argv, "--log-level", "error"], log, env=env, cwd=REPO)
         service.start()
         await asyncio.to_thread(wait_port, service, port)
         if kind == "edgeproxy":
@@ -190,9 +243,20 @@ def wait_port(service: u.Service, port: int, timeout: float = 20.0) -> None:
     raise u.ServiceError(f"{service.name} never listened on {port}:\n{service.log_tail()}")
 
 
-def nginx_conf(port: int, upstreams: Sequence[int], read_timeout: float) -> str:
-    """nginx as a plain reverse proxy: round robin, a keep-alive pool, no buffering."""
+def nginx_conf(
+    port: int, upstreams: Sequence[int], read_timeout: float, tls: Tls | None = None
+) -> str:
+    """nginx as a plain reverse proxy: round robin, a keep-alive pool, no buffering;
+    with ``tls``, to the regions over TLS, verified (sessions reused, nginx's default)."""
     servers = "".join(f"        server {u.LOOPBACK}:{p};\n" for p in upstreams)
+    scheme, verify = "http", ""
+    if tls is not None:
+        scheme = "https"
+        # nginx matches proxy_ssl_name against DNS names only: the certificate's localhost.
+        verify = f"""
+            proxy_ssl_verify on;
+            proxy_ssl_trusted_certificate {tls.ca};
+            proxy_ssl_name localhost;"""
     return f"""
 worker_processes 1;
 error_log logs/error.log warn;
@@ -206,7 +270,7 @@ http {{
     server {{
         listen {u.LOOPBACK}:{port} backlog=4096;
         location / {{
-            proxy_pass http://origin;
+            proxy_pass {scheme}://origin;{verify}
             proxy_http_version 1.1;
             proxy_set_header Connection "";
             proxy_buffering off;
@@ -219,7 +283,9 @@ http {{
 """
 
 
-def edgeproxy_toml(port: int, admin: int, far: dict[str, WanLink], config: str | None) -> str:
+def edgeproxy_toml(
+    port: int, admin: int, far: dict[str, WanLink], config: str | None, tls: Tls | None = None
+) -> str:
     """The listeners and the regions (their far links), then the checked-in scenario config
     ``bench/scenarios/<config>.toml`` as it is (None: edgeproxy's defaults)."""
     lines = [
@@ -234,7 +300,7 @@ def edgeproxy_toml(port: int, admin: int, far: dict[str, WanLink], config: str |
         "entry_points = false",
     ]
     for name, link in far.items():
-        lines += ["[[regions]]", f'name = "{name}"', f'url = "{link.url}"']
+        lines += ["[[regions]]", f'name = "{name}"', f'url = "{region_url(link, tls)}"']
     text = "\n".join(lines) + "\n"
     if config is not None:
         text += "\n" + (CONFIGS / f"{config}.toml").read_text()
@@ -257,15 +323,16 @@ class Client:
     """The one client of every variant: a new connection per request, as a page opens
     (``keepalive`` reuses them instead, to tell the cost of the client's handshakes)."""
 
-    def __init__(self, timeout: float, *, keepalive: bool = False) -> None:
+    def __init__(self, timeout: float, *, keepalive: bool = False, tls: Tls | None = None) -> None:
         self.timeout = timeout
         self.keepalive = keepalive
+        self.ssl: ssl.SSLContext | bool = True if tls is None else tls.client_context()
         self.session: aiohttp.ClientSession | None = None
         self.start = time.monotonic()
 
     async def __aenter__(self) -> Client:
         self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, force_close=not self.keepalive),
+            connector=aiohttp.TCPConnector(limit=0, force_close=not self.keepalive, ssl=self.ssl),
             timeout=aiohttp.ClientTimeout(total=self.timeout),
         )
         self.start = time.monotonic()
@@ -364,6 +431,7 @@ class Outcome:
     headline: dict[str, Any]
     invariants: dict[str, Any]
     notes: list[str]
+    more_headlines: list[dict[str, Any]] = field(default_factory=list)  # more summary rows
 
 
 async def open_loop(
