@@ -64,6 +64,15 @@ class Compression:
         self.min_size = server.compression_min_size
         self.offered = tuple(server.compression_encodings)
 
+    def worth(self, ctx: RequestContext, sse: bool, parts: list[bytes]) -> bool:
+        """A cheap first test for a body known whole: on, and large enough (or SSE on a
+        ``compress_sse`` route). :meth:`choose` decides the rest."""
+        if not self.enabled:
+            return False
+        if sse:
+            return ctx.route.compress_sse
+        return len(parts[0]) >= self.min_size if len(parts) == 1 else True
+
     def choose(
         self,
         ctx: RequestContext,

@@ -92,20 +92,28 @@ class StreamStage:
         own = _OWN_WITH_CACHE if ctx.cache else _OWN
         headers: Headers = []
         content_length: int | None = None
+        content_type = ""
         for name, value in reply.headers:
             lname = name.lower()
             if lname == "content-length":
                 content_length = int(value) if value.isdigit() else None
             elif lname not in own:
                 headers.append((name, value))
+                if lname == "content-type":
+                    content_type = value
         headers.append(("X-Edgeproxy-Region", region.name))
         headers.append(("X-Request-Id", ctx.request_id))
         if ctx.cache:
             headers.append(("X-Edgeproxy-Cache", ctx.cache))
-        content_type = next((v for k, v in headers if k.lower() == "content-type"), "")
         encoding = None
-        if self.compression is not None:
-            encoding = self.compression.choose(
+        compression = self.compression
+        # The size first: most JSON answers are too small to compress, and the rest costs more.
+        if compression is not None and (
+            content_length is None
+            or content_length >= compression.min_size
+            or content_type.startswith("text/event-stream")
+        ):
+            encoding = compression.choose(
                 ctx,
                 reply.status,
                 content_type,

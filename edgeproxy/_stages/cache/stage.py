@@ -331,13 +331,16 @@ class CacheStage:
             ("X-Edgeproxy-Region", region),
             ("X-Request-Id", ctx.request_id),
         )
-        encoding = self.compression.choose(
-            ctx,
-            entry.status,
-            "text/event-stream" if sse else _content_type(headers),
-            sum(map(len, parts)),
-            content_encoding=_header(headers, "content-encoding"),
-        )
+        encoding = None
+        # The size first: most answers are too small to compress, and the rest costs more.
+        if self.compression.worth(ctx, sse, parts):
+            encoding = self.compression.choose(
+                ctx,
+                entry.status,
+                "text/event-stream" if sse else _content_type(headers),
+                sum(map(len, parts)),
+                content_encoding=_header(headers, "content-encoding"),
+            )
         if encoding is not None:
             # Made once per coding and form, kept with the entry for the hits after.
             form = f"{encoding} {'sse' if sse else 'json'} {plan.include_usage}"
