@@ -123,8 +123,12 @@ async def test_reset_before_the_first_byte_is_retried_but_not_after(
 ) -> None:
     near = await make_region("near", fault="reset", fault_after_tokens=0)
     far = await make_region("far")
+    # Tiers, not latency, put near first both times: the failure must not move the choice.
     proxy = await make_proxy(
-        [{"name": "near", "url": near.url, **SIN}, {"name": "far", "url": far.url, **TOKYO}],
+        [
+            {"name": "near", "url": near.url, **SIN},
+            {"name": "far", "url": far.url, **TOKYO, "priority": 1},
+        ],
         health={"outlier_detection": False},
     )
     async with aiohttp.ClientSession() as client:

@@ -16,7 +16,7 @@ from edgeproxy._plugins import Plugins
 from edgeproxy._upstream.regions import Region
 from edgeproxy.hookspecs import hook_names
 
-from .conftest import ProxyFactory, RegionFactory, proxy_config
+from .conftest import ProxyFactory, RegionFactory, eventually, proxy_config
 
 CHAT = "/v1/chat/completions"
 DETERMINISTIC = {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": "hi"}]}
@@ -392,4 +392,6 @@ async def test_a_rewritten_request_is_routed_by_its_new_path(
         for path, status in (("/rewrite-me", 200), ("/v1/models", 200), ("/elsewhere", 404)):
             async with client.get(proxy.url + path) as resp:
                 assert resp.status == status, path
+    # The hook runs once the response is out, maybe after the client read it.
+    await eventually(lambda: len(seen.routes) == 3)
     assert seen.routes == ["models", "models", "default"]
