@@ -253,7 +253,9 @@ def nginx_conf(
     if tls is not None:
         scheme = "https"
         # nginx matches proxy_ssl_name against DNS names only: the certificate's localhost.
+        # TLS 1.3 as for the other clients (nginx before 1.23.4 leaves it out by default).
         verify = f"""
+            proxy_ssl_protocols TLSv1.2 TLSv1.3;
             proxy_ssl_verify on;
             proxy_ssl_trusted_certificate {tls.ca};
             proxy_ssl_name localhost;"""
