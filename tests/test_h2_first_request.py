@@ -177,3 +177,51 @@ async def test_a_region_that_refuses_connections_is_retried_with_backoff() -> No
     finally:
         await pool.aclose()
         await link.stop()
+
+
+class _SettingsThenGoaway(asyncio.Protocol):
+    """The first connection stays (until the test closes it); every later one gets the
+    server's SETTINGS and a GOAWAY and is closed: a connect that succeeds and a connection
+    that is gone at once."""
+
+    def __init__(self, seen: list[asyncio.Transport]) -> None:
+        self.seen = seen
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.seen.append(transport)
+        conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
+        conn.initiate_connection()
+        if len(self.seen) == 1:
+            transport.write(conn.data_to_send())
+            return
+        conn.close_connection()
+        transport.write(conn.data_to_send())
+        transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        pass
+
+
+async def test_a_server_that_closes_every_connection_is_not_reconnected_in_a_loop() -> None:
+    seen: list[asyncio.Transport] = []
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(lambda: _SettingsThenGoaway(seen), "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    limits = PoolLimits(warm_connections=1, ping_interval=60.0, connect_timeout=60.0)
+    pool = H2Pool(f"http://127.0.0.1:{port}", limits)
+    try:
+        await pool.start()
+        first = pool._conns[0]
+        seen[0].close()
+        # Its loss reopens at once; that connection's own loss, a moment later, does not.
+        await _until(lambda: first.lost and len(seen) >= 2)
+        await _until(lambda: not pool._connecting and not pool._conns)
+        for _ in range(50):
+            await asyncio.sleep(0.001)
+        assert len(seen) == 2
+        assert not pool._connecting
+    finally:
+        await pool.aclose()
+        server.close()
+        await server.wait_closed()

@@ -134,6 +134,7 @@ class H2Pool:
         self._connect_epoch = 0
         self._connect_error: UpstreamError | None = None
         self._connect_backoff_until = 0.0
+        self._warm_reopened_at = float("-inf")
         self._expected_streams = 100
         # Per-connection stream limits inferred from GOAWAY; 0 means unknown.
         self._budget_candidate = 0  # seen once: only steers retries
@@ -588,15 +589,21 @@ class H2Pool:
         """Open connections up to ``warm_connections``, unless a connect failed lately.
 
         Called as soon as a connection is lost, not only from maintenance, so
-        the next request finds one on its way. At most one attempt per backoff
-        period after a failure, and one per tick of maintenance otherwise.
+        the next request finds one on its way. Never within the backoff after
+        a failed connect, and at most one reopen per backoff period even when
+        each connects: a server that accepts and then closes at once (GOAWAY
+        after its SETTINGS) must not be reconnected to at the round trip's pace.
         """
         if not self._started or self._closed or self._waiters or self._fresh_waiters:
             return
         warm = max(0, min(self.limits.warm_connections, self.limits.max_connections))
         alive = sum(1 for c in self._conns if not c.draining and not c.lost)
-        if alive + self._connecting < warm and now >= self._connect_backoff_until:
-            self._maybe_connect(1)
+        if alive + self._connecting >= warm or now < self._connect_backoff_until:
+            return
+        if now - self._warm_reopened_at < min(1.0, self.limits.connect_timeout):
+            return
+        self._warm_reopened_at = now
+        self._maybe_connect(1)
 
     # -- maintenance -----------------------------------------------------
 
