@@ -247,7 +247,9 @@ async def test_answers_split_across_network_reads(
     proxy = await make_plugin_proxy(
         [{"name": "custom", "url": url, "http2": False}], plugins=plugins_section(redact={})
     )
-    async with aiohttp.ClientSession(auto_decompress=False) as client:
+    # The bytes as the proxy wrote them: no compression toward this client.
+    identity = {"Accept-Encoding": "identity"}
+    async with aiohttp.ClientSession(auto_decompress=False, headers=identity) as client:
 
         async def get(kind: str) -> tuple[int, bytes]:
             async with client.get(proxy.url + "/answers/" + kind) as resp:
