@@ -23,7 +23,7 @@ CONFIGS = ROOT / "bench" / "scenarios"
 SCENARIOS = ["cross_region", "streaming", "cache", "storm", "saturation", "backlog", "cold_start"]
 
 
-@pytest.mark.slow
+@pytest.mark.scenarios
 @pytest.mark.timeout(300)
 def test_every_scenario_accounts_for_every_request(tmp_path: Path) -> None:
     # The script bounds each scenario itself (--timeout); this bounds the process.
