@@ -102,7 +102,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return _run(supervisor.run)
     _setup_logging(args.log_level)
     try:
-        return _run(lambda: serve(config))
+        return _run(lambda: serve(config, loader=load))
     except ConfigError as exc:
         # What only shows when the listeners open: TLS files, the admin token's variable.
         print(f"edgeproxy: {exc}", file=sys.stderr)

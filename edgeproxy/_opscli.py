@@ -199,7 +199,9 @@ def _cmd_reload(args: argparse.Namespace, admin: Admin) -> int:
     response = admin.request("POST", "/reload")
     if response.status_code == 200:
         body = _json_object(response, f"POST {admin.url}/reload")
-        print(f"reloaded: generation {body.get('generation')} serving, the old workers draining")
+        # A single process reloads in place; the supervisor by new workers.
+        old = "the old generation" if body.get("in_place") else "the old workers"
+        print(f"reloaded: generation {body.get('generation')} serving, {old} draining")
         return 0
     unsupported = response.status_code == 409 and "reload_unsupported" in response.text
     if response.status_code in (404, 405) or unsupported:

@@ -306,8 +306,26 @@ class Plugins:
         """Every implementation runs, fed the previous one's non-None result as ``value_arg``."""
         return self._dispatch(hook, kwargs, _CHAIN, value_arg)
 
+    def call_all_of(
+        self, names: Iterable[str], hook: str, **kwargs: Any
+    ) -> Coroutine[Any, Any, list[Any]]:
+        """:meth:`call_all` on the plugins named ``names`` only (a reload starts the
+        plugins it loaded, not those already running)."""
+        return self._dispatch(hook, kwargs, _ALL, only=frozenset(names))
+
+    def call_all_logged_of(
+        self, names: Iterable[str], hook: str, **kwargs: Any
+    ) -> Coroutine[Any, Any, None]:
+        """:meth:`call_all_logged` on the plugins named ``names`` only."""
+        return self._dispatch(hook, kwargs, _LOGGED, only=frozenset(names))
+
     async def _dispatch(
-        self, hook: str, kwargs: dict[str, Any], mode: str, value_arg: str = ""
+        self,
+        hook: str,
+        kwargs: dict[str, Any],
+        mode: str,
+        value_arg: str = "",
+        only: frozenset[str] | None = None,
     ) -> Any:
         """The one loop every ``call_*`` method goes through (pluggy's multicall, awaited).
 
@@ -329,6 +347,8 @@ class Plugins:
             raise TypeError(f"{hook} has no argument {value_arg!r} to chain")
         results: list[Any] = []
         for impl in entry.impls:
+            if only is not None and impl.plugin not in only:
+                continue
             try:
                 args = impl.args(kwargs)
             except KeyError as exc:

@@ -151,6 +151,14 @@ class Metrics:
         )
         self._sync_task: asyncio.Task[None] | None = None
 
+    def add_labels(self, config: Config) -> None:
+        """A reload's new routes and regions become known label values, not spares; those
+        it removed stay known (their series exist)."""
+        for name in (r.name for r in config.routes):
+            self._route.known.setdefault(name, name)
+        for name in (r.name for r in config.regions):
+            self._region.known.setdefault(name, name)
+
     # -- observing --------------------------------------------------------------------
 
     @hookimpl

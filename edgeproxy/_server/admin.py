@@ -102,13 +102,21 @@ def admin_app(proxy: EdgeProxy, *, token: str | None = None) -> web.Application:
         return _json({"purged": purged, name: value})
 
     async def reload(request: web.Request) -> web.Response:
-        # Only the supervisor of `serve --workers N` reloads; say so rather than 404.
+        # Without a loader (embedded, or a worker: its supervisor reloads) there is no
+        # config to read again; say so rather than 404.
+        if proxy.loader is None:
+            return error_response(
+                409,
+                "invalid_request_error",
+                "this proxy has no config file to read again: call EdgeProxy.reload(config) "
+                "in the host app, or restart it",
+                code="reload_unsupported",
+            )
+        result = await proxy.reload_from_loader()
+        if result["reloaded"]:
+            return _json(result)
         return error_response(
-            409,
-            "invalid_request_error",
-            "a single process does not reload its config: run with [server] workers >= 2, "
-            "or restart it",
-            code="reload_unsupported",
+            409, "invalid_request_error", "; ".join(result["errors"]), code="reload_refused"
         )
 
     app = web.Application(middlewares=[admin_auth(token)] if token else [])

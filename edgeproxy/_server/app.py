@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import logging
 import signal
@@ -21,8 +20,14 @@ from edgeproxy._observability.access_log import AccessLog
 from edgeproxy._observability.metrics import Metrics
 from edgeproxy._observability.tracing import Tracing
 from edgeproxy._pipeline import JSON_BODY_LIMIT, Pipeline
-from edgeproxy._plugins import Plugins
 from edgeproxy._server.admin import admin_app
+from edgeproxy._server.generation import (
+    Generation,
+    Retiring,
+    build_plugins,
+    open_generation,
+    restart_errors,
+)
 from edgeproxy._server.listener import (
     ConnectionGuard,
     GuardedSite,
@@ -87,21 +92,31 @@ class EdgeProxy:
         and the ``edgeproxy.plugins`` entry points. A plugin that cannot load raises
         :class:`~edgeproxy.PluginLoadError` naming it."""
         self.config = config
-        self.plugins = Plugins(config.plugins.fail_open)
+        # The plugins given here and the built-in ones, kept to register again (the same
+        # objects) when a reload loads [plugins] anew.
+        self._given: list[tuple[str, object]] = []
         for plugin in plugins:
             # Modules by their name, objects by their class: names appear in error logs.
             name = getattr(plugin, "__name__", None) or type(plugin).__name__
-            if self.plugins.pm.has_plugin(name):
+            if any(name == known for known, _ in self._given):
                 name = f"{name}-{id(plugin):x}"
-            self.plugins.register(plugin, name=name)
-        self.plugins.load_configured(config.plugins, base_dir=config.base_dir)
-        self._register_observability()
+            self._given.append((name, plugin))
+        self._builtin = self._observability()
+        self.plugins, self._configured = build_plugins(config, self._given, self._builtin)
         self.started_at = time.time()
+        self._generation: Generation | None = None
         self._regions: RegionSet | None = None
         self._pipeline: Pipeline | None = None
         self._load_view: LoadView | None = None
-        self._stack: contextlib.AsyncExitStack | None = None
         self._users = 0
+        # Generations replaced by a reload, draining in the background until closed.
+        self._retiring = Retiring()
+        self._reload_lock = asyncio.Lock()
+        # What re-reads the config for SIGHUP and POST /reload (serve() sets it); None:
+        # the admin's /reload answers 409 reload_unsupported.
+        self.loader: Callable[[], Config] | None = None
+        # The last reload, for /status: ok, errors, at.
+        self.last_reload: dict[str, Any] | None = None
         self._runner: web.AppRunner | None = None
         self._admin_runner: web.AppRunner | None = None
         self.draining = False
@@ -127,27 +142,24 @@ class EdgeProxy:
         self.tls: ListenerTls | None = None
         self.admin_tls: ListenerTls | None = None
 
-    def _register_observability(self) -> None:
+    def _observability(self) -> list[tuple[str, object]]:
         """Built-in metrics, tracing and access log: plugins on the same hooks as any other.
 
         Their resources (tracer provider, log file, multiprocess sync) open
         and close in the lifespan, through ``edgeproxy_startup``/``_shutdown``.
         """
         config = self.config
+        builtin: list[tuple[str, object]] = []
         self.metrics: Metrics | None = None
         if config.metrics.enabled:
             self.metrics = Metrics(config, self.status)
-            self.plugins.register(self.metrics, name="edgeproxy.metrics")
+            builtin.append(("edgeproxy.metrics", self.metrics))
         self.tracing = Tracing.from_config(config.tracing, pop=config.pop.name)
         if self.tracing is not None:
-            self.plugins.register(self.tracing, name="edgeproxy.tracing")
-        # A fault in metrics or tracing is logged and skipped: it never fails a request.
-        self.plugins.fail_open |= {"edgeproxy.metrics", "edgeproxy.tracing"}
+            builtin.append(("edgeproxy.tracing", self.tracing))
         if config.access_log.enabled:
-            if self.plugins.pm.has_plugin("access_log"):
-                logger.warning("[access_log] is on and the access_log plugin is loaded: one log")
-            else:
-                self.plugins.register(AccessLog.from_config(config.access_log), name="access_log")
+            builtin.append(("access_log", AccessLog.from_config(config.access_log)))
+        return builtin
 
     # -- resources -------------------------------------------------------
 
@@ -183,72 +195,141 @@ class EdgeProxy:
     async def open(self) -> None:
         """Open the pools and warm them. Counted, so several host apps may share one proxy.
 
-        Every resource is entered on one exit stack, so a failed start and
-        :meth:`close` undo the same steps in the same (reverse) order.
+        The first generation opens on its own exit stack (see :meth:`reload`); then
+        the plugins' startup hooks run.
         """
         self._users += 1
         if self._users > 1:
             return
-        stack = contextlib.AsyncExitStack()
         try:
-            regions = RegionSet(self.config)
-            pipeline = Pipeline(self.config, regions, self.plugins)
-            # The local model loads in a worker thread while the pools warm; never waited for.
-            pipeline.fallback.open()
-            stack.push_async_callback(pipeline.fallback.close)
-            # Rate-limit buckets: Redis when configured (its absence only means local limits).
-            await pipeline.admission.open()
-            stack.push_async_callback(pipeline.admission.close)
-            # The router lets go of its geo database once the regions are closed.
-            stack.callback(pipeline.router.close)
-            # Closing the regions stops the health checks too.
-            stack.push_async_callback(regions.close)
-            await regions.open()
-            # The cache's backend: a Redis that does not answer is a warning (it fails open).
-            # It closes before the pools, which its background refreshes use.
-            await pipeline.cache.open()
-            stack.push_async_callback(pipeline.cache.close)
-            # The shared load view: a background task (Redis is never waited for here),
-            # stopped before the regions it reads close.
-            load_view = None
-            if self.config.shared_load.enabled:
-                load_view = LoadView(self.config.shared_load, regions, pop=self.config.pop.name)
-                await load_view.open()
-                stack.push_async_callback(load_view.close)
-                # The router scores with its global in-flight counts while they are fresh.
-                pipeline.router.load_view = load_view
-            for region in regions:
-                if not region.up:
-                    logger.warning(
-                        "region %s (%s) is not reachable at startup; /readyz reports it",
-                        region.name,
-                        region.config.url,
-                    )
-            # Plugins that did start get their shutdown hook, also when a later one fails.
-            stack.push_async_callback(
-                self.plugins.call_all_logged, "edgeproxy_shutdown", proxy=self
-            )
-            self._regions, self._pipeline, self._load_view = regions, pipeline, load_view
+            generation = await open_generation(1, self.config, self.plugins)
+        except BaseException:
+            self._users -= 1
+            raise
+        self._swap(generation)
+        try:
             await self.plugins.call_all("edgeproxy_startup", proxy=self)
         except BaseException:
             self._users -= 1
             try:
-                await stack.aclose()
+                # Plugins that did start get their shutdown hook, also when a later one fails.
+                await self.plugins.call_all_logged("edgeproxy_shutdown", proxy=self)
             finally:
-                self._regions = self._pipeline = self._load_view = None
+                await self._close_current()
             raise
-        self._stack = stack
 
     async def close(self) -> None:
-        """Close what :meth:`open` opened, in reverse order, once its last user closes."""
+        """Close what :meth:`open` opened, in reverse order, once its last user closes.
+
+        Generations a reload retired and that still drain are closed first.
+        """
         self._users -= 1
-        if self._users > 0 or self._stack is None:
+        if self._users > 0 or self._generation is None:
             return
-        stack, self._stack = self._stack, None
         try:
-            await stack.aclose()
+            await self._retiring.close()
+            await self.plugins.call_all_logged("edgeproxy_shutdown", proxy=self)
+        finally:
+            await self._close_current()
+
+    def _swap(self, generation: Generation) -> None:
+        # No await here: a request sees the old generation whole or the new one whole.
+        self._generation = generation
+        self._regions, self._pipeline = generation.regions, generation.pipeline
+        self._load_view = generation.load_view
+
+    async def _close_current(self) -> None:
+        generation, self._generation = self._generation, None
+        try:
+            if generation is not None:
+                await generation.close()
         finally:
             self._regions = self._pipeline = self._load_view = None
+
+    # -- reload ----------------------------------------------------------
+
+    async def reload(self, config: Config) -> int:
+        """Apply ``config`` in place, without dropping a connection or a request.
+
+        A new generation (regions and their pools, the pipeline with its routes,
+        limits, cache and fallback) opens and warms beside the running one, then
+        takes every new request; requests already running finish on the old
+        one, which closes once they are done (within ``server.grace_period``).
+        Plugins are loaded again only when ``[plugins]`` changed: the new
+        configured ones get ``edgeproxy_startup`` before the swap, the old ones
+        ``edgeproxy_shutdown`` once the old generation drained.
+
+        Raises :class:`~edgeproxy.ConfigError` naming each changed key of a
+        section that needs a restart (``server``, ``admin``, ``limits``, ``pop``,
+        ``metrics``, ``tracing``, ``access_log``), or the error that stopped the
+        new generation from opening; then nothing changed. Returns the new
+        generation's number.
+        """
+        async with self._reload_lock:
+            try:
+                number = await self._reload(config)
+            except Exception as exc:
+                errors = exc.errors if isinstance(exc, ConfigError) else [f"{exc}"]
+                self._reloaded(errors)
+                raise
+            self._reloaded([])
+            return number
+
+    def _reloaded(self, errors: list[str]) -> None:
+        self.last_reload = {"ok": not errors, "errors": errors, "at": time.time()}
+        if errors:
+            logger.error("reload refused, the running config stays: %s", "; ".join(errors))
+
+    async def reload_from_loader(self) -> dict[str, Any]:
+        """Read the config again with :attr:`loader` and :meth:`reload` it (SIGHUP and
+        the admin's ``POST /reload``): ``{"reloaded": True, "generation": n, ...}`` or
+        ``{"reloaded": False, "errors": [...]}``."""
+        if self.loader is None:
+            return {"reloaded": False, "errors": ["this proxy has no config loader"]}
+        try:
+            config = await asyncio.to_thread(self.loader)
+        except ConfigError as exc:
+            self._reloaded(exc.errors)
+            return {"reloaded": False, "errors": exc.errors}
+        try:
+            number = await self.reload(config)
+        except Exception:  # noqa: BLE001 - logged and recorded by reload()
+            errors = self.last_reload["errors"] if self.last_reload else ["reload failed"]
+            return {"reloaded": False, "errors": errors}
+        return {"reloaded": True, "generation": number, "in_place": True}
+
+    async def _reload(self, config: Config) -> int:
+        current = self._generation
+        if current is None or self.draining:
+            raise RuntimeError("the proxy is not open or is draining; nothing to reload")
+        errors = restart_errors(self.config, config)
+        if errors:
+            raise ConfigError(errors)
+        if config.plugins == self.config.plugins:
+            plugins, configured, started = self.plugins, self._configured, frozenset[str]()
+        else:
+            plugins, configured = build_plugins(config, self._given, self._builtin)
+            started = configured
+        generation = await open_generation(current.number + 1, config, plugins)
+        try:
+            if started:
+                await plugins.call_all_of(started, "edgeproxy_startup", proxy=self)
+            if self.draining:
+                raise RuntimeError("the proxy began draining during the reload")
+        except BaseException:
+            try:
+                await plugins.call_all_logged_of(started, "edgeproxy_shutdown", proxy=self)
+            finally:
+                await generation.close()
+            raise
+        stopped = self._configured if started else frozenset[str]()
+        self.config, self.plugins, self._configured = config, plugins, configured
+        self._swap(generation)
+        self._retiring.add(current, config.server.grace_period, stopped, self)
+        if self.metrics is not None:
+            self.metrics.add_labels(config)
+        logger.info("config reloaded: generation %d serving", generation.number)
+        return generation.number
 
     # -- serving ---------------------------------------------------------
 
@@ -259,7 +340,7 @@ class EdgeProxy:
         upstream (``/llm/v1/models`` becomes ``/v1/models``). The host app must
         run the proxy's resources: call :meth:`setup` on it.
         """
-        return await self.pipeline.handle(request, strip_prefix=strip_prefix)
+        return await self._serve(request, strip_prefix)
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         # Mounted with add_subapp("/llm", proxy.app), the route carries the
@@ -271,7 +352,22 @@ class EdgeProxy:
             canonical = resource.canonical if resource is not None else ""
             prefix = canonical[: -len("/{tail}")] if canonical.endswith("/{tail}") else ""
             self._prefixes[resource] = prefix
-        return await self.pipeline.handle(request, strip_prefix=prefix)
+        return await self._serve(request, prefix)
+
+    async def _serve(self, request: web.Request, strip_prefix: str) -> web.StreamResponse:
+        # The generation is read once: the request keeps it whatever a reload swaps in,
+        # and is counted among its tasks, which it cuts if they outlast its drain.
+        generation = self._generation
+        if generation is None:
+            raise RuntimeError("the proxy is not open: run its app, or call start()")
+        # aiohttp runs each handler in a task of its own.
+        task = asyncio.current_task()
+        assert task is not None
+        generation.tasks.add(task)
+        try:
+            return await generation.pipeline.handle(request, strip_prefix=strip_prefix)
+        finally:
+            generation.tasks.discard(task)
 
     def middleware(self, *prefixes: str, strip_prefix: bool = False) -> Middleware:
         """An aiohttp middleware forwarding requests whose path starts with one of ``prefixes``.
@@ -292,7 +388,7 @@ class EdgeProxy:
             for prefix in prefixes:
                 if request.path.startswith(prefix):
                     strip = prefix.rstrip("/") if strip_prefix else ""
-                    return await self.pipeline.handle(request, strip_prefix=strip)
+                    return await self._serve(request, strip)
             return await handler(request)
 
         return edgeproxy_middleware
@@ -445,13 +541,18 @@ class EdgeProxy:
         pipeline = self._pipeline
         if pipeline is not None:
             pipeline.draining = True
+        for retiring in self._retiring.generations():
+            retiring.pipeline.draining = True
         drained = True
         if self._runner is not None:
             for site in list(self._runner.sites):
                 await site.stop()
             self.guard.start_draining()
             if pipeline is not None:
+                # The generations a reload retired drain within the same grace period.
+                deadline = time.monotonic() + grace
                 drained = await pipeline.wait_idle(grace)
+                drained = await self._retiring.wait(deadline - time.monotonic()) and drained
                 if not drained:
                     logger.warning(
                         "grace period of %.1fs ended with %d requests in flight; cutting them",
@@ -459,6 +560,8 @@ class EdgeProxy:
                         pipeline.in_flight,
                     )
                     pipeline.stream.shutting_down = True
+                    for retiring in self._retiring.generations():
+                        retiring.pipeline.stream.shutting_down = True
                     self.guard.cut_requests()
                     # Cancelled, they only let go of what they hold (upstream streams).
                     if not await pipeline.wait_idle(_STRAGGLER_TIMEOUT):
@@ -492,6 +595,9 @@ class EdgeProxy:
             "limits": self.guard.snapshot(),
             "cache": self._pipeline.cache.status() if self._pipeline is not None else None,
             "shared_load": self._load_view.snapshot() if self._load_view is not None else None,
+            "generation": self._generation.number if self._generation is not None else None,
+            "retiring_generations": len(self._retiring),
+            "reload": self.last_reload,
         }
 
 
@@ -521,12 +627,20 @@ def _admin_token(config: Config) -> str | None:
 _GC_YOUNG_THRESHOLD = 7000
 
 
-async def serve(config: Config, *, admin_socket: str | None = None) -> int:
+async def serve(
+    config: Config,
+    *,
+    admin_socket: str | None = None,
+    loader: Callable[[], Config] | None = None,
+) -> int:
     """Run until SIGTERM or SIGINT, then drain. Returns the process exit code.
 
     ``admin_socket`` is for a worker under the supervisor (see :meth:`EdgeProxy.start`).
+    ``loader`` reads the config again: with it, SIGHUP and ``POST /reload`` reload it
+    in place (:meth:`EdgeProxy.reload`).
     """
     proxy = EdgeProxy(config)
+    proxy.loader = loader
     await proxy.start(admin_socket=admin_socket)
     # Garbage collector tuning for a serving process (embedding apps keep their own).
     # What start-up built (modules, config, plugins, the apps) lives as long as the
@@ -544,19 +658,28 @@ async def serve(config: Config, *, admin_socket: str | None = None) -> int:
         loop.add_signal_handler(sig, stop.set)
     # A reload is the supervisor's: it starts workers on the new config and drains these.
     # A lone process reloads its certificates and keeps serving.
-    loop.add_signal_handler(signal.SIGHUP, _on_sighup, proxy)
+    reloads: set[asyncio.Task[Any]] = set()
+    loop.add_signal_handler(signal.SIGHUP, _on_sighup, proxy, reloads)
     try:
         await stop.wait()
         logger.info("draining for up to %.1fs", config.server.grace_period)
         await proxy.stop()
     finally:
+        for task in reloads:
+            task.cancel()
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(sig)
     return 0
 
 
-def _on_sighup(proxy: EdgeProxy) -> None:
+def _on_sighup(proxy: EdgeProxy, reloads: set[asyncio.Task[Any]]) -> None:
     proxy.reload_tls()
+    if proxy.loader is not None:
+        # Kept referenced until done: the loop holds tasks only weakly.
+        task = asyncio.create_task(proxy.reload_from_loader())
+        reloads.add(task)
+        task.add_done_callback(reloads.discard)
+        return
     logger.warning(
         "SIGHUP: a single process reloads its TLS certificates only, not its config; run with "
         "[server] workers >= 2 (the supervisor reloads by starting new workers) or restart"
