@@ -104,8 +104,11 @@ async def test_reload_under_load_swaps_regions_and_the_route_deadline(
             # A region added, one removed, a route's deadline cut below the new one's TTFT.
             assert await proxy.reload(config_of([("new", new.url)], deadline=0.05)) == 2
             assert [r.name for r in proxy.regions] == ["new"]
-            # The stream on the removed region holds its pool open.
+            # The stream on the removed region holds its pool open, and its generation.
             assert not pool_closed.is_set()
+            status = proxy.status()
+            assert status["generation"] == 2 and status["retiring_generations"] == 1
+            assert status["in_flight"] >= 1
             count = len(statuses)
             await eventually(lambda: len(statuses) >= count + 3)
             rest = await stream.content.read()

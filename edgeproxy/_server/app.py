@@ -585,7 +585,9 @@ class EdgeProxy:
             "ready": self.ready,
             "draining": self.draining,
             "uptime_s": round(time.time() - self.started_at, 3),
-            "in_flight": self._pipeline.in_flight if self._pipeline is not None else 0,
+            # Those still finishing on a generation a reload retired count too.
+            "in_flight": (self._pipeline.in_flight if self._pipeline is not None else 0)
+            + sum(g.pipeline.in_flight for g in self._retiring.generations()),
             "regions": regions,
             "recent": self.metrics.recent() if self.metrics is not None else None,
             "fallback": self._pipeline.fallback.snapshot() if self._pipeline is not None else None,
@@ -680,7 +682,7 @@ def _on_sighup(proxy: EdgeProxy, reloads: set[asyncio.Task[Any]]) -> None:
         reloads.add(task)
         task.add_done_callback(reloads.discard)
         return
+    # A worker under the supervisor has no loader: its supervisor reloads by new workers.
     logger.warning(
-        "SIGHUP: a single process reloads its TLS certificates only, not its config; run with "
-        "[server] workers >= 2 (the supervisor reloads by starting new workers) or restart"
+        "SIGHUP: serve() was given no config loader; only the TLS certificates were reloaded"
     )
