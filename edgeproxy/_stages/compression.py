@@ -64,33 +64,32 @@ class Compression:
         self.min_size = server.compression_min_size
         self.offered = tuple(server.compression_encodings)
 
-    def worth(self, ctx: RequestContext, sse: bool, parts: list[bytes]) -> bool:
-        """A cheap first test for a body known whole: on, and large enough (or SSE on a
-        ``compress_sse`` route). :meth:`choose` decides the rest."""
-        if not self.enabled:
-            return False
-        if sse:
-            return ctx.route.compress_sse
-        return len(parts[0]) >= self.min_size if len(parts) == 1 else True
-
     def choose(
         self,
         ctx: RequestContext,
         status: int,
-        content_type: str,
-        content_length: int | None,
+        length: int | None,
+        headers: Headers,
         *,
-        content_encoding: str | None = None,
+        sse: bool,
     ) -> str | None:
-        """The coding for this answer, or None to send it as it is."""
-        if not self.enabled or ctx.method == "HEAD" or content_encoding:
+        """The coding for this answer (``length`` None when unknown, ``headers`` the ones it
+        goes out with), or None to send it as it is.
+
+        The size and the route come first: most answers are too small to compress, and
+        looking through the headers and Accept-Encoding costs more.
+        """
+        if not self.enabled or ctx.method == "HEAD":
             return None
-        if status in _NO_BODY_STATUS or status in _KEEP or not compressible_type(content_type):
-            return None
-        if content_type.startswith("text/event-stream"):
+        if sse:
             if not ctx.route.compress_sse:
                 return None
-        elif content_length is not None and content_length < self.min_size:
+        elif length is not None and length < self.min_size:
+            return None
+        if status in _NO_BODY_STATUS or status in _KEEP:
+            return None
+        content_type = "text/event-stream" if sse else _header(headers, "content-type")
+        if not compressible_type(content_type) or _header(headers, "content-encoding"):
             return None
         return choose_encoding(ctx.headers.get("accept-encoding"), self.offered)
 
@@ -100,3 +99,8 @@ class Compression:
             return compress(parts[0], encoding)
         stream = StreamCompressor(encoding)
         return b"".join([*map(stream.compress, parts), stream.finish()])
+
+
+def _header(headers: Headers, name: str) -> str | None:
+    """The value of ``name`` (lower-case) in ``headers``, None when absent."""
+    return next((v for k, v in headers if k.lower() == name), None)

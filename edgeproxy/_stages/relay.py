@@ -106,22 +106,9 @@ class StreamStage:
         if ctx.cache:
             headers.append(("X-Edgeproxy-Cache", ctx.cache))
         encoding = None
-        compression = self.compression
-        # The size first: most JSON answers are too small to compress, and the rest costs more.
-        if compression is not None and (
-            content_length is None
-            or content_length >= compression.min_size
-            or content_type.startswith("text/event-stream")
-        ):
-            encoding = compression.choose(
-                ctx,
-                reply.status,
-                content_type,
-                content_length,
-                content_encoding=next(
-                    (v for k, v in headers if k.lower() == "content-encoding"), None
-                ),
-            )
+        if self.compression is not None:
+            sse = content_type.startswith("text/event-stream")
+            encoding = self.compression.choose(ctx, reply.status, content_length, headers, sse=sse)
         resp: web.StreamResponse
         if encoding is None:
             resp = web.StreamResponse(status=reply.status, headers=headers)

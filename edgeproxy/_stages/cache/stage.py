@@ -331,16 +331,8 @@ class CacheStage:
             ("X-Edgeproxy-Region", region),
             ("X-Request-Id", ctx.request_id),
         )
-        encoding = None
-        # The size first: most answers are too small to compress, and the rest costs more.
-        if self.compression.worth(ctx, sse, parts):
-            encoding = self.compression.choose(
-                ctx,
-                entry.status,
-                "text/event-stream" if sse else _content_type(headers),
-                sum(map(len, parts)),
-                content_encoding=_header(headers, "content-encoding"),
-            )
+        length = len(parts[0]) if len(parts) == 1 else None
+        encoding = self.compression.choose(ctx, entry.status, length, headers, sse=sse)
         if encoding is not None:
             # Made once per coding and form, kept with the entry for the hits after.
             form = f"{encoding} {'sse' if sse else 'json'} {plan.include_usage}"
@@ -591,11 +583,3 @@ def _errors(tiers: dict[str, Any]) -> dict[str, int]:
             elif isinstance(value, dict):
                 stack.append(value)
     return dict(total)
-
-
-def _header(headers: list[tuple[str, str]], name: str) -> str | None:
-    return next((v for k, v in headers if k.lower() == name), None)
-
-
-def _content_type(headers: list[tuple[str, str]]) -> str:
-    return _header(headers, "content-type") or ""
