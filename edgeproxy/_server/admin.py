@@ -18,10 +18,11 @@ from edgeproxy._observability.statuspage import StatusPage
 if TYPE_CHECKING:
     from edgeproxy._server.app import EdgeProxy
 
-__all__ = ["admin_app", "admin_auth"]
+__all__ = ["admin_app", "admin_auth", "json_response"]
 
 
-def _json(data: Any, status: int = 200) -> web.Response:
+def json_response(data: Any, status: int = 200) -> web.Response:
+    """``data`` as an orjson-encoded JSON answer: the admin listeners' one way to write one."""
     return web.Response(status=status, body=orjson.dumps(data), content_type="application/json")
 
 
@@ -78,14 +79,14 @@ def admin_app(proxy: EdgeProxy, *, token: str | None = None) -> web.Application:
     """The admin listener's application for ``proxy``; ``token``: see :func:`admin_auth`."""
 
     async def healthz(request: web.Request) -> web.Response:
-        return _json({"status": "ok"})
+        return json_response({"status": "ok"})
 
     async def readyz(request: web.Request) -> web.Response:
         ready, body = proxy.readiness()
-        return _json(body, status=200 if ready else 503)
+        return json_response(body, status=200 if ready else 503)
 
     async def status(request: web.Request) -> web.Response:
-        return _json(proxy.status())
+        return json_response(proxy.status())
 
     async def cache_purge(request: web.Request) -> web.Response:
         """``POST /cache/purge``: JSON (or query) ``key``, ``prefix`` or ``tenant``.
@@ -99,7 +100,7 @@ def admin_app(proxy: EdgeProxy, *, token: str | None = None) -> web.Application:
             purged = await proxy.purge_cache(**{name: value})
         except ProxyError as err:
             return error_response(err.status, err.type, err.message, code=err.code)
-        return _json({"purged": purged, name: value})
+        return json_response({"purged": purged, name: value})
 
     async def reload(request: web.Request) -> web.Response:
         # Without a loader (embedded, or a worker: its supervisor reloads) there is no
@@ -114,7 +115,7 @@ def admin_app(proxy: EdgeProxy, *, token: str | None = None) -> web.Application:
             )
         result = await proxy.reload_from_loader()
         if result["reloaded"]:
-            return _json(result)
+            return json_response(result)
         return error_response(
             409, "invalid_request_error", "; ".join(result["errors"]), code="reload_refused"
         )

@@ -39,7 +39,7 @@ from edgeproxy._core.config import Config, ConfigError
 from edgeproxy._core.errors import error_response
 from edgeproxy._observability.multiprocess import multiprocess_dir
 from edgeproxy._observability.statuspage import StatusPage
-from edgeproxy._server.admin import admin_auth
+from edgeproxy._server.admin import admin_auth, json_response
 from edgeproxy._server.tls import ListenerTls, check_tls_files
 
 __all__ = ["Supervisor", "WORKER_COMMAND"]
@@ -511,7 +511,10 @@ class Supervisor:
     def _admin_app(self, token: str | None) -> web.Application:
         async def healthz(request: web.Request) -> web.Response:
             alive = len(self._serving())
-            return _json({"status": "ok" if alive else "no workers", "workers": alive}, alive > 0)
+            return json_response(
+                {"status": "ok" if alive else "no workers", "workers": alive},
+                200 if alive > 0 else 503,
+            )
 
         async def readyz(request: web.Request) -> web.Response:
             workers = []
@@ -522,10 +525,10 @@ class Supervisor:
                     {"index": worker.index, "pid": worker.pid, "ready": ready, "detail": body}
                 )
             ready = any(w["ready"] for w in workers)
-            return _json({"ready": ready, "workers": workers}, ready)
+            return json_response({"ready": ready, "workers": workers}, 200 if ready else 503)
 
         async def status(request: web.Request) -> web.Response:
-            return _json(await self.status(), True)
+            return json_response(await self.status())
 
         async def metrics(request: web.Request) -> web.Response:
             # Any worker serves the sum over all of them (multiprocess mode).
@@ -559,12 +562,12 @@ class Supervisor:
                     purged += int(orjson.loads(answer[1]).get("purged", 0))
             if answered == 0 and last is not None:
                 return web.Response(status=last[0], body=last[1], content_type="application/json")
-            return _json({"purged": purged, "workers": answered}, True)
+            return json_response({"purged": purged, "workers": answered})
 
         async def reload(request: web.Request) -> web.Response:
             result = await self.reload()
             if result["reloaded"]:
-                return _json(result, True)
+                return json_response(result)
             return error_response(
                 409, "invalid_request_error", "; ".join(result["errors"]), code="reload_refused"
             )
@@ -578,12 +581,6 @@ class Supervisor:
         app.router.add_post("/reload", reload)
         app.router.add_get("/", StatusPage().handle)
         return app
-
-
-def _json(data: Any, ok: bool) -> web.Response:
-    return web.Response(
-        status=200 if ok else 503, body=orjson.dumps(data), content_type="application/json"
-    )
 
 
 def _full_type(content_type: str) -> str:
