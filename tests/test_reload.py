@@ -72,9 +72,9 @@ async def post(client: aiohttp.ClientSession, url: str) -> int:
 async def test_reload_under_load_swaps_regions_and_the_route_deadline(
     make_region: RegionFactory, make_proxy: ProxyFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # A stream of about 3 s, so that it is still running when the reload swaps (well
-    # within the grace period the old generation drains in).
-    old = await make_region("old", inter_token_delay=0.05, tokens=60)
+    # A stream of about 6 s, so that it is still running when the reload swaps even on a
+    # loaded machine (well within the grace period the old generation drains in).
+    old = await make_region("old", inter_token_delay=0.05, tokens=120)
     new = await make_region("new", ttft=0.2)
     proxy = await make_proxy(config=config_of([("old", old.url)]))
     old_pool, old_pipeline = next(iter(proxy.regions)).pool, proxy.pipeline

@@ -232,7 +232,9 @@ async def test_sigterm_drains_every_worker_with_a_stream_in_flight(
 async def test_reload_under_load_swaps_regions_and_refuses_a_bad_config(
     tmp_path: Path, make_region: RegionFactory
 ) -> None:
-    old_region = await make_region("old", inter_token_delay=0.05, tokens=20)
+    # Its stream lasts about 8 s: still running while new workers start, even on a loaded
+    # machine, so that it finishes on a draining worker.
+    old_region = await make_region("old", inter_token_delay=0.05, tokens=160)
     new_region = await make_region("new", ttft=0.2)
     config = tmp_path / "edge.toml"
     route = '[[routes]]\nname = "completions"\npath = "/v1/completions"\ndeadline = {}\n'
