@@ -25,6 +25,8 @@ from edgeproxy._core.config import (
 )
 from edgeproxy._core.context import RequestContext, UpstreamReply
 from edgeproxy._core.errors import ProxyError, error_response
+from edgeproxy._core.exchange import Exchange, TlsInfo
+from edgeproxy._core.response import Response, StreamResponse
 from edgeproxy._core.version import __version__
 from edgeproxy._observability.access_log import AccessLog
 from edgeproxy._plugins import PluginError, PluginLoadError
@@ -50,6 +52,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "EdgeProxy",
+    "Exchange",
     "GeoConfig",
     "HealthConfig",
     "LimitsConfig",
@@ -63,10 +66,13 @@ __all__ = [
     "ProxyError",
     "RegionConfig",
     "RequestContext",
+    "Response",
     "RouteConfig",
     "RoutingConfig",
     "ServerConfig",
     "SharedLoadConfig",
+    "StreamResponse",
+    "TlsInfo",
     "TracingConfig",
     "UpstreamConfig",
     "UpstreamConnectError",

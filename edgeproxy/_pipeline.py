@@ -18,15 +18,15 @@ import asyncio
 import logging
 import time
 
-from aiohttp import web
-from aiohttp.http_writer import HttpVersion10, HttpVersion11
 from multidict import CIMultiDict
 
 from edgeproxy._core.config import Config
 from edgeproxy._core.context import RequestContext, start_context
 from edgeproxy._core.errors import ProxyError, error_response
+from edgeproxy._core.exchange import Exchange
+from edgeproxy._core.response import Response, StreamResponse
 from edgeproxy._local.model import LocalAnswer
-from edgeproxy._plugins import PluginError, Plugins
+from edgeproxy._plugins import PluginError, Plugins, hook_answer
 from edgeproxy._protocol.headers import request_id, trace_context
 from edgeproxy._stages.admission import AdmissionStage, Admitted, Overloaded
 from edgeproxy._stages.affinity import AffinityPlan
@@ -59,33 +59,23 @@ SMALL_BODY = 64 * 1024
 JSON_BODY_LIMIT = 4 * 1024 * 1024
 
 
-# The version strings of the requests the listener accepts, made once.
-_HTTP_VERSIONS = {HttpVersion10: "1.0", HttpVersion11: "1.1"}
-
-
-def _context(request: web.Request, config: Config, strip_prefix: str) -> RequestContext:
+def _context(request: Exchange, config: Config) -> RequestContext:
     """The request's context, as the stages and hooks will see it."""
     headers = request.headers
-    target = request.raw_path
-    if strip_prefix and target.startswith(strip_prefix):
-        target = target[len(strip_prefix) :] or "/"
-        if target[0] == "?":
-            target = "/" + target
+    target = request.target
     method = request.method
-    version = request.version
     return start_context(
         request_id(headers.get("x-request-id")),
         trace_context(headers.get("traceparent")),
         method,
         target,
         CIMultiDict(headers),
-        request.remote,
+        request.client,
         time.monotonic(),
         config.route_for(method, target.split("?", 1)[0]),
         request.scheme,
-        _HTTP_VERSIONS.get(version) or f"{version.major}.{version.minor}",
-        # What request.host answers, without its call when the client sent a Host.
-        headers.get("Host") or request.host,
+        request.version,
+        request.host,
     )
 
 
@@ -116,8 +106,10 @@ class Pipeline:
         # Futures of wait_idle() callers, resolved when in_flight drops to zero.
         self._idle_waiters: list[asyncio.Future[None]] = []
 
-    async def handle(self, request: web.Request, *, strip_prefix: str = "") -> web.StreamResponse:
-        ctx = _context(request, self.config, strip_prefix)
+    async def handle(self, request: Exchange) -> StreamResponse:
+        """Answer ``request``. The answer returned was sent already, or (a :class:`Response`
+        not yet prepared) is for the front end to send."""
+        ctx = _context(request, self.config)
         self.in_flight += 1
         active = self.plugins.active
         # What the request holds, each let go of in `finally` whatever happens: its
@@ -127,12 +119,12 @@ class Pipeline:
         recorder: CacheRecorder | None = None
         upstream: AttemptResponse | None = None
         pending: PendingUpstream | None = None
-        degraded: web.StreamResponse | None = None
-        response: web.StreamResponse | None = None
+        degraded: StreamResponse | None = None
+        response: StreamResponse | None = None
         # Early SSE heartbeats (the route's sse_heartbeat) while no first token came;
         # `early` is the response they started, in which the answer or an error goes on.
         heartbeat: Heartbeat | None = None
-        early: web.StreamResponse | None = None
+        early: StreamResponse | None = None
         try:
             # Small bodies, and JSON ones up to JSON_BODY_LIMIT, are read now so that
             # plugins, the cache and routing can look inside; others stream upstream.
@@ -153,6 +145,7 @@ class Pipeline:
                     "edgeproxy_request_received", request=request, ctx=ctx
                 )
                 if answer is not None:
+                    answer = hook_answer("edgeproxy_request_received", answer)
                     response = self._local_answer(ctx, answer)
                     return response
                 if ctx.target != target or ctx.method != method:
@@ -289,7 +282,7 @@ class Pipeline:
             await upstream.aclose()
 
     async def _candidates(
-        self, request: web.Request | None, ctx: RequestContext, plan: AffinityPlan | None = None
+        self, request: Exchange | None, ctx: RequestContext, plan: AffinityPlan | None = None
     ) -> list[Region]:
         """The regions this request may use, best first; the edgeproxy_route hook may override."""
         candidates = self.router.candidates(ctx, plan)
@@ -305,11 +298,11 @@ class Pipeline:
 
     async def _send_degraded(
         self,
-        request: web.Request,
+        request: Exchange,
         ctx: RequestContext,
-        answer: web.StreamResponse,
-        early: web.StreamResponse | None = None,
-    ) -> web.StreamResponse:
+        answer: StreamResponse,
+        early: StreamResponse | None = None,
+    ) -> StreamResponse:
         """A fallback answer with the proxy's headers; a local answer is generated and sent.
 
         After heartbeats (``early``), a streamed local answer goes on in their response;
@@ -326,7 +319,7 @@ class Pipeline:
             await answer.send(request, ctx)
         return answer
 
-    def _local_answer(self, ctx: RequestContext, answer: web.StreamResponse) -> web.StreamResponse:
+    def _local_answer(self, ctx: RequestContext, answer: StreamResponse) -> StreamResponse:
         """A response the proxy (or a plugin) gives itself, with the proxy's headers."""
         answer.headers.setdefault("X-Edgeproxy-Region", ctx.region or "none")
         answer.headers["X-Request-Id"] = ctx.request_id
@@ -337,11 +330,11 @@ class Pipeline:
 
     async def _error(
         self,
-        request: web.Request,
+        request: Exchange,
         ctx: RequestContext,
         err: ProxyError,
         heartbeat: Heartbeat | None,
-    ) -> web.StreamResponse:
+    ) -> StreamResponse:
         """The error answer; after heartbeats (their 200 already sent), an SSE error event."""
         early = await heartbeat.stop() if heartbeat is not None else None
         if early is None:
@@ -350,7 +343,7 @@ class Pipeline:
         await self.stream.error_after_heartbeats(request, early, err)
         return early
 
-    def _error_response(self, ctx: RequestContext, err: ProxyError) -> web.Response:
+    def _error_response(self, ctx: RequestContext, err: ProxyError) -> Response:
         ctx.status = err.status
         ctx.error = err.message
         headers = {"X-Edgeproxy-Region": ctx.region or "none", "X-Request-Id": ctx.request_id}

@@ -41,8 +41,10 @@ import pluggy
 
 from edgeproxy import hookspecs
 from edgeproxy._core.config import PluginsConfig
+from edgeproxy._core.errors import ProxyError
+from edgeproxy._core.response import StreamResponse
 
-__all__ = ["PluginError", "PluginLoadError", "Plugins"]
+__all__ = ["PluginError", "PluginLoadError", "Plugins", "hook_answer"]
 
 logger = logging.getLogger("edgeproxy.plugins")
 
@@ -69,6 +71,19 @@ class PluginError(RuntimeError):
         self.plugin = plugin
         self.hook = hook
         self.error = error
+
+
+def hook_answer(hook: str, value: object) -> StreamResponse:
+    """``value``, a hook's answer, checked: an :class:`edgeproxy.Response` (or a stream
+    response). Anything else (a server's own response type, out of habit) is the plugin's
+    mistake: logged, and answered with a 500 for that request."""
+    if isinstance(value, StreamResponse):
+        return value
+    kind = f"{type(value).__module__}.{type(value).__qualname__}"
+    logger.error("a plugin's %s returned %s; hooks answer with edgeproxy.Response", hook, kind)
+    raise ProxyError(
+        500, "plugin_error", f"a plugin's {hook} gave no usable answer", code="plugin_error"
+    )
 
 
 # How the dispatch loop combines results, named after the public methods.

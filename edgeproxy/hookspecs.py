@@ -21,6 +21,12 @@ Wrappers (``wrapper=True``, ``hookwrapper=True``) are refused when the plugin
 is registered: they are generators around a synchronous call and cannot wrap
 awaited implementations. So is an implementation of a hook with no spec.
 
+``request`` is the client's :class:`edgeproxy.Exchange`, the same whichever
+front end received it (the aiohttp listener, the ASGI application, the HTTP/2
+listener): method, target, headers, client address, TLS and the body. A hook
+that answers returns an :class:`edgeproxy.Response` (``Response.json({...})``
+for a JSON body), never a server's own response type.
+
 A background cache refresh (stale-while-revalidate, early refresh) has no
 client: ``edgeproxy_route``, ``edgeproxy_upstream_request``,
 ``edgeproxy_upstream_response`` and ``edgeproxy_stream_chunk`` get
@@ -36,9 +42,9 @@ from typing import TYPE_CHECKING
 import pluggy
 
 if TYPE_CHECKING:
-    from aiohttp import web
-
     from edgeproxy._core.context import RequestContext, UpstreamReply
+    from edgeproxy._core.exchange import Exchange
+    from edgeproxy._core.response import StreamResponse
     from edgeproxy._server.app import EdgeProxy
     from edgeproxy._upstream.regions import Region
 
@@ -68,8 +74,8 @@ def edgeproxy_shutdown(proxy: EdgeProxy) -> Awaitable[None] | None:
 
 @hookspec(firstresult=True)
 def edgeproxy_request_received(
-    request: web.Request, ctx: RequestContext
-) -> Awaitable[web.StreamResponse | None] | web.StreamResponse | None:
+    request: Exchange, ctx: RequestContext
+) -> Awaitable[StreamResponse | None] | StreamResponse | None:
     """A request arrived, before admission, cache and routing.
 
     Rewrite it through ``ctx``: ``ctx.target`` (path and query),
@@ -84,7 +90,7 @@ def edgeproxy_request_received(
 
 @hookspec(firstresult=True)
 def edgeproxy_route(
-    request: web.Request, ctx: RequestContext, candidates: list[Region]
+    request: Exchange, ctx: RequestContext, candidates: list[Region]
 ) -> Awaitable[list[Region] | None] | list[Region] | None:
     """The router ordered the regions this request may go to, best first.
 
@@ -98,7 +104,7 @@ def edgeproxy_route(
 
 @hookspec(firstresult=True)
 def edgeproxy_cache_key(
-    request: web.Request, ctx: RequestContext, default_key: str
+    request: Exchange, ctx: RequestContext, default_key: str
 ) -> Awaitable[str | None] | str | None:
     """Compute the cache key of a cacheable request; ``default_key`` is edgeproxy's.
 
@@ -112,7 +118,7 @@ def edgeproxy_cache_key(
 
 @hookspec
 def edgeproxy_upstream_request(
-    request: web.Request,
+    request: Exchange,
     ctx: RequestContext,
     region: Region,
     headers: list[tuple[str, str]],
@@ -127,7 +133,7 @@ def edgeproxy_upstream_request(
 
 @hookspec
 def edgeproxy_upstream_response(
-    request: web.Request, ctx: RequestContext, region: Region, reply: UpstreamReply
+    request: Exchange, ctx: RequestContext, region: Region, reply: UpstreamReply
 ) -> Awaitable[None] | None:
     """Response headers arrived from ``region``, before anything reaches the client.
 
@@ -139,7 +145,7 @@ def edgeproxy_upstream_response(
 
 @hookspec
 def edgeproxy_stream_chunk(
-    request: web.Request, ctx: RequestContext, chunk: bytes
+    request: Exchange, ctx: RequestContext, chunk: bytes
 ) -> Awaitable[bytes | None] | bytes | None:
     """A body chunk is about to be written to the client.
 
@@ -155,9 +161,7 @@ def edgeproxy_stream_chunk(
 
 
 @hookspec
-def edgeproxy_response_complete(
-    request: web.Request, ctx: RequestContext
-) -> Awaitable[None] | None:
+def edgeproxy_response_complete(request: Exchange, ctx: RequestContext) -> Awaitable[None] | None:
     """The response is finished (or failed); for logging and usage accounting.
 
     ``ctx`` holds the timings (``ctx.started``, ``ctx.upstream_ttfb``,
@@ -172,8 +176,8 @@ def edgeproxy_response_complete(
 
 @hookspec(firstresult=True)
 def edgeproxy_fallback(
-    request: web.Request, ctx: RequestContext, reason: str, answer: web.StreamResponse | None
-) -> Awaitable[web.StreamResponse | bool | None] | web.StreamResponse | bool | None:
+    request: Exchange, ctx: RequestContext, reason: str, answer: StreamResponse | None
+) -> Awaitable[StreamResponse | bool | None] | StreamResponse | bool | None:
     """The regions cannot answer (``reason``) and a degraded ``answer`` is about to be used.
 
     ``reason`` is the error's type (``upstream_error``, ``upstream_timeout``,

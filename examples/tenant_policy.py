@@ -20,9 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from aiohttp import web
-
-from edgeproxy import RequestContext, UpstreamReply, error_response, hookimpl
+from edgeproxy import RequestContext, Response, UpstreamReply, error_response, hookimpl
 
 
 class TenantPolicy:
@@ -38,7 +36,7 @@ class TenantPolicy:
         self.tenant_header = tenant_header
 
     @hookimpl
-    def edgeproxy_request_received(self, ctx: RequestContext) -> web.Response | None:
+    def edgeproxy_request_received(self, ctx: RequestContext) -> Response | None:
         tenant = ctx.tenant or ctx.headers.get(self.tenant_header) or "anonymous"
         ctx.tenant = tenant
         body = ctx.json

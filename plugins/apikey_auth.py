@@ -51,9 +51,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
-from aiohttp import web
-
-from edgeproxy import RequestContext, error_response, hookimpl
+from edgeproxy import Exchange, RequestContext, Response, error_response, hookimpl
 
 __all__ = ["ApiKeyAuth", "edgeproxy_plugin"]
 
@@ -153,9 +151,7 @@ class ApiKeyAuth:
         return False
 
     @hookimpl(tryfirst=True)
-    def edgeproxy_request_received(
-        self, request: web.Request, ctx: RequestContext
-    ) -> web.Response | None:
+    def edgeproxy_request_received(self, request: Exchange, ctx: RequestContext) -> Response | None:
         if self.is_exempt(ctx.path):
             return None
         keys: set[str] = set()
@@ -229,7 +225,7 @@ def _bearer(value: str) -> str | None:
     return token.strip() or None
 
 
-def _unauthorized(message: str, code: str) -> web.Response:
+def _unauthorized(message: str, code: str) -> Response:
     return error_response(
         401,
         "invalid_request_error",

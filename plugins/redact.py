@@ -56,9 +56,15 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import orjson
-from aiohttp import web
 
-from edgeproxy import RequestContext, UpstreamReply, hookimpl
+from edgeproxy import (
+    Exchange,
+    RequestContext,
+    Response,
+    UpstreamReply,
+    error_response,
+    hookimpl,
+)
 
 __all__ = ["BUILTIN_PATTERNS", "Redactor", "edgeproxy_plugin"]
 
@@ -227,9 +233,7 @@ class Redactor:
     # -- requests ----------------------------------------------------------
 
     @hookimpl(trylast=True)
-    def edgeproxy_request_received(
-        self, request: web.Request, ctx: RequestContext
-    ) -> web.Response | None:
+    def edgeproxy_request_received(self, request: Exchange, ctx: RequestContext) -> Response | None:
         if not self.requests:
             return None
         content_type = ctx.headers.get("content-type")
@@ -365,7 +369,7 @@ class _Blocked(_ResponseState):
             return b""
         self.sent = True
         message = "The region sent a compressed answer, which cannot be redacted."
-        return _error_body("upstream_error", message, "redaction_failed")
+        return error_response(502, "upstream_error", message, code="redaction_failed").body
 
 
 class _PerChunk(_ResponseState):
@@ -454,16 +458,8 @@ class _LogRecordHook:
         # Else someone wrapped the factory after us: we stay in their chain, inactive.
 
 
-def _error_body(type_: str, message: str, code: str) -> bytes:
-    return orjson.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}})
-
-
-def _error(status: int, message: str, code: str) -> web.Response:
-    return web.Response(
-        status=status,
-        body=_error_body("invalid_request_error", message, code),
-        content_type="application/json",
-    )
+def _error(status: int, message: str, code: str) -> Response:
+    return error_response(status, "invalid_request_error", message, code=code)
 
 
 def edgeproxy_plugin(settings: dict[str, Any]) -> Redactor:

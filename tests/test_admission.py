@@ -17,7 +17,7 @@ import pytest
 from aiohttp import web
 from multidict import CIMultiDict
 
-from edgeproxy import EdgeProxy, hookimpl
+from edgeproxy import EdgeProxy, Response, hookimpl
 from edgeproxy._stages.admission import AdmissionStage
 
 from .conftest import ProxyFactory, eventually
@@ -240,9 +240,9 @@ async def test_overload_on_a_degrade_route_takes_the_fallback_ladder(
 
     class Degrade:
         @hookimpl
-        def edgeproxy_fallback(self, ctx: Any, reason: str) -> web.Response:
+        def edgeproxy_fallback(self, ctx: Any, reason: str) -> Response:
             reasons.append(reason)
-            return web.json_response({"degraded": True, "route": ctx.route.name})
+            return Response.json({"degraded": True, "route": ctx.route.name})
 
     proxy = await make_proxy(
         region(upstream),

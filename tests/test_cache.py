@@ -14,9 +14,8 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
-from aiohttp import web
 
-from edgeproxy import Config, EdgeProxy, RequestContext, UpstreamReply, hookimpl
+from edgeproxy import Config, EdgeProxy, Exchange, RequestContext, UpstreamReply, hookimpl
 from edgeproxy.testing import FakeRegion
 
 from .conftest import FakeClock, ProxyFactory, RegionFactory, eventually, proxy_config
@@ -170,7 +169,7 @@ async def test_tenants_and_api_keys_never_share_an_entry(
 ) -> None:
     class Tenants:
         @hookimpl
-        def edgeproxy_request_received(self, request: web.Request, ctx: RequestContext) -> None:
+        def edgeproxy_request_received(self, request: Exchange, ctx: RequestContext) -> None:
             ctx.tenant = ctx.headers.get("x-tenant")
 
     region = await make_region("r1")

@@ -14,9 +14,8 @@ import aiohttp
 import openai
 import orjson
 import pytest
-from aiohttp import web
 
-from edgeproxy import Config, ConfigError, RequestContext, hookimpl
+from edgeproxy import Config, ConfigError, Exchange, RequestContext, hookimpl
 from edgeproxy._observability.access_log import record
 from edgeproxy._stages.continuation import Splice
 from edgeproxy.testing import FakeRegion, answer_text
@@ -251,7 +250,7 @@ class Finished:
         self.records: list[dict[str, Any]] = []
 
     @hookimpl
-    def edgeproxy_response_complete(self, request: web.Request, ctx: RequestContext) -> None:
+    def edgeproxy_response_complete(self, request: Exchange, ctx: RequestContext) -> None:
         self.records.append(record(request, ctx))
 
 

@@ -9,9 +9,8 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
-from aiohttp import web
 
-from edgeproxy import hookimpl
+from edgeproxy import Response, StreamResponse, hookimpl
 from edgeproxy._stages.failover import Budget, DeadlineExceeded, PendingUpstream
 
 from .conftest import ProxyFactory, RegionFactory, eventually
@@ -231,9 +230,9 @@ class Degrade:
         self.reasons: list[str] = []
 
     @hookimpl
-    def edgeproxy_fallback(self, reason: str) -> web.StreamResponse:
+    def edgeproxy_fallback(self, reason: str) -> StreamResponse:
         self.reasons.append(reason)
-        return web.json_response({"degraded": True})
+        return Response.json({"degraded": True})
 
 
 async def test_deadline_expiry_is_a_504_that_reaches_the_fallback(

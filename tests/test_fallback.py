@@ -17,9 +17,8 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
-from aiohttp import web
 
-from edgeproxy import Config, EdgeProxy, RequestContext, hookimpl
+from edgeproxy import Config, EdgeProxy, RequestContext, Response, StreamResponse, hookimpl
 from edgeproxy._local.model import LocalAnswer
 
 from .conftest import RegionFactory, eventually, proxy_config
@@ -251,7 +250,7 @@ class Gate:
         self.calls: list[tuple[str, str | None]] = []
 
     @hookimpl
-    async def edgeproxy_fallback(self, reason: str, answer: web.StreamResponse | None) -> None:
+    async def edgeproxy_fallback(self, reason: str, answer: StreamResponse | None) -> None:
         degraded = answer.headers.get("X-Edgeproxy-Degraded") if answer is not None else None
         self.calls.append((reason, degraded))
         if len(self.calls) == 1 and isinstance(answer, LocalAnswer):
@@ -307,9 +306,9 @@ class Replace:
         self.seen: list[Any] = []
 
     @hookimpl
-    def edgeproxy_fallback(self, ctx: RequestContext, answer: Any) -> web.Response:
+    def edgeproxy_fallback(self, ctx: RequestContext, answer: Any) -> Response:
         self.seen.append(answer)
-        return web.json_response({"sorry": True, "would_have_been": ctx.degraded})
+        return Response.json({"sorry": True, "would_have_been": ctx.degraded})
 
 
 async def test_hook_vetoes_or_replaces_the_local_answer(proxy_with: ProxyMaker) -> None:
@@ -355,7 +354,7 @@ class UpstreamFirst:
         self.proxy: EdgeProxy | None = None
 
     @hookimpl
-    async def edgeproxy_fallback(self, answer: web.StreamResponse | None) -> None:
+    async def edgeproxy_fallback(self, answer: StreamResponse | None) -> None:
         assert self.proxy is not None and isinstance(answer, LocalAnswer)
         region = self.proxy.regions.by_name["ap-1"]
         await eventually(lambda: region.pending == 0, timeout=5.0)

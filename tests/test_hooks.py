@@ -9,9 +9,17 @@ from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
 
-from edgeproxy import Config, EdgeProxy, RequestContext, UpstreamReply, hookimpl
+from edgeproxy import (
+    Config,
+    EdgeProxy,
+    Exchange,
+    RequestContext,
+    Response,
+    StreamResponse,
+    UpstreamReply,
+    hookimpl,
+)
 from edgeproxy._plugins import Plugins
 from edgeproxy._upstream.regions import Region
 from edgeproxy.hookspecs import hook_names
@@ -40,25 +48,25 @@ class Recorder:
         self._rec("edgeproxy_shutdown", proxy=proxy)
 
     @hookimpl
-    async def edgeproxy_request_received(self, request: web.Request, ctx: RequestContext) -> None:
+    async def edgeproxy_request_received(self, request: Exchange, ctx: RequestContext) -> None:
         self._rec("edgeproxy_request_received", request=request, ctx=ctx)
 
     @hookimpl
     def edgeproxy_route(
-        self, request: web.Request, ctx: RequestContext, candidates: list[Region]
+        self, request: Exchange, ctx: RequestContext, candidates: list[Region]
     ) -> None:
         self._rec("edgeproxy_route", request=request, ctx=ctx, candidates=list(candidates))
 
     @hookimpl
     async def edgeproxy_cache_key(
-        self, request: web.Request, ctx: RequestContext, default_key: str
+        self, request: Exchange, ctx: RequestContext, default_key: str
     ) -> None:
         self._rec("edgeproxy_cache_key", request=request, ctx=ctx, default_key=default_key)
 
     @hookimpl
     def edgeproxy_upstream_request(
         self,
-        request: web.Request,
+        request: Exchange,
         ctx: RequestContext,
         region: Region,
         headers: list[tuple[str, str]],
@@ -68,19 +76,19 @@ class Recorder:
 
     @hookimpl
     async def edgeproxy_upstream_response(
-        self, request: web.Request, ctx: RequestContext, region: Region, reply: UpstreamReply
+        self, request: Exchange, ctx: RequestContext, region: Region, reply: UpstreamReply
     ) -> None:
         self._rec("edgeproxy_upstream_response", region=region, status=reply.status)
         reply.headers.append(("X-Plugin-Seen", reply.status.__str__()))
 
     @hookimpl
     async def edgeproxy_stream_chunk(
-        self, request: web.Request, ctx: RequestContext, chunk: bytes
+        self, request: Exchange, ctx: RequestContext, chunk: bytes
     ) -> None:
         self._rec("edgeproxy_stream_chunk", chunk=chunk, request_id=ctx.request_id)
 
     @hookimpl
-    def edgeproxy_response_complete(self, request: web.Request, ctx: RequestContext) -> None:
+    def edgeproxy_response_complete(self, request: Exchange, ctx: RequestContext) -> None:
         self._rec(
             "edgeproxy_response_complete",
             request_id=ctx.request_id,
@@ -96,10 +104,10 @@ class Recorder:
     @hookimpl
     def edgeproxy_fallback(
         self,
-        request: web.Request,
+        request: Exchange,
         ctx: RequestContext,
         reason: str,
-        answer: web.StreamResponse | None,
+        answer: StreamResponse | None,
     ) -> None:
         self._rec("edgeproxy_fallback", reason=reason, answer=answer)
 
@@ -143,7 +151,7 @@ async def test_every_hook_is_called_with_its_documented_arguments(
 
     calls = recorder.calls
     received = calls["edgeproxy_request_received"][0]
-    assert isinstance(received["request"], web.Request)
+    assert isinstance(received["request"], Exchange)
     assert received["ctx"].path == CHAT
     assert [r.name for r in calls["edgeproxy_route"][0]["candidates"]] == ["ap-1"]
     assert len(calls["edgeproxy_cache_key"]) == 1  # only the deterministic chat request
@@ -185,8 +193,8 @@ async def test_fallback_hook_is_told_why(
 
 class StaticFallback:
     @hookimpl
-    def edgeproxy_fallback(self, reason: str) -> web.Response:
-        return web.json_response({"answer": "try again later", "reason": reason})
+    def edgeproxy_fallback(self, reason: str) -> Response:
+        return Response.json({"answer": "try again later", "reason": reason})
 
 
 class Veto:
@@ -213,9 +221,9 @@ class AnswerDirectly:
     """An async firstresult implementation that answers: the later ones must not run."""
 
     @hookimpl(tryfirst=True)
-    async def edgeproxy_request_received(self, ctx: RequestContext) -> web.Response | None:
+    async def edgeproxy_request_received(self, ctx: RequestContext) -> Response | None:
         if ctx.path == "/static":
-            return web.json_response({"static": True})
+            return Response.json({"static": True})
         return None
 
 

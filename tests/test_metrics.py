@@ -13,10 +13,9 @@ from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from edgeproxy import Config, EdgeProxy, RequestContext, hookimpl
+from edgeproxy import Config, EdgeProxy, RequestContext, Response, hookimpl
 from edgeproxy._core.config import ConfigError
 from edgeproxy._observability.metrics import LABELS, RecentTraffic, StatusCollector, flatten_status
 
@@ -145,8 +144,8 @@ class FallbackAnswer:
     """Answers for the regions when they cannot (a degraded answer)."""
 
     @hookimpl
-    def edgeproxy_fallback(self) -> web.Response:
-        return web.json_response({"degraded": True})
+    def edgeproxy_fallback(self) -> Response:
+        return Response.json({"degraded": True})
 
 
 async def test_failed_and_degraded_requests_are_labelled(

@@ -28,7 +28,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from edgeproxy import EdgeProxy, RequestContext, hookimpl
+from edgeproxy import EdgeProxy, Exchange, RequestContext, Response, StreamResponse, hookimpl
 from edgeproxy._upstream.regions import Region
 from edgeproxy.testing import FakeRegion
 
@@ -240,8 +240,8 @@ async def test_plugin_failing_in_upstream_response_cancels_the_stream(
 
 class Degrade:
     @hookimpl
-    def edgeproxy_fallback(self) -> web.StreamResponse:
-        return web.json_response({"degraded": True})
+    def edgeproxy_fallback(self) -> StreamResponse:
+        return Response.json({"degraded": True})
 
 
 async def test_plugin_fallback_answer_cancels_the_raced_attempts(
@@ -331,19 +331,19 @@ class UpstreamHooks:
         self.seen.append((hook, request is not None, ctx.cache))
 
     @hookimpl
-    def edgeproxy_route(self, request: web.Request | None, ctx: RequestContext) -> None:
+    def edgeproxy_route(self, request: Exchange | None, ctx: RequestContext) -> None:
         self._record("route", request, ctx)
 
     @hookimpl
-    def edgeproxy_upstream_request(self, request: web.Request | None, ctx: RequestContext) -> None:
+    def edgeproxy_upstream_request(self, request: Exchange | None, ctx: RequestContext) -> None:
         self._record("upstream_request", request, ctx)
 
     @hookimpl
-    def edgeproxy_upstream_response(self, request: web.Request | None, ctx: RequestContext) -> None:
+    def edgeproxy_upstream_response(self, request: Exchange | None, ctx: RequestContext) -> None:
         self._record("upstream_response", request, ctx)
 
     @hookimpl
-    def edgeproxy_stream_chunk(self, request: web.Request | None, ctx: RequestContext) -> None:
+    def edgeproxy_stream_chunk(self, request: Exchange | None, ctx: RequestContext) -> None:
         self._record("stream_chunk", request, ctx)
 
 

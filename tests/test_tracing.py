@@ -13,7 +13,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from edgeproxy import Config, EdgeProxy, hookimpl
+from edgeproxy import Config, EdgeProxy, Response, hookimpl
 from edgeproxy._observability.tracing import Tracing, otel_available
 
 from .conftest import ProxyFactory, RegionFactory, eventually, proxy_config
@@ -192,8 +192,8 @@ async def test_the_region_hangs_its_spans_under_the_attempt(
 
 class FallbackAnswer:
     @hookimpl
-    def edgeproxy_fallback(self) -> web.Response:
-        return web.json_response({"degraded": True})
+    def edgeproxy_fallback(self) -> Response:
+        return Response.json({"degraded": True})
 
 
 @needs_otel

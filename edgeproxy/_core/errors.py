@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import orjson
-from aiohttp import web
+
+from edgeproxy._core.response import Response
 
 __all__ = ["ProxyError", "error_body", "error_response"]
 
@@ -52,9 +53,9 @@ def error_response(
     code: str | None = None,
     headers: Mapping[str, str] | None = None,
     param: str | None = None,
-) -> web.Response:
+) -> Response:
     """A complete JSON error response."""
-    resp = web.Response(
+    resp = Response(
         status=status,
         body=error_body(type, message, code=code, param=param),
         content_type="application/json",

@@ -11,9 +11,10 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import orjson
-from aiohttp import web
 
 from edgeproxy._core.errors import ProxyError
+from edgeproxy._core.exchange import Exchange
+from edgeproxy._core.response import StreamResponse
 from edgeproxy._local.binding import _Slot
 from edgeproxy._local.generation import _Generation
 from edgeproxy._local.prompt import _Prepared
@@ -45,7 +46,7 @@ WARNING_HEADER = "X-Edgeproxy-Warning"
 TRUNCATED_HEADER = "X-Edgeproxy-Prompt-Truncated"
 
 
-class LocalAnswer(web.StreamResponse):
+class LocalAnswer(StreamResponse):
     """A local-model answer about to be sent, holding its generation slot.
 
     It is a response object so that the ``edgeproxy_fallback`` hook can look
@@ -121,7 +122,7 @@ class LocalAnswer(web.StreamResponse):
             self._generation.cancel()
         self.discard()
 
-    async def send(self, request: web.Request, ctx: RequestContext) -> LocalAnswer:
+    async def send(self, request: Exchange, ctx: RequestContext) -> LocalAnswer:
         """Generate the answer and write it to the client, streamed or as one JSON body."""
         if self._sent or (self._generation is None and self._slot is None):
             raise RuntimeError("this answer was already sent or discarded")
@@ -170,12 +171,11 @@ class LocalAnswer(web.StreamResponse):
     def _usage(self, generation: _Generation) -> dict[str, int]:
         return usage(len(self.plan.tokens), generation.completion_tokens)
 
-    def _client_gone(self, request: web.Request) -> bool:
-        transport = request.transport
-        return transport is None or transport.is_closing()
+    def _client_gone(self, request: Exchange) -> bool:
+        return request.client_gone()
 
     async def _json(
-        self, request: web.Request, ctx: RequestContext, generation: _Generation, head: AnswerHead
+        self, request: Exchange, ctx: RequestContext, generation: _Generation, head: AnswerHead
     ) -> None:
         parts: list[str] = []
         async for text in generation.texts():
@@ -198,7 +198,7 @@ class LocalAnswer(web.StreamResponse):
         await self.write_eof()
 
     async def _stream(
-        self, request: web.Request, ctx: RequestContext, generation: _Generation, head: AnswerHead
+        self, request: Exchange, ctx: RequestContext, generation: _Generation, head: AnswerHead
     ) -> None:
         ctx.response_is_sse = True
         await self.prepare(request)

@@ -38,10 +38,10 @@ import time
 from typing import IO, Any
 
 import orjson
-from aiohttp import web
 
 from edgeproxy._core.config import AccessLogConfig
 from edgeproxy._core.context import RequestContext
+from edgeproxy._core.exchange import Exchange
 from edgeproxy.hookspecs import hookimpl
 
 __all__ = ["AccessLog", "LineWriter", "record"]
@@ -61,7 +61,7 @@ def _ms(start: float, end: float | None) -> float | None:
     return None if end is None else round((end - start) * 1000.0, 3)
 
 
-def record(request: web.Request, ctx: RequestContext) -> dict[str, Any]:
+def record(request: Exchange, ctx: RequestContext) -> dict[str, Any]:
     """The access-log record of a finished request."""
     error = ctx.error
     if error is not None and len(error) > _ERROR_LIMIT:
@@ -261,7 +261,7 @@ class AccessLog:
             await asyncio.to_thread(writer.close)
 
     @hookimpl
-    def edgeproxy_response_complete(self, request: web.Request, ctx: RequestContext) -> None:
+    def edgeproxy_response_complete(self, request: Exchange, ctx: RequestContext) -> None:
         line = _dumps(record(request, ctx))
         if self.writer is not None:
             self.writer.write(line + b"\n")

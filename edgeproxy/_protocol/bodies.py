@@ -5,13 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 import orjson
-from aiohttp import web
 
 from edgeproxy._core.config import RouteConfig
 from edgeproxy._core.errors import ProxyError
+from edgeproxy._core.exchange import Exchange
 from edgeproxy._protocol.endpoints import endpoint_has
 
 __all__ = [
+    "BodyDeadline",
     "BodyTimeout",
     "BodyTooLarge",
     "check_json_content_type",
@@ -20,6 +21,7 @@ __all__ = [
     "parse_json_object",
     "read_json_body",
     "requires_json",
+    "SlowBody",
 ]
 
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
@@ -53,6 +55,32 @@ class BodyTimeout(ProxyError):
             408,
             "invalid_request_error",
             f"The request body stalled for {seconds:g} seconds.",
+            code="request_timeout",
+            headers={"Connection": "close"},
+        )
+
+
+class BodyDeadline(ProxyError):
+    """The whole body did not arrive within ``limits.body_deadline`` (408)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(
+            408,
+            "invalid_request_error",
+            f"The request body did not arrive within {seconds:g} seconds.",
+            code="request_timeout",
+            headers={"Connection": "close"},
+        )
+
+
+class SlowBody(ProxyError):
+    """The body arrived slower than ``limits.min_body_rate`` (408)."""
+
+    def __init__(self, rate: int) -> None:
+        super().__init__(
+            408,
+            "invalid_request_error",
+            f"The request body arrived slower than {rate} bytes per second.",
             code="request_timeout",
             headers={"Connection": "close"},
         )
@@ -146,7 +174,7 @@ def _json_kind(value: Any) -> str:
     return "a number"
 
 
-async def read_json_body(request: web.Request, ctx: Any, max_size: int) -> dict[str, Any]:
+async def read_json_body(request: Exchange, ctx: Any, max_size: int) -> dict[str, Any]:
     """Validate an LLM route's body as a JSON object, reading it first if the pipeline did not.
 
     ``ctx`` is the request's :class:`~edgeproxy.RequestContext`; a body the
@@ -163,13 +191,13 @@ async def read_json_body(request: web.Request, ctx: Any, max_size: int) -> dict[
     return value
 
 
-async def _read_bounded(request: web.Request, max_size: int) -> bytes:
+async def _read_bounded(request: Exchange, max_size: int) -> bytes:
     length = request.content_length
     if max_size and length is not None and length > max_size:
         raise BodyTooLarge(max_size)
     parts: list[bytes] = []
     total = 0
-    while chunk := await request.content.readany():
+    while chunk := await request.read_chunk():
         total += len(chunk)
         if max_size and total > max_size:
             raise BodyTooLarge(max_size)

@@ -12,8 +12,9 @@ import orjson
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
-from edgeproxy._core.errors import ProxyError, error_response
+from edgeproxy._core.errors import ProxyError
 from edgeproxy._observability.statuspage import StatusPage
+from edgeproxy._server.aio import web_error
 
 if TYPE_CHECKING:
     from edgeproxy._server.app import EdgeProxy
@@ -62,7 +63,7 @@ def admin_auth(token: str) -> Middleware:
         if request.path not in _OPEN_PATHS:
             given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
             if not hmac.compare_digest(given, expected):
-                response = error_response(
+                response = web_error(
                     401,
                     "authentication_error",
                     "the admin listener needs Authorization: Bearer <admin.token>",
@@ -99,14 +100,14 @@ def admin_app(proxy: EdgeProxy, *, token: str | None = None) -> web.Application:
             name, value = await _purge_params(request)
             purged = await proxy.purge_cache(**{name: value})
         except ProxyError as err:
-            return error_response(err.status, err.type, err.message, code=err.code)
+            return web_error(err.status, err.type, err.message, code=err.code)
         return json_response({"purged": purged, name: value})
 
     async def reload(request: web.Request) -> web.Response:
         # Without a loader (embedded, or a worker: its supervisor reloads) there is no
         # config to read again; say so rather than 404.
         if proxy.loader is None:
-            return error_response(
+            return web_error(
                 409,
                 "invalid_request_error",
                 "this proxy has no config file to read again: call EdgeProxy.reload(config) "
@@ -116,7 +117,7 @@ def admin_app(proxy: EdgeProxy, *, token: str | None = None) -> web.Application:
         result = await proxy.reload_from_loader()
         if result["reloaded"]:
             return json_response(result)
-        return error_response(
+        return web_error(
             409, "invalid_request_error", "; ".join(result["errors"]), code="reload_refused"
         )
 

@@ -16,11 +16,14 @@ from aiohttp.web_urldispatcher import AbstractResource
 from yarl import URL
 
 from edgeproxy._core.config import Config, ConfigError
+from edgeproxy._core.exchange import Exchange
+from edgeproxy._core.response import StreamResponse
 from edgeproxy._observability.access_log import AccessLog
 from edgeproxy._observability.metrics import Metrics
 from edgeproxy._observability.tracing import Tracing
 from edgeproxy._pipeline import JSON_BODY_LIMIT, Pipeline
 from edgeproxy._server.admin import admin_app
+from edgeproxy._server.aio import AiohttpExchange, send_answer
 from edgeproxy._server.generation import (
     Generation,
     Retiring,
@@ -355,17 +358,26 @@ class EdgeProxy:
         return await self._serve(request, prefix)
 
     async def _serve(self, request: web.Request, strip_prefix: str) -> web.StreamResponse:
+        exchange = AiohttpExchange(request, strip_prefix)
+        return await send_answer(exchange, await self.serve_exchange(exchange))
+
+    async def serve_exchange(self, exchange: Exchange) -> StreamResponse:
+        """Serve one request a front end received, through the current generation's pipeline.
+
+        The answer returned was sent already, or is a whole-body :class:`Response` for the
+        front end to send. Front ends other than aiohttp (the ASGI application) call this.
+        """
         # The generation is read once: the request keeps it whatever a reload swaps in,
         # and is counted among its tasks, which it cuts if they outlast its drain.
         generation = self._generation
         if generation is None:
             raise RuntimeError("the proxy is not open: run its app, or call start()")
-        # aiohttp runs each handler in a task of its own.
+        # Every front end runs each request in a task of its own.
         task = asyncio.current_task()
         assert task is not None
         generation.tasks.add(task)
         try:
-            return await generation.pipeline.handle(request, strip_prefix=strip_prefix)
+            return await generation.pipeline.handle(exchange)
         finally:
             generation.tasks.discard(task)
 

@@ -36,10 +36,10 @@ from aiohttp import web
 from prometheus_client.multiprocess import mark_process_dead
 
 from edgeproxy._core.config import Config, ConfigError
-from edgeproxy._core.errors import error_response
 from edgeproxy._observability.multiprocess import multiprocess_dir
 from edgeproxy._observability.statuspage import StatusPage
 from edgeproxy._server.admin import admin_auth, json_response
+from edgeproxy._server.aio import web_error
 from edgeproxy._server.tls import ListenerTls, check_tls_files
 
 __all__ = ["Supervisor", "WORKER_COMMAND"]
@@ -540,7 +540,7 @@ class Supervisor:
                     return web.Response(
                         body=body, headers={"Content-Type": _full_type(content_type)}
                     )
-            return error_response(503, "server_error", "no worker answered", code="no_worker")
+            return web_error(503, "server_error", "no worker answered", code="no_worker")
 
         async def purge(request: web.Request) -> web.Response:
             body = await request.read()
@@ -568,7 +568,7 @@ class Supervisor:
             result = await self.reload()
             if result["reloaded"]:
                 return json_response(result)
-            return error_response(
+            return web_error(
                 409, "invalid_request_error", "; ".join(result["errors"]), code="reload_refused"
             )
 

@@ -30,10 +30,9 @@ import math
 import time
 from typing import TYPE_CHECKING, Any
 
-from aiohttp import web
-
 from edgeproxy._core.config import Config, RouteConfig
 from edgeproxy._core.errors import ProxyError
+from edgeproxy._core.exchange import Exchange
 from edgeproxy._protocol.bodies import (
     estimate_prompt_tokens,
     is_llm_request,
@@ -153,7 +152,7 @@ class AdmissionStage:
 
     # -- the stage ---------------------------------------------------------------
 
-    async def admit(self, request: web.Request, ctx: RequestContext) -> Admitted:
+    async def admit(self, request: Exchange, ctx: RequestContext) -> Admitted:
         """Validate, rate-limit and find a slot for ``ctx``, waiting in the queue if needed.
 
         Raises ``ProxyError`` (400/413 bad body, 429 rate limit) or
@@ -194,7 +193,7 @@ class AdmissionStage:
         return Admitted(self, route, ticket, counted)
 
     async def _rate_limit(
-        self, request: web.Request, ctx: RequestContext, body: dict[str, Any] | None
+        self, request: Exchange, ctx: RequestContext, body: dict[str, Any] | None
     ) -> RateTicket | None:
         rate = self.rate
         estimate = 0

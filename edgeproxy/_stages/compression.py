@@ -11,10 +11,9 @@ and kept with the entry.
 
 from __future__ import annotations
 
-from aiohttp import web
-
 from edgeproxy._core.config import Config
 from edgeproxy._core.context import RequestContext
+from edgeproxy._core.response import StreamResponse
 from edgeproxy._core.types import Headers
 from edgeproxy._protocol.encoding import (
     StreamCompressor,
@@ -30,7 +29,7 @@ _NO_BODY_STATUS = frozenset({204, 304})
 _KEEP = frozenset({206})
 
 
-class EncodedResponse(web.StreamResponse):
+class EncodedResponse(StreamResponse):
     """A streamed response whose body goes out in ``encoding``, every write flushed.
 
     Everything written to it is compressed, error events and the end of a cut stream
@@ -43,15 +42,15 @@ class EncodedResponse(web.StreamResponse):
         self.headers.add("Vary", "Accept-Encoding")
         self._stream: StreamCompressor | None = StreamCompressor(encoding)
 
-    async def write(self, data: bytes | bytearray | memoryview) -> None:
+    async def write(self, data: bytes) -> None:
         if data and self._stream is not None:
-            await super().write(self._stream.compress(bytes(data)))
+            await super().write(self._stream.compress(data))
 
-    async def write_eof(self, data: bytes | bytearray | memoryview = b"") -> None:
+    async def write_eof(self, data: bytes = b"") -> None:
         stream, self._stream = self._stream, None
         tail = b""
         if stream is not None:
-            tail = (stream.compress(bytes(data)) if data else b"") + stream.finish()
+            tail = (stream.compress(data) if data else b"") + stream.finish()
         await super().write_eof(tail)
 
 

@@ -50,9 +50,8 @@ from edgeproxy._protocol.openai import SSE_DONE, sse_event
 from edgeproxy._upstream.pool import UpstreamError
 
 if TYPE_CHECKING:
-    from aiohttp import web
-
     from edgeproxy._core.context import RequestContext
+    from edgeproxy._core.exchange import Exchange
     from edgeproxy._stages.failover import AttemptResponse, Failover
     from edgeproxy._stages.fallback import FallbackStage
     from edgeproxy._stages.routing import Router
@@ -341,7 +340,7 @@ class ContinuationStage:
         ctx.extra.setdefault("continuations", []).append((source, target, outcome))
 
     async def next_leg(
-        self, request: web.Request | None, ctx: RequestContext, splice: Splice, broken: str
+        self, request: Exchange | None, ctx: RequestContext, splice: Splice, broken: str
     ) -> Leg | None:
         """The next leg of the answer ``broken`` (a region's name, or ``local``) broke, or
         None when it cannot be continued (the caller ends the stream with an error)."""
@@ -409,7 +408,7 @@ class ContinuationStage:
 
     async def _race(
         self,
-        request: web.Request | None,
+        request: Exchange | None,
         ctx: RequestContext,
         splice: Splice,
         method: str,
@@ -448,7 +447,7 @@ class ContinuationStage:
             ctx.attempts = max(leg.attempts for leg in legs) + len(legs) - 1
 
     async def _until_token(
-        self, request: web.Request | None, leg_ctx: RequestContext, regions: list[Region]
+        self, request: Exchange | None, leg_ctx: RequestContext, regions: list[Region]
     ) -> tuple[AttemptResponse, AsyncIterator[bytes]] | None:
         """One contender of a race: its leg, read up to its first token, the bytes read so
         far put back in front of the rest. None if it failed before a token."""

@@ -79,10 +79,9 @@ from edgeproxy._upstream.regions import Endpoint, Region, RegionSet
 from edgeproxy._upstream.reported import LOAD_FORMAT_HEADER, without_load_header
 
 if TYPE_CHECKING:
-    from aiohttp import web
-
     from edgeproxy._core.config import Config
     from edgeproxy._core.context import RequestContext
+    from edgeproxy._core.exchange import Exchange
     from edgeproxy._stages.upstream import UpstreamStage
 
 __all__ = ["AttemptResponse", "Budget", "DeadlineExceeded", "Failover", "PendingUpstream"]
@@ -194,7 +193,7 @@ class _Attempt:
     def ok(self) -> bool:
         return self.response is not None and not self.failed_status and self.error is None
 
-    async def run(self, request: web.Request | None, ctx: RequestContext) -> None:
+    async def run(self, request: Exchange | None, ctx: RequestContext) -> None:
         """Send, wait for the headers and (for a 2xx) the first body chunk."""
         region, endpoint = self.region, self.endpoint
         now = self.started = time.monotonic()
@@ -468,7 +467,7 @@ class Failover:
 
     async def send(
         self,
-        request: web.Request | None,
+        request: Exchange | None,
         ctx: RequestContext,
         candidates: list[Region],
         *,
@@ -516,7 +515,7 @@ class _Plan:
     def __init__(
         self,
         failover: Failover,
-        request: web.Request | None,
+        request: Exchange | None,
         ctx: RequestContext,
         candidates: list[Region],
         *,

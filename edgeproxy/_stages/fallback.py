@@ -38,12 +38,12 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from aiohttp import web
-
 from edgeproxy._core.config import Config
 from edgeproxy._core.errors import ProxyError
+from edgeproxy._core.exchange import Exchange
+from edgeproxy._core.response import StreamResponse
 from edgeproxy._local.model import LocalAnswer, LocalModel
-from edgeproxy._plugins import Plugins
+from edgeproxy._plugins import Plugins, hook_answer
 from edgeproxy._protocol.models import model_from_body
 
 if TYPE_CHECKING:
@@ -65,7 +65,7 @@ class Degraded:
     (:meth:`~edgeproxy._local.model.LocalAnswer.abandon`).
     """
 
-    response: web.StreamResponse
+    response: StreamResponse
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,11 +105,11 @@ class FallbackStage:
 
     async def respond(
         self,
-        request: web.Request,
+        request: Exchange,
         ctx: RequestContext,
         err: ProxyError,
         *,
-        stale: web.StreamResponse | None,
+        stale: StreamResponse | None,
         pending: PendingUpstream | None = None,
     ) -> Degraded | UpstreamWon:
         """The degraded answer for a request the regions could not answer.
@@ -140,13 +140,13 @@ class FallbackStage:
 
     async def _ladder(
         self,
-        request: web.Request,
+        request: Exchange,
         ctx: RequestContext,
         err: ProxyError,
-        stale: web.StreamResponse | None,
-    ) -> web.StreamResponse:
+        stale: StreamResponse | None,
+    ) -> StreamResponse:
         """Rungs 3 and 4 as the route orders them, then the edgeproxy_fallback hook."""
-        answer: web.StreamResponse | None = None
+        answer: StreamResponse | None = None
         missing: list[str] = []
         try:
             for rung in ctx.route.fallback:
@@ -173,7 +173,7 @@ class FallbackStage:
                 self.unavailable_total += 1
                 raise self._unavailable(ctx, err, missing)
             raise err
-        assert isinstance(verdict, web.StreamResponse)
+        assert isinstance(verdict, StreamResponse)
         return verdict
 
     async def _upstream_first(self, answer: LocalAnswer, pending: PendingUpstream) -> bool:
@@ -214,10 +214,10 @@ class FallbackStage:
 
     async def _hook(
         self,
-        request: web.Request,
+        request: Exchange,
         ctx: RequestContext,
         err: ProxyError,
-        answer: web.StreamResponse | None,
+        answer: StreamResponse | None,
     ) -> Any:
         """Let plugins veto (``False``) or replace the answer; returns what is to be used."""
         if not self.plugins.has("edgeproxy_fallback"):
@@ -229,7 +229,8 @@ class FallbackStage:
             _discard(answer)
             ctx.degraded = None
             return False
-        if isinstance(verdict, web.StreamResponse) and verdict is not answer:
+        if verdict is not None and verdict is not True and verdict is not answer:
+            verdict = hook_answer("edgeproxy_fallback", verdict)
             _discard(answer)
             ctx.degraded = "plugin"
             return verdict

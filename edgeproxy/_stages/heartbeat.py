@@ -22,7 +22,8 @@ import asyncio
 import time
 from typing import TYPE_CHECKING
 
-from aiohttp import web
+from edgeproxy._core.exchange import Exchange
+from edgeproxy._core.response import StreamResponse
 
 if TYPE_CHECKING:
     from edgeproxy._core.context import RequestContext
@@ -39,7 +40,7 @@ class Heartbeat:
 
     def __init__(
         self,
-        request: web.Request,
+        request: Exchange,
         ctx: RequestContext,
         interval: float,
         *,
@@ -50,7 +51,7 @@ class Heartbeat:
         self.interval = interval
         self.close_connection = close_connection
         # The response the first heartbeat started; the stream stage writes the rest.
-        self.response: web.StreamResponse | None = None
+        self.response: StreamResponse | None = None
         self.sent = 0
         self._task: asyncio.Task[None] | None = asyncio.get_running_loop().create_task(
             self._beat(), name="edgeproxy-sse-heartbeat"
@@ -72,9 +73,9 @@ class Heartbeat:
         except ConnectionResetError:
             pass  # the client left: what comes next notices it as well
 
-    def _start(self) -> web.StreamResponse:
+    def _start(self) -> StreamResponse:
         ctx = self.ctx
-        resp = web.StreamResponse(
+        resp = StreamResponse(
             status=200,
             headers={
                 "Content-Type": "text/event-stream",
@@ -88,7 +89,7 @@ class Heartbeat:
         ctx.response_is_sse = True
         return resp
 
-    async def stop(self) -> web.StreamResponse | None:
+    async def stop(self) -> StreamResponse | None:
         """Stop beating (idempotent): the response the heartbeats started, if they did."""
         task, self._task = self._task, None
         if task is not None:
@@ -103,7 +104,7 @@ class Heartbeat:
 
 
 def start_heartbeat(
-    request: web.Request | None, ctx: RequestContext, *, close_connection: bool = False
+    request: Exchange | None, ctx: RequestContext, *, close_connection: bool = False
 ) -> Heartbeat | None:
     """Heartbeats for this request if its route asks for them and it streams; else None."""
     interval = ctx.route.sse_heartbeat

@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
 
 import orjson
-from aiohttp import web
 from multidict import CIMultiDict
 
 from edgeproxy._core.config.models import is_model_glob
 from edgeproxy._core.context import RequestContext
 from edgeproxy._core.errors import ProxyError
+from edgeproxy._core.response import Response
 from edgeproxy._plugins import PluginError
 from edgeproxy._protocol.endpoints import endpoint_has
 from edgeproxy._protocol.headers import request_id, trace_context
@@ -181,7 +181,7 @@ class ModelList:
         _, found, rest = ctx.path.partition(_MODELS_PATH)
         return bool(found) and (not rest or rest[0] == "/")
 
-    async def respond(self, ctx: RequestContext) -> web.Response:
+    async def respond(self, ctx: RequestContext) -> Response:
         """The list in OpenAI's shape, or one model; 404 ``model_not_found`` for an unknown id."""
         _, _, rest = ctx.path.partition(_MODELS_PATH)
         data = await self.models()
@@ -193,7 +193,7 @@ class ModelList:
             body = next((entry for entry in data if entry["id"] == wanted), None)
             if body is None:
                 raise model_not_found(wanted)
-        return web.Response(body=orjson.dumps(body), content_type="application/json")
+        return Response(body=orjson.dumps(body), content_type="application/json")
 
     async def models(self) -> list[dict[str, Any]]:
         """The merged list, sorted by id; fetches from the regions listing none when stale."""

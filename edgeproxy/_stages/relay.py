@@ -17,11 +17,10 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from aiohttp import web
-from aiohttp.http_writer import StreamWriter
-
 from edgeproxy._core.context import RequestContext, UpstreamReply
-from edgeproxy._core.errors import ProxyError, error_response
+from edgeproxy._core.errors import ProxyError, error_body
+from edgeproxy._core.exchange import Exchange
+from edgeproxy._core.response import StreamResponse
 from edgeproxy._core.types import Headers
 from edgeproxy._local.model import LocalAnswer
 from edgeproxy._plugins import PluginError, Plugins
@@ -69,14 +68,14 @@ class StreamStage:
 
     async def relay(
         self,
-        request: web.Request,
+        request: Exchange,
         ctx: RequestContext,
         upstream: AttemptResponse,
         *,
         close_connection: bool = False,
         recorder: CacheRecorder | None = None,
-        started: web.StreamResponse | None = None,
-    ) -> web.StreamResponse:
+        started: StreamResponse | None = None,
+    ) -> StreamResponse:
         """Send the region's answer on; ``recorder`` (the cache's) sees the headers and each
         chunk as it passes, and is told when the body ended cleanly.
 
@@ -109,9 +108,9 @@ class StreamStage:
         if self.compression is not None:
             sse = content_type.startswith("text/event-stream")
             encoding = self.compression.choose(ctx, reply.status, content_length, headers, sse=sse)
-        resp: web.StreamResponse
+        resp: StreamResponse
         if encoding is None:
-            resp = web.StreamResponse(status=reply.status, headers=headers)
+            resp = StreamResponse(status=reply.status, headers=headers)
         else:
             resp = EncodedResponse(encoding, status=reply.status, headers=headers)
         if close_connection:
@@ -119,7 +118,7 @@ class StreamStage:
         splice: Splice | None = None
         if ctx.route.continue_on_break and self.continuation is not None:
             splice = self.continuation.splice(ctx, reply.status, content_type)
-        # A transformed (or continued) body has an unknown length: let aiohttp chunk it.
+        # A transformed (or continued) body has an unknown length: the front end frames it.
         if (
             content_length is not None
             and reply.status not in _NO_BODY_STATUS
@@ -183,13 +182,13 @@ class StreamStage:
 
     async def _after_heartbeats(
         self,
-        request: web.Request,
+        request: Exchange,
         ctx: RequestContext,
         upstream: AttemptResponse,
         reply: UpstreamReply,
         recorder: CacheRecorder | None,
-        resp: web.StreamResponse,
-    ) -> web.StreamResponse:
+        resp: StreamResponse,
+    ) -> StreamResponse:
         """The region's answer in the SSE response the heartbeats started (status 200 sent)."""
         name = upstream.region.name
         content_type = next((v for k, v in reply.headers if k.lower() == "content-type"), "")
@@ -233,10 +232,10 @@ class StreamStage:
 
     async def local_after_heartbeats(
         self,
-        request: web.Request,
+        request: Exchange,
         ctx: RequestContext,
         answer: LocalAnswer,
-        resp: web.StreamResponse,
+        resp: StreamResponse,
     ) -> None:
         """The local model's streamed answer in the SSE response the heartbeats started."""
         try:
@@ -255,7 +254,7 @@ class StreamStage:
             )
 
     async def error_after_heartbeats(
-        self, request: web.Request, resp: web.StreamResponse, err: ProxyError
+        self, request: Exchange, resp: StreamResponse, err: ProxyError
     ) -> None:
         """The answer is an error, but heartbeats already sent 200: an ``error`` event."""
         await self._abort(request, resp, err.status, err.type, err.message, err.code or err.type)
@@ -273,7 +272,7 @@ class StreamStage:
 
     async def _reply(
         self,
-        request: web.Request | None,
+        request: Exchange | None,
         ctx: RequestContext,
         upstream: AttemptResponse,
         recorder: CacheRecorder | None,
@@ -309,11 +308,11 @@ class StreamStage:
 
     async def _spliced(
         self,
-        request: web.Request,
+        request: Exchange,
         ctx: RequestContext,
         upstream: AttemptResponse,
         recorder: CacheRecorder | None,
-        resp: web.StreamResponse,
+        resp: StreamResponse,
         usage: UsageTracker | None,
         splice: Splice,
     ) -> None:
@@ -362,7 +361,7 @@ class StreamStage:
 
     async def _body(
         self,
-        request: web.Request | None,
+        request: Exchange | None,
         ctx: RequestContext,
         chunks: AsyncIterator[bytes],
         recorder: CacheRecorder | None,
@@ -391,8 +390,8 @@ class StreamStage:
 
     async def _abort(
         self,
-        request: web.Request,
-        resp: web.StreamResponse,
+        request: Exchange,
+        resp: StreamResponse,
         status: int,
         type: str,
         message: str,
@@ -410,25 +409,21 @@ class StreamStage:
             except ConnectionResetError:
                 pass
         resp.force_close()
-        if request.transport is not None:
-            request.transport.close()
+        request.abort()
 
-    async def _cut(self, request: web.Request, resp: web.StreamResponse) -> None:
+    async def _cut(self, request: Exchange, resp: StreamResponse) -> None:
         """:meth:`_abort` for a relay cancelled at shutdown, which must not wait: the event
-        is queued on the connection without waiting for the client to read it (``drain=False``
-        never suspends), and the connection closes once it is flushed."""
-        transport = request.transport
-        if transport is None or transport.is_closing():
+        is queued without waiting for the client to read it, then the answer is aborted."""
+        if request.client_gone():
             return
-        writer = request.writer
-        if resp.prepared and _is_sse(resp) and isinstance(writer, StreamWriter):
+        resp.force_close()
+        if resp.prepared and _is_sse(resp):
             event = _error_event(
                 503, "service_unavailable", "the proxy is shutting down", "shutting_down"
             )
-            # The writer keeps the chunked framing.
-            await writer.write(event, drain=False)
-        resp.force_close()
-        transport.close()
+            await request.cut(event)
+        else:
+            request.abort()
 
 
 def _alias(ctx: RequestContext, region: Region) -> str | None:
@@ -437,12 +432,10 @@ def _alias(ctx: RequestContext, region: Region) -> str | None:
     return aliases.get(ctx.model) if aliases and ctx.model is not None else None
 
 
-def _is_sse(resp: web.StreamResponse) -> bool:
+def _is_sse(resp: StreamResponse) -> bool:
     return resp.headers.get("content-type", "").startswith("text/event-stream")
 
 
 def _error_event(status: int, type: str, message: str, code: str) -> bytes:
     """An SSE ``error`` event carrying the OpenAI error body."""
-    body = error_response(status, type, message, code=code).body
-    assert isinstance(body, bytes)
-    return b"event: error\ndata: " + body + b"\n\n"
+    return b"event: error\ndata: " + error_body(type, message, code=code) + b"\n\n"

@@ -1,7 +1,7 @@
 """One upstream attempt: the region's request built from the client's, sent on its pool.
 
 Everything the region's request needs is in the request context (the client's
-scheme, HTTP version and Host included), so the aiohttp request is only used
+scheme, HTTP version and Host included), so the client's exchange is only used
 for a body that streams through unbuffered, and is handed to the plugin
 hooks; it is None for a request with no client (a background cache refresh).
 """
@@ -9,10 +9,10 @@ hooks; it is None for a request with no client (a background cache refresh).
 from __future__ import annotations
 
 import orjson
-from aiohttp import web
 
 from edgeproxy._core.config import Config
 from edgeproxy._core.context import RequestContext
+from edgeproxy._core.exchange import Exchange
 from edgeproxy._core.types import Body, Headers
 from edgeproxy._plugins import Plugins
 from edgeproxy._protocol.headers import (
@@ -49,7 +49,7 @@ class UpstreamStage:
 
     def headers(
         self,
-        request: web.Request | None,
+        request: Exchange | None,
         ctx: RequestContext,
         region: Region,
         sent: bytes | None = None,
@@ -96,15 +96,15 @@ class UpstreamStage:
             out.extend(region.credential_headers)
         return out
 
-    def body(self, request: web.Request | None, ctx: RequestContext) -> Body:
+    def body(self, request: Exchange | None, ctx: RequestContext) -> Body:
         if ctx.body_read:
             return ctx.body or None
         if request is None:
             raise ValueError("a request with no client must have a buffered body")
-        return request.content.iter_any()
+        return request.iter_body()
 
     async def send(
-        self, request: web.Request | None, ctx: RequestContext, region: Region, endpoint: Endpoint
+        self, request: Exchange | None, ctx: RequestContext, region: Region, endpoint: Endpoint
     ) -> UpstreamResponse:
         """One attempt: send to ``endpoint`` of ``region``; raises :class:`UpstreamError`.
 

@@ -10,9 +10,8 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
-from aiohttp import web
 
-from edgeproxy import PluginError, PluginLoadError, hookimpl
+from edgeproxy import PluginError, PluginLoadError, Response, hookimpl
 from edgeproxy._observability import access_log
 from edgeproxy._observability.access_log import AccessLog, LineWriter
 
@@ -227,8 +226,8 @@ class _Degrade:
     """Answers for the regions when they cannot: a degraded answer."""
 
     @hookimpl
-    def edgeproxy_fallback(self) -> web.Response:
-        return web.json_response({"degraded": True})
+    def edgeproxy_fallback(self) -> Response:
+        return Response.json({"degraded": True})
 
 
 async def test_builtin_access_log_section_logs_route_cache_degraded_and_timings(

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 import orjson
-from aiohttp import web
 
+from edgeproxy._core.response import StreamResponse
 from edgeproxy._protocol.openai import (
     SSE_DONE,
     AnswerHead,
@@ -454,10 +454,10 @@ def replay_parts(
     return [entry.body], False
 
 
-class ReplayResponse(web.StreamResponse):
+class ReplayResponse(StreamResponse):
     """A cached SSE answer, written event by event once aiohttp sends the response.
 
-    It leaves the handler unprepared, like a ``web.Response``, so the pipeline
+    It leaves the handler unprepared, like a ``Response``, so the pipeline
     and fallback plugins can still add headers or replace it.
     """
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 import asyncio
 from typing import Final
 
-from aiohttp import web
-
-from edgeproxy._core.errors import error_response
+from edgeproxy._core.errors import error_body
+from edgeproxy._core.exchange import Exchange
+from edgeproxy._core.response import StreamResponse
 from edgeproxy._stages.cache.entry import Entry, is_usage_event, split_events
 
 __all__ = ["Coalescer", "Flight"]
@@ -148,8 +148,8 @@ async def wait_finished(flight: Flight) -> None:
 
 
 async def stream_live(
-    request: web.Request,
-    resp: web.StreamResponse,
+    request: Exchange,
+    resp: StreamResponse,
     flight: Flight,
     *,
     include_usage: bool,
@@ -191,16 +191,12 @@ async def stream_live(
         await changed.wait()
 
 
-async def abort_stream(request: web.Request, resp: web.StreamResponse) -> None:
+async def abort_stream(request: Exchange, resp: StreamResponse) -> None:
     """End a follower's stream like the leader's was: an SSE error event, then no clean end."""
-    event = error_response(
-        502, "upstream_error", "the upstream stream broke", code="upstream_stream_broken"
-    )
-    assert isinstance(event.body, bytes)
+    event = error_body("upstream_error", "the upstream stream broke", code="upstream_stream_broken")
     try:
-        await resp.write(b"event: error\ndata: " + event.body + b"\n\n")
+        await resp.write(b"event: error\ndata: " + event + b"\n\n")
     except ConnectionResetError:
         pass
     resp.force_close()
-    if request.transport is not None:
-        request.transport.close()
+    request.abort()

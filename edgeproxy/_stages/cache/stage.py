@@ -28,11 +28,12 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Final
 
-from aiohttp import web
 from multidict import CIMultiDict
 
 from edgeproxy._core.config import Config
 from edgeproxy._core.context import RequestContext
+from edgeproxy._core.exchange import Exchange
+from edgeproxy._core.response import Response, StreamResponse
 from edgeproxy._protocol.endpoints import openai_endpoint
 from edgeproxy._protocol.headers import request_id
 from edgeproxy._stages.cache.backends import CacheBackend, make_backend
@@ -146,12 +147,12 @@ class CacheStage:
 
     # -- keys and plans ----------------------------------------------------
 
-    async def key(self, request: web.Request, ctx: RequestContext) -> str | None:
+    async def key(self, request: Exchange, ctx: RequestContext) -> str | None:
         """The scoped key of a cacheable request (the hook may replace the digest), or None."""
         plan = await self.plan(request, ctx)
         return plan.key if plan is not None else None
 
-    async def plan(self, request: web.Request, ctx: RequestContext) -> CachePlan | None:
+    async def plan(self, request: Exchange, ctx: RequestContext) -> CachePlan | None:
         """Decide what the cache does with ``ctx``; sets ``ctx.cache_key`` and, for a
         request the cache leaves alone, ``ctx.cache = "BYPASS"``."""
         if self.backend is None:
@@ -162,7 +163,7 @@ class CacheStage:
             return None
         return await self._plan(request, ctx)
 
-    async def _plan(self, request: web.Request, ctx: RequestContext) -> CachePlan:
+    async def _plan(self, request: Exchange, ctx: RequestContext) -> CachePlan:
         """The plan of a request :meth:`_bypass_reason` let through."""
         key = await self._cacheable_key(request, ctx)
         ctx.cache_key = key
@@ -174,13 +175,13 @@ class CacheStage:
         stats.outcomes["BYPASS"] += 1
         stats.bypass[reason] += 1
 
-    async def _key(self, request: web.Request, ctx: RequestContext) -> tuple[str | None, str]:
+    async def _key(self, request: Exchange, ctx: RequestContext) -> tuple[str | None, str]:
         reason = self._bypass_reason(ctx)
         if reason:
             return None, reason
         return await self._cacheable_key(request, ctx), ""
 
-    async def _cacheable_key(self, request: web.Request, ctx: RequestContext) -> str:
+    async def _cacheable_key(self, request: Exchange, ctx: RequestContext) -> str:
         # Only now: the scope hashes the tenant or credential, wasted on a bypass.
         scope = cache_scope(ctx)
         digest = self._digest(ctx, scope)
@@ -268,8 +269,8 @@ class CacheStage:
     # -- serving -------------------------------------------------------------
 
     async def lookup(
-        self, request: web.Request, ctx: RequestContext
-    ) -> tuple[web.StreamResponse | None, CacheRecorder | None]:
+        self, request: Exchange, ctx: RequestContext
+    ) -> tuple[StreamResponse | None, CacheRecorder | None]:
         """An answer from the cache or from an identical request in flight; else, for a
         cacheable request, the recorder that stores what the pipeline relays."""
         if self.backend is None:
@@ -291,8 +292,8 @@ class CacheStage:
         return None, self._lead(ctx, plan, None)
 
     def _serve(
-        self, request: web.Request, ctx: RequestContext, plan: CachePlan, entry: Entry
-    ) -> web.StreamResponse | None:
+        self, request: Exchange, ctx: RequestContext, plan: CachePlan, entry: Entry
+    ) -> StreamResponse | None:
         """HIT while fresh (maybe refreshing early), STALE within stale-while-revalidate."""
         now = self.clock()
         if now < entry.fresh_until:
@@ -312,7 +313,7 @@ class CacheStage:
         entry: Entry,
         outcome: str,
         now: float | None = None,
-    ) -> web.StreamResponse | None:
+    ) -> StreamResponse | None:
         """``entry`` as the client asked for it (stream or JSON), or None if that is impossible."""
         converted = replay_parts(entry, wants_sse=plan.wants_sse, include_usage=plan.include_usage)
         if converted is None:
@@ -342,12 +343,12 @@ class CacheStage:
             parts = [packed]
             headers = [(k, v) for k, v in headers if k.lower() != "content-length"]
             headers += (("Content-Encoding", encoding), ("Vary", "Accept-Encoding"))
-        resp: web.StreamResponse
+        resp: StreamResponse
         if sse:
             resp = ReplayResponse(status=entry.status, parts=parts)
             resp.headers.extend(headers)
         else:
-            resp = web.Response(status=entry.status, body=parts[0], headers=headers)
+            resp = Response(status=entry.status, body=parts[0], headers=headers)
         ctx.cache = outcome
         ctx.status = entry.status
         self.stats.outcomes[outcome] += 1
@@ -359,8 +360,8 @@ class CacheStage:
         return CacheRecorder(self, ctx, plan, flight)
 
     async def _coalesce(
-        self, request: web.Request, ctx: RequestContext, plan: CachePlan
-    ) -> tuple[web.StreamResponse | None, CacheRecorder | None]:
+        self, request: Exchange, ctx: RequestContext, plan: CachePlan
+    ) -> tuple[StreamResponse | None, CacheRecorder | None]:
         attempt = 1
         while True:
             flight, leading = self.coalescer.join(plan.key, attempt)
@@ -385,15 +386,15 @@ class CacheStage:
             attempt = flight.attempt + 1
 
     async def _follow(
-        self, request: web.Request, ctx: RequestContext, plan: CachePlan, flight: Flight
-    ) -> tuple[web.StreamResponse | None, str]:
+        self, request: Exchange, ctx: RequestContext, plan: CachePlan, flight: Flight
+    ) -> tuple[StreamResponse | None, str]:
         """Answer a follower from ``flight``: (answer, "") or (None, "retry" | "alone")."""
         await wait_started(flight)
         if flight.state == FAILED:
             return None, "retry"
         if plan.wants_sse and flight.sse and flight.shareable:
             # Same form as the leader's: chunks as the leader receives them.
-            resp = web.StreamResponse(status=flight.status)
+            resp = StreamResponse(status=flight.status)
             for name, value in flight.headers:
                 if name.lower() not in ("content-length", "x-request-id", "date", "set-cookie"):
                     resp.headers.add(name, value)
@@ -420,9 +421,7 @@ class CacheStage:
         answer = self._replay(ctx, plan, flight.entry, "COALESCED")
         return (answer, "") if answer is not None else (None, "alone")
 
-    async def serve_stale(
-        self, request: web.Request, ctx: RequestContext
-    ) -> web.StreamResponse | None:
+    async def serve_stale(self, request: Exchange, ctx: RequestContext) -> StreamResponse | None:
         """The stale-if-error answer: a stored answer within its ``stale_if_error`` window
         (or still fresh), marked ``X-Edgeproxy-Cache: STALE`` and
         ``X-Edgeproxy-Degraded: stale-cache``; None when there is none."""

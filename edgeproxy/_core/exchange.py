@@ -1,0 +1,125 @@
+"""The seam between a front end and the pipeline: one request and the way its answer goes back.
+
+A front end (the aiohttp listener, the ASGI application, the HTTP/2 listener)
+receives a request in its own types and hands the pipeline an :class:`Exchange`.
+The pipeline, every stage and every hook see only this: what the client sent
+(method, target, headers, address, TLS, a body stream, whether it is still
+there) and a response to start, write to, and end or abort. Nothing below the
+server layer knows which server received the request.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from multidict import CIMultiDict, CIMultiDictProxy
+
+__all__ = ["Exchange", "TlsInfo"]
+
+
+@dataclass(frozen=True, slots=True)
+class TlsInfo:
+    """The TLS session a request came on: protocol version, negotiated ALPN protocol and the
+    server name the client asked for (each None when unknown)."""
+
+    version: str | None = None
+    alpn: str | None = None
+    server_name: str | None = None
+
+
+class Exchange(ABC):
+    """One client request as a front end received it, and the way its answer goes back.
+
+    Attributes are read once, when the front end builds it:
+
+    - ``method``, ``target`` (the raw path and query, as sent, a mount prefix removed),
+      ``headers`` (read-only, case-insensitive);
+    - ``client`` (the peer address; the trusted client IP is worked out from it and
+      the forwarding headers elsewhere), ``scheme``, ``version`` (``"1.1"``, ``"2"``),
+      ``host``, ``tls`` (a :class:`TlsInfo`, or None over plain TCP);
+    - ``content_length`` (None when unknown) and ``body_exists``;
+    - ``native``: the front end's own request object (an aiohttp ``web.Request``,
+      an ASGI scope), for embedders that need it; the pipeline never looks at it.
+
+    The response side is used through :class:`~edgeproxy.StreamResponse`, which calls
+    :meth:`start`, :meth:`write`, :meth:`end` and :meth:`abort`.
+    """
+
+    __slots__ = (
+        "body_exists",
+        "client",
+        "content_length",
+        "headers",
+        "host",
+        "method",
+        "native",
+        "scheme",
+        "target",
+        "tls",
+        "version",
+    )
+
+    method: str
+    target: str
+    headers: CIMultiDictProxy[str]
+    client: str | None
+    scheme: str
+    version: str
+    host: str
+    tls: TlsInfo | None
+    content_length: int | None
+    body_exists: bool
+    native: object
+
+    @property
+    def path(self) -> str:
+        """The target without its query string."""
+        return self.target.split("?", 1)[0]
+
+    # -- the request body ------------------------------------------------
+
+    @abstractmethod
+    async def read(self) -> bytes:
+        """The whole body (the front end bounds it)."""
+
+    @abstractmethod
+    async def read_chunk(self) -> bytes:
+        """The next piece of the body as it arrives; ``b""`` at its end."""
+
+    async def iter_body(self) -> AsyncIterator[bytes]:
+        """The body piece by piece, as it arrives."""
+        while chunk := await self.read_chunk():
+            yield chunk
+
+    @abstractmethod
+    def client_gone(self) -> bool:
+        """Whether the client went away (its connection or stream closed)."""
+
+    # -- the response ----------------------------------------------------
+
+    @abstractmethod
+    async def start(
+        self, status: int, headers: CIMultiDict[str], length: int | None, close: bool
+    ) -> None:
+        """Send the status and headers; ``length`` is the body's size when known (else the
+        front end frames it), ``close`` asks to close the connection after this answer."""
+
+    @abstractmethod
+    async def write(self, data: bytes) -> None:
+        """Send a piece of the body. Raises :class:`ConnectionResetError` if the client left."""
+
+    @abstractmethod
+    async def end(self, data: bytes = b"") -> None:
+        """Send the last piece, if any, and end the body cleanly."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """End the answer so that the client cannot take it as complete: the connection
+        (HTTP/1.1) or the stream (HTTP/2) is closed without a clean end."""
+
+    async def cut(self, data: bytes) -> None:
+        """Queue ``data`` without waiting for the client to read it, then :meth:`abort`: for
+        answers cut at shutdown, which must not wait on a slow client."""
+        self.abort()

@@ -1,0 +1,147 @@
+"""The aiohttp front end: an aiohttp request as the pipeline's :class:`Exchange`, and the
+pipeline's answers as aiohttp responses."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+from ssl import SSLObject
+
+from aiohttp import web
+from aiohttp.http_writer import HttpVersion10, HttpVersion11, StreamWriter
+from multidict import CIMultiDict
+
+from edgeproxy._core.errors import error_response
+from edgeproxy._core.exchange import Exchange, TlsInfo
+from edgeproxy._core.response import Response, StreamResponse
+
+__all__ = ["AiohttpExchange", "send_answer", "web_error", "web_response"]
+
+# The version strings of the requests the listener accepts, made once.
+_HTTP_VERSIONS = {HttpVersion10: "1.0", HttpVersion11: "1.1"}
+
+
+def _target(request: web.Request, strip_prefix: str) -> str:
+    target = request.raw_path
+    if strip_prefix and target.startswith(strip_prefix):
+        target = target[len(strip_prefix) :] or "/"
+        if target[0] == "?":
+            target = "/" + target
+    return target
+
+
+class AiohttpExchange(Exchange):
+    """An aiohttp ``web.Request`` and the ``web.StreamResponse`` its answer goes out in."""
+
+    __slots__ = ("request", "response")
+
+    def __init__(self, request: web.Request, strip_prefix: str = "") -> None:
+        self.native = self.request = request
+        self.method = request.method
+        self.target = _target(request, strip_prefix)
+        headers = self.headers = request.headers
+        self.client = request.remote
+        self.scheme = scheme = request.scheme
+        version = request.version
+        self.version = _HTTP_VERSIONS.get(version) or f"{version.major}.{version.minor}"
+        # What request.host answers, without its call when the client sent a Host.
+        self.host = headers.get("Host") or request.host
+        self.tls = _tls(request) if scheme == "https" else None
+        self.content_length = request.content_length
+        self.body_exists = request.body_exists
+        self.response: web.StreamResponse | None = None
+
+    async def read(self) -> bytes:
+        return await self.request.read()
+
+    async def read_chunk(self) -> bytes:
+        return await self.request.content.readany()
+
+    def iter_body(self) -> AsyncIterator[bytes]:
+        return self.request.content.iter_any()
+
+    def client_gone(self) -> bool:
+        transport = self.request.transport
+        return transport is None or transport.is_closing()
+
+    async def start(
+        self, status: int, headers: CIMultiDict[str], length: int | None, close: bool
+    ) -> None:
+        resp = self.response = web.StreamResponse(status=status, headers=headers)
+        if length is not None:
+            resp.content_length = length
+        if close:
+            resp.force_close()
+        await resp.prepare(self.request)
+
+    async def write(self, data: bytes) -> None:
+        assert self.response is not None
+        await self.response.write(data)
+
+    async def end(self, data: bytes = b"") -> None:
+        assert self.response is not None
+        await self.response.write_eof(data)
+
+    def abort(self) -> None:
+        if self.response is not None:
+            self.response.force_close()
+        transport = self.request.transport
+        if transport is not None:
+            transport.close()
+
+    async def cut(self, data: bytes) -> None:
+        transport = self.request.transport
+        if transport is None or transport.is_closing():
+            return
+        writer = self.request.writer
+        if self.response is not None and isinstance(writer, StreamWriter):
+            # The writer keeps the chunked framing; drain=False never suspends, and the
+            # connection closes once the event is flushed.
+            await writer.write(data, drain=False)
+        self.abort()
+
+
+def _tls(request: web.Request) -> TlsInfo | None:
+    transport = request.transport
+    ssl_object = transport.get_extra_info("ssl_object") if transport is not None else None
+    if not isinstance(ssl_object, SSLObject):
+        return None
+    return TlsInfo(ssl_object.version(), ssl_object.selected_alpn_protocol(), None)
+
+
+def web_response(answer: Response) -> web.Response:
+    """A whole-body answer as an aiohttp response."""
+    resp = web.Response(status=answer.status, body=answer.body, headers=answer.headers)
+    if not answer.keep_alive:
+        resp.force_close()
+    return resp
+
+
+async def send_answer(exchange: AiohttpExchange, answer: StreamResponse) -> web.StreamResponse:
+    """What the handler returns to aiohttp for the pipeline's ``answer``: the response it
+    was already streamed in, or (an answer not yet sent) the answer sent now."""
+    if not answer.prepared:
+        started = exchange.response
+        if started is None or not started.prepared:
+            if type(answer) is Response:
+                # The common whole-body answer: aiohttp sends it after the handler.
+                return web_response(answer)
+            await answer.prepare(exchange)
+            await answer.write_eof()
+    assert exchange.response is not None
+    return exchange.response
+
+
+def web_error(
+    status: int,
+    type: str,
+    message: str,
+    *,
+    code: str | None = None,
+    headers: Mapping[str, str] | None = None,
+    param: str | None = None,
+) -> web.Response:
+    """An OpenAI-shaped JSON error as an aiohttp response (the one builder is
+    :func:`~edgeproxy._core.errors.error_response`)."""
+    return web_response(
+        error_response(status, type, message, code=code, headers=headers, param=param)
+    )
