@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from aiohttp import web
 from aiohttp.web_request import BaseRequest
+from multidict import CIMultiDictProxy
 
 from edgeproxy._core.config import LimitsConfig
 from edgeproxy._core.errors import ProxyError, error_body
@@ -25,6 +26,7 @@ from edgeproxy._protocol.headers import request_id
 
 __all__ = [
     "ECHO_LIMIT",
+    "check_head",
     "check_request_head",
     "http_exception_error",
     "own_error",
@@ -69,10 +71,22 @@ def check_request_head(request: BaseRequest, limits: LimitsConfig) -> ProxyError
     version = request.version
     if version.major != 1 or version.minor not in (0, 1):
         return version_error()
-    headers = request.headers
+    return check_head(request.method, request.raw_path, request.headers, version.minor, limits)
+
+
+def check_head(
+    method: str,
+    target: str,
+    headers: CIMultiDictProxy[str],
+    minor: int,
+    limits: LimitsConfig,
+) -> ProxyError | None:
+    """:func:`check_request_head` for any front end, the HTTP version already checked:
+    ``minor`` is its minor number (HTTP/2 framing has no ``Transfer-Encoding``, which its
+    server refuses, nor ``Expect`` semantics of its own: pass 1)."""
     te = headers.getall("Transfer-Encoding", ())
     if te:
-        if version.minor == 0:
+        if minor == 0:
             # RFC 9112 6.1: a 1.0 message with Transfer-Encoding has faulty framing.
             return _framing_error(
                 400, "Transfer-Encoding is not allowed in HTTP/1.0.", "invalid_framing"
@@ -97,7 +111,6 @@ def check_request_head(request: BaseRequest, limits: LimitsConfig) -> ProxyError
             return _framing_error(400, "Invalid Content-Length.", "invalid_framing")
         if limits.max_body_size and int(lengths[0]) > limits.max_body_size:
             return BodyTooLarge(limits.max_body_size)
-    method = request.method
     if method in _REFUSED_METHODS:
         return ProxyError(
             405,
@@ -105,7 +118,6 @@ def check_request_head(request: BaseRequest, limits: LimitsConfig) -> ProxyError
             f"Method {method} is not allowed through this proxy.",
             code="method_not_allowed",
         )
-    target = request.raw_path
     if not target.startswith("/"):
         if target == "*" and method == "OPTIONS":
             # The server-wide form: no region has a resource to answer it for.
@@ -140,7 +152,7 @@ def check_request_head(request: BaseRequest, limits: LimitsConfig) -> ProxyError
                     f"Header {name[:ECHO_LIMIT]!r} is not valid UTF-8.",
                     code="invalid_header",
                 )
-    if version.minor == 1 and "Expect" in headers:
+    if minor == 1 and "Expect" in headers:
         # RFC 9110 10.1.1: a 1.0 request's expectations are ignored.
         expect = ",".join(headers.getall("Expect")).strip().lower()
         if expect and expect != "100-continue":

@@ -54,7 +54,7 @@ from yarl import URL
 
 from edgeproxy._core.config import LimitsConfig
 from edgeproxy._core.errors import ProxyError, error_body
-from edgeproxy._protocol.bodies import BodyTimeout, BodyTooLarge
+from edgeproxy._protocol.bodies import BodyDeadline, BodyTimeout, BodyTooLarge, SlowBody
 from edgeproxy._server.headchecks import (
     ECHO_LIMIT,
     check_request_head,
@@ -227,26 +227,6 @@ def _raw_error(status: int, message: str, code: str) -> bytes:
         f"Content-Length: {len(body)}\r\nConnection: close\r\n"
         "X-Edgeproxy-Region: none\r\n\r\n"
     ).encode("ascii") + body
-
-
-def _body_deadline_error(seconds: float) -> ProxyError:
-    return ProxyError(
-        408,
-        "invalid_request_error",
-        f"The request body did not arrive within {seconds:g} seconds.",
-        code="request_timeout",
-        headers={"Connection": "close"},
-    )
-
-
-def _slow_body_error(rate: int) -> ProxyError:
-    return ProxyError(
-        408,
-        "invalid_request_error",
-        f"The request body arrived slower than {rate} bytes per second.",
-        code="request_timeout",
-        headers={"Connection": "close"},
-    )
 
 
 def _parser_reason(message: str | None) -> str:
@@ -565,13 +545,13 @@ class EdgeRequestHandler(web.RequestHandler):
         active = self._active(now)
         if limits.body_deadline and active >= limits.body_deadline:
             guard.body_deadlines += 1
-            return _body_deadline_error(limits.body_deadline)
+            return BodyDeadline(limits.body_deadline)
         rate = limits.min_body_rate
         if rate and active >= self._rate_grace():
             received = self._payload.total_bytes if self._payload is not None else 0
             if received < rate * active:
                 guard.slow_bodies += 1
-                return _slow_body_error(rate)
+                return SlowBody(rate)
         return None
 
     def _body_timer(self) -> None:
