@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import signal
@@ -24,6 +25,7 @@ from edgeproxy._observability.tracing import Tracing
 from edgeproxy._pipeline import JSON_BODY_LIMIT, Pipeline
 from edgeproxy._server.admin import admin_app
 from edgeproxy._server.aio import AiohttpExchange, send_answer
+from edgeproxy._server.asgi import AsgiApp
 from edgeproxy._server.generation import (
     Generation,
     Retiring,
@@ -88,6 +90,11 @@ class EdgeProxy:
     application with ``parent.add_subapp("/llm", proxy.app)``. Pools and other
     resources open and close with the application that runs them, through
     ``cleanup_ctx``.
+
+    ``proxy.asgi`` is the same proxy as an ASGI application: mount it in Starlette
+    or FastAPI (``app.mount("/llm", proxy.asgi)``, with ``lifespan=proxy.lifespan``
+    on the host) or serve it with an ASGI server, whose lifespan events then open
+    and close the pools.
     """
 
     def __init__(self, config: Config, *, plugins: Iterable[object] = ()) -> None:
@@ -142,6 +149,8 @@ class EdgeProxy:
         # The prefix _handle strips, by the route's resource.
         self._prefixes: dict[AbstractResource | None, str] = {}
         self.admin_app = admin_app(self, token=_admin_token(config))
+        # The same proxy for ASGI hosts and servers (the HTTP/2 listener).
+        self.asgi = AsgiApp(self)
         self.tls: ListenerTls | None = None
         self.admin_tls: ListenerTls | None = None
 
@@ -190,6 +199,22 @@ class EdgeProxy:
             yield
         finally:
             await self.close()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: object = None) -> AsyncIterator[None]:
+        """The proxy open for the duration of the block: pass it as an ASGI host's
+        ``lifespan`` (Starlette, FastAPI), whose router does not forward lifespan events
+        to the apps it mounts."""
+        await self.open()
+        try:
+            yield
+        finally:
+            await self.close()
+
+    @property
+    def is_open(self) -> bool:
+        """Whether :meth:`open` has run (and :meth:`close` not yet): requests are served."""
+        return self._generation is not None
 
     def setup(self, app: web.Application) -> None:
         """Tie the proxy's resources to a host ``app`` that calls :meth:`forward` itself."""

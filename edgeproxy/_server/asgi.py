@@ -1,0 +1,425 @@
+"""The ASGI front end: the proxy as an ASGI application, for Starlette and FastAPI hosts and
+for ASGI servers (hypercorn serves the HTTP/2 listener with it).
+
+An ASGI request becomes the pipeline's :class:`Exchange`. The request head is checked as
+the aiohttp listener checks it; the body is read through ``receive`` and bounded as the
+aiohttp listener bounds it (size, stall, rate and deadline). Once the body has been read,
+a watcher keeps reading ``receive``: ``http.disconnect`` marks the client gone and
+cancels the request's task, so upstream work stops when the client leaves, as
+``handler_cancellation`` does under aiohttp.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any, Protocol
+from urllib.parse import quote
+
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from edgeproxy._core.config import Config, LimitsConfig
+from edgeproxy._core.errors import ProxyError, error_response
+from edgeproxy._core.exchange import Exchange, TlsInfo
+from edgeproxy._core.response import Response, StreamResponse
+from edgeproxy._protocol.bodies import BodyDeadline, BodyTimeout, BodyTooLarge, SlowBody
+from edgeproxy._protocol.headers import request_id
+from edgeproxy._server.headchecks import check_head
+
+__all__ = ["AnswerAborted", "AsgiApp", "AsgiExchange", "ClientGone", "Served"]
+
+logger = logging.getLogger("edgeproxy")
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+# Headers a response may not carry on HTTP/2 (RFC 9113 8.2.2): the connection's own.
+_CONNECTION_HEADERS = frozenset(
+    {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "upgrade"}
+)
+_NO_BODY_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "DELETE", "TRACE"})
+# The TLS extension gives the protocol version as its wire number.
+_TLS_VERSIONS = {0x0301: "TLSv1", 0x0302: "TLSv1.1", 0x0303: "TLSv1.2", 0x0304: "TLSv1.3"}
+# How long an answer cut at shutdown may wait for the client to take its last event.
+_CUT_WAIT = 0.5
+
+
+class ClientGone(ConnectionResetError):
+    """The client disconnected (``http.disconnect``) while its request was served."""
+
+
+class AnswerAborted(Exception):
+    """Raised to the ASGI server after an answer that must not look complete: the server
+    then resets the stream (HTTP/2) or closes the connection (HTTP/1.1)."""
+
+
+class Served(Protocol):
+    """What the ASGI application needs of the proxy it serves."""
+
+    @property
+    def config(self) -> Config: ...
+
+    @property
+    def is_open(self) -> bool: ...
+
+    async def open(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def serve_exchange(self, exchange: Exchange) -> StreamResponse: ...
+
+
+def _target(scope: Scope) -> str:
+    raw = scope.get("raw_path")
+    path = raw.decode("latin-1") if raw else quote(scope.get("path", "/"), safe="/%:@!$&'()*+,;=")
+    root = scope.get("root_path", "")
+    if root and path.startswith(root):
+        # Mounted (Starlette's Mount, FastAPI's mount): the prefix is the host's.
+        path = path[len(root) :] or "/"
+    query = scope.get("query_string", b"")
+    return f"{path}?{query.decode('latin-1')}" if query else path
+
+
+def _headers(raw: list[tuple[bytes, bytes]]) -> CIMultiDictProxy[str]:
+    # As aiohttp decodes them: bytes that are not UTF-8 survive as surrogates, so the
+    # head check can refuse them by name.
+    return CIMultiDictProxy(
+        CIMultiDict(
+            (name.decode("latin-1"), value.decode("utf-8", "surrogateescape"))
+            for name, value in raw
+        )
+    )
+
+
+def _tls(scope: Scope, version: str) -> TlsInfo | None:
+    extension = scope.get("extensions", {}).get("tls")
+    if not isinstance(extension, dict):
+        return TlsInfo(alpn="h2" if version == "2" else None)
+    number = extension.get("tls_version")
+    return TlsInfo(
+        _TLS_VERSIONS.get(number) if isinstance(number, int) else None,
+        "h2" if version == "2" else extension.get("alpn"),
+        extension.get("server_name"),
+    )
+
+
+class AsgiExchange(Exchange):
+    """One ASGI HTTP request (scope, ``receive``, ``send``) as the pipeline's exchange."""
+
+    __slots__ = (
+        "_active",
+        "_aborted",
+        "_gone",
+        "_limits",
+        "_more",
+        "_read_started",
+        "_received",
+        "_receive",
+        "_send",
+        "_started",
+        "_task",
+        "_watcher",
+        "scope",
+    )
+
+    def __init__(self, scope: Scope, receive: Receive, send: Send, limits: LimitsConfig) -> None:
+        self.native = self.scope = scope
+        self._receive = receive
+        self._send = send
+        self._limits = limits
+        self.method = scope["method"]
+        self.target = _target(scope)
+        headers = self.headers = _headers(scope.get("headers", []))
+        client = scope.get("client")
+        self.client = client[0] if client else None
+        self.scheme = scope.get("scheme", "http")
+        self.version = version = scope.get("http_version", "1.1")
+        server = scope.get("server")
+        self.host = headers.get("Host") or (f"{server[0]}:{server[1]}" if server else "")
+        self.tls = _tls(scope, version) if self.scheme == "https" else None
+        length = headers.get("Content-Length")
+        self.content_length = int(length) if length is not None and length.isdigit() else None
+        self.body_exists = (
+            bool(self.content_length)
+            if self.content_length is not None
+            else "Transfer-Encoding" in headers
+            or (version == "2" and self.method not in _NO_BODY_METHODS)
+        )
+        self._more = self.body_exists
+        self._read_started = False
+        self._received = 0
+        self._active = 0.0  # seconds spent waiting for body bytes
+        self._gone = False
+        self._started = False
+        self._aborted = False
+        self._task: asyncio.Task[Any] | None = None
+        self._watcher: asyncio.Task[None] | None = None
+
+    # -- the request body ------------------------------------------------
+
+    async def read(self) -> bytes:
+        parts = []
+        while chunk := await self.read_chunk():
+            parts.append(chunk)
+        return b"".join(parts)
+
+    async def read_chunk(self) -> bytes:
+        self._read_started = True
+        while self._more:
+            message = await self._next_body_message()
+            if message["type"] == "http.disconnect":
+                self._more = False
+                self._client_left()
+                raise ClientGone("the client went away while sending its body")
+            body: bytes = message.get("body", b"")
+            self._more = bool(message.get("more_body", False))
+            if not self._more:
+                self._watch()
+            if body:
+                self._received += len(body)
+                limit = self._limits.max_body_size
+                if limit and self._received > limit:
+                    raise BodyTooLarge(limit)
+                return body
+        return b""
+
+    async def _next_body_message(self) -> Message:
+        """The next message, within the body's bounds (the time spent here is all that
+        counts: time the proxy did not read is not the client's)."""
+        limits = self._limits
+        wait = limits.body_timeout
+        if limits.body_deadline:
+            wait = min(wait, max(limits.body_deadline - self._active, 0.0))
+        if limits.min_body_rate:
+            due = max(limits.body_rate_grace, self._received / limits.min_body_rate)
+            wait = min(wait, max(due - self._active, 0.0))
+        started = time.monotonic()
+        try:
+            async with asyncio.timeout(wait):
+                return await self._receive()
+        except TimeoutError:
+            self._active += time.monotonic() - started
+            raise self._body_error() from None
+        finally:
+            self._active += time.monotonic() - started
+
+    def _body_error(self) -> ProxyError:
+        limits = self._limits
+        if limits.body_deadline and self._active >= limits.body_deadline:
+            return BodyDeadline(limits.body_deadline)
+        rate = limits.min_body_rate
+        if rate and self._active >= limits.body_rate_grace and self._received < rate * self._active:
+            return SlowBody(rate)
+        return BodyTimeout(limits.body_timeout)
+
+    def client_gone(self) -> bool:
+        return self._gone
+
+    # -- the client going away -------------------------------------------
+
+    def bind(self, task: asyncio.Task[Any]) -> None:
+        """The task serving this request: cancelled when the client disconnects."""
+        self._task = task
+        if not self._more:
+            self._watch()
+
+    def _watch(self) -> None:
+        if self._watcher is None and self._task is not None:
+            self._watcher = asyncio.create_task(self._wait_disconnect())
+
+    async def _wait_disconnect(self) -> None:
+        while True:
+            message = await self._receive()
+            if message["type"] == "http.disconnect":
+                self._client_left()
+                return
+            # A body nobody reads (the answer came first): its bytes are dropped.
+
+    def _client_left(self) -> None:
+        if self._gone:
+            return
+        self._gone = True
+        task = self._task
+        if task is not None and not task.done() and task is not asyncio.current_task():
+            task.cancel()
+
+    def close(self) -> None:
+        """Stop watching for the client (the request is over)."""
+        watcher, self._watcher = self._watcher, None
+        if watcher is not None:
+            watcher.cancel()
+
+    # -- the response ----------------------------------------------------
+
+    async def start(
+        self, status: int, headers: CIMultiDict[str], length: int | None, close: bool
+    ) -> None:
+        if not self._more and not self._read_started:
+            # No body to read: from now on, receive only says whether the client left.
+            self._watch()
+        h2 = self.version == "2"
+        raw = [
+            (name.lower().encode("latin-1"), value.encode("utf-8"))
+            for name, value in headers.items()
+            if not (h2 and name.lower() in _CONNECTION_HEADERS)
+        ]
+        if length is not None and "Content-Length" not in headers:
+            raw.append((b"content-length", str(length).encode()))
+        if close and not h2 and "Connection" not in headers:
+            raw.append((b"connection", b"close"))
+        self._started = True
+        await self._checked_send({"type": "http.response.start", "status": status, "headers": raw})
+
+    async def write(self, data: bytes) -> None:
+        if self._gone:
+            raise ClientGone("the client went away")
+        await self._checked_send({"type": "http.response.body", "body": data, "more_body": True})
+
+    async def end(self, data: bytes = b"") -> None:
+        if self._gone:
+            raise ClientGone("the client went away")
+        await self._checked_send({"type": "http.response.body", "body": data, "more_body": False})
+
+    async def _checked_send(self, message: Message) -> None:
+        try:
+            await self._send(message)
+        except OSError as exc:
+            # ASGI 2.4: a server raises an OSError for a send on a closed connection.
+            self._client_left()
+            raise ClientGone("the client went away") from exc
+
+    def abort(self) -> None:
+        self._aborted = True
+        reset = self.scope.get("extensions", {}).get("edgeproxy.reset")
+        if reset is not None:
+            reset()
+
+    async def cut(self, data: bytes) -> None:
+        if not self._gone and self._started:
+            with contextlib.suppress(TimeoutError, ConnectionResetError):
+                async with asyncio.timeout(_CUT_WAIT):
+                    await self.write(data)
+        self.abort()
+
+    @property
+    def started(self) -> bool:
+        return self._started
+
+    @property
+    def aborted(self) -> bool:
+        return self._aborted
+
+
+def _own_error(error: ProxyError) -> Response:
+    """An answer the front end gives itself, shaped as the aiohttp listener's."""
+    answer = error_response(
+        error.status, error.type, error.message, code=error.code, headers=error.headers
+    )
+    answer.headers["X-Edgeproxy-Region"] = "none"
+    answer.headers["X-Request-Id"] = request_id(None)
+    return answer
+
+
+class AsgiApp:
+    """The proxy as an ASGI application (``proxy.asgi``).
+
+    Mount it in a host (``app.mount("/llm", proxy.asgi)``) or serve it with any ASGI
+    server. ``lifespan`` events open and close the proxy's pools; a host whose router
+    does not forward them to mounted apps (Starlette, FastAPI) passes
+    :meth:`EdgeProxy.lifespan <edgeproxy.EdgeProxy.lifespan>` as its own ``lifespan``.
+
+    A server may put a callable in the scope's ``extensions["edgeproxy.reset"]``: an
+    aborted answer calls it to reset the request's stream at once (the HTTP/2 listener
+    does; otherwise the application raises :class:`AnswerAborted` to its server).
+    """
+
+    def __init__(self, proxy: Served) -> None:
+        self.proxy = proxy
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            await self._http(scope, receive, send)
+        elif kind == "lifespan":
+            await self._lifespan(receive, send)
+        else:
+            # WebSockets are not proxied: refuse the handshake.
+            await send({"type": "websocket.close", "code": 1003})
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        proxy = self.proxy
+        exchange = AsgiExchange(scope, receive, send, proxy.config.limits)
+        task = asyncio.current_task()
+        assert task is not None
+        exchange.bind(task)
+        try:
+            answer = await self._answer(exchange)
+            if not answer.prepared and not exchange.started and not exchange.client_gone():
+                await answer.prepare(exchange)
+                await answer.write_eof()
+        except asyncio.CancelledError:
+            if exchange.client_gone() and task.uncancel() == 0:
+                return  # the client left: nothing to answer, nobody to tell
+            raise
+        except ClientGone:
+            return
+        finally:
+            exchange.close()
+        if exchange.aborted:
+            raise AnswerAborted("the answer was aborted")
+
+    async def _answer(self, exchange: AsgiExchange) -> StreamResponse:
+        if not self.proxy.is_open:
+            return _own_error(
+                ProxyError(
+                    503,
+                    "service_unavailable",
+                    "the proxy is not open: run its ASGI lifespan, or pass proxy.lifespan "
+                    "to the host application",
+                    code="not_open",
+                )
+            )
+        error = check_head(
+            exchange.method,
+            exchange.target,
+            exchange.headers,
+            0 if exchange.version == "1.0" else 1,
+            self.proxy.config.limits,
+        )
+        if error is not None:
+            return _own_error(error)
+        try:
+            return await self.proxy.serve_exchange(exchange)
+        except ProxyError as err:
+            # Raised before the pipeline answers (a body bound while it was read).
+            if exchange.started:
+                exchange.abort()
+                return error_response(err.status, err.type, err.message)
+            return _own_error(err)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            kind = message["type"]
+            if kind == "lifespan.startup":
+                try:
+                    await self.proxy.open()
+                except Exception as exc:
+                    logger.exception("edgeproxy could not start")
+                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif kind == "lifespan.shutdown":
+                try:
+                    await self.proxy.close()
+                except Exception as exc:
+                    logger.exception("edgeproxy did not close cleanly")
+                    await send({"type": "lifespan.shutdown.failed", "message": str(exc)})
+                    return
+                await send({"type": "lifespan.shutdown.complete"})
+                return
