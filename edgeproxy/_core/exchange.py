@@ -11,12 +11,14 @@ server layer knows which server received the request.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
-__all__ = ["Exchange", "TlsInfo"]
+__all__ = ["Exchange", "TlsInfo", "Writer"]
+
+Writer = Callable[[bytes], Awaitable[None]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,9 +104,13 @@ class Exchange(ABC):
     @abstractmethod
     async def start(
         self, status: int, headers: CIMultiDict[str], length: int | None, close: bool
-    ) -> None:
+    ) -> Writer:
         """Send the status and headers; ``length`` is the body's size when known (else the
-        front end frames it), ``close`` asks to close the connection after this answer."""
+        front end frames it), ``close`` asks to close the connection after this answer.
+
+        Returns what writes the body from now on: :meth:`write` itself, or a quicker
+        writer of the front end's own with the same contract (a streamed answer calls it
+        once per event)."""
 
     @abstractmethod
     async def write(self, data: bytes) -> None:

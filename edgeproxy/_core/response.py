@@ -14,18 +14,30 @@ from typing import Any
 import orjson
 from multidict import CIMultiDict
 
-from edgeproxy._core.exchange import Exchange
+from edgeproxy._core.exchange import Exchange, Writer
 
 __all__ = ["Response", "StreamResponse"]
 
 HeadersIn = Mapping[str, str] | Iterable[tuple[str, str]]
 
 
+async def _unprepared(data: bytes) -> None:
+    raise RuntimeError("write() before prepare()")
+
+
 class StreamResponse:
     """A response written piece by piece: :meth:`prepare` sends the head, :meth:`write`
     each piece, :meth:`write_eof` the end."""
 
-    __slots__ = ("_close", "_eof", "_exchange", "content_length", "headers", "status")
+    __slots__ = (
+        "_close",
+        "_eof",
+        "_exchange",
+        "_writer",
+        "content_length",
+        "headers",
+        "status",
+    )
 
     def __init__(
         self,
@@ -43,6 +55,7 @@ class StreamResponse:
         # The body's size, when known before it is written; else the front end frames it.
         self.content_length: int | None = None
         self._exchange: Exchange | None = None
+        self._writer: Writer = _unprepared
         self._close = False
         self._eof = False
 
@@ -77,14 +90,19 @@ class StreamResponse:
         if self._exchange is not None:
             return
         self._exchange = exchange
-        await exchange.start(self.status, self.headers, self.content_length, self._close)
+        self._writer = await exchange.start(
+            self.status, self.headers, self.content_length, self._close
+        )
 
     async def write(self, data: bytes) -> None:
         """Send a piece of the body. Raises :class:`ConnectionResetError` if the client left."""
-        exchange = self._exchange
-        if exchange is None:
-            raise RuntimeError("write() before prepare()")
-        await exchange.write(data)
+        await self._writer(data)
+
+    @property
+    def writer(self) -> Writer:
+        """What :meth:`write` does, without going through it: for loops writing many
+        pieces (a relayed stream), once prepared."""
+        return self._writer
 
     async def write_eof(self, data: bytes = b"") -> None:
         """End the body cleanly, after ``data`` if given; a second call does nothing."""

@@ -11,7 +11,7 @@ from aiohttp.http_writer import HttpVersion10, HttpVersion11, StreamWriter
 from multidict import CIMultiDict
 
 from edgeproxy._core.errors import error_response
-from edgeproxy._core.exchange import Exchange, TlsInfo
+from edgeproxy._core.exchange import Exchange, TlsInfo, Writer
 from edgeproxy._core.response import Response, StreamResponse
 
 __all__ = ["AiohttpExchange", "send_answer", "web_error", "web_response"]
@@ -65,13 +65,15 @@ class AiohttpExchange(Exchange):
 
     async def start(
         self, status: int, headers: CIMultiDict[str], length: int | None, close: bool
-    ) -> None:
+    ) -> Writer:
         resp = self.response = web.StreamResponse(status=status, headers=headers)
         if length is not None:
             resp.content_length = length
         if close:
             resp.force_close()
         await resp.prepare(self.request)
+        # aiohttp's own write, with the same contract: one call less per event.
+        return resp.write
 
     async def write(self, data: bytes) -> None:
         assert self.response is not None

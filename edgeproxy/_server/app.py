@@ -33,6 +33,7 @@ from edgeproxy._server.generation import (
     open_generation,
     restart_errors,
 )
+from edgeproxy._server.h2listener import Http2Listener
 from edgeproxy._server.listener import (
     ConnectionGuard,
     GuardedSite,
@@ -128,6 +129,8 @@ class EdgeProxy:
         # The last reload, for /status: ok, errors, at.
         self.last_reload: dict[str, Any] | None = None
         self._runner: web.AppRunner | None = None
+        # The HTTP/2 client listener (server.http2), in place of _runner's.
+        self._h2: Http2Listener | None = None
         self._admin_runner: web.AppRunner | None = None
         self.draining = False
         # Bodies are streamed or buffered by the pipeline itself, up to its own limit.
@@ -504,32 +507,49 @@ class EdgeProxy:
                 server.tls_key,
                 client_ca=server.tls_client_ca,
                 base_dir=base_dir,
+                alpn=("h2", "http/1.1") if server.http2 else ("http/1.1",),
             )
         admin_config = self.config.admin
         if admin_socket is None and admin_config.tls_cert and admin_config.tls_key:
             self.admin_tls = ListenerTls(
                 "admin", admin_config.tls_cert, admin_config.tls_key, base_dir=base_dir
             )
-        self._runner = web.AppRunner(
-            self.app,
-            handler_cancellation=True,
-            access_log=None,
-            # What aiohttp waits for handlers at cleanup, twice: none is left by then
-            # (stop() cuts them at the end of the grace period), so this only bounds a
-            # handler that ignores its cancellation.
-            shutdown_timeout=_STRAGGLER_TIMEOUT,
-        )
-        await self._runner.setup()
-        site = GuardedSite(
-            self._runner,
-            server.host,
-            server.port,
-            guard=self.guard,
-            backlog=server.backlog,
-            reuse_port=server.reuse_port,
-            ssl_context=self.tls.context if self.tls is not None else None,
-        )
-        await site.start()
+        ssl_context = self.tls.context if self.tls is not None else None
+        if server.http2:
+            # hypercorn serves the ASGI front end; the proxy opens here, not in a lifespan.
+            await self.open()
+            self._h2 = Http2Listener(
+                self.asgi, self.guard, ssl_context=ssl_context, grace=server.grace_period
+            )
+            try:
+                await self._h2.start(
+                    server.host, server.port, backlog=server.backlog, reuse_port=server.reuse_port
+                )
+            except BaseException:
+                self._h2 = None
+                await self.close()
+                raise
+        else:
+            self._runner = web.AppRunner(
+                self.app,
+                handler_cancellation=True,
+                access_log=None,
+                # What aiohttp waits for handlers at cleanup, twice: none is left by then
+                # (stop() cuts them at the end of the grace period), so this only bounds a
+                # handler that ignores its cancellation.
+                shutdown_timeout=_STRAGGLER_TIMEOUT,
+            )
+            await self._runner.setup()
+            site = GuardedSite(
+                self._runner,
+                server.host,
+                server.port,
+                guard=self.guard,
+                backlog=server.backlog,
+                reuse_port=server.reuse_port,
+                ssl_context=ssl_context,
+            )
+            await site.start()
         if admin_socket is not None or self.config.admin.enabled:
             self._admin_runner = web.AppRunner(self.admin_app, access_log=None)
             await self._admin_runner.setup()
@@ -549,6 +569,8 @@ class EdgeProxy:
     @property
     def url(self) -> str:
         """The proxy listener's base URL, with the real port when port 0 was asked."""
+        if self._h2 is not None:
+            return _address_url(self._h2.addresses, tls=self.tls is not None)
         return _runner_url(self._runner, tls=self.tls is not None)
 
     @property
@@ -581,9 +603,12 @@ class EdgeProxy:
         for retiring in self._retiring.generations():
             retiring.pipeline.draining = True
         drained = True
-        if self._runner is not None:
-            for site in list(self._runner.sites):
-                await site.stop()
+        if self._runner is not None or self._h2 is not None:
+            if self._runner is not None:
+                for site in list(self._runner.sites):
+                    await site.stop()
+            if self._h2 is not None:
+                await self._h2.stop_accepting()
             self.guard.start_draining()
             if pipeline is not None:
                 # The generations a reload retired drain within the same grace period.
@@ -600,13 +625,22 @@ class EdgeProxy:
                     for retiring in self._retiring.generations():
                         retiring.pipeline.stream.shutting_down = True
                     self.guard.cut_requests()
+                    if self._h2 is not None:
+                        self._h2.cut_requests()
                     # Cancelled, they only let go of what they hold (upstream streams).
                     if not await pipeline.wait_idle(_STRAGGLER_TIMEOUT):
                         logger.warning(
                             "%d requests still running after being cut", pipeline.in_flight
                         )
-            await self._runner.cleanup()
-            self._runner = None
+            if self._runner is not None:
+                await self._runner.cleanup()
+                self._runner = None
+            if self._h2 is not None:
+                h2, self._h2 = self._h2, None
+                try:
+                    await h2.close()
+                finally:
+                    await self.close()
         if self._admin_runner is not None:
             await self._admin_runner.cleanup()
             self._admin_runner = None
@@ -644,9 +678,13 @@ PROXY_KEY = web.AppKey("edgeproxy.proxy", EdgeProxy)
 
 
 def _runner_url(runner: web.AppRunner | None, *, tls: bool = False) -> str:
-    if runner is None or not runner.addresses:
+    return _address_url(runner.addresses if runner is not None else [], tls=tls)
+
+
+def _address_url(addresses: list[Any], *, tls: bool = False) -> str:
+    if not addresses:
         raise RuntimeError("not listening")
-    address = runner.addresses[0]
+    address = addresses[0]
     if isinstance(address, str):  # a Unix socket
         return f"unix:{address}"
     host, port = address[:2]

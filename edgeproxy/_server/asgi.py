@@ -23,7 +23,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from edgeproxy._core.config import Config, LimitsConfig
 from edgeproxy._core.errors import ProxyError, error_response
-from edgeproxy._core.exchange import Exchange, TlsInfo
+from edgeproxy._core.exchange import Exchange, TlsInfo, Writer
 from edgeproxy._core.response import Response, StreamResponse
 from edgeproxy._protocol.bodies import BodyDeadline, BodyTimeout, BodyTooLarge, SlowBody
 from edgeproxy._protocol.headers import request_id
@@ -258,7 +258,7 @@ class AsgiExchange(Exchange):
 
     async def start(
         self, status: int, headers: CIMultiDict[str], length: int | None, close: bool
-    ) -> None:
+    ) -> Writer:
         if not self._more and not self._read_started:
             # No body to read: from now on, receive only says whether the client left.
             self._watch()
@@ -274,6 +274,7 @@ class AsgiExchange(Exchange):
             raw.append((b"connection", b"close"))
         self._started = True
         await self._checked_send({"type": "http.response.start", "status": status, "headers": raw})
+        return self.write
 
     async def write(self, data: bytes) -> None:
         if self._gone:

@@ -154,6 +154,10 @@ class ConnectionGuard:
         self.slow_bodies = 0
         self.bodies_too_large = 0
         self.shutdown_cuts = 0
+        # The HTTP/2 listener's abusers, by what they did (each lost its connection).
+        self.h2_rapid_resets = 0
+        self.h2_control_floods = 0
+        self.h2_protocol_errors = 0
         # The listener drains (bodies get a short rate grace) / cut what was left.
         self.draining = False
         self.shutting_down = False
@@ -212,6 +216,9 @@ class ConnectionGuard:
             "body_deadlines": self.body_deadlines,
             "slow_bodies": self.slow_bodies,
             "bodies_too_large": self.bodies_too_large,
+            "h2_rapid_resets": self.h2_rapid_resets,
+            "h2_control_floods": self.h2_control_floods,
+            "h2_protocol_errors": self.h2_protocol_errors,
         }
 
 

@@ -34,8 +34,10 @@ class ListenerTls:
         *,
         client_ca: str | None = None,
         base_dir: Path | None = None,
+        alpn: tuple[str, ...] = ("http/1.1",),
     ) -> None:
         self.section = section
+        self._alpn = list(alpn)
         self._cert = self._path(cert, base_dir)
         self._key = self._path(key, base_dir)
         self._client_ca = self._path(client_ca, base_dir) if client_ca else None
@@ -47,11 +49,10 @@ class ListenerTls:
         path = Path(value).expanduser()
         return path if path.is_absolute() or base_dir is None else base_dir / path
 
-    @staticmethod
-    def _new_context() -> ssl.SSLContext:
+    def _new_context(self) -> ssl.SSLContext:
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         context.minimum_version = ssl.TLSVersion.TLSv1_2
-        context.set_alpn_protocols(["http/1.1"])
+        context.set_alpn_protocols(self._alpn)
         # Forward-secret AEAD suites only for TLS 1.2 (1.3's are all of that kind).
         context.set_ciphers("ECDHE+AESGCM:ECDHE+CHACHA20")
         context.options |= ssl.OP_NO_COMPRESSION | ssl.OP_NO_RENEGOTIATION

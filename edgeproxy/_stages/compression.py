@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from edgeproxy._core.config import Config
 from edgeproxy._core.context import RequestContext
+from edgeproxy._core.exchange import Writer
 from edgeproxy._core.response import StreamResponse
 from edgeproxy._core.types import Headers
 from edgeproxy._protocol.encoding import (
@@ -41,6 +42,11 @@ class EncodedResponse(StreamResponse):
         self.headers["Content-Encoding"] = encoding
         self.headers.add("Vary", "Accept-Encoding")
         self._stream: StreamCompressor | None = StreamCompressor(encoding)
+
+    @property
+    def writer(self) -> Writer:
+        # Every piece goes through the compressor.
+        return self.write
 
     async def write(self, data: bytes) -> None:
         if data and self._stream is not None:

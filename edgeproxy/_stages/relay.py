@@ -135,7 +135,7 @@ class StreamStage:
             ctx.first_byte_at = time.monotonic()
             if splice is None:
                 await self._body(
-                    request, ctx, self._chunks(ctx, upstream), recorder, resp.write, usage
+                    request, ctx, self._chunks(ctx, upstream), recorder, resp.writer, usage
                 )
             else:
                 await self._spliced(request, ctx, upstream, recorder, resp, usage, splice)
@@ -212,7 +212,7 @@ class StreamStage:
             ctx.first_byte_at = time.monotonic()
             if splice is None:
                 chunks = self._chunks(ctx, upstream)
-                await self._body(request, ctx, chunks, recorder, resp.write, usage)
+                await self._body(request, ctx, chunks, recorder, resp.writer, usage)
             else:
                 await self._spliced(request, ctx, upstream, recorder, resp, usage, splice)
             await resp.write_eof()

@@ -63,7 +63,8 @@ class ServerConfig(Section):
     tls_cert: str | None = Field(
         None,
         description="Certificate chain (PEM) of the client listener: it speaks TLS 1.2+ with ALPN "
-        "http/1.1. Relative paths are from the config file's folder. Reloaded on SIGHUP.",
+        "http/1.1 (h2 and http/1.1 with http2). Relative paths are from the config file's "
+        "folder. Reloaded on SIGHUP.",
     )
     tls_key: str | None = Field(
         None,
@@ -74,6 +75,20 @@ class ServerConfig(Section):
         None,
         description="CA bundle (PEM) that client certificates must chain to: mutual TLS, a client "
         "without a valid certificate is refused in the handshake. Needs tls_cert.",
+    )
+
+    http2: bool = Field(
+        False,
+        description="Serve HTTP/2 beside HTTP/1.1 on the client listener (hypercorn runs it, "
+        "with the same limits): over TLS, ALPN offers h2 and http/1.1; in cleartext it needs "
+        "h2c. A browser then carries all the SSE streams of a page on one connection. Off: "
+        "the aiohttp HTTP/1.1 listener.",
+    )
+    h2c: bool = Field(
+        False,
+        description="With http2 and no TLS: accept cleartext HTTP/2 (prior knowledge, or "
+        "Upgrade: h2c) beside HTTP/1.1, for clients that know the proxy speaks it (browsers "
+        "speak HTTP/2 over TLS only).",
     )
 
     compression: bool = Field(
@@ -105,6 +120,17 @@ class ServerConfig(Section):
         if value and not info.data.get("tls_cert"):
             raise ValueError("needs tls_cert: client certificates are checked by a TLS listener")
         return value
+
+    @model_validator(mode="after")
+    def _check_http2(self) -> ServerConfig:
+        if self.h2c and not self.http2:
+            raise ValueError("h2c = true needs http2 = true")
+        if self.http2 and not self.tls_cert and not self.h2c:
+            raise ValueError(
+                "http2 = true needs TLS (tls_cert and tls_key: browsers negotiate h2 by ALPN) "
+                "or h2c = true for cleartext HTTP/2"
+            )
+        return self
 
     @field_validator("workers", mode="before")
     @classmethod
@@ -268,6 +294,26 @@ class LimitsConfig(Section):
         description="Seconds a whole request body may take to arrive, from the end of its "
         "head (time the proxy itself stopped reading does not count); then 408 and the "
         "connection closes. 0 means no deadline.",
+    )
+    h2_max_concurrent_streams: int = Field(
+        100,
+        ge=1,
+        le=10_000,
+        description="HTTP/2 listener: most streams one connection may have open at once "
+        "(SETTINGS_MAX_CONCURRENT_STREAMS); a client opening more loses the connection.",
+    )
+    h2_max_control_frames: int = Field(
+        200,
+        ge=10,
+        description="HTTP/2 listener: most PING, SETTINGS and PRIORITY frames one connection "
+        "may send in 10 seconds; more (a flood) gets GOAWAY and the connection closes.",
+    )
+    h2_max_premature_resets: int = Field(
+        100,
+        ge=1,
+        description="HTTP/2 listener: streams one connection may cancel (RST_STREAM) before "
+        "their answer ended; past that, once at least half its streams ended so, it gets "
+        "GOAWAY and closes (rapid reset, CVE-2023-44487).",
     )
     keepalive_timeout: float = Field(
         75.0,

@@ -1,0 +1,367 @@
+"""The HTTP/2 client listener: hypercorn serving the ASGI front end, with HTTP/1.1 beside it.
+
+``server.http2 = true`` puts it in place of the aiohttp listener: over TLS, ALPN offers
+``h2`` and ``http/1.1``; in cleartext (``server.h2c``) a client may start HTTP/2 with
+prior knowledge or upgrade to it. One browser connection then carries every SSE stream
+of a page, instead of six connections at most over HTTP/1.1.
+
+hypercorn parses and frames; this module adds what a proxy facing the internet needs on
+top, with the limits of ``[limits]``:
+
+* the connection caps of the aiohttp listener (``max_connections``, per address);
+* a request head must arrive within ``header_timeout`` once its first bytes came;
+* HTTP/2 abuse, each counted and answered with GOAWAY (``ENHANCE_YOUR_CALM``) and a
+  closed connection: rapid reset (CVE-2023-44487: streams the client cancels before
+  their answer ends, ``h2_max_premature_resets``), PING and SETTINGS floods
+  (``h2_max_control_frames`` per 10 seconds), more open streams than
+  ``h2_max_concurrent_streams`` (h2 refuses them as a protocol error);
+* CONTINUATION floods are refused by h2 itself (at most 64 frames in one header block,
+  each at most 16 KiB), header lists over ``max_headers`` x ``max_header_size`` by the
+  SETTINGS it advertises;
+* an answer aborted mid-stream resets its stream (RST_STREAM) once what was written
+  before it has gone out; hypercorn alone would leave the stream open.
+
+Body size, stall, rate and deadline are bounded by the ASGI front end, as on any server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import h2.connection
+import h2.errors
+import h2.events
+import h2.exceptions
+import h11
+from hypercorn.app_wrappers import ASGIWrapper
+from hypercorn.asyncio.tcp_server import TCPServer
+from hypercorn.asyncio.worker_context import WorkerContext
+from hypercorn.config import Config as HyperConfig
+from hypercorn.events import Closed, RawData
+from hypercorn.protocol.h2 import H2Protocol
+from hypercorn.protocol.h11 import H11Protocol
+
+from edgeproxy._core.config import LimitsConfig
+from edgeproxy._server.asgi import Receive, Scope, Send
+from edgeproxy._server.listener import ConnectionGuard
+
+__all__ = ["Http2Listener"]
+
+logger = logging.getLogger("edgeproxy")
+
+_CALM = h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
+_CONTROL_WINDOW = 10.0
+_MAX_RECV = 2**16
+_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+_ASGI = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+def _hyper_config(limits: LimitsConfig, grace: float) -> HyperConfig:
+    config = HyperConfig()
+    config.h2_max_concurrent_streams = limits.h2_max_concurrent_streams
+    config.h2_max_header_list_size = limits.max_headers * limits.max_header_size
+    config.h11_max_incomplete_size = limits.max_request_line + limits.max_header_size * 2
+    config.keep_alive_timeout = limits.keepalive_timeout
+    # Its GOAWAY after this many requests marks the last stream processed and never
+    # answers it; connections are bounded by the keep-alive timeout instead.
+    config.keep_alive_max_requests = sys.maxsize
+    config.graceful_timeout = grace
+    config.accesslog = None
+    config.errorlog = logging.getLogger("edgeproxy.http2")
+    return config
+
+
+class _Abuse(h2.exceptions.ProtocolError):
+    """A client broke one of the listener's HTTP/2 limits."""
+
+
+class _ConnectionGuard:
+    """One connection's HTTP/2 counters, checked on every batch of frames it sends."""
+
+    __slots__ = ("controls", "guard", "opened", "premature", "protocol", "window_start")
+
+    def __init__(self, guard: ConnectionGuard, protocol: H2Protocol, now: float) -> None:
+        self.guard = guard
+        self.protocol = protocol
+        self.opened = 0
+        self.premature = 0
+        self.controls = 0
+        self.window_start = now
+
+    def check(self, events: list[h2.events.Event], now: float) -> None:
+        limits = self.guard.limits
+        streams = self.protocol.streams
+        # Streams opened in this batch are not among hypercorn's yet.
+        new: set[int] = set()
+        for event in events:
+            if isinstance(event, h2.events.RequestReceived):
+                self.opened += 1
+                new.add(event.stream_id)
+            elif isinstance(event, h2.events.StreamReset):
+                if event.remote_reset and (event.stream_id in streams or event.stream_id in new):
+                    self.premature += 1
+            elif isinstance(
+                event,
+                h2.events.PingReceived
+                | h2.events.RemoteSettingsChanged
+                | h2.events.PriorityUpdated,
+            ):
+                self.controls += 1
+        if self.premature > limits.h2_max_premature_resets and self.premature * 2 >= self.opened:
+            self.guard.h2_rapid_resets += 1
+            raise _Abuse("too many streams cancelled before their answer (rapid reset)")
+        if now - self.window_start >= _CONTROL_WINDOW:
+            self.window_start, self.controls = now, 0
+        elif self.controls > limits.h2_max_control_frames:
+            self.guard.h2_control_floods += 1
+            raise _Abuse("too many PING/SETTINGS/PRIORITY frames")
+
+
+def _guard_h2(protocol: H2Protocol, guard: ConnectionGuard) -> None:
+    """Check every batch of frames the client sends on ``protocol``'s connection."""
+    conn: h2.connection.H2Connection = protocol.connection
+    receive = conn.receive_data
+    loop = asyncio.get_running_loop()
+    counters = _ConnectionGuard(guard, protocol, loop.time())
+
+    def receive_data(data: Any) -> list[h2.events.Event]:
+        try:
+            events = receive(data)
+        except h2.exceptions.ProtocolError:
+            # hypercorn answers it with GOAWAY and closes; counted here.
+            guard.h2_protocol_errors += 1
+            raise
+        try:
+            counters.check(events, loop.time())
+        except _Abuse as abuse:
+            logger.warning("HTTP/2 client %s: %s; closing", protocol.client, abuse)
+            conn.close_connection(error_code=_CALM)
+            raise
+        return events
+
+    conn.receive_data = receive_data  # type: ignore[method-assign]  # this connection only
+
+
+class _Connection(TCPServer):
+    """hypercorn's connection, with the head deadline and the HTTP/2 guard."""
+
+    def __init__(self, listener: Http2Listener, *args: Any) -> None:
+        super().__init__(*args)
+        self._listener = listener
+        self._guarded = False
+
+    async def _read_data(self) -> None:
+        guard = self._listener.guard
+        limits = guard.limits
+        loop = asyncio.get_running_loop()
+        head_since: float | None = None
+        while not self.reader.at_eof():
+            inner = self.protocol.protocol
+            if not self._guarded and isinstance(inner, H2Protocol):
+                _guard_h2(inner, guard)
+                self._guarded = True
+            timeout = None
+            if _partial_head(inner):
+                head_since = loop.time() if head_since is None else head_since
+                timeout = max(head_since + limits.header_timeout - loop.time(), 0.0)
+            else:
+                head_since = None
+            try:
+                async with asyncio.timeout(timeout):
+                    data = await self.reader.read(_MAX_RECV)
+            except TimeoutError:
+                guard.header_timeouts += 1
+                break
+            except (ConnectionError, OSError, ssl.SSLError):
+                break
+            if not self._guarded and data[:24] == _PREFACE:
+                # Cleartext HTTP/2 by prior knowledge: hypercorn switches protocols on the
+                # preface; the frames after it are checked from the first.
+                await self.protocol.handle(RawData(data[:24]))
+                inner = self.protocol.protocol
+                if isinstance(inner, H2Protocol):
+                    _guard_h2(inner, guard)
+                    self._guarded = True
+                data = data[24:]
+                if not data:
+                    continue
+            await self.protocol.handle(RawData(data))
+        await self.protocol.handle(Closed())
+
+
+def _partial_head(protocol: H11Protocol | H2Protocol) -> bool:
+    """Whether the client has sent part of a request head and not the rest."""
+    if isinstance(protocol, H2Protocol):
+        # h2's frame buffer: a header block waiting for its CONTINUATION frames, or part
+        # of a frame while no request runs (private names, read defensively).
+        buffer = protocol.connection.incoming_buffer
+        return bool(getattr(buffer, "_headers_buffer", None)) or (
+            bool(getattr(buffer, "_data", None)) and not protocol.streams
+        )
+    connection = protocol.connection
+    return connection.their_state is h11.IDLE and bool(connection.trailing_data[0])
+
+
+class Http2Listener:
+    """The client listener over HTTP/2 and HTTP/1.1, serving ``app`` (the ASGI front end)."""
+
+    def __init__(
+        self,
+        app: _ASGI,
+        guard: ConnectionGuard,
+        *,
+        ssl_context: ssl.SSLContext | None,
+        grace: float,
+    ) -> None:
+        self.guard = guard
+        self._app = ASGIWrapper(self._with_reset(app))  # type: ignore[arg-type]
+        self._ssl = ssl_context
+        self._config = _hyper_config(guard.limits, grace)
+        self._context = WorkerContext(None)
+        self._server: asyncio.Server | None = None
+        self._connections: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
+        self._requests: set[asyncio.Task[Any]] = set()
+        self._resets: set[asyncio.Task[None]] = set()
+
+    @property
+    def addresses(self) -> list[Any]:
+        if self._server is None:
+            return []
+        return [sock.getsockname() for sock in self._server.sockets]
+
+    async def start(self, host: str, port: int, *, backlog: int, reuse_port: bool) -> None:
+        self._server = await asyncio.start_server(
+            self._connected,
+            host,
+            port,
+            backlog=backlog,
+            reuse_port=reuse_port or None,
+            ssl=self._ssl,
+            ssl_handshake_timeout=self.guard.limits.header_timeout if self._ssl else None,
+        )
+
+    async def _connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        guard = self.guard
+        peer = writer.get_extra_info("peername")
+        ip = peer[0] if isinstance(peer, tuple) else ""
+        if guard.open >= guard.limits.max_connections:
+            guard.refused += 1
+            writer.close()
+            return
+        cap = guard.max_per_ip
+        if cap and guard.per_ip.get(ip, 0) >= cap:
+            guard.refused_per_ip += 1
+            writer.close()
+            return
+        task = asyncio.current_task()
+        assert task is not None
+        self._connections[task] = writer
+        guard.open += 1
+        guard.per_ip[ip] = guard.per_ip.get(ip, 0) + 1
+        try:
+            await _Connection(
+                self,
+                self._app,
+                asyncio.get_running_loop(),
+                self._config,
+                self._context,
+                {},
+                reader,
+                writer,
+            )
+        except asyncio.CancelledError:
+            # Cut by close(): the connection's own task, which nothing awaits.
+            pass
+        finally:
+            self._connections.pop(task, None)
+            guard.open -= 1
+            left = guard.per_ip.get(ip, 1) - 1
+            if left:
+                guard.per_ip[ip] = left
+            else:
+                guard.per_ip.pop(ip, None)
+
+    def _with_reset(self, app: _ASGI) -> _ASGI:
+        """``app`` with the ``edgeproxy.reset`` extension on HTTP/2 requests, and each
+        request's task kept (to cut at shutdown)."""
+
+        async def serve(scope: Scope, receive: Receive, send: Send) -> None:
+            if scope["type"] != "http":
+                await app(scope, receive, send)
+                return
+            if scope.get("http_version") == "2":
+                stream = getattr(send, "__self__", None)
+                protocol = getattr(getattr(stream, "send", None), "__self__", None)
+                if isinstance(protocol, H2Protocol) and stream is not None:
+                    scope["extensions"]["edgeproxy.reset"] = lambda: self._reset(
+                        protocol, stream.stream_id
+                    )
+            task = asyncio.current_task()
+            assert task is not None
+            self._requests.add(task)
+            try:
+                await app(scope, receive, send)
+            finally:
+                self._requests.discard(task)
+
+        return serve
+
+    def _reset(self, protocol: H2Protocol, stream_id: int) -> None:
+        task = asyncio.create_task(self._reset_when_sent(protocol, stream_id))
+        self._resets.add(task)
+        task.add_done_callback(self._resets.discard)
+
+    @staticmethod
+    async def _reset_when_sent(protocol: H2Protocol, stream_id: int) -> None:
+        # What was written before the abort (an SSE error event) goes out first.
+        buffer = protocol.stream_buffers.get(stream_id)
+        if buffer is not None and len(buffer.buffer) > 0:
+            await buffer.drain()
+        try:
+            protocol.connection.reset_stream(stream_id, h2.errors.ErrorCodes.INTERNAL_ERROR)
+        except h2.exceptions.ProtocolError:
+            return  # closed already
+        data = protocol.connection.data_to_send()
+        if data:
+            await protocol.send(RawData(data=data))
+
+    async def stop_accepting(self) -> None:
+        """Close the listening socket; connections open go on, and GOAWAY their clients
+        once idle (hypercorn's ``terminated``)."""
+        if self._server is not None:
+            self._server.close()
+        await self._context.terminated.set()
+
+    def cut_requests(self) -> int:
+        """Cancel every request still running; returns how many."""
+        cut = 0
+        for task in list(self._requests):
+            if not task.done():
+                task.cancel()
+                cut += 1
+        self.guard.shutdown_cuts += cut
+        return cut
+
+    async def close(self) -> None:
+        """Close every connection and wait for them."""
+        await self.stop_accepting()
+        if self._server is not None:
+            await self._server.wait_closed()
+            self._server = None
+        # Closed from the socket up, hypercorn's tasks end on their own; those that do not
+        # within the wait are cancelled.
+        for writer in list(self._connections.values()):
+            writer.close()
+        if self._connections:
+            _, pending = await asyncio.wait(list(self._connections), timeout=5.0)
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.wait(pending, timeout=1.0)
+        for task in list(self._resets):
+            task.cancel()

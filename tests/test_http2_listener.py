@@ -1,0 +1,333 @@
+"""The HTTP/2 client listener (``server.http2``): many SSE streams on one connection, TLS
+with ALPN h2, HTTP/1.1 beside it, its config errors, and hostile HTTP/2 clients built on
+the h2 library (rapid reset, PING/SETTINGS/CONTINUATION floods, stream exhaustion, a
+stalled head): each is counted and loses its connection while a good client is served."""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import h2.config
+import h2.connection
+import h2.errors
+import h2.events
+import httpx
+import pytest
+import trustme
+from hyperframe.frame import ContinuationFrame, HeadersFrame, PingFrame, SettingsFrame
+
+from edgeproxy import Config, ConfigError, EdgeProxy
+
+from .conftest import ProxyFactory, RegionFactory, eventually, proxy_config
+
+CHAT = "/v1/chat/completions"
+BODY = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
+H2C = {"http2": True, "h2c": True}
+
+
+def load(**server: Any) -> Config:
+    data = proxy_config([{"name": "ap-1", "url": "http://127.0.0.1:9"}], server=server)
+    return Config.from_mapping(data, environ={})
+
+
+# -- config ----------------------------------------------------------------------
+
+
+def test_http2_without_tls_or_h2c_names_the_key() -> None:
+    with pytest.raises(ConfigError) as info:
+        load(http2=True)
+    message = str(info.value)
+    assert "server" in message and "http2" in message and "h2c" in message
+
+
+def test_h2c_without_http2_names_the_key() -> None:
+    with pytest.raises(ConfigError, match="h2c"):
+        load(h2c=True)
+
+
+def test_certificate_without_key_names_the_key() -> None:
+    with pytest.raises(ConfigError, match=r"server\.tls_key"):
+        load(http2=True, tls_cert="proxy.pem")
+
+
+# -- serving ---------------------------------------------------------------------
+
+
+async def test_ten_sse_streams_share_one_connection(
+    make_region: RegionFactory, make_proxy: ProxyFactory
+) -> None:
+    """A page's ten chats stream at once over one HTTP/2 connection (HTTP/1.1 would need
+    ten connections, and a browser opens six)."""
+    region = await make_region("ap-1", tokens=40, inter_token_delay=0.05)
+    proxy = await make_proxy([region], server=H2C)
+    first_events = 0
+    all_started = asyncio.Event()
+    connections: list[int] = []
+
+    async def chat(client: httpx.AsyncClient, i: int) -> list[str]:
+        nonlocal first_events
+        body = {**BODY, "stream": True, "user": f"tab-{i}"}
+        lines: list[str] = []
+        async with client.stream("POST", proxy.url + CHAT, json=body) as resp:
+            assert resp.status_code == 200 and resp.http_version == "HTTP/2"
+            async for line in resp.aiter_lines():
+                if line.startswith("data: ") and not lines:
+                    first_events += 1
+                    if first_events == 10:
+                        # All ten stream at once: count the client connections now.
+                        connections.append(proxy.guard.open)
+                        all_started.set()
+                    # Every stream has its first token before any goes on: all ten run at once.
+                    await asyncio.wait_for(all_started.wait(), 30)
+                if line.startswith("data: "):
+                    lines.append(line)
+        return lines
+
+    async with httpx.AsyncClient(http1=False, http2=True, timeout=30) as client:
+        results = await asyncio.gather(*(chat(client, i) for i in range(10)))
+    assert all(lines[-1] == "data: [DONE]" for lines in results)
+    assert connections == [1]
+
+
+async def test_http1_and_json_on_the_same_listener(
+    make_region: RegionFactory, make_proxy: ProxyFactory
+) -> None:
+    region = await make_region("ap-1")
+    proxy = await make_proxy([region], server=H2C)
+    async with aiohttp.ClientSession() as client:
+        async with client.post(proxy.url + CHAT, json=BODY) as resp:
+            assert resp.status == 200 and resp.version.major == 1
+            assert resp.headers["X-Edgeproxy-Region"] == "ap-1"
+            assert (await resp.json())["object"] == "chat.completion"
+    async with httpx.AsyncClient(http1=False, http2=True) as client:
+        resp = await client.post(proxy.url + CHAT, json=BODY)
+        assert resp.status_code == 200 and resp.http_version == "HTTP/2"
+        assert resp.json()["object"] == "chat.completion"
+        # The proxy's own errors, in the OpenAI shape, without HTTP/1.1-only headers.
+        resp = await client.post(proxy.url + CHAT, content=b"{nope")
+        assert resp.status_code == 400 and resp.json()["error"]["type"] == "invalid_request_error"
+
+
+async def test_tls_offers_h2_by_alpn(
+    make_region: RegionFactory, make_proxy: ProxyFactory, tmp_path: Path
+) -> None:
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1", "localhost")
+    cert_path, key_path = tmp_path / "proxy.pem", tmp_path / "proxy.key"
+    cert.private_key_and_cert_chain_pem.write_to_path(str(cert_path))
+    cert.private_key_pem.write_to_path(str(key_path))
+    region = await make_region("ap-1", tokens=4)
+    proxy = await make_proxy(
+        [region], server={"http2": True, "tls_cert": str(cert_path), "tls_key": str(key_path)}
+    )
+    assert proxy.url.startswith("https://")
+    context = ssl.create_default_context()
+    ca.configure_trust(context)
+    async with httpx.AsyncClient(http2=True, verify=context) as client:
+        resp = await client.post(proxy.url + CHAT, json={**BODY, "stream": True})
+        assert resp.status_code == 200 and resp.http_version == "HTTP/2"
+        assert resp.text.rstrip().endswith("data: [DONE]")
+    # A client without h2 gets HTTP/1.1 from the same port.
+    async with httpx.AsyncClient(http2=False, verify=context) as client:
+        resp = await client.post(proxy.url + CHAT, json=BODY)
+        assert resp.status_code == 200 and resp.http_version == "HTTP/1.1"
+
+
+async def test_reset_mid_stream_resets_the_stream(
+    make_region: RegionFactory, make_proxy: ProxyFactory
+) -> None:
+    """An answer cut upstream: its error event, then RST_STREAM (not a clean end); the
+    connection serves the next request."""
+    region = await make_region("ap-1", fault="reset", fault_after_tokens=2, inter_token_delay=0.01)
+    proxy = await make_proxy([region], server=H2C)
+    raw = ""
+    async with httpx.AsyncClient(http1=False, http2=True) as client:
+        with pytest.raises(httpx.RemoteProtocolError):
+            async with client.stream("POST", proxy.url + CHAT, json={**BODY, "stream": True}) as r:
+                async for text in r.aiter_text():
+                    raw += text
+        assert "event: error" in raw and "[DONE]" not in raw
+        region.behavior.fault = None
+        resp = await client.post(proxy.url + CHAT, json=BODY)
+        assert resp.status_code == 200
+
+
+async def test_client_disconnect_cancels_upstream(
+    make_region: RegionFactory, make_proxy: ProxyFactory
+) -> None:
+    region = await make_region("ap-1", inter_token_delay=0.2, tokens=200)
+    proxy = await make_proxy([region], server=H2C)
+    async with httpx.AsyncClient(http1=False, http2=True) as client:
+        async with client.stream("POST", proxy.url + CHAT, json={**BODY, "stream": True}) as r:
+            async for _ in r.aiter_lines():
+                break
+            assert region.in_flight == 1
+    await eventually(lambda: region.cancelled_total == 1 and region.in_flight == 0)
+    await eventually(lambda: proxy.pipeline.in_flight == 0)
+
+
+# -- hostile clients ---------------------------------------------------------------
+
+
+class RawH2:
+    """A client speaking raw HTTP/2 frames, to break the rules on purpose."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+        self.conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+
+    @classmethod
+    async def open(cls, url: str) -> RawH2:
+        host, port = url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        client = cls(reader, writer)
+        client.conn.initiate_connection()
+        await client.flush()
+        return client
+
+    async def flush(self) -> None:
+        self.writer.write(self.conn.data_to_send())
+        await self.writer.drain()
+
+    async def raw(self, data: bytes) -> None:
+        try:
+            self.writer.write(data)
+            await self.writer.drain()
+        except ConnectionError:
+            pass
+
+    def request_headers(self, stream_id: int) -> list[tuple[str, str]]:
+        return [
+            (":method", "POST"),
+            (":path", CHAT),
+            (":scheme", "http"),
+            (":authority", "localhost"),
+            ("content-type", "application/json"),
+        ]
+
+    async def goaway(self) -> int | None:
+        """Read until the server closes; the error code of the GOAWAY it sent, if any. Frames
+        are parsed raw: the client's own h2 state broke with the rules it broke."""
+        code = None
+        data = b""
+        try:
+            async with asyncio.timeout(20):
+                while chunk := await self.reader.read(65536):
+                    data += chunk
+        except (ConnectionError, TimeoutError):
+            pass
+        self.writer.close()
+        # The server preface's SETTINGS, answers, then GOAWAY (type 7) before it closes.
+        while len(data) >= 9:
+            length = int.from_bytes(data[:3], "big")
+            kind = data[3]
+            payload = data[9 : 9 + length]
+            if kind == 7 and len(payload) >= 8:
+                code = int.from_bytes(payload[4:8], "big")
+            data = data[9 + length :]
+        return code
+
+
+async def good_client_served(url: str) -> None:
+    async with httpx.AsyncClient(http1=False, http2=True, timeout=10) as client:
+        resp = await client.post(url + CHAT, json=BODY)
+        assert resp.status_code == 200
+
+
+@pytest.fixture
+async def h2_proxy(
+    make_region: RegionFactory, make_proxy: ProxyFactory
+) -> AsyncIterator[EdgeProxy]:
+    region = await make_region("ap-1", ttft=0.05)
+    yield await make_proxy(
+        [region],
+        server=H2C,
+        limits={"h2_max_premature_resets": 50, "h2_max_control_frames": 100, "header_timeout": 1.0},
+    )
+
+
+async def test_rapid_reset_is_closed_and_counted(h2_proxy: EdgeProxy) -> None:
+    abuser = await RawH2.open(h2_proxy.url)
+    for i in range(200):
+        stream_id = 1 + 2 * i
+        abuser.conn.send_headers(stream_id, abuser.request_headers(stream_id))
+        abuser.conn.send_data(stream_id, b'{"model": "m", "messages": []}', end_stream=True)
+        abuser.conn.reset_stream(stream_id, h2.errors.ErrorCodes.CANCEL)
+        if i % 20 == 19:
+            await abuser.raw(abuser.conn.data_to_send())
+    await abuser.raw(abuser.conn.data_to_send())
+    await good_client_served(h2_proxy.url)
+    assert await abuser.goaway() == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM, (
+        h2_proxy.guard.snapshot()
+    )
+    assert h2_proxy.guard.snapshot()["h2_rapid_resets"] == 1
+    await eventually(lambda: h2_proxy.pipeline.in_flight == 0)
+    await good_client_served(h2_proxy.url)
+
+
+@pytest.mark.parametrize("frame", ["ping", "settings"])
+async def test_control_frame_floods_are_closed_and_counted(h2_proxy: EdgeProxy, frame: str) -> None:
+    abuser = await RawH2.open(h2_proxy.url)
+    make = (lambda: PingFrame(0, b"12345678")) if frame == "ping" else (lambda: SettingsFrame(0))
+    await abuser.raw(b"".join(make().serialize() for _ in range(1000)))
+    assert await abuser.goaway() == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
+    assert h2_proxy.guard.snapshot()["h2_control_floods"] == 1
+    await good_client_served(h2_proxy.url)
+
+
+async def test_continuation_flood_is_refused(h2_proxy: EdgeProxy) -> None:
+    abuser = await RawH2.open(h2_proxy.url)
+    block = abuser.conn.encoder.encode(abuser.request_headers(1))
+    frames = [HeadersFrame(1, block[:8]).serialize()]
+    frames += [ContinuationFrame(1, b"\x00" * 16).serialize() for _ in range(500)]
+    await abuser.raw(b"".join(frames))
+    await abuser.goaway()
+    await eventually(lambda: h2_proxy.guard.snapshot()["h2_protocol_errors"] >= 1)
+    await good_client_served(h2_proxy.url)
+
+
+async def test_stream_exhaustion_is_refused(h2_proxy: EdgeProxy) -> None:
+    """More open streams than SETTINGS_MAX_CONCURRENT_STREAMS (100): the connection goes."""
+    abuser = await RawH2.open(h2_proxy.url)
+    # The client's own h2 would refuse to open them: raw HEADERS frames, no END_STREAM.
+    frames = []
+    for i in range(150):
+        stream_id = 1 + 2 * i
+        block = abuser.conn.encoder.encode(abuser.request_headers(stream_id))
+        frames.append(HeadersFrame(stream_id, block, flags=["END_HEADERS"]).serialize())
+    await abuser.raw(b"".join(frames))
+    await abuser.goaway()
+    await eventually(lambda: h2_proxy.guard.snapshot()["h2_protocol_errors"] >= 1)
+    await eventually(lambda: h2_proxy.pipeline.in_flight == 0)
+    await good_client_served(h2_proxy.url)
+
+
+async def test_stalled_head_times_out(h2_proxy: EdgeProxy) -> None:
+    abuser = await RawH2.open(h2_proxy.url)
+    block = abuser.conn.encoder.encode(abuser.request_headers(1))
+    # A header block that never ends: HEADERS without END_HEADERS, then nothing.
+    await abuser.raw(HeadersFrame(1, block[:8]).serialize())
+    await abuser.goaway()  # the server closes (header_timeout = 1 s)
+    assert h2_proxy.guard.snapshot()["header_timeouts"] == 1
+    await good_client_served(h2_proxy.url)
+
+
+async def test_connection_caps_hold(make_region: RegionFactory, make_proxy: ProxyFactory) -> None:
+    region = await make_region("ap-1")
+    proxy = await make_proxy(
+        [region], server=H2C, limits={"max_connections": 2, "max_connections_per_ip": 0}
+    )
+    held = [await RawH2.open(proxy.url) for _ in range(2)]
+    await eventually(lambda: proxy.guard.open == 2)
+    third = await RawH2.open(proxy.url)
+    await third.goaway()
+    assert proxy.guard.snapshot()["connections_refused"] == 1
+    for client in held:
+        client.writer.close()
+    await eventually(lambda: proxy.guard.open == 0)
+    await good_client_served(proxy.url)
