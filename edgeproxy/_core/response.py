@@ -135,7 +135,15 @@ class Response(StreamResponse):
         headers: HeadersIn | None = None,
         content_type: str | None = None,
     ) -> None:
-        super().__init__(status=status, headers=headers, content_type=content_type)
+        # StreamResponse.__init__ spelled out: built for every cache hit and error.
+        self.status = status
+        self.headers = CIMultiDict(headers) if headers is not None else CIMultiDict()
+        if content_type is not None:
+            self.headers["Content-Type"] = content_type
+        self._exchange = None
+        self._writer = _unprepared
+        self._close = False
+        self._eof = False
         self.body = body
         self.content_length = len(body)
 

@@ -37,7 +37,7 @@ class AiohttpExchange(Exchange):
     def __init__(self, request: web.Request, strip_prefix: str = "") -> None:
         self.native = self.request = request
         self.method = request.method
-        self.target = _target(request, strip_prefix)
+        self.target = _target(request, strip_prefix) if strip_prefix else request.raw_path
         headers = self.headers = request.headers
         self.client = request.remote
         self.scheme = scheme = request.scheme
@@ -121,12 +121,12 @@ def web_response(answer: Response) -> web.Response:
 async def send_answer(exchange: AiohttpExchange, answer: StreamResponse) -> web.StreamResponse:
     """What the handler returns to aiohttp for the pipeline's ``answer``: the response it
     was already streamed in, or (an answer not yet sent) the answer sent now."""
+    if type(answer) is Response and exchange.response is None:
+        # The common whole-body answer, not sent yet: aiohttp sends it after the handler.
+        return web_response(answer)
     if not answer.prepared:
         started = exchange.response
         if started is None or not started.prepared:
-            if type(answer) is Response:
-                # The common whole-body answer: aiohttp sends it after the handler.
-                return web_response(answer)
             await answer.prepare(exchange)
             await answer.write_eof()
     assert exchange.response is not None

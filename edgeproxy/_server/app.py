@@ -386,8 +386,19 @@ class EdgeProxy:
         return await self._serve(request, prefix)
 
     async def _serve(self, request: web.Request, strip_prefix: str) -> web.StreamResponse:
+        # serve_exchange() inlined: the aiohttp listener's path is the hottest.
         exchange = AiohttpExchange(request, strip_prefix)
-        return await send_answer(exchange, await self.serve_exchange(exchange))
+        generation = self._generation
+        if generation is None:
+            raise RuntimeError("the proxy is not open: run its app, or call start()")
+        task = asyncio.current_task()
+        assert task is not None
+        generation.tasks.add(task)
+        try:
+            answer = await generation.pipeline.handle(exchange)
+        finally:
+            generation.tasks.discard(task)
+        return await send_answer(exchange, answer)
 
     async def serve_exchange(self, exchange: Exchange) -> StreamResponse:
         """Serve one request a front end received, through the current generation's pipeline.
