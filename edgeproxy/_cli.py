@@ -64,6 +64,8 @@ def _apply_flags(config: Config, args: argparse.Namespace) -> Config:
         ("server", "port"): args.port,
         ("server", "grace_period"): args.grace_period,
         ("server", "workers"): getattr(args, "workers", None),
+        ("server", "http2"): getattr(args, "http2", None),
+        ("server", "h2c"): getattr(args, "h2c", None),
         ("admin", "host"): args.admin_host,
         ("admin", "port"): args.admin_port,
         ("pop", "name"): args.pop_name,
@@ -78,6 +80,18 @@ def _add_listener_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", help="[server] host")
     parser.add_argument("--port", type=int, help="[server] port")
     parser.add_argument("--grace-period", type=float, help="[server] grace_period")
+    parser.add_argument(
+        "--http2",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="[server] http2: serve HTTP/2 beside HTTP/1.1 (needs TLS, or --h2c)",
+    )
+    parser.add_argument(
+        "--h2c",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="[server] h2c: cleartext HTTP/2 with --http2",
+    )
     parser.add_argument("--admin-host", help="[admin] host")
     parser.add_argument("--admin-port", type=int, help="[admin] port")
     parser.add_argument("--pop-name", help="[pop] name")

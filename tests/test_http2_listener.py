@@ -6,7 +6,9 @@ stalled head): each is counted and loses its connection while a good client is s
 from __future__ import annotations
 
 import asyncio
+import signal
 import ssl
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -22,8 +24,10 @@ import trustme
 from hyperframe.frame import ContinuationFrame, HeadersFrame, PingFrame, SettingsFrame
 
 from edgeproxy import Config, ConfigError, EdgeProxy
+from edgeproxy._cli import main
 
 from .conftest import ProxyFactory, RegionFactory, eventually, proxy_config
+from .test_cli import free_port
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
@@ -331,3 +335,92 @@ async def test_connection_caps_hold(make_region: RegionFactory, make_proxy: Prox
         client.writer.close()
     await eventually(lambda: proxy.guard.open == 0)
     await good_client_served(proxy.url)
+
+
+# -- edgeproxy serve --------------------------------------------------------------
+
+
+def test_serve_http2_flag_without_tls_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "edge.toml"
+    path.write_text('[[regions]]\nname = "ap-1"\nurl = "http://127.0.0.1:9"\n')
+    assert main(["serve", "--config", str(path), "--http2"]) == 2
+    err = capsys.readouterr().err
+    assert "http2" in err and "h2c" in err and "tls_cert" in err
+
+
+async def test_serve_streams_ten_over_one_connection(
+    tmp_path: Path, make_region: RegionFactory
+) -> None:
+    """``edgeproxy serve --http2 --h2c`` as a real process: ten SSE streams at once from one
+    client on one HTTP/2 connection (counted by the admin /status), then a clean drain."""
+    region = await make_region("ap-1", tokens=30, inter_token_delay=0.05)
+    port, admin_port = free_port(), free_port()
+    config = tmp_path / "edge.toml"
+    config.write_text(
+        f"[server]\nport = {port}\n[admin]\nport = {admin_port}\n"
+        f'[[regions]]\nname = "ap-1"\nurl = "{region.url}"\n'
+    )
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "edgeproxy",
+        "serve",
+        "--config",
+        str(config),
+        "--http2",
+        "--h2c",
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    admin = f"http://127.0.0.1:{admin_port}"
+    try:
+        async with httpx.AsyncClient(http1=False, http2=True, timeout=30) as client:
+
+            async def ready() -> bool:
+                # The admin listener speaks HTTP/1.1.
+                try:
+                    async with httpx.AsyncClient() as plain:
+                        return (await plain.get(admin + "/readyz")).status_code == 200
+                except httpx.HTTPError:
+                    return False
+
+            for _ in range(300):
+                if await ready():
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError("proxy did not become ready")
+            started = 0
+            all_started = asyncio.Event()
+            seen: list[int] = []
+
+            async def chat() -> str:
+                nonlocal started
+                body = {**BODY, "stream": True}
+                text = ""
+                url = f"http://127.0.0.1:{port}{CHAT}"
+                async with client.stream("POST", url, json=body) as resp:
+                    assert resp.http_version == "HTTP/2"
+                    async for chunk in resp.aiter_text():
+                        if not text:
+                            started += 1
+                            if started == 10:
+                                async with httpx.AsyncClient() as plain:
+                                    status = (await plain.get(admin + "/status")).json()
+                                seen.append(status["limits"]["connections_open"])
+                                all_started.set()
+                            await asyncio.wait_for(all_started.wait(), 30)
+                        text += chunk
+                return text
+
+            texts = await asyncio.gather(*(chat() for _ in range(10)))
+        assert all(t.rstrip().endswith("data: [DONE]") for t in texts)
+        assert seen == [1]
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
