@@ -233,3 +233,25 @@ async def test_reset_mid_stream_is_not_a_clean_end(
                     raw += chunk
     assert b"event: error" in raw
     assert b"[DONE]" not in raw
+
+
+async def test_stalled_body_gets_408(make_region: RegionFactory) -> None:
+    """The aiohttp listener's body bounds hold on any ASGI server: a body that stalls for
+    body_timeout gets 408 in the OpenAI shape."""
+    region = await make_region("ap-1")
+    proxy = make_proxy(region.url, limits={"body_timeout": 0.5})
+    stalled = asyncio.Event()
+
+    async def slow() -> AsyncIterator[bytes]:
+        yield b'{"model": "m", '
+        await stalled.wait()  # never set: the client stops sending
+        yield b"}"
+
+    async with served(starlette_host(proxy)) as url, aiohttp.ClientSession() as client:
+        async with client.post(
+            url + "/llm" + CHAT, data=slow(), headers={"Content-Type": "application/json"}
+        ) as resp:
+            assert resp.status == 408
+            error = (await resp.json())["error"]
+    assert error["code"] == "request_timeout"
+    await eventually(lambda: proxy.pipeline.in_flight == 0 if proxy.is_open else True)
