@@ -1,7 +1,10 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -211,3 +214,22 @@ async def redis_prefix(redis_server: str) -> AsyncIterator[str]:
             await client.delete(*keys)
     finally:
         await client.aclose()
+
+
+async def spawn_serve(
+    config: Path, *flags: str, stdout: int | None = None, stderr: int | None = None
+) -> asyncio.subprocess.Process:
+    """``edgeproxy serve --config CONFIG FLAGS...`` as a real process, its output unbuffered;
+    the caller waits for it and stops it."""
+    return await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "edgeproxy",
+        "serve",
+        "--config",
+        str(config),
+        *flags,
+        stdout=stdout,
+        stderr=stderr,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )

@@ -14,7 +14,7 @@ import pytest
 
 from edgeproxy._cli import main
 
-from .conftest import RegionFactory, eventually
+from .conftest import RegionFactory, eventually, spawn_serve
 
 
 def free_port() -> int:
@@ -69,16 +69,8 @@ name = "ap-1"
 url = "{region.url}"
 """
     )
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "edgeproxy",
-        "serve",
-        "--config",
-        str(config),
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    proc = await spawn_serve(
+        config, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
     )
     try:
         async with aiohttp.ClientSession() as client:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import signal
 import ssl
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ from hyperframe.frame import ContinuationFrame, HeadersFrame, PingFrame, Setting
 from edgeproxy import Config, ConfigError, EdgeProxy
 from edgeproxy._cli import main
 
-from .conftest import ProxyFactory, RegionFactory, eventually, proxy_config
+from .conftest import ProxyFactory, RegionFactory, eventually, proxy_config, spawn_serve
 from .test_cli import free_port
 
 CHAT = "/v1/chat/completions"
@@ -362,13 +361,8 @@ async def test_serve_streams_ten_over_one_connection(
         f"[server]\nport = {port}\n[admin]\nport = {admin_port}\n"
         f'[[regions]]\nname = "ap-1"\nurl = "{region.url}"\n'
     )
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "edgeproxy",
-        "serve",
-        "--config",
-        str(config),
+    proc = await spawn_serve(
+        config,
         "--http2",
         "--h2c",
         stdout=asyncio.subprocess.DEVNULL,

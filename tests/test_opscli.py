@@ -32,7 +32,7 @@ from edgeproxy import EdgeProxy
 from edgeproxy._cli import main
 from edgeproxy._opscli import MAX_CONCURRENCY, MAX_REQUESTS, TOKEN_ENV
 
-from .conftest import ProxyFactory, RegionFactory
+from .conftest import ProxyFactory, RegionFactory, spawn_serve
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
@@ -363,15 +363,8 @@ def write_config(path: Path, region_url: str, workers: str = "2") -> None:
 
 @contextlib.asynccontextmanager
 async def supervisor(config: Path) -> AsyncIterator[tuple[str, str]]:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "edgeproxy",
-        "serve",
-        "--config",
-        str(config),
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.PIPE,
+    proc = await spawn_serve(
+        config, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE
     )
     log: list[str] = []
     started: asyncio.Future[tuple[str, ...]] = asyncio.get_running_loop().create_future()

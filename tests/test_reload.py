@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import signal
 import socket
 import sys
@@ -16,7 +15,7 @@ import pytest
 
 from edgeproxy import Config, ConfigError, EdgeProxy, PluginLoadError
 
-from .conftest import ProxyFactory, RegionFactory, eventually, proxy_config
+from .conftest import ProxyFactory, RegionFactory, eventually, proxy_config, spawn_serve
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
@@ -230,16 +229,7 @@ async def test_sighup_and_post_reload_reload_a_running_serve(
     port, admin_port = free_port(), free_port()
     config = tmp_path / "edge.toml"
     write_config(config, port, admin_port, ("ap-1", first.url))
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "edgeproxy",
-        "serve",
-        "--config",
-        str(config),
-        stderr=asyncio.subprocess.PIPE,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+    proc = await spawn_serve(config, stderr=asyncio.subprocess.PIPE)
     url, admin = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}"
 
     async def regions(client: aiohttp.ClientSession) -> list[str]:

@@ -6,7 +6,6 @@ import asyncio
 import os
 import signal
 import ssl
-import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ import trustme
 from edgeproxy import Config, ConfigError, EdgeProxy
 from edgeproxy._cli import main
 
-from .conftest import ProxyFactory, RegionFactory, proxy_config
+from .conftest import ProxyFactory, RegionFactory, proxy_config, spawn_serve
 from .test_cli import free_port
 
 CHAT = "/v1/chat/completions"
@@ -139,16 +138,7 @@ async def test_sighup_reloads_the_certificate_of_a_running_serve(
         f'[server]\nport = {port}\ntls_cert = "proxy.pem"\ntls_key = "proxy.key"\n'
         f'[admin]\nport = {admin_port}\n[[regions]]\nname = "ap-1"\nurl = "{region.url}"\n'
     )
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "edgeproxy",
-        "serve",
-        "--config",
-        str(config),
-        stderr=asyncio.subprocess.PIPE,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+    proc = await spawn_serve(config, stderr=asyncio.subprocess.PIPE)
     url = f"https://127.0.0.1:{port}"
     try:
         for _ in range(600):

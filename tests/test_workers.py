@@ -9,7 +9,6 @@ import re
 import signal
 import socket
 import ssl
-import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +20,7 @@ import trustme
 
 from edgeproxy import Config, ConfigError
 
-from .conftest import RegionFactory
+from .conftest import RegionFactory, spawn_serve
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
@@ -74,16 +73,8 @@ def write_config(
 
 @contextlib.asynccontextmanager
 async def supervise(config: Path) -> AsyncIterator[Supervised]:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "edgeproxy",
-        "serve",
-        "--config",
-        str(config),
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.PIPE,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    proc = await spawn_serve(
+        config, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE
     )
     run = Supervised(proc)
     started = asyncio.get_running_loop().create_future()
@@ -304,15 +295,7 @@ async def test_a_port_taken_by_another_process_is_a_clear_error(tmp_path: Path) 
         port = taken.getsockname()[1]
         config = tmp_path / "edge.toml"
         write_config(config, [("ap-1", "http://127.0.0.1:9")], port=port)
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "edgeproxy",
-            "serve",
-            "--config",
-            str(config),
-            stderr=asyncio.subprocess.PIPE,
-        )
+        proc = await spawn_serve(config, stderr=asyncio.subprocess.PIPE)
         _, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 2
     assert f"server.port: cannot bind 127.0.0.1:{port}" in err.decode()
