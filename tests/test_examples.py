@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import sys
 from pathlib import Path
@@ -9,12 +10,13 @@ from types import ModuleType
 
 import aiohttp
 import pytest
+import uvicorn
 from aiohttp import web
 
 from edgeproxy import load_config
 from edgeproxy._cli import main as cli_main
 
-from .conftest import ProxyFactory, RegionFactory
+from .conftest import ProxyFactory, RegionFactory, eventually
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
 CHAT = "/v1/chat/completions"
@@ -92,6 +94,30 @@ async def test_gateway_embedding(
     finally:
         await runner.cleanup()
     assert region.requests_by_path.get(CHAT) == 3
+
+
+async def test_fastapi_gateway(make_region: RegionFactory) -> None:
+    region = await make_region("primary", tokens=5)
+    gateway = import_path(EXAMPLES / "fastapi_gateway.py")
+    app, proxy = gateway.build_app(region.url)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    task = asyncio.create_task(server.serve())
+    try:
+        await eventually(lambda: server.started)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        url = f"http://127.0.0.1:{port}"
+        async with aiohttp.ClientSession() as client:
+            async with client.get(url + "/health") as resp:
+                assert await resp.json() == {"gateway": "ok", "proxy_ready": True}
+            async with client.post(url + "/llm" + CHAT, json=chat()) as resp:
+                assert resp.status == 200 and resp.headers["X-Edgeproxy-Region"] == "primary"
+            body = {**chat(), "stream": True}
+            async with client.post(url + "/llm" + CHAT, json=body) as resp:
+                assert (await resp.read()).rstrip().endswith(b"data: [DONE]")
+    finally:
+        server.should_exit = True
+        await task
+    assert not proxy.is_open
 
 
 async def test_tenant_policy_plugin(make_region: RegionFactory, make_proxy: ProxyFactory) -> None:
