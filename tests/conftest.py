@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterat
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 
 from edgeproxy import Config, EdgeProxy
@@ -233,3 +234,17 @@ async def spawn_serve(
         stderr=stderr,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
+
+
+async def wait_ready(admin_url: str, tries: int = 300) -> None:
+    """Wait until the admin listener at ``admin_url`` answers /readyz with 200."""
+    async with aiohttp.ClientSession() as client:
+        for _ in range(tries):
+            try:
+                async with client.get(admin_url + "/readyz") as resp:
+                    if resp.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.05)
+    raise AssertionError("proxy did not become ready")

@@ -14,7 +14,7 @@ import pytest
 
 from edgeproxy._cli import main
 
-from .conftest import RegionFactory, eventually, spawn_serve
+from .conftest import RegionFactory, eventually, spawn_serve, wait_ready
 
 
 def free_port() -> int:
@@ -73,22 +73,8 @@ url = "{region.url}"
         config, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
     )
     try:
+        await wait_ready(f"http://127.0.0.1:{admin_port}")
         async with aiohttp.ClientSession() as client:
-
-            async def ready() -> bool:
-                try:
-                    async with client.get(f"http://127.0.0.1:{admin_port}/readyz") as r:
-                        return r.status == 200
-                except aiohttp.ClientError:
-                    return False
-
-            for _ in range(300):
-                if await ready():
-                    break
-                await asyncio.sleep(0.05)
-            else:
-                raise AssertionError("proxy did not become ready")
-
             body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "x"}]}
             async with client.post(
                 f"http://127.0.0.1:{port}/v1/chat/completions", json=body

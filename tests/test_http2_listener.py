@@ -25,7 +25,7 @@ from hyperframe.frame import ContinuationFrame, HeadersFrame, PingFrame, Setting
 from edgeproxy import Config, ConfigError, EdgeProxy
 from edgeproxy._cli import main
 
-from .conftest import ProxyFactory, RegionFactory, eventually, proxy_config, spawn_serve
+from .conftest import ProxyFactory, RegionFactory, eventually, proxy_config, spawn_serve, wait_ready
 from .test_cli import free_port
 
 CHAT = "/v1/chat/completions"
@@ -371,21 +371,7 @@ async def test_serve_streams_ten_over_one_connection(
     admin = f"http://127.0.0.1:{admin_port}"
     try:
         async with httpx.AsyncClient(http1=False, http2=True, timeout=30) as client:
-
-            async def ready() -> bool:
-                # The admin listener speaks HTTP/1.1.
-                try:
-                    async with httpx.AsyncClient() as plain:
-                        return (await plain.get(admin + "/readyz")).status_code == 200
-                except httpx.HTTPError:
-                    return False
-
-            for _ in range(300):
-                if await ready():
-                    break
-                await asyncio.sleep(0.05)
-            else:
-                raise AssertionError("proxy did not become ready")
+            await wait_ready(admin)  # the admin listener speaks HTTP/1.1
             started = 0
             all_started = asyncio.Event()
             seen: list[int] = []
