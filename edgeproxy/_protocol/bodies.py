@@ -6,7 +6,7 @@ from typing import Any
 
 import orjson
 
-from edgeproxy._core.config import RouteConfig
+from edgeproxy._core.config import LimitsConfig, RouteConfig
 from edgeproxy._core.errors import ProxyError
 from edgeproxy._core.exchange import Exchange
 from edgeproxy._protocol.endpoints import endpoint_has
@@ -15,6 +15,8 @@ __all__ = [
     "BodyDeadline",
     "BodyTimeout",
     "BodyTooLarge",
+    "body_bound_due",
+    "body_bound_passed",
     "check_json_content_type",
     "estimate_prompt_tokens",
     "is_llm_request",
@@ -84,6 +86,41 @@ class SlowBody(ProxyError):
             code="request_timeout",
             headers={"Connection": "close"},
         )
+
+
+def body_bound_due(
+    limits: LimitsConfig, *, stalled: float, active: float, received: int, rate_grace: float
+) -> float:
+    """Seconds until a body in progress could pass one of its bounds, with no more bytes.
+
+    ``stalled``: seconds since its last bytes came; ``active``: seconds it has been
+    arriving, less those the proxy did not read; ``received``: its bytes so far;
+    ``rate_grace``: ``limits.body_rate_grace``, or less while draining. Every front end
+    bounds bodies with this and :func:`body_bound_passed`.
+    """
+    delay = limits.body_timeout - stalled
+    if limits.body_deadline:
+        delay = min(delay, limits.body_deadline - active)
+    if limits.min_body_rate:
+        # With no more bytes, the average falls under the rate at `received / rate`.
+        due = max(rate_grace, received / limits.min_body_rate)
+        delay = min(delay, due - active)
+    return max(delay, 0.0)
+
+
+def body_bound_passed(
+    limits: LimitsConfig, *, stalled: float, active: float, received: int, rate_grace: float
+) -> ProxyError | None:
+    """The bound a body in progress has passed (408), if any; the arguments are
+    :func:`body_bound_due`'s."""
+    if stalled >= limits.body_timeout:
+        return BodyTimeout(limits.body_timeout)
+    if limits.body_deadline and active >= limits.body_deadline:
+        return BodyDeadline(limits.body_deadline)
+    rate = limits.min_body_rate
+    if rate and active >= rate_grace and received < rate * active:
+        return SlowBody(rate)
+    return None
 
 
 # -- JSON bodies of LLM routes ------------------------------------------------------

@@ -22,12 +22,16 @@ from urllib.parse import quote
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from edgeproxy._core.config import Config, LimitsConfig
-from edgeproxy._core.errors import ProxyError, error_response
+from edgeproxy._core.errors import ProxyError
 from edgeproxy._core.exchange import Exchange, TlsInfo, Writer
-from edgeproxy._core.response import Response, StreamResponse
-from edgeproxy._protocol.bodies import BodyDeadline, BodyTimeout, BodyTooLarge, SlowBody
-from edgeproxy._protocol.headers import request_id
-from edgeproxy._server.headchecks import check_head
+from edgeproxy._core.response import StreamResponse
+from edgeproxy._protocol.bodies import (
+    BodyTimeout,
+    BodyTooLarge,
+    body_bound_due,
+    body_bound_passed,
+)
+from edgeproxy._server.headchecks import check_head, own_answer
 
 __all__ = ["AnswerAborted", "AsgiApp", "AsgiExchange", "ClientGone", "Served"]
 
@@ -191,31 +195,25 @@ class AsgiExchange(Exchange):
     async def _next_body_message(self) -> Message:
         """The next message, within the body's bounds (the time spent here is all that
         counts: time the proxy did not read is not the client's)."""
-        limits = self._limits
-        wait = limits.body_timeout
-        if limits.body_deadline:
-            wait = min(wait, max(limits.body_deadline - self._active, 0.0))
-        if limits.min_body_rate:
-            due = max(limits.body_rate_grace, self._received / limits.min_body_rate)
-            wait = min(wait, max(due - self._active, 0.0))
+        limits, received = self._limits, self._received
+        grace = limits.body_rate_grace
+        wait = body_bound_due(
+            limits, stalled=0.0, active=self._active, received=received, rate_grace=grace
+        )
         started = time.monotonic()
         try:
             async with asyncio.timeout(wait):
                 return await self._receive()
         except TimeoutError:
-            self._active += time.monotonic() - started
-            raise self._body_error() from None
+            stalled = time.monotonic() - started
+            active = self._active + stalled
+            error = body_bound_passed(
+                limits, stalled=stalled, active=active, received=received, rate_grace=grace
+            )
+            # At the due time exactly, the rate check's equality may still hold.
+            raise error or BodyTimeout(limits.body_timeout) from None
         finally:
             self._active += time.monotonic() - started
-
-    def _body_error(self) -> ProxyError:
-        limits = self._limits
-        if limits.body_deadline and self._active >= limits.body_deadline:
-            return BodyDeadline(limits.body_deadline)
-        rate = limits.min_body_rate
-        if rate and self._active >= limits.body_rate_grace and self._received < rate * self._active:
-            return SlowBody(rate)
-        return BodyTimeout(limits.body_timeout)
 
     def client_gone(self) -> bool:
         return self._gone
@@ -295,10 +293,11 @@ class AsgiExchange(Exchange):
             raise ClientGone("the client went away") from exc
 
     def abort(self) -> None:
-        self._aborted = True
         reset = self.scope.get("extensions", {}).get("edgeproxy.reset")
         if reset is not None:
-            reset()
+            reset()  # the stream is reset: nothing left for the server to do
+        else:
+            self._aborted = True
 
     async def cut(self, data: bytes) -> None:
         if not self._gone and self._started:
@@ -313,17 +312,8 @@ class AsgiExchange(Exchange):
 
     @property
     def aborted(self) -> bool:
+        """Whether the answer was aborted and the server must end it (no reset extension)."""
         return self._aborted
-
-
-def _own_error(error: ProxyError) -> Response:
-    """An answer the front end gives itself, shaped as the aiohttp listener's."""
-    answer = error_response(
-        error.status, error.type, error.message, code=error.code, headers=error.headers
-    )
-    answer.headers["X-Edgeproxy-Region"] = "none"
-    answer.headers["X-Request-Id"] = request_id(None)
-    return answer
 
 
 class AsgiApp:
@@ -376,7 +366,7 @@ class AsgiApp:
 
     async def _answer(self, exchange: AsgiExchange) -> StreamResponse:
         if not self.proxy.is_open:
-            return _own_error(
+            return own_answer(
                 ProxyError(
                     503,
                     "service_unavailable",
@@ -393,15 +383,9 @@ class AsgiApp:
             self.proxy.config.limits,
         )
         if error is not None:
-            return _own_error(error)
-        try:
-            return await self.proxy.serve_exchange(exchange)
-        except ProxyError as err:
-            # Raised before the pipeline answers (a body bound while it was read).
-            if exchange.started:
-                exchange.abort()
-                return error_response(err.status, err.type, err.message)
-            return _own_error(err)
+            return own_answer(error)
+        # The pipeline answers every ProxyError itself (a body bound while it reads, too).
+        return await self.proxy.serve_exchange(exchange)
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:

@@ -20,7 +20,8 @@ from aiohttp.web_request import BaseRequest
 from multidict import CIMultiDictProxy
 
 from edgeproxy._core.config import LimitsConfig
-from edgeproxy._core.errors import ProxyError, error_body
+from edgeproxy._core.errors import ProxyError, error_response
+from edgeproxy._core.response import Response
 from edgeproxy._protocol.bodies import BodyTooLarge
 from edgeproxy._protocol.headers import request_id
 
@@ -29,6 +30,7 @@ __all__ = [
     "check_head",
     "check_request_head",
     "http_exception_error",
+    "own_answer",
     "own_error",
     "version_error",
 ]
@@ -179,19 +181,23 @@ class _OwnAnswer(web.Response):
             writer.send_headers()
 
 
-def own_error(error: ProxyError, *, close: bool = False) -> web.Response:
-    """``error`` as the proxy's own JSON answer, with its headers; ``close`` ends the
-    connection after it (so does a framing error, and a 413)."""
-    resp = _OwnAnswer(
-        status=error.status,
-        body=error_body(error.type, error.message, code=error.code),
-        content_type="application/json",
+def own_answer(error: ProxyError) -> Response:
+    """``error`` as the proxy's own JSON answer, for any front end: its headers (a
+    ``Connection: close`` among them), ``X-Edgeproxy-Region: none`` and a request id."""
+    answer = error_response(
+        error.status, error.type, error.message, code=error.code, headers=error.headers
     )
-    resp.headers["X-Edgeproxy-Region"] = "none"
-    resp.headers["X-Request-Id"] = request_id(None)
-    for name, value in error.headers.items():
-        if name.lower() != "connection":
-            resp.headers[name] = value
+    answer.headers["X-Edgeproxy-Region"] = "none"
+    answer.headers["X-Request-Id"] = request_id(None)
+    return answer
+
+
+def own_error(error: ProxyError, *, close: bool = False) -> web.Response:
+    """:func:`own_answer` on the aiohttp listener; ``close`` ends the connection after it
+    (so does a framing error, and a 413)."""
+    answer = own_answer(error)
+    headers = {k: v for k, v in answer.headers.items() if k.lower() != "connection"}
+    resp = _OwnAnswer(status=answer.status, body=answer.body, headers=headers)
     if close or error.headers.get("Connection") == "close" or error.status == 413:
         resp.force_close()
     return resp

@@ -54,7 +54,14 @@ from yarl import URL
 
 from edgeproxy._core.config import LimitsConfig
 from edgeproxy._core.errors import ProxyError, error_body
-from edgeproxy._protocol.bodies import BodyDeadline, BodyTimeout, BodyTooLarge, SlowBody
+from edgeproxy._protocol.bodies import (
+    BodyDeadline,
+    BodyTimeout,
+    BodyTooLarge,
+    SlowBody,
+    body_bound_due,
+    body_bound_passed,
+)
 from edgeproxy._server.headchecks import (
     ECHO_LIMIT,
     check_request_head,
@@ -528,38 +535,36 @@ class EdgeRequestHandler(web.RequestHandler):
         grace = self._guard.limits.body_rate_grace
         return min(grace, _DRAIN_RATE_GRACE) if self._guard.draining else grace
 
+    def _received(self) -> int:
+        return self._payload.total_bytes if self._payload is not None else 0
+
     def _next_body_check(self, now: float) -> float:
         """Seconds until the earliest moment one of the body's bounds could be passed."""
-        limits = self._guard.limits
-        delay = self._last_data + limits.body_timeout - now
-        active = self._active(now)
-        if limits.body_deadline:
-            delay = min(delay, limits.body_deadline - active)
-        if limits.min_body_rate:
-            # With no more bytes, the average falls under the rate at `received / rate`.
-            received = self._payload.total_bytes if self._payload is not None else 0
-            due = max(self._rate_grace(), received / limits.min_body_rate)
-            delay = min(delay, due - active)
-        return max(delay, 0.0)
+        return body_bound_due(
+            self._guard.limits,
+            stalled=now - self._last_data,
+            active=self._active(now),
+            received=self._received(),
+            rate_grace=self._rate_grace(),
+        )
 
     def _body_error(self, now: float) -> ProxyError | None:
         """The bound this body has passed, if any (and counted)."""
         guard = self._guard
-        limits = guard.limits
-        if now - self._last_data >= limits.body_timeout:
+        error = body_bound_passed(
+            guard.limits,
+            stalled=now - self._last_data,
+            active=self._active(now),
+            received=self._received(),
+            rate_grace=self._rate_grace(),
+        )
+        if isinstance(error, BodyTimeout):
             guard.body_timeouts += 1
-            return BodyTimeout(limits.body_timeout)
-        active = self._active(now)
-        if limits.body_deadline and active >= limits.body_deadline:
+        elif isinstance(error, BodyDeadline):
             guard.body_deadlines += 1
-            return BodyDeadline(limits.body_deadline)
-        rate = limits.min_body_rate
-        if rate and active >= self._rate_grace():
-            received = self._payload.total_bytes if self._payload is not None else 0
-            if received < rate * active:
-                guard.slow_bodies += 1
-                return SlowBody(rate)
-        return None
+        elif isinstance(error, SlowBody):
+            guard.slow_bodies += 1
+        return error
 
     def _body_timer(self) -> None:
         self._timer = None
