@@ -496,9 +496,11 @@ async def test_multiprocess_workers_are_summed_by_any_worker(
 
             for _ in range(300):
                 m = await scrape_worker(0)
+                # Each worker syncs its counters and its live gauges on its own schedule.
                 if (
                     m.value("edgeproxy_request_duration_seconds_count") == 5
                     and m.value("edgeproxy_region_requests_total") == 5
+                    and m.value("edgeproxy_region_pool_connections_open", region="ap-1") >= 2
                 ):
                     break
                 await asyncio.sleep(0.05)
