@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -230,13 +231,18 @@ async def test_load_headers_move_traffic_away_from_a_loaded_region(
     llm_regions: Callable[..., Awaitable[FakeRegion]], make_proxy: ProxyFactory
 ) -> None:
     busy, idle = await llm_regions("busy"), await llm_regions("idle")
-    clock = FakeClock.following(__import__("time").monotonic)
+    clock = FakeClock.following(time.monotonic)
     proxy = await make_proxy(
         [
             {"name": "busy", "url": busy.url, "load_reporting": "header"},
             {"name": "idle", "url": idle.url, "load_reporting": "header"},
         ],
-        routing={"load_report_max_age": 5.0},
+        # The clock follows real time (the pools and health checks need it), so the report's
+        # age is set far beyond what 30 requests take on a loaded machine; the test ages it
+        # by advancing the clock. The default weight makes a region whose KV cache is 70%
+        # full look 2.4 times slower, which one latency spike on idle (a busy machine's
+        # stall) can outweigh; this weight keeps the test about the report alone.
+        routing={"load_report_max_age": 120.0, "reported_load_weight": 40.0},
         clock=clock,
     )
     async with aiohttp.ClientSession() as client:
@@ -257,7 +263,7 @@ async def test_load_headers_move_traffic_away_from_a_loaded_region(
         # The stream is over, but the report says busy until it is stale: then the proxy's
         # own count judges again, both share traffic, and the next reports say idle.
         await eventually(lambda: busy.in_flight == 0)  # the region saw the stream go
-        clock.advance(6.0)
+        clock.advance(121.0)
         counts = await served(proxy, 40)
         # Both take traffic again; how it splits is the latency estimates' call, which a
         # loaded machine moves, so no share is asserted.
