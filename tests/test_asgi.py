@@ -206,6 +206,9 @@ async def test_plugins_and_limits_apply(make_region: RegionFactory) -> None:
             url + "/llm" + CHAT, data=chunks(), headers={"Content-Type": "application/json"}
         ) as resp:
             assert resp.status == 413
+        # Counted with the listener's own limits in /status (the declared one is refused
+        # by the head check, before any body).
+        assert proxy.guard.snapshot()["bodies_too_large"] == 1
         async with client.request("TRACE", url + "/llm/echo") as resp:
             assert resp.status == 405
             assert (await resp.json())["error"]["code"] == "method_not_allowed"
@@ -254,4 +257,5 @@ async def test_stalled_body_gets_408(make_region: RegionFactory) -> None:
             assert resp.status == 408
             error = (await resp.json())["error"]
     assert error["code"] == "request_timeout"
+    assert proxy.guard.snapshot()["body_timeouts"] == 1
     await eventually(lambda: proxy.pipeline.in_flight == 0 if proxy.is_open else True)

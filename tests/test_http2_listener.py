@@ -6,6 +6,7 @@ stalled head): each is counted and loses its connection while a good client is s
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import ssl
 from collections.abc import AsyncIterator
@@ -213,6 +214,26 @@ class RawH2:
             ("content-type", "application/json"),
         ]
 
+    async def answer(self, stream_id: int) -> tuple[int, bytes]:
+        """Read frames until the stream's answer ends: its status and body."""
+        status, body = 0, b""
+        async with asyncio.timeout(20):
+            while True:
+                data = await self.reader.read(65536)
+                assert data, "the server closed before the answer ended"
+                for event in self.conn.receive_data(data):
+                    if getattr(event, "stream_id", None) != stream_id:
+                        continue
+                    if isinstance(event, h2.events.ResponseReceived):
+                        status = int(dict(event.headers)[b":status"])
+                    elif isinstance(event, h2.events.DataReceived):
+                        body += event.data
+                        self.conn.acknowledge_received_data(event.flow_controlled_length, stream_id)
+                    elif isinstance(event, (h2.events.StreamEnded, h2.events.StreamReset)):
+                        await self.flush()
+                        return status, body
+                await self.flush()
+
     async def goaway(self) -> int | None:
         """Read until the server closes; the error code of the GOAWAY it sent, if any. Frames
         are parsed raw: the client's own h2 state broke with the rules it broke."""
@@ -318,6 +339,30 @@ async def test_stalled_head_times_out(h2_proxy: EdgeProxy) -> None:
     await abuser.goaway()  # the server closes (header_timeout = 1 s)
     assert h2_proxy.guard.snapshot()["header_timeouts"] == 1
     await good_client_served(h2_proxy.url)
+
+
+async def test_stalled_body_gets_408_and_is_counted(
+    make_region: RegionFactory, make_proxy: ProxyFactory
+) -> None:
+    """The body bounds of [limits] hold on the HTTP/2 listener too, and /status counts
+    what they refused beside the listener's other limits."""
+    region = await make_region("ap-1")
+    proxy = await make_proxy([region], server=H2C, limits={"body_timeout": 0.5})
+    client = await RawH2.open(proxy.url)
+    client.conn.send_headers(1, client.request_headers(1))
+    client.conn.send_data(1, b'{"model": "m", ')  # and then nothing more
+    await client.raw(client.conn.data_to_send())
+    status, body = await client.answer(1)
+    assert status == 408
+    assert json.loads(body)["error"]["code"] == "request_timeout"
+    client.writer.close()
+    await client.writer.wait_closed()
+    async with aiohttp.ClientSession() as session:
+        async with session.get(proxy.admin_url + "/status") as resp:
+            limits = (await resp.json())["limits"]
+    assert limits["body_timeouts"] == 1
+    assert region.requests_by_path.get(CHAT) is None
+    await good_client_served(proxy.url)
 
 
 async def test_connection_caps_hold(make_region: RegionFactory, make_proxy: ProxyFactory) -> None:

@@ -21,7 +21,7 @@ from urllib.parse import quote
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from edgeproxy._core.config import Config, LimitsConfig
+from edgeproxy._core.config import Config
 from edgeproxy._core.errors import ProxyError
 from edgeproxy._core.exchange import Exchange, TlsInfo, Writer
 from edgeproxy._core.response import StreamResponse
@@ -32,6 +32,7 @@ from edgeproxy._protocol.bodies import (
     body_bound_passed,
 )
 from edgeproxy._server.headchecks import check_head, own_answer
+from edgeproxy._server.listener import ConnectionGuard
 
 __all__ = ["AnswerAborted", "AsgiApp", "AsgiExchange", "ClientGone", "Served"]
 
@@ -67,6 +68,9 @@ class Served(Protocol):
 
     @property
     def config(self) -> Config: ...
+
+    @property
+    def guard(self) -> ConnectionGuard: ...
 
     @property
     def is_open(self) -> bool: ...
@@ -119,6 +123,7 @@ class AsgiExchange(Exchange):
         "_active",
         "_aborted",
         "_gone",
+        "_guard",
         "_limits",
         "_more",
         "_read_started",
@@ -131,11 +136,14 @@ class AsgiExchange(Exchange):
         "scope",
     )
 
-    def __init__(self, scope: Scope, receive: Receive, send: Send, limits: LimitsConfig) -> None:
+    def __init__(self, scope: Scope, receive: Receive, send: Send, guard: ConnectionGuard) -> None:
         self.native = self.scope = scope
         self._receive = receive
         self._send = send
-        self._limits = limits
+        # The bounds of [limits]; a body that breaks one is counted in /status with the
+        # listener's own.
+        self._guard = guard
+        self._limits = guard.limits
         self.method = scope["method"]
         self.target = _target(scope)
         headers = self.headers = _headers(scope.get("headers", []))
@@ -188,7 +196,9 @@ class AsgiExchange(Exchange):
                 self._received += len(body)
                 limit = self._limits.max_body_size
                 if limit and self._received > limit:
-                    raise BodyTooLarge(limit)
+                    too_large = BodyTooLarge(limit)
+                    self._guard.count_body_error(too_large)
+                    raise too_large
                 return body
         return b""
 
@@ -211,7 +221,9 @@ class AsgiExchange(Exchange):
                 limits, stalled=stalled, active=active, received=received, rate_grace=grace
             )
             # At the due time exactly, the rate check's equality may still hold.
-            raise error or BodyTimeout(limits.body_timeout) from None
+            error = error or BodyTimeout(limits.body_timeout)
+            self._guard.count_body_error(error)
+            raise error from None
         finally:
             self._active += time.monotonic() - started
 
@@ -344,7 +356,7 @@ class AsgiApp:
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         proxy = self.proxy
-        exchange = AsgiExchange(scope, receive, send, proxy.config.limits)
+        exchange = AsgiExchange(scope, receive, send, proxy.guard)
         task = asyncio.current_task()
         assert task is not None
         exchange.bind(task)

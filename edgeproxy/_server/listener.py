@@ -196,6 +196,17 @@ class ConnectionGuard:
             "lingering_time": 1.0,
         }
 
+    def count_body_error(self, error: ProxyError) -> None:
+        """Count a request body that broke one of its bounds (any front end's)."""
+        if isinstance(error, BodyTimeout):
+            self.body_timeouts += 1
+        elif isinstance(error, BodyDeadline):
+            self.body_deadlines += 1
+        elif isinstance(error, SlowBody):
+            self.slow_bodies += 1
+        elif isinstance(error, BodyTooLarge):
+            self.bodies_too_large += 1
+
     def start_draining(self) -> None:
         """The proxy drains: a body still arriving must now keep up its minimum rate
         after a short grace, so that slow clients do not hold the drain open."""
@@ -436,8 +447,9 @@ class EdgeRequestHandler(web.RequestHandler):
         limit = self._guard.limits.max_body_size
         if payload is not None and limit and payload.total_bytes > limit:
             if payload.exception() is None:
-                self._guard.bodies_too_large += 1
-                self._abort_body(BodyTooLarge(limit))
+                error = BodyTooLarge(limit)
+                self._guard.count_body_error(error)
+                self._abort_body(error)
 
     def _abort_body(self, error: ProxyError) -> None:
         """Fail the body for whoever reads it, and close once the answer is sent.
@@ -558,12 +570,8 @@ class EdgeRequestHandler(web.RequestHandler):
             received=self._received(),
             rate_grace=self._rate_grace(),
         )
-        if isinstance(error, BodyTimeout):
-            guard.body_timeouts += 1
-        elif isinstance(error, BodyDeadline):
-            guard.body_deadlines += 1
-        elif isinstance(error, SlowBody):
-            guard.slow_bodies += 1
+        if error is not None:
+            guard.count_body_error(error)
         return error
 
     def _body_timer(self) -> None:
