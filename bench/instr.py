@@ -731,6 +731,9 @@ def main(argv: list[str] | None = None) -> int:
     ):
         if getattr(args, name) is None:
             setattr(args, name, short if quick else full)
+    for name in ("count", "sse_count", "concurrency", "sse_concurrency", "events"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         print("instr: valgrind is not installed (Debian: apt-get install valgrind); skipped")
         return 0
