@@ -6,6 +6,7 @@ stalled head): each is counted and loses its connection while a good client is s
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import signal
 import ssl
@@ -299,6 +300,42 @@ async def test_control_frame_floods_are_closed_and_counted(h2_proxy: EdgeProxy, 
     abuser = await RawH2.open(h2_proxy.url)
     make = (lambda: PingFrame(0, b"12345678")) if frame == "ping" else (lambda: SettingsFrame(0))
     await abuser.raw(b"".join(make().serialize() for _ in range(1000)))
+    assert await abuser.goaway() == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
+    assert h2_proxy.guard.snapshot()["h2_control_floods"] == 1
+    await good_client_served(h2_proxy.url)
+
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+PINGS = b"".join(PingFrame(0, b"12345678").serialize() for _ in range(1000))
+
+
+async def test_a_split_preface_is_guarded_from_the_first_frame(h2_proxy: EdgeProxy) -> None:
+    """The preface's first bytes alone, then its rest with a flood in the same write: the
+    flood is checked although hypercorn switched to HTTP/2 on that write."""
+    host, port = h2_proxy.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    abuser = RawH2(reader, writer)
+    await abuser.raw(PREFACE[:10])
+    await asyncio.sleep(0.05)  # let the server read them on their own (either way it holds)
+    await abuser.raw(PREFACE[10:] + SettingsFrame(0).serialize() + PINGS)
+    assert await abuser.goaway() == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
+    assert h2_proxy.guard.snapshot()["h2_control_floods"] == 1
+    await good_client_served(h2_proxy.url)
+
+
+async def test_an_h2c_upgrade_is_guarded_from_the_first_frame(h2_proxy: EdgeProxy) -> None:
+    """Upgrade: h2c, with the preface and a flood sent at once behind the request."""
+    host, port = h2_proxy.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    abuser = RawH2(reader, writer)
+    settings = base64.urlsafe_b64encode(SettingsFrame(0).serialize_body()).rstrip(b"=")
+    request = (
+        b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\nConnection: Upgrade, HTTP2-Settings\r\n"
+        b"Upgrade: h2c\r\nHTTP2-Settings: " + settings + b"\r\n\r\n"
+    )
+    await abuser.raw(request + PREFACE + SettingsFrame(0).serialize() + PINGS)
+    head = await reader.readuntil(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 101 ")
     assert await abuser.goaway() == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
     assert h2_proxy.guard.snapshot()["h2_control_floods"] == 1
     await good_client_served(h2_proxy.url)

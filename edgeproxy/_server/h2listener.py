@@ -42,7 +42,7 @@ from hypercorn.app_wrappers import ASGIWrapper
 from hypercorn.asyncio.tcp_server import TCPServer
 from hypercorn.asyncio.worker_context import WorkerContext
 from hypercorn.config import Config as HyperConfig
-from hypercorn.events import Closed, RawData
+from hypercorn.events import Closed, Event, RawData
 from hypercorn.protocol.h2 import H2Protocol
 from hypercorn.protocol.h11 import H11Protocol
 
@@ -57,7 +57,6 @@ logger = logging.getLogger("edgeproxy")
 _CALM = h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
 _CONTROL_WINDOW = 10.0
 _MAX_RECV = 2**16
-_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 _ASGI = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
@@ -155,6 +154,17 @@ class _Connection(TCPServer):
         self._listener = listener
         self._guarded = False
 
+    async def protocol_send(self, event: Event) -> None:
+        # hypercorn sends the server's SETTINGS the moment a connection turns HTTP/2 (by
+        # ALPN, the client's preface, or an h2c upgrade), before it hands the new protocol
+        # the bytes read with the switch: guarded here, those are checked like the rest.
+        if not self._guarded:
+            inner = self.protocol.protocol
+            if isinstance(inner, H2Protocol):
+                _guard_h2(inner, self._listener.guard)
+                self._guarded = True
+        await super().protocol_send(event)
+
     async def _read_data(self) -> None:
         guard = self._listener.guard
         limits = guard.limits
@@ -162,9 +172,6 @@ class _Connection(TCPServer):
         head_since: float | None = None
         while not self.reader.at_eof():
             inner = self.protocol.protocol
-            if not self._guarded and isinstance(inner, H2Protocol):
-                _guard_h2(inner, guard)
-                self._guarded = True
             timeout = None
             if _partial_head(inner):
                 head_since = loop.time() if head_since is None else head_since
@@ -179,17 +186,6 @@ class _Connection(TCPServer):
                 break
             except (ConnectionError, OSError, ssl.SSLError):
                 break
-            if not self._guarded and data[:24] == _PREFACE:
-                # Cleartext HTTP/2 by prior knowledge: hypercorn switches protocols on the
-                # preface; the frames after it are checked from the first.
-                await self.protocol.handle(RawData(data[:24]))
-                inner = self.protocol.protocol
-                if isinstance(inner, H2Protocol):
-                    _guard_h2(inner, guard)
-                    self._guarded = True
-                data = data[24:]
-                if not data:
-                    continue
             await self.protocol.handle(RawData(data))
         await self.protocol.handle(Closed())
 
