@@ -124,7 +124,6 @@ class AsgiExchange(Exchange):
         "_aborted",
         "_gone",
         "_guard",
-        "_limits",
         "_more",
         "_read_started",
         "_received",
@@ -140,10 +139,9 @@ class AsgiExchange(Exchange):
         self.native = self.scope = scope
         self._receive = receive
         self._send = send
-        # The bounds of [limits]; a body that breaks one is counted in /status with the
+        # Its limits bound the body; a body that breaks one is counted in /status with the
         # listener's own.
         self._guard = guard
-        self._limits = guard.limits
         self.method = scope["method"]
         self.target = _target(scope)
         headers = self.headers = _headers(scope.get("headers", []))
@@ -194,7 +192,7 @@ class AsgiExchange(Exchange):
                 self._watch()
             if body:
                 self._received += len(body)
-                limit = self._limits.max_body_size
+                limit = self._guard.limits.max_body_size
                 if limit and self._received > limit:
                     too_large = BodyTooLarge(limit)
                     self._guard.count_body_error(too_large)
@@ -205,7 +203,7 @@ class AsgiExchange(Exchange):
     async def _next_body_message(self) -> Message:
         """The next message, within the body's bounds (the time spent here is all that
         counts: time the proxy did not read is not the client's)."""
-        limits, received = self._limits, self._received
+        limits, received = self._guard.limits, self._received
         grace = limits.body_rate_grace
         wait = body_bound_due(
             limits, stalled=0.0, active=self._active, received=received, rate_grace=grace

@@ -244,21 +244,13 @@ class Http2Listener:
     async def _connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         guard = self.guard
         peer = writer.get_extra_info("peername")
-        ip = peer[0] if isinstance(peer, tuple) else ""
-        if guard.open >= guard.limits.max_connections:
-            guard.refused += 1
-            writer.close()
-            return
-        cap = guard.max_per_ip
-        if cap and guard.per_ip.get(ip, 0) >= cap:
-            guard.refused_per_ip += 1
+        ip = str(peer[0]) if isinstance(peer, tuple) and peer else ""
+        if guard.admit(ip) is not None:
             writer.close()
             return
         task = asyncio.current_task()
         assert task is not None
         self._connections[task] = writer
-        guard.open += 1
-        guard.per_ip[ip] = guard.per_ip.get(ip, 0) + 1
         try:
             await _Connection(
                 self,
@@ -275,12 +267,7 @@ class Http2Listener:
             pass
         finally:
             self._connections.pop(task, None)
-            guard.open -= 1
-            left = guard.per_ip.get(ip, 1) - 1
-            if left:
-                guard.per_ip[ip] = left
-            else:
-                guard.per_ip.pop(ip, None)
+            guard.release(ip)
 
     def _with_reset(self, app: _ASGI) -> _ASGI:
         """``app`` with the ``edgeproxy.reset`` extension on HTTP/2 requests, and each

@@ -196,6 +196,29 @@ class ConnectionGuard:
             "lingering_time": 1.0,
         }
 
+    def admit(self, ip: str) -> str | None:
+        """Count a new connection from ``ip`` among the open ones; or, over a cap, count
+        the refusal and return why (the message of its 503)."""
+        if self.open >= self.limits.max_connections:
+            self.refused += 1
+            return "Too many connections to this proxy; retry shortly."
+        cap = self.max_per_ip
+        if cap and self.per_ip.get(ip, 0) >= cap:
+            self.refused_per_ip += 1
+            return "Too many connections from this address; retry shortly."
+        self.open += 1
+        self.per_ip[ip] = self.per_ip.get(ip, 0) + 1
+        return None
+
+    def release(self, ip: str) -> None:
+        """A connection :meth:`admit` counted has closed."""
+        self.open -= 1
+        left = self.per_ip.get(ip, 1) - 1
+        if left > 0:
+            self.per_ip[ip] = left
+        else:
+            self.per_ip.pop(ip, None)
+
     def count_body_error(self, error: ProxyError) -> None:
         """Count a request body that broke one of its bounds (any front end's)."""
         if isinstance(error, BodyTimeout):
@@ -333,29 +356,12 @@ class EdgeRequestHandler(web.RequestHandler):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
         guard = self._guard
-        if guard.open >= guard.limits.max_connections:
-            guard.refused += 1
-            self._refuse(
-                503,
-                "Too many connections to this proxy; retry shortly.",
-                "too_many_connections",
-                retry_after=1,
-            )
-            return
         peer = transport.get_extra_info("peername")
         ip = str(peer[0]) if isinstance(peer, tuple) and peer else ""
-        cap = guard.max_per_ip
-        if cap and guard.per_ip.get(ip, 0) >= cap:
-            guard.refused_per_ip += 1
-            self._refuse(
-                503,
-                "Too many connections from this address; retry shortly.",
-                "too_many_connections",
-                retry_after=1,
-            )
+        refused = guard.admit(ip)
+        if refused is not None:
+            self._refuse(503, refused, "too_many_connections", retry_after=1)
             return
-        guard.open += 1
-        guard.per_ip[ip] = guard.per_ip.get(ip, 0) + 1
         guard.connections.add(self)
         self._peer = ip
         self._counted = True
@@ -365,14 +371,8 @@ class EdgeRequestHandler(web.RequestHandler):
     def connection_lost(self, exc: BaseException | None) -> None:
         if self._counted:
             self._counted = False
-            guard = self._guard
-            guard.open -= 1
-            guard.connections.discard(self)
-            left = guard.per_ip.get(self._peer, 1) - 1
-            if left > 0:
-                guard.per_ip[self._peer] = left
-            else:
-                guard.per_ip.pop(self._peer, None)
+            self._guard.connections.discard(self)
+            self._guard.release(self._peer)
         self._cancel_timer()
         if self._head_timer is not None:
             self._head_timer.cancel()
