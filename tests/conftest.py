@@ -9,6 +9,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+import trustme
 
 from edgeproxy import Config, EdgeProxy
 from edgeproxy.testing import Behavior, FakeRegion
@@ -248,3 +249,13 @@ async def wait_ready(admin_url: str, tries: int = 300) -> None:
                 pass
             await asyncio.sleep(0.05)
     raise AssertionError("proxy did not become ready")
+
+
+def write_pair(ca: trustme.CA, folder: Path, name: str = "proxy") -> tuple[str, str]:
+    """A certificate for 127.0.0.1 and localhost issued by ``ca``, written to ``folder``
+    with its chain (``name``.pem) and key (``name``.key); returns both paths."""
+    cert = ca.issue_cert("127.0.0.1", "localhost")
+    cert_path, key_path = folder / f"{name}.pem", folder / f"{name}.key"
+    cert.private_key_and_cert_chain_pem.write_to_path(str(cert_path))
+    cert.private_key_pem.write_to_path(str(key_path))
+    return str(cert_path), str(key_path)

@@ -19,7 +19,7 @@ from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 from edgeproxy import RequestContext, Response, hookimpl
 
 from ._browser import launch
-from .conftest import ProxyFactory, RegionFactory
+from .conftest import ProxyFactory, RegionFactory, write_pair
 
 STREAMS = 10
 PAGE = """<!doctype html><meta charset="utf-8"><title>ten chats</title>
@@ -61,10 +61,10 @@ class BrowserChats:
         return None
 
 
-def spki_hash(cert_pem: bytes) -> str:
+def spki_hash(cert_path: str) -> str:
     """What ``--ignore-certificate-errors-spki-list`` takes: the test certificate's key
     pinned, so that Chromium trusts it and only it."""
-    cert = x509.load_pem_x509_certificate(cert_pem)
+    cert = x509.load_pem_x509_certificates(Path(cert_path).read_bytes())[0]
     spki = cert.public_key().public_bytes(Encoding.DER, PublicFormat.SubjectPublicKeyInfo)
     return base64.b64encode(hashlib.sha256(spki).digest()).decode()
 
@@ -73,22 +73,17 @@ def spki_hash(cert_pem: bytes) -> str:
 async def test_ten_event_sources_over_one_h2_connection(
     make_region: RegionFactory, make_proxy: ProxyFactory, tmp_path: Path, http2: bool
 ) -> None:
-    ca = trustme.CA()
-    cert = ca.issue_cert("127.0.0.1", "localhost")
-    cert_path, key_path = tmp_path / "proxy.pem", tmp_path / "proxy.key"
-    cert.private_key_and_cert_chain_pem.write_to_path(str(cert_path))
-    cert.private_key_pem.write_to_path(str(key_path))
+    cert_path, key_path = write_pair(trustme.CA(), tmp_path)
     # Each stream lasts about 4 s: the ten overlap only if none waits for another.
     region = await make_region("ap-1", tokens=40, inter_token_delay=0.1)
     proxy = await make_proxy(
         [region],
         plugins=[BrowserChats()],
-        server={"http2": http2, "tls_cert": str(cert_path), "tls_key": str(key_path)},
+        server={"http2": http2, "tls_cert": cert_path, "tls_key": key_path},
     )
-    leaf_pem = cert.cert_chain_pems[0].bytes()
-    async with launch(tmp_path, f"--ignore-certificate-errors-spki-list={spki_hash(leaf_pem)}") as (
-        browser
-    ):
+    async with launch(
+        tmp_path, f"--ignore-certificate-errors-spki-list={spki_hash(cert_path)}"
+    ) as (browser):
         await browser.send("Page.navigate", url=proxy.url + "/page")
         if not http2:
             # The contrast: six connections, and the other streams wait for one to end.

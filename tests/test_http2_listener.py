@@ -27,7 +27,15 @@ from hyperframe.frame import ContinuationFrame, HeadersFrame, PingFrame, Setting
 from edgeproxy import Config, ConfigError, EdgeProxy
 from edgeproxy._cli import main
 
-from .conftest import ProxyFactory, RegionFactory, eventually, proxy_config, spawn_serve, wait_ready
+from .conftest import (
+    ProxyFactory,
+    RegionFactory,
+    eventually,
+    proxy_config,
+    spawn_serve,
+    wait_ready,
+    write_pair,
+)
 from .test_cli import free_port
 
 CHAT = "/v1/chat/completions"
@@ -122,13 +130,10 @@ async def test_tls_offers_h2_by_alpn(
     make_region: RegionFactory, make_proxy: ProxyFactory, tmp_path: Path
 ) -> None:
     ca = trustme.CA()
-    cert = ca.issue_cert("127.0.0.1", "localhost")
-    cert_path, key_path = tmp_path / "proxy.pem", tmp_path / "proxy.key"
-    cert.private_key_and_cert_chain_pem.write_to_path(str(cert_path))
-    cert.private_key_pem.write_to_path(str(key_path))
+    cert_path, key_path = write_pair(ca, tmp_path)
     region = await make_region("ap-1", tokens=4)
     proxy = await make_proxy(
-        [region], server={"http2": True, "tls_cert": str(cert_path), "tls_key": str(key_path)}
+        [region], server={"http2": True, "tls_cert": cert_path, "tls_key": key_path}
     )
     assert proxy.url.startswith("https://")
     context = ssl.create_default_context()

@@ -17,7 +17,7 @@ import trustme
 from edgeproxy import Config, ConfigError, EdgeProxy
 from edgeproxy._cli import main
 
-from .conftest import ProxyFactory, RegionFactory, proxy_config, spawn_serve
+from .conftest import ProxyFactory, RegionFactory, proxy_config, spawn_serve, write_pair
 from .test_cli import free_port
 
 CHAT = "/v1/chat/completions"
@@ -27,14 +27,6 @@ BODY = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
 @pytest.fixture
 def ca() -> trustme.CA:
     return trustme.CA()
-
-
-def write_pair(ca: trustme.CA, folder: Path, name: str = "proxy") -> tuple[str, str]:
-    cert = ca.issue_cert("127.0.0.1", "localhost")
-    cert_path, key_path = folder / f"{name}.pem", folder / f"{name}.key"
-    cert.private_key_and_cert_chain_pem.write_to_path(str(cert_path))
-    cert.private_key_pem.write_to_path(str(key_path))
-    return str(cert_path), str(key_path)
 
 
 def client_context(ca: trustme.CA, **kwargs: Any) -> ssl.SSLContext:

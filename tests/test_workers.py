@@ -20,7 +20,7 @@ import trustme
 
 from edgeproxy import Config, ConfigError
 
-from .conftest import RegionFactory, spawn_serve
+from .conftest import RegionFactory, spawn_serve, write_pair
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
@@ -319,9 +319,7 @@ async def test_workers_speak_tls_and_the_supervisors_admin_port_needs_its_token(
 ) -> None:
     region = await make_region("ap-1")
     ca = trustme.CA()
-    pair = ca.issue_cert("127.0.0.1")
-    pair.private_key_and_cert_chain_pem.write_to_path(str(tmp_path / "proxy.pem"))
-    pair.private_key_pem.write_to_path(str(tmp_path / "proxy.key"))
+    write_pair(ca, tmp_path)
     config = tmp_path / "edge.toml"
     write_config(
         config,
