@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from .conftest import eventually
+from .conftest import eventually, stop_process
 
 CHROMIUM = next(
     (p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None
@@ -128,9 +128,4 @@ async def launch(tmp_path: Path, *flags: str) -> AsyncIterator[Chromium]:
         await ws.close()
     finally:
         await session.close()
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)

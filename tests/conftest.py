@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -259,3 +260,34 @@ def write_pair(ca: trustme.CA, folder: Path, name: str = "proxy") -> tuple[str, 
     cert.private_key_and_cert_chain_pem.write_to_path(str(cert_path))
     cert.private_key_pem.write_to_path(str(key_path))
     return str(cert_path), str(key_path)
+
+
+def stop_process(proc: subprocess.Popen[Any], timeout: float = 10.0) -> None:
+    """Terminate a helper process the test started (Chromium, nginx); kill it if it has
+    not gone within ``timeout``."""
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+async def check_disconnect_cancels_upstream(
+    url: str, body: dict[str, Any], region: FakeRegion, proxy: EdgeProxy
+) -> None:
+    """Drop a stream from ``url`` (the proxy's chat route, whatever serves it) after its
+    first event: the region sees the cancel, the proxy and the region's pool let go of
+    it, and the pool serves the next request."""
+    async with aiohttp.ClientSession() as client:
+        resp = await client.post(url, json={**body, "stream": True})
+        await resp.content.readuntil(b"\n\n")
+        assert region.in_flight == 1
+        resp.close()  # drop the connection mid-stream
+    await eventually(lambda: region.cancelled_total == 1 and region.in_flight == 0)
+    await eventually(lambda: proxy.pipeline.in_flight == 0)
+    pool = proxy.regions.by_name[region.name].pool
+    await eventually(lambda: pool.stats().streams_in_use == 0)
+    async with aiohttp.ClientSession() as client:
+        async with client.post(url, json=body) as again:
+            assert again.status == 200

@@ -21,7 +21,7 @@ from starlette.routing import Mount, Route
 
 from edgeproxy import Config, EdgeProxy, Response, hookimpl
 
-from .conftest import RegionFactory, eventually, proxy_config
+from .conftest import RegionFactory, check_disconnect_cancels_upstream, eventually, proxy_config
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
@@ -124,18 +124,7 @@ async def test_client_disconnect_cancels_upstream(make_region: RegionFactory, ho
     region = await make_region("ap-1", inter_token_delay=0.2, tokens=200)
     proxy = make_proxy(region.url)
     async with served(host(proxy)) as url:
-        async with aiohttp.ClientSession() as client:
-            resp = await client.post(url + "/llm" + CHAT, json={**BODY, "stream": True})
-            await resp.content.readuntil(b"\n\n")
-            assert region.in_flight == 1
-            resp.close()  # drop the connection mid-stream
-        await eventually(lambda: region.cancelled_total == 1 and region.in_flight == 0)
-        await eventually(lambda: proxy.pipeline.in_flight == 0)
-        pool = proxy.regions.by_name["ap-1"].pool
-        await eventually(lambda: pool.stats().streams_in_use == 0)
-        async with aiohttp.ClientSession() as client:
-            async with client.post(url + "/llm" + CHAT, json=BODY) as again:
-                assert again.status == 200
+        await check_disconnect_cancels_upstream(url + "/llm" + CHAT, BODY, region, proxy)
 
 
 async def test_disconnect_while_waiting_for_headers(make_region: RegionFactory) -> None:

@@ -49,6 +49,8 @@ from edgeproxy._upstream.pool import (
 )
 from edgeproxy.testing import HostileRegion
 
+from .conftest import stop_process
+
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -896,12 +898,7 @@ def nginx_origin() -> Iterator[str]:
                 time.sleep(0.05)
         yield f"http://127.0.0.1:{port}"
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
         if proc.stderr is not None:
             proc.stderr.close()
         shutil.rmtree(prefix, ignore_errors=True)

@@ -10,7 +10,7 @@ import aiohttp
 import orjson
 import pytest
 
-from .conftest import ProxyFactory, RegionFactory, eventually
+from .conftest import ProxyFactory, RegionFactory, check_disconnect_cancels_upstream, eventually
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
@@ -273,19 +273,7 @@ async def test_client_disconnect_cancels_upstream(
 ) -> None:
     region = await make_region("ap-1", inter_token_delay=0.2, tokens=200)
     proxy = await make_proxy([{"name": "ap-1", "url": region.url, "http2": http2}])
-    async with aiohttp.ClientSession() as client:
-        resp = await client.post(proxy.url + CHAT, json={**BODY, "stream": True})
-        await resp.content.readuntil(b"\n\n")
-        assert region.in_flight == 1
-        resp.close()  # drop the connection mid-stream
-    await eventually(lambda: region.cancelled_total == 1 and region.in_flight == 0)
-    await eventually(lambda: proxy.pipeline.in_flight == 0)
-    pool = proxy.regions.by_name["ap-1"].pool
-    await eventually(lambda: pool.stats().streams_in_use == 0)
-    # The pool is still good for the next request.
-    async with aiohttp.ClientSession() as client:
-        async with client.post(proxy.url + CHAT, json=BODY) as again:
-            assert again.status == 200
+    await check_disconnect_cancels_upstream(proxy.url + CHAT, BODY, region, proxy)
 
 
 async def test_client_disconnect_while_waiting_for_headers(
