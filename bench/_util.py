@@ -236,6 +236,18 @@ class Service:
         return proc.returncode
 
 
+def stop_process(proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
+    """SIGTERM a server started with Popen and wait for it (under callgrind it writes its
+    counts as it exits, which takes a while); SIGKILL it if it is not gone in ``timeout``."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 # -- nginx -----------------------------------------------------------------------
 
 

@@ -31,7 +31,6 @@ import importlib.util
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -46,6 +45,7 @@ import httpx
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import _util as u  # noqa: E402
 import instr as ins  # noqa: E402
 
 RESULTS = HERE / "results"
@@ -160,18 +160,8 @@ def count_instructions(
             print(ins._line(result), flush=True)
         return rows
     finally:
-        stop(proc)
+        u.stop_process(proc)
         shutil.rmtree(work, ignore_errors=True)
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 # -- streams per process -----------------------------------------------------------
@@ -290,7 +280,7 @@ def hold_streams(front: FrontEnd, origin_url: str, args: argparse.Namespace) -> 
         )
         return result
     finally:
-        stop(proc)
+        u.stop_process(proc)
         shutil.rmtree(work, ignore_errors=True)
 
 

@@ -469,13 +469,7 @@ def measure(target: Target, args: argparse.Namespace) -> list[Row]:
             print(_line(row), flush=True)
         return rows
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        u.stop_process(proc)
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
 

@@ -54,6 +54,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import _util as u  # noqa: E402
 import instr  # noqa: E402
 
 RESULTS = HERE / "results"
@@ -328,13 +329,7 @@ def measure_callgrind(
         )
         return m
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        u.stop_process(proc)
 
 
 _CPROFILE_SERVE = """

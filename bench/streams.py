@@ -465,16 +465,6 @@ def start(argv: list[str], work: Path, name: str) -> subprocess.Popen[bytes]:
     )
 
 
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
 async def measure_memory(
     name: str, n: int, origin: Origin, args: argparse.Namespace, work: Path
 ) -> MemRow:
@@ -507,7 +497,7 @@ async def measure_memory(
                 samples,
             )
     finally:
-        stop(proc)
+        u.stop_process(proc)
 
 
 async def measure_callgrind(
@@ -535,7 +525,7 @@ async def measure_callgrind(
             expected = n * window / args.interval
             return CgRow(name, n, round(window, 1), round(events), total, events / expected)
     finally:
-        stop(proc)
+        u.stop_process(proc)
 
 
 # -- report ---------------------------------------------------------------------
