@@ -18,15 +18,19 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-import httpx
 import orjson
 from rich.console import Console
 from rich.live import Live
 
 from edgeproxy._opsview import status_view, top_view
+
+if TYPE_CHECKING:
+    # Imported where a command runs: httpx (with what it pulls in) is most of the
+    # command's start-up, and serve, check-config and config-docs never use it.
+    import httpx
 
 __all__ = ["DEFAULT_ADMIN", "MAX_CONCURRENCY", "MAX_REQUESTS", "TOKEN_ENV", "add_commands"]
 
@@ -79,6 +83,8 @@ class Admin:
 
     def __init__(self, url: str, *, token: str | None, cacert: str | None, timeout: float) -> None:
         self.url = _check_url(url, "--admin")
+        import httpx
+
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._client = httpx.Client(
             base_url=self.url, headers=headers, verify=_verify(cacert), timeout=timeout
@@ -89,6 +95,8 @@ class Admin:
 
     def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         """The answer, whatever its status, unless the listener cannot be used at all."""
+        import httpx
+
         try:
             response = self._client.request(method, path, **kwargs)
         except httpx.TimeoutException:
@@ -269,6 +277,8 @@ def _bench_url(url: str) -> str:
 
 
 async def _one(client: httpx.AsyncClient, url: str, body: bytes, result: BenchResult) -> None:
+    import httpx
+
     start = time.perf_counter()
     ttfb: float | None = None
     try:
@@ -308,6 +318,8 @@ async def run_bench(
     verify: ssl.SSLContext | bool = True,
 ) -> BenchResult:
     """Send ``requests`` chat completions to ``url``, ``concurrency`` at a time."""
+    import httpx
+
     body = orjson.dumps(
         {
             "model": model,

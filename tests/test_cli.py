@@ -6,6 +6,7 @@ import asyncio
 import os
 import signal
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -49,6 +50,16 @@ def test_serve_with_bad_config_exits_2(tmp_path: Path, capsys: pytest.CaptureFix
 def test_config_docs(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["config-docs"]) == 0
     assert "`server.port`" in capsys.readouterr().out
+
+
+def test_the_command_starts_without_httpx() -> None:
+    # A process of its own: this one has imported httpx already (the test kit uses it).
+    # Only the operator's commands need it; serve and check-config must not pay for it.
+    probe = "import sys, edgeproxy._cli; print('httpx' in sys.modules)"
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert out.stdout.strip() == "False"
 
 
 async def test_sigterm_drains_in_flight_stream(tmp_path: Path, make_region: RegionFactory) -> None:
