@@ -9,6 +9,7 @@ import orjson
 from multidict import CIMultiDict
 
 from edgeproxy._core.config import RouteConfig
+from edgeproxy._core.strictjson import DuplicateKey, loads_unique
 from edgeproxy._core.types import Headers, TraceContext
 
 __all__ = ["RequestContext", "UpstreamReply"]
@@ -78,13 +79,14 @@ class RequestContext:
 
     @property
     def json(self) -> Any:
-        """The request body parsed as JSON, or None when it is not a buffered JSON body."""
+        """The request body parsed as JSON, or None when it is not a buffered JSON body
+        (or names a key twice in one object, which parsers read differently)."""
         if self._json is _UNSET:
             self._json = None
             if self.body and "json" in self.headers.get("content-type", ""):
                 try:
-                    self._json = orjson.loads(self.body)
-                except orjson.JSONDecodeError:
+                    self._json = loads_unique(self.body)
+                except (orjson.JSONDecodeError, DuplicateKey):
                     pass
         return self._json
 

@@ -9,6 +9,7 @@ import orjson
 from edgeproxy._core.config import LimitsConfig, RouteConfig
 from edgeproxy._core.errors import ProxyError
 from edgeproxy._core.exchange import Exchange
+from edgeproxy._core.strictjson import duplicate_key
 from edgeproxy._protocol.endpoints import endpoint_has
 
 __all__ = [
@@ -195,6 +196,18 @@ def parse_json_object(body: bytes | None) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise _bad_body(
             f"The request body must be a JSON object, not {_json_kind(value)}.", "invalid_body"
+        )
+    duplicated = duplicate_key(body, value)
+    if duplicated is not None:
+        # Parsers disagree on which occurrence counts (RFC 8259 §4): the region could
+        # answer another question than the one the proxy keyed, limited and routed.
+        raise ProxyError(
+            400,
+            "invalid_request_error",
+            f"The request body names the key {duplicated[:_ECHO_LIMIT]!r} twice in one "
+            "object: send each key once.",
+            code="invalid_body",
+            param=duplicated[:_ECHO_LIMIT],
         )
     return value
 
