@@ -28,6 +28,13 @@ HOP_BY_HOP = frozenset(
 # Client credentials are not forwarded unless configured: regions get their own.
 CLIENT_CREDENTIAL_HEADERS = frozenset({"authorization", "api-key", "x-api-key"})
 
+# Forwarded request headers that select what a region answers (the organization or
+# project billed and whose fine-tunes it sees, beta features, the Messages API version):
+# part of every POST's cache key. ``[cache] vary_headers`` adds a deployment's own.
+ANSWER_HEADERS = frozenset(
+    {"openai-organization", "openai-project", "openai-beta", "anthropic-version", "anthropic-beta"}
+)
+
 # Set by the proxy alone; a client must not be able to forge them.
 REQUEST_OWNED = frozenset({"host", "content-length", "x-forwarded-proto", "via", "traceparent"})
 
@@ -56,7 +63,11 @@ def connection_tokens(values: Iterable[str]) -> set[str]:
     return tokens
 
 
-_RESPONSE_DROP = HOP_BY_HOP | CLIENT_CREDENTIAL_HEADERS
+# Each listener sends its own (as nginx does): a region's Server names its software and
+# version, and a second Date or Server beside the listener's would be a duplicate.
+REGION_OWNED = frozenset({"server", "date"})
+
+_RESPONSE_DROP = HOP_BY_HOP | CLIENT_CREDENTIAL_HEADERS | REGION_OWNED
 
 
 def strip_hop_by_hop(
@@ -66,7 +77,8 @@ def strip_hop_by_hop(
 
     Used on upstream responses, so credential headers go too: no response
     legitimately carries them, and an upstream echoing its own API key must
-    not hand it to the client.
+    not hand it to the client. ``Server`` and ``Date`` go as well (see
+    :data:`REGION_OWNED`).
     """
     # One pass for the usual answer; a second only when Connection names more headers.
     out: list[tuple[str, str]] = []

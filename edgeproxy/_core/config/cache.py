@@ -103,6 +103,13 @@ class CacheConfig(Section):
         description="Identical cacheable requests arriving while one is in flight wait for its "
         "answer (streams included) instead of going upstream.",
     )
+    vary_headers: list[str] = Field(
+        default_factory=list,
+        description="Request headers, beyond the built-in ones (credentials, "
+        "OpenAI-Organization, OpenAI-Project, OpenAI-Beta, anthropic-version, anthropic-beta), "
+        "that change the answer and so are part of every POST's cache key: e.g. a header "
+        "your regions read to pick a LoRA adapter. Names are case-insensitive.",
+    )
     xfetch_beta: float = Field(
         1.0,
         ge=0,
@@ -110,6 +117,17 @@ class CacheConfig(Section):
         description="Early probabilistic refresh (XFetch) against stampedes at expiry: higher "
         "refreshes hot entries earlier; 0 turns it off.",
     )
+
+    @field_validator("vary_headers")
+    @classmethod
+    def _check_vary_headers(cls, value: list[str]) -> list[str]:
+        names = []
+        for name in value:
+            lname = name.strip().lower()
+            if not lname or not all(c.isalnum() or c in "!#$%&'*+-.^_`|~" for c in lname):
+                raise ValueError(f"{name!r} is not a header name")
+            names.append(lname)
+        return names
 
     @field_validator("redis_url")
     @classmethod

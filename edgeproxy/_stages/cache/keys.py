@@ -1,11 +1,16 @@
 """Cache keys: who may share an entry, and the digest naming it.
 
-A key covers the path, the model, the request body with non-semantic fields
-removed and JSON keys in canonical order, and its scope: the tenant, else a
-hash of the client's credential, else ``pub``. So one customer's answer
-never reaches another, and a request carrying an ``Authorization`` is only
-ever answered from entries made with that same credential. Keys are blake2b
-digests: raw prompts never appear in a backend's key names.
+The rule: a key covers everything forwarded to the region that can change the answer,
+and nothing forwarded is ambiguous. So a POST's key covers its target (path and query
+string, as sent: Azure OpenAI picks the API version there), its JSON body with
+non-semantic fields removed and keys in canonical order (bodies naming a key twice are
+refused before this, since parsers disagree on which counts), the request headers that
+select behaviour (:data:`~edgeproxy._protocol.headers.ANSWER_HEADERS` and
+``[cache] vary_headers``, every value of each), and its scope: the tenant, else a hash of
+every credential header the client sent, else ``pub``. When client credentials are
+forwarded, they are in the digest too, so even within a tenant an answer made with one
+key is never served to another. Keys are blake2b digests: raw prompts and credentials
+never appear in a backend's key names.
 """
 
 from __future__ import annotations
@@ -15,15 +20,16 @@ from typing import Any
 
 import orjson
 
+from edgeproxy._core.config import Config
 from edgeproxy._core.context import RequestContext
 from edgeproxy._protocol.endpoints import endpoint_paths
-from edgeproxy._protocol.headers import CLIENT_CREDENTIAL_HEADERS
+from edgeproxy._protocol.headers import ANSWER_HEADERS, CLIENT_CREDENTIAL_HEADERS
 
 __all__ = [
     "CACHEABLE_PATHS",
     "NON_SEMANTIC_FIELDS",
+    "KeyHeaders",
     "cache_scope",
-    "default_cache_key",
     "hash_key",
     "tenant_scope",
 ]
@@ -56,24 +62,43 @@ def tenant_scope(tenant: str) -> str:
 
 
 def cache_scope(ctx: RequestContext) -> str:
-    """Who may share an entry: the tenant, else the credential the client sent, else anyone.
+    """Who may share an entry: the tenant, else the credentials the client sent, else anyone.
 
     ``t…`` and ``k…`` are hashes, so neither tenant names nor credentials
-    appear in key names.
+    appear in key names. Every credential header counts, each with all its values: two
+    clients share a scope only when they sent the same credentials.
     """
     if ctx.tenant:
         return tenant_scope(ctx.tenant)
-    for name in _CREDENTIAL_ORDER:
-        value = ctx.headers.get(name)
-        if value:
-            return "k" + _short_hash(f"credential:{name}:{value}")
+    credentials = _header_values(ctx, _CREDENTIAL_ORDER)
+    if credentials:
+        return "k" + _short_hash("credential:" + orjson.dumps(credentials).decode())
     return "pub"
 
 
-def _deterministic(path: str, body: dict[str, Any]) -> bool:
-    if path in endpoint_paths("deterministic"):
-        return True
-    return _deterministic_body(body)
+def _header_values(ctx: RequestContext, names: tuple[str, ...]) -> list[list[str]]:
+    """``[[name, value], ...]`` for each of ``names`` (sorted) the request carries, every
+    value of a repeated header in the order sent: exactly what is forwarded."""
+    headers = ctx.headers
+    out: list[list[str]] = []
+    for name in names:
+        if name in headers:
+            out.extend([name, value] for value in headers.getall(name))
+    return out
+
+
+class KeyHeaders:
+    """The request headers that are part of a POST's key digest: those that select
+    behaviour (built in and ``[cache] vary_headers``), and the client's credentials when
+    ``[server] forward_client_credentials`` sends them to the region."""
+
+    __slots__ = ("names",)
+
+    def __init__(self, config: Config) -> None:
+        names = set(ANSWER_HEADERS) | set(config.cache.vary_headers)
+        if config.server.forward_client_credentials:
+            names |= CLIENT_CREDENTIAL_HEADERS
+        self.names = tuple(sorted(names))
 
 
 def _deterministic_body(body: dict[str, Any]) -> bool:
@@ -84,35 +109,15 @@ def _deterministic_body(body: dict[str, Any]) -> bool:
     return temperature is not None and temperature == 0
 
 
-def default_cache_key(ctx: RequestContext, *, always: bool = False) -> str | None:
-    """The key digest of a cacheable POST, or None when it must not be cached.
-
-    Cacheable: POSTs to the OpenAI completion and embedding routes whose JSON
-    body is deterministic (``temperature`` 0 or a ``seed``), or any such POST
-    when ``always``. Never: ``Cache-Control: no-store``.
-    """
-    if ctx.method != "POST" or ctx.path not in CACHEABLE_PATHS:
-        return None
-    if "no-store" in ctx.headers.get("cache-control", "").lower():
-        return None
-    body = ctx.json
-    if not isinstance(body, dict):
-        return None
-    if not always and not _deterministic(ctx.path, body):
-        return None
-    return _post_digest(ctx, body)
-
-
-def _post_digest(
-    ctx: RequestContext, body: dict[str, Any], scope: str | None = None, path: str | None = None
-) -> str:
+def _post_digest(ctx: RequestContext, body: dict[str, Any], scope: str, headers: KeyHeaders) -> str:
     semantic = {k: v for k, v in body.items() if k not in NON_SEMANTIC_FIELDS}
     material = orjson.dumps(
         {
-            "path": ctx.path if path is None else path,
-            "model": body.get("model"),
+            # The whole target: the query string is forwarded and may pick the API version.
+            "target": ctx.target,
             "body": semantic,
-            "scope": cache_scope(ctx) if scope is None else scope,
+            "headers": _header_values(ctx, headers.names),
+            "scope": scope,
         },
         option=orjson.OPT_SORT_KEYS,
     )

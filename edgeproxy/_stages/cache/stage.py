@@ -48,6 +48,7 @@ from edgeproxy._stages.cache.flight import (
     wait_started,
 )
 from edgeproxy._stages.cache.keys import (
+    KeyHeaders,
     _deterministic_body,
     _get_digest,
     _post_digest,
@@ -112,6 +113,7 @@ class CacheStage:
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.config = config.cache
+        self.key_headers = KeyHeaders(config)
         self.compression = Compression(config)
         # Wall-clock seconds, as entries are shared across hosts: freshness, Age, stale windows.
         self.clock = clock
@@ -223,7 +225,7 @@ class CacheStage:
         """The key digest of a request :meth:`_bypass_reason` let through."""
         if ctx.method == "GET":
             return _get_digest(ctx, scope)
-        return _post_digest(ctx, ctx.json, scope, ctx.path)
+        return _post_digest(ctx, ctx.json, scope, self.key_headers)
 
     def storable(
         self, plan: CachePlan, status: int, headers: list[tuple[str, str]]
