@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import logging
 import signal
 import ssl
 from collections.abc import AsyncIterator
@@ -491,3 +492,13 @@ async def test_serve_streams_ten_over_one_connection(
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def test_start_up_warns_that_the_listener_is_not_for_untrusted_clients_yet(
+    make_region: RegionFactory, make_proxy: ProxyFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    region = await make_region("ap-1")
+    with caplog.at_level(logging.WARNING, logger="edgeproxy"):
+        await make_proxy([region], server=H2C)
+    warned = [r.getMessage() for r in caplog.records if "untrusted clients" in r.getMessage()]
+    assert len(warned) == 1 and "docs/frontends.md" in warned[0]
