@@ -336,6 +336,8 @@ async def test_declared_body_over_the_limit_is_413_before_reading(
         assert headers["connection"] == "close"
         assert_openai_error(body, "request_too_large")
         await raw.close()
+    # Counted in /status as a body that grows past the limit is.
+    assert proxy.guard.bodies_too_large == 1
 
 
 async def test_chunked_body_over_the_limit_is_cut_off(

@@ -393,6 +393,9 @@ class AsgiApp:
             self.proxy.config.limits,
         )
         if error is not None:
+            # A declared body over the limit is refused here, before any of it is read: it
+            # counts as one too large, as one that grows past the limit does while read.
+            self.proxy.guard.count_body_error(error)
             return own_answer(error)
         # The pipeline answers every ProxyError itself (a body bound while it reads, too).
         return await self.proxy.serve_exchange(exchange)

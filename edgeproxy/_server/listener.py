@@ -123,6 +123,9 @@ def limits_middleware(limits: LimitsConfig) -> Middleware:
         try:
             error = check_request_head(request, limits)
             if error is not None:
+                if protocol is not None:
+                    # A declared body over the limit counts as one that grows past it.
+                    protocol.head_refused(error)
                 return own_error(error)
             try:
                 return await handler(request)
@@ -441,6 +444,10 @@ class EdgeRequestHandler(web.RequestHandler):
         self._paused_total = 0.0
         self._paused_at = now if self._stalled else -1.0
         self._arm(self._next_body_check(now), self._body_timer)
+
+    def head_refused(self, error: ProxyError) -> None:
+        """The head checks refused the request (a body error among them is counted)."""
+        self._guard.count_body_error(error)
 
     def _check_size(self) -> None:
         payload = self._payload
