@@ -18,7 +18,7 @@ import h2.settings
 import pytest
 from hyperframe.frame import Frame
 
-from edgeproxy._upstream.h2pool import H2Pool
+from edgeproxy._upstream.h2pool import H2Pool, _Backoff
 from edgeproxy._upstream.pool import PoolLimits, UpstreamError
 from edgeproxy.testing import FakeRegion, WanLink
 
@@ -225,3 +225,99 @@ async def test_a_server_that_closes_every_connection_is_not_reconnected_in_a_loo
         await pool.aclose()
         server.close()
         await server.wait_closed()
+
+
+# -- the backoff's delays, drawn without waiting them out ------------------------------
+
+# The largest draw random.random() can return, and its smallest.
+_HIGH, _LOW = 1.0 - 2**-53, 0.0
+
+
+def test_the_backoff_doubles_to_its_cap_with_jitter_and_resets() -> None:
+    backoff = _Backoff(base=0.1, cap=5.0)
+    ceilings = [backoff.next(_HIGH) for _ in range(9)]
+    assert ceilings == pytest.approx([0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 5.0, 5.0, 5.0])
+    backoff.reset()
+    # The lowest draw never goes under the base: no retry at the round trip's pace.
+    assert [backoff.next(_LOW) for _ in range(8)] == pytest.approx([0.1] * 8)
+    backoff.reset()
+    halves = [backoff.next(0.5) for _ in range(4)]
+    assert halves == pytest.approx([0.1, 0.15, 0.25, 0.45])
+    # Days of failures do not overflow.
+    backoff.attempts = 10_000
+    assert backoff.next(_HIGH) == pytest.approx(5.0)
+
+
+async def test_failed_connects_back_off_exponentially_until_one_succeeds() -> None:
+    draws = iter([_HIGH, _HIGH, _HIGH, 0.5, _HIGH, _HIGH])
+    async with FakeRegion(name="ap-1") as region:
+        pool = H2Pool(region.url, PoolLimits(warm_connections=1, ping_interval=60.0))
+        pool._random = lambda: next(draws)
+        try:
+            now = 1000.0
+            delays = []
+            for _ in range(4):
+                pool._connect_failed(UpstreamError("refused"), now)
+                delays.append(pool._connect_backoff_until - now)
+            assert delays == pytest.approx([0.1, 0.2, 0.4, 0.45])
+            # A connect that succeeds (the server's SETTINGS came): the next failure is
+            # retried after the base again.
+            await pool.start()
+            pool._connect_failed(UpstreamError("refused"), now)
+            assert pool._connect_backoff_until - now == pytest.approx(0.1)
+        finally:
+            await pool.aclose()
+
+
+class _Lost:
+    """What the pool reads of a connection it has lost."""
+
+    def __init__(self, opened_at: float) -> None:
+        self.opened_at = opened_at
+        self.ready: asyncio.Future[UpstreamError | None] = asyncio.Future()
+        self.ready.set_result(None)  # its SETTINGS had come: a connect that succeeded
+
+
+async def test_reopens_of_connections_lost_at_once_back_off_until_one_lasts() -> None:
+    pool = H2Pool("http://127.0.0.1:9", PoolLimits(warm_connections=1, ping_interval=60.0))
+    pool._random = lambda: _HIGH
+    pool._started = True  # as after start(), without its connect
+    reopened: list[float] = []
+    clock = [1000.0]
+    pool._maybe_connect = lambda demand: reopened.append(clock[0])  # type: ignore[method-assign]
+    loop = asyncio.get_running_loop()
+
+    def lost(at: float, lived: float) -> None:
+        clock[0] = at
+        conn = _Lost(at - lived)
+        pool._conns.append(conn)  # type: ignore[arg-type]
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(loop, "time", lambda: at)
+            pool._connection_gone(conn)  # type: ignore[arg-type]
+
+    def maintain(at: float) -> None:
+        clock[0] = at
+        pool._maintain_once(at)
+
+    try:
+        # Each connection the server accepts is gone a moment later: the first loss is
+        # reopened at once, each later one after twice the wait before it.
+        lost(1000.0, lived=60.0)
+        assert reopened == [1000.0]
+        t = 1000.0
+        for wait in (0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 5.0, 5.0):
+            lost(t + 0.01, lived=0.01)
+            maintain(t + wait - 0.001)
+            assert reopened[-1] == t
+            maintain(t + wait)
+            assert reopened[-1] == t + wait
+            t += wait
+        # One that lasted the cap: its loss is reopened at once, and the next after the base.
+        lost(t + 10.0, lived=10.0)
+        assert reopened[-1] == t + 10.0
+        lost(t + 10.01, lived=0.01)
+        maintain(t + 10.0 + 0.1)
+        assert reopened[-1] == t + 10.1
+    finally:
+        pool._conns.clear()
+        await pool.aclose()

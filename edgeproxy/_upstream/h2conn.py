@@ -289,7 +289,7 @@ class Connection(asyncio.Protocol):
         self.writable = True
         self._flush_scheduled = False
         self.closing = False
-        now = loop.time()
+        now = self.opened_at = loop.time()
         self.last_recv = now
         self.idle_since: float | None = now
         self.ping_sent_at: float | None = None

@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import ssl
 from collections import deque
+from collections.abc import Callable
 from typing import Final, cast
 from urllib.parse import urlsplit
 
@@ -57,6 +59,10 @@ _log = logging.getLogger(__name__)
 _REFUSED_RETRIES: Final = 1
 # How long a per-connection stream limit learnt from GOAWAY is trusted.
 _BUDGET_TTL: Final = 600.0
+# Reconnecting: the first retry after a failure waits about _BACKOFF_BASE, each one after
+# up to twice the one before, at most _BACKOFF_CAP (see _Backoff).
+_BACKOFF_BASE: Final = 0.1
+_BACKOFF_CAP: Final = 5.0
 # Headers that describe the HTTP/1.1 connection and are illegal in HTTP/2.
 _CONNECTION_SPECIFIC: Final = frozenset(
     {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "upgrade", "host", "te"}
@@ -83,6 +89,33 @@ def _copy_error(err: UpstreamError) -> UpstreamError:
     if isinstance(err, UpstreamProtocolError):
         return UpstreamProtocolError(str(err), retryable=err.retryable)
     return type(err)(str(err))
+
+
+class _Backoff:
+    """Delays between attempts that keep failing: exponential, capped, jittered.
+
+    The n-th delay in a row is drawn uniformly between ``base`` and
+    ``min(cap, base * 2**n)`` (full jitter above a floor): the pools of every worker at
+    every PoP that lost a region at the same moment spread their retries out instead of
+    coming back in step, and none retries sooner than ``base``, whatever the draw.
+    """
+
+    __slots__ = ("attempts", "base", "cap")
+
+    def __init__(self, base: float = _BACKOFF_BASE, cap: float = _BACKOFF_CAP) -> None:
+        self.base = base
+        self.cap = cap
+        self.attempts = 0
+
+    def next(self, draw: float) -> float:
+        """The next delay, for ``draw`` in [0, 1)."""
+        # Bounded so that a region down for days cannot overflow the float.
+        ceiling = min(self.cap, self.base * 2.0 ** min(self.attempts, 32))
+        self.attempts += 1
+        return self.base + (ceiling - self.base) * draw
+
+    def reset(self) -> None:
+        self.attempts = 0
 
 
 class H2Pool:
@@ -134,7 +167,14 @@ class H2Pool:
         self._connect_epoch = 0
         self._connect_error: UpstreamError | None = None
         self._connect_backoff_until = 0.0
-        self._warm_reopened_at = float("-inf")
+        # Two sequences: connects that fail (reset by one that succeeds), and reopens of
+        # warm connections lost (reset by a loss after a long life: a server that accepts,
+        # sends its SETTINGS and closes succeeds at every connect).
+        self._connect_backoff = _Backoff()
+        self._reopen_backoff = _Backoff()
+        self._reopen_due = float("-inf")
+        # The jitter's draws (tests set their own).
+        self._random: Callable[[], float] = random.random
         self._expected_streams = 100
         # Per-connection stream limits inferred from GOAWAY; 0 means unknown.
         self._budget_candidate = 0  # seen once: only steers retries
@@ -490,6 +530,8 @@ class H2Pool:
         self._ensure_maintenance()
 
     def _settings_known(self, conn: Connection) -> None:
+        # A connect that succeeded: the next failure backs off from the start.
+        self._connect_backoff.reset()
         self._expected_streams = max(1, min(conn.max_streams, self.stream_budget() or 1000))
 
     def stream_budget(self, now: float | None = None) -> int:
@@ -571,28 +613,33 @@ class H2Pool:
             return  # never handed out: its opener reports the failure
         if self._closed:
             return
-        loop = asyncio.get_running_loop()
+        now = asyncio.get_running_loop().time()
         setup_error = conn.ready.result()
         if setup_error is not None:
             # Lost before the server's SETTINGS: a failed connect, with its backoff.
-            self._connect_failed(setup_error, loop.time())
+            self._connect_failed(setup_error, now)
+        elif now - conn.opened_at >= self._reopen_backoff.cap:
+            # It lasted: the region was serving, and reopens back off from the start again.
+            self._reopen_backoff.reset()
         if self._waiters or self._fresh_waiters:
             self._wake_all()
-        self._reopen_warm(loop.time())
+        self._reopen_warm(now)
 
     def _connect_failed(self, error: UpstreamError, now: float) -> None:
         self._connect_error = error
         self._connect_epoch += 1
-        self._connect_backoff_until = now + min(1.0, self.limits.connect_timeout)
+        self._connect_backoff_until = now + self._connect_backoff.next(self._random())
 
     def _reopen_warm(self, now: float) -> None:
         """Open connections up to ``warm_connections``, unless a connect failed lately.
 
         Called as soon as a connection is lost, not only from maintenance, so
         the next request finds one on its way. Never within the backoff after
-        a failed connect, and at most one reopen per backoff period even when
-        each connects: a server that accepts and then closes at once (GOAWAY
-        after its SETTINGS) must not be reconnected to at the round trip's pace.
+        a failed connect, and each reopen after the first waits out a backoff
+        of its own even when each connects: a server that accepts and then
+        closes at once (GOAWAY after its SETTINGS) must not be reconnected to
+        at the round trip's pace. That backoff starts over once a connection
+        lost had lasted its cap.
         """
         if not self._started or self._closed or self._waiters or self._fresh_waiters:
             return
@@ -600,9 +647,9 @@ class H2Pool:
         alive = sum(1 for c in self._conns if not c.draining and not c.lost)
         if alive + self._connecting >= warm or now < self._connect_backoff_until:
             return
-        if now - self._warm_reopened_at < min(1.0, self.limits.connect_timeout):
+        if now < self._reopen_due:
             return
-        self._warm_reopened_at = now
+        self._reopen_due = now + self._reopen_backoff.next(self._random())
         self._maybe_connect(1)
 
     # -- maintenance -----------------------------------------------------
