@@ -70,9 +70,15 @@ def cache_scope(ctx: RequestContext) -> str:
     """
     if ctx.tenant:
         return tenant_scope(ctx.tenant)
-    credentials = _header_values(ctx, _CREDENTIAL_ORDER)
-    if credentials:
-        return "k" + _short_hash("credential:" + orjson.dumps(credentials).decode())
+    headers = ctx.headers
+    material = ""
+    for name in _CREDENTIAL_ORDER:
+        if name in headers:
+            # Length-prefixed: no value can pass for the end of another and a next header.
+            for value in headers.getall(name):
+                material += f"{name}:{len(value)}:{value}"
+    if material:
+        return "k" + _short_hash("credential:" + material)
     return "pub"
 
 
