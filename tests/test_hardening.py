@@ -542,6 +542,77 @@ async def test_idle_keepalive_connection_is_closed(hardened: HardenedProxy) -> N
     await raw.close()
 
 
+async def half_closed_answer(port: int, payload: bytes) -> bytes:
+    """Everything the proxy sends on a connection whose client sent ``payload`` and then
+    half-closed (shutdown(SHUT_WR)), up to the proxy's own close."""
+    raw = await Raw.open(port)
+    await raw.send(payload)
+    raw.writer.write_eof()
+    try:
+        return await asyncio.wait_for(raw.reader.read(), 10.0)
+    finally:
+        await raw.close()
+
+
+HALF_CLOSED = {
+    "get": head("GET /echo/x HTTP/1.1"),
+    "chat": chat(json.dumps(BODY).encode(), "Content-Type: application/json"),
+    "stream": chat(json.dumps({**BODY, "stream": True}).encode(), "Content-Type: application/json"),
+    "pipelined": head("GET /echo/a HTTP/1.1") + head("GET /echo/b HTTP/1.1"),
+}
+
+
+@pytest.mark.parametrize("payload", HALF_CLOSED.values(), ids=HALF_CLOSED.keys())
+async def test_a_half_closed_client_gets_its_whole_answer(
+    hardened: HardenedProxy, payload: bytes
+) -> None:
+    # As curl with --http1.1 and some load balancers do: the request, whole, then FIN. The
+    # keep-alive timeout is long: the close that ends the read must be the half-close's.
+    proxy = await hardened(keepalive_timeout=60.0)
+    answer = await half_closed_answer(port_of(proxy), payload)
+    requests = payload.count(b" HTTP/1.1\r\n")
+    assert answer.count(b"HTTP/1.1 200 ") == requests, answer
+    if b'"stream": true' in payload:
+        assert answer.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"), answer
+    else:
+        # Every answer whole, its body as long as it said.
+        for part in answer.split(b"HTTP/1.1 200 ")[1:]:
+            head_part, _, body = part.partition(b"\r\n\r\n")
+            length = int(head_part.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+            assert len(body) == length, answer
+    await eventually(lambda: proxy.guard.open == 0)
+
+
+async def test_a_client_that_half_closes_while_its_stream_runs_gets_all_of_it(
+    make_region: RegionFactory, make_proxy: ProxyFactory
+) -> None:
+    # The FIN comes on a read of its own, once the answer has started.
+    region = await make_region("r1", tokens=20, inter_token_delay=0.05)
+    proxy = await make_proxy([region], limits={"keepalive_timeout": 60.0})
+    raw = await Raw.open(port_of(proxy))
+    await raw.send(
+        chat(json.dumps({**BODY, "stream": True}).encode(), "Content-Type: application/json")
+    )
+    head_part = await asyncio.wait_for(raw.reader.readuntil(b"\r\n\r\n"), 10.0)
+    assert head_part.startswith(b"HTTP/1.1 200 "), head_part
+    raw.writer.write_eof()
+    rest = await asyncio.wait_for(raw.reader.read(), 10.0)
+    await raw.close()
+    assert rest.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"), rest
+    await eventually(lambda: proxy.guard.open == 0)
+
+
+async def test_a_client_that_half_closes_mid_body_is_not_answered(
+    hardened: HardenedProxy,
+) -> None:
+    # Its body can never be whole: nothing to answer, and nothing held open for it (the
+    # body timeout is long: the close must be the half-close's).
+    proxy = await hardened(body_timeout=60.0, min_body_rate=0)
+    payload = head("POST /echo/x HTTP/1.1", "Content-Length: 100", body=b"x" * 10)
+    assert await half_closed_answer(port_of(proxy), payload) == b""
+    await eventually(lambda: proxy.guard.open == 0)
+
+
 async def test_connection_cap(hardened: HardenedProxy) -> None:
     proxy = await hardened(max_connections=4, header_timeout=30.0)
     async with good_traffic(proxy):  # one connection of the four

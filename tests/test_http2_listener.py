@@ -408,6 +408,67 @@ async def test_stalled_body_gets_408_and_is_counted(
     await good_client_served(proxy.url)
 
 
+def http1_chat(body: dict[str, Any], *headers: bytes) -> bytes:
+    data = json.dumps(body).encode()
+    return (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: proxy.test\r\n%s"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+        % (b"".join(h + b"\r\n" for h in headers), len(data), data)
+    )
+
+
+HALF_CLOSED = {
+    "get": b"GET /v1/models HTTP/1.1\r\nHost: proxy.test\r\n\r\n",
+    "chat": http1_chat(BODY),
+    "connection-close": http1_chat(BODY, b"Connection: close"),
+}
+
+
+@pytest.mark.parametrize("payload", HALF_CLOSED.values(), ids=HALF_CLOSED.keys())
+async def test_a_half_closed_http1_client_gets_its_whole_answer(
+    make_region: RegionFactory, make_proxy: ProxyFactory, payload: bytes
+) -> None:
+    # The request whole, then FIN (shutdown(SHUT_WR)), as curl --http1.1 and some load
+    # balancers send it. The keep-alive timeout is long: the close that ends the read must
+    # be the half-close's, once the answer is out.
+    region = await make_region("ap-1", ttft=0.05)
+    proxy = await make_proxy([region], server=H2C, limits={"keepalive_timeout": 60.0})
+    host, port = proxy.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(payload)
+    writer.write_eof()
+    answer = await asyncio.wait_for(reader.read(), 20)
+    writer.close()
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 "), answer
+    length = next(
+        int(line.split(b":", 1)[1])
+        for line in head.lower().split(b"\r\n")
+        if line.startswith(b"content-length:")
+    )
+    assert len(body) == length
+    json.loads(body)
+    await eventually(lambda: proxy.guard.open == 0)
+
+
+async def test_a_client_that_half_closes_while_its_stream_runs_gets_all_of_it(
+    make_region: RegionFactory, make_proxy: ProxyFactory
+) -> None:
+    # The FIN comes on a read of its own, once the answer has started.
+    region = await make_region("ap-1", tokens=20, inter_token_delay=0.05)
+    proxy = await make_proxy([region], server=H2C, limits={"keepalive_timeout": 60.0})
+    host, port = proxy.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(http1_chat({**BODY, "stream": True}))
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 20)
+    assert head.startswith(b"HTTP/1.1 200 "), head
+    writer.write_eof()
+    rest = await asyncio.wait_for(reader.read(), 20)
+    writer.close()
+    assert rest.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"), rest
+    await eventually(lambda: proxy.guard.open == 0)
+
+
 async def test_connection_caps_hold(make_region: RegionFactory, make_proxy: ProxyFactory) -> None:
     region = await make_region("ap-1")
     proxy = await make_proxy(

@@ -187,7 +187,29 @@ class _Connection(TCPServer):
             except (ConnectionError, OSError, ssl.SSLError):
                 break
             await self.protocol.handle(RawData(data))
+        if self.reader.at_eof() and _sent_whole(self.protocol.protocol):
+            # The client sent its request whole and shut its side (shutdown(SHUT_WR)): it
+            # still reads. hypercorn would take the EOF for a disconnect and cancel the
+            # answer. h11 is told instead (unless a read of nothing told it already): the
+            # answer goes out, then hypercorn closes, the client's side being CLOSED.
+            if _their_state(self.protocol.protocol) is not h11.CLOSED:
+                await self.protocol.handle(RawData(b""))
+            return
         await self.protocol.handle(Closed())
+
+
+def _their_state(protocol: H11Protocol | H2Protocol) -> object:
+    """The client's side of an HTTP/1.1 connection, in h11's states."""
+    if isinstance(protocol, H11Protocol) and isinstance(protocol.connection, h11.Connection):
+        return protocol.connection.their_state
+    return None
+
+
+def _sent_whole(protocol: H11Protocol | H2Protocol) -> bool:
+    """Whether an HTTP/1.1 request received whole is being answered."""
+    if not isinstance(protocol, H11Protocol) or protocol.stream is None:
+        return False
+    return _their_state(protocol) in (h11.DONE, h11.MUST_CLOSE, h11.CLOSED)
 
 
 def _partial_head(protocol: H11Protocol | H2Protocol) -> bool:

@@ -331,6 +331,8 @@ class EdgeRequestHandler(web.RequestHandler):
         "_head_bytes",
         "_line_len",
         "_stalled",
+        "_half_closed",
+        "_handled",
     )
 
     def __init__(self, manager: web.Server, *, guard: ConnectionGuard, **kwargs: Any) -> None:
@@ -353,6 +355,8 @@ class EdgeRequestHandler(web.RequestHandler):
         self._head_bytes = 0
         self._line_len = -1  # length of the request line, once its end arrived
         self._stalled = False
+        self._half_closed = False  # the client shut its side after whole requests
+        self._handled = 0  # requests whose handler returned (aiohttp counts those parsed)
 
     # -- asyncio protocol ---------------------------------------------------------
 
@@ -383,6 +387,35 @@ class EdgeRequestHandler(web.RequestHandler):
         self._payload = None
         self._request_task = None
         super().connection_lost(exc)
+
+    # aiohttp types it as returning None; asyncio reads True as "keep the transport open".
+    def eof_received(self) -> bool | None:  # type: ignore[override]
+        """The client shut its side of the connection (shutdown(SHUT_WR)).
+
+        A client may do that once it has sent its requests (curl with --http1.1 after
+        sending, some load balancers): it still reads. The requests received whole are
+        answered, then the connection closes. With nothing whole to answer (idle, part
+        of a head, a body cut short), it closes at once, as aiohttp would.
+        """
+        transport = self.transport
+        payload = self._payload
+        unanswered = self._request_count > self._handled
+        if (
+            transport is None
+            # asyncio's TLS cannot write once the peer's side is shut: it closes anyway.
+            or transport.get_extra_info("sslcontext") is not None
+            or not (unanswered or self._request_in_progress)
+            or (self._phase == _BODY and payload is not None and not payload.is_eof())
+        ):
+            return None
+        self._half_closed = True
+        if self._phase == _DRAIN and payload is not None:
+            # The rest of the body aiohttp would read and drop cannot come now.
+            payload.feed_eof()
+        if not unanswered:
+            # The last handler returned: its answer is on its way out, then the close.
+            self.close()
+        return True
 
     def data_received(self, data: bytes) -> None:
         phase = self._phase
@@ -439,6 +472,10 @@ class EdgeRequestHandler(web.RequestHandler):
         if payload.is_eof():
             self._phase = _BUSY
             return
+        if self._half_closed:
+            # The client shut its side before this body was whole: it never will be.
+            self.force_close()
+            return
         self._phase = _BODY
         now = self._body_started = self._last_data = self._loop.time()
         self._paused_total = 0.0
@@ -473,6 +510,10 @@ class EdgeRequestHandler(web.RequestHandler):
     def request_finished(self) -> None:
         self._cancel_timer()
         self._request_task = None
+        self._handled += 1
+        if self._half_closed and self._handled >= self._request_count:
+            # No request can follow: close once this answer is out.
+            self.close()
         payload = self._payload
         if payload is not None and not payload.is_eof() and payload.exception() is None:
             # aiohttp drains the unread body ("lingering"): those bytes are no request head.
