@@ -450,7 +450,12 @@ class EdgeProxy:
         return self.readiness()[0]
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:
-        """Readiness and the admin ``/readyz`` body: its reasons when not ready."""
+        """Readiness and the admin ``/readyz`` body: its reasons when not ready.
+
+        ``/readyz`` answers probes without a token, so the body names states and regions
+        only: an error's text may hold a region's address or a file's path, and stays in
+        :meth:`status`.
+        """
         model = self._local_model_state()
         model_ready = (
             model is None
@@ -463,12 +468,11 @@ class EdgeProxy:
             if model is not None:
                 body["local_model"] = model
                 if model["state"] in ("failed", "unavailable"):
-                    body["warnings"] = [f"local model {model['state']}: {model['error']}"]
+                    body["warnings"] = [f"local model {model['state']}"]
             return True, body
         reasons = []
         if not model_ready and model is not None:
-            error = f": {model['error']}" if model["error"] else ""
-            reasons.append(f"local model {model['state']}{error}")
+            reasons.append(f"local model {model['state']}")
         if self.draining:
             reasons.append("draining")
         if regions is None:
@@ -478,7 +482,7 @@ class EdgeProxy:
         else:
             for region in regions:
                 if not region.up:
-                    reasons.append(f"region {region.name} unreachable: {region.last_error}")
+                    reasons.append(f"region {region.name} unreachable")
             if not any(r.up for r in regions):
                 reasons.append("no region is reachable")
         body = {"status": "not ready", "reasons": reasons}
@@ -487,11 +491,13 @@ class EdgeProxy:
         return False, body
 
     def _local_model_state(self) -> dict[str, Any] | None:
-        """The local model's state; None when no model is configured or the proxy is closed."""
+        """The local model's state for ``/readyz``; None when no model is configured or the
+        proxy is closed."""
         if self._pipeline is None or not self._pipeline.fallback.local.enabled:
             return None
         local = self._pipeline.fallback.local
-        return {"state": local.state, "error": local.error, "model": local.model_name}
+        # The name clients see in its answers; its error (a path, a loader's text) is not.
+        return {"state": local.state, "model": local.model_name}
 
     async def purge_cache(
         self, *, key: str | None = None, prefix: str | None = None, tenant: str | None = None
