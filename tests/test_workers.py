@@ -141,10 +141,13 @@ async def test_two_workers_share_the_port_and_the_admin_port_sums_them(
         async with aiohttp.ClientSession() as client:
             async with client.get(run.admin + "/healthz") as resp:
                 assert resp.status == 200
+                # The supervisor's admin listener, not aiohttp with its version.
+                assert resp.headers.getall("Server") == ["edgeproxy"]
             async with client.get(run.admin + "/readyz") as resp:
                 assert resp.status == 200
                 ready = await resp.json()
                 assert [w["ready"] for w in ready["workers"]] == [True, True]
+                assert [w["detail"] for w in ready["workers"]] == [{"status": "ready"}] * 2
             async with client.get(run.admin + "/metrics") as resp:
                 assert resp.status == 200
                 text = await resp.text()

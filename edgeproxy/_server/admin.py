@@ -9,7 +9,7 @@ import hmac
 from typing import TYPE_CHECKING, Any
 
 import orjson
-from aiohttp import web
+from aiohttp import hdrs, web
 from aiohttp.typedefs import Handler, Middleware
 
 from edgeproxy._core.errors import ProxyError
@@ -19,7 +19,7 @@ from edgeproxy._server.aio import web_error
 if TYPE_CHECKING:
     from edgeproxy._server.app import EdgeProxy
 
-__all__ = ["admin_app", "admin_auth", "json_response"]
+__all__ = ["admin_app", "admin_auth", "json_response", "name_answers"]
 
 
 def json_response(data: Any, status: int = 200) -> web.Response:
@@ -76,6 +76,23 @@ def admin_auth(token: str) -> Middleware:
     return edgeproxy_admin_auth
 
 
+def name_answers(app: web.Application, server_header: str) -> None:
+    """Send ``server_header`` as the Server header of every answer ``app`` routes (``""``:
+    none), in place of aiohttp's, which names its version and Python's.
+
+    A signal, run after aiohttp set its own: an admin listener's answers are few, and come
+    from handlers, the router and the auth middleware alike.
+    """
+
+    async def edgeproxy_server_header(request: web.Request, response: web.StreamResponse) -> None:
+        if server_header:
+            response.headers[hdrs.SERVER] = server_header
+        else:
+            response.headers.popall(hdrs.SERVER, None)
+
+    app.on_response_prepare.append(edgeproxy_server_header)
+
+
 def admin_app(proxy: EdgeProxy, *, token: str | None = None) -> web.Application:
     """The admin listener's application for ``proxy``; ``token``: see :func:`admin_auth`."""
 
@@ -122,6 +139,7 @@ def admin_app(proxy: EdgeProxy, *, token: str | None = None) -> web.Application:
         )
 
     app = web.Application(middlewares=[admin_auth(token)] if token else [])
+    name_answers(app, proxy.config.server.server_header)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/status", status)

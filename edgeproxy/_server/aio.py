@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Mapping
 from ssl import SSLObject
 
-from aiohttp import web
+from aiohttp import hdrs, web
 from aiohttp.http_writer import HttpVersion10, HttpVersion11, StreamWriter
 from multidict import CIMultiDict
 
@@ -20,6 +20,21 @@ __all__ = ["AiohttpExchange", "send_answer", "web_error", "web_response"]
 _HTTP_VERSIONS = {HttpVersion10: "1.0", HttpVersion11: "1.1"}
 
 
+# aiohttp gives an answer without a Server header its own, which names its version and
+# Python's: an answer given one is left alone, and these take aiohttp's off again, for a
+# listener configured to send none (``server.server_header = ""``).
+class _UnnamedStream(web.StreamResponse):
+    async def _prepare_headers(self) -> None:
+        await super()._prepare_headers()
+        self.headers.popall(hdrs.SERVER, None)
+
+
+class _Unnamed(web.Response):
+    async def _prepare_headers(self) -> None:
+        await super()._prepare_headers()
+        self.headers.popall(hdrs.SERVER, None)
+
+
 def _target(request: web.Request, strip_prefix: str) -> str:
     target = request.raw_path
     if strip_prefix and target.startswith(strip_prefix):
@@ -30,12 +45,16 @@ def _target(request: web.Request, strip_prefix: str) -> str:
 
 
 class AiohttpExchange(Exchange):
-    """An aiohttp ``web.Request`` and the ``web.StreamResponse`` its answer goes out in."""
+    """An aiohttp ``web.Request`` and the ``web.StreamResponse`` its answer goes out in;
+    ``server``: the answer's Server header (``""``: none)."""
 
-    __slots__ = ("request", "response")
+    __slots__ = ("request", "response", "server")
 
-    def __init__(self, request: web.Request, strip_prefix: str = "") -> None:
+    def __init__(
+        self, request: web.Request, strip_prefix: str = "", server: str = "edgeproxy"
+    ) -> None:
         self.native = self.request = request
+        self.server = server
         self.method = request.method
         self.target = _target(request, strip_prefix) if strip_prefix else request.raw_path
         headers = self.headers = request.headers
@@ -66,7 +85,12 @@ class AiohttpExchange(Exchange):
     async def start(
         self, status: int, headers: CIMultiDict[str], length: int | None, close: bool
     ) -> Writer:
-        resp = self.response = web.StreamResponse(status=status, headers=headers)
+        server = self.server
+        if server:
+            resp = self.response = web.StreamResponse(status=status, headers=headers)
+            resp.headers[hdrs.SERVER] = server
+        else:
+            resp = self.response = _UnnamedStream(status=status, headers=headers)
         if length is not None:
             resp.content_length = length
         if close:
@@ -110,9 +134,15 @@ def _tls(request: web.Request) -> TlsInfo | None:
     return TlsInfo(ssl_object.version(), ssl_object.selected_alpn_protocol(), None)
 
 
-def web_response(answer: Response) -> web.Response:
-    """A whole-body answer as an aiohttp response."""
-    resp = web.Response(status=answer.status, body=answer.body, headers=answer.headers)
+def web_response(answer: Response, server: str | None = None) -> web.Response:
+    """A whole-body answer as an aiohttp response, with ``server`` as its Server header
+    (``""``: none; None: what the app's ``on_response_prepare`` makes of aiohttp's)."""
+    if server is None or server:
+        resp = web.Response(status=answer.status, body=answer.body, headers=answer.headers)
+        if server:
+            resp.headers[hdrs.SERVER] = server
+    else:
+        resp = _Unnamed(status=answer.status, body=answer.body, headers=answer.headers)
     if not answer.keep_alive:
         resp.force_close()
     return resp
@@ -123,7 +153,7 @@ async def send_answer(exchange: AiohttpExchange, answer: StreamResponse) -> web.
     was already streamed in, or (an answer not yet sent) the answer sent now."""
     if type(answer) is Response and exchange.response is None:
         # The common whole-body answer, not sent yet: aiohttp sends it after the handler.
-        return web_response(answer)
+        return web_response(answer, exchange.server)
     if not answer.prepared:
         started = exchange.response
         if started is None or not started.prepared:

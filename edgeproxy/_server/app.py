@@ -136,9 +136,12 @@ class EdgeProxy:
         # Bodies are streamed or buffered by the pipeline itself, up to its own limit.
         # Input limits: connection guards on the own listener; the request-head
         # checks run before any stage or plugin sees the request.
-        self.guard = ConnectionGuard(config.limits)
+        # [server] needs a restart to change: read once, not per request.
+        self._server_header = server_header = config.server.server_header
+        self.guard = ConnectionGuard(config.limits, server_header)
         self.app = web.Application(
-            client_max_size=JSON_BODY_LIMIT + 1, middlewares=[limits_middleware(config.limits)]
+            client_max_size=JSON_BODY_LIMIT + 1,
+            middlewares=[limits_middleware(config.limits, server_header)],
         )
         self.app[PROXY_KEY] = self
         self.app.cleanup_ctx.append(self._lifespan)
@@ -387,7 +390,7 @@ class EdgeProxy:
 
     async def _serve(self, request: web.Request, strip_prefix: str) -> web.StreamResponse:
         # serve_exchange() inlined: the aiohttp listener's path is the hottest.
-        exchange = AiohttpExchange(request, strip_prefix)
+        exchange = AiohttpExchange(request, strip_prefix, self._server_header)
         generation = self._generation
         if generation is None:
             raise RuntimeError("the proxy is not open: run its app, or call start()")

@@ -60,8 +60,25 @@ _MAX_RECV = 2**16
 _ASGI = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
-def _hyper_config(limits: LimitsConfig, grace: float) -> HyperConfig:
-    config = HyperConfig()
+class _HyperConfig(HyperConfig):
+    """hypercorn's settings, with the listener's Server header (or none) in place of
+    hypercorn's own, on its own answers (a 400, a 408) as on the application's."""
+
+    def __init__(self, server_header: str) -> None:
+        self.include_server_header = False
+        self._server: tuple[tuple[bytes, bytes], ...] = (
+            ((b"server", server_header.encode("ascii")),) if server_header else ()
+        )
+
+    def response_headers(self, protocol: str) -> list[tuple[bytes, bytes]]:
+        # Its Date (the one the answer carries: the proxy drops the region's) and ours.
+        headers = super().response_headers(protocol)
+        headers.extend(self._server)
+        return headers
+
+
+def _hyper_config(limits: LimitsConfig, grace: float, server_header: str) -> HyperConfig:
+    config = _HyperConfig(server_header)
     config.h2_max_concurrent_streams = limits.h2_max_concurrent_streams
     config.h2_max_header_list_size = limits.max_headers * limits.max_header_size
     config.h11_max_incomplete_size = limits.max_request_line + limits.max_header_size * 2
@@ -239,7 +256,7 @@ class Http2Listener:
         self.guard = guard
         self._app = ASGIWrapper(self._with_reset(app))  # type: ignore[arg-type]
         self._ssl = ssl_context
-        self._config = _hyper_config(guard.limits, grace)
+        self._config = _hyper_config(guard.limits, grace, guard.server_header)
         self._context = WorkerContext(None)
         self._server: asyncio.Server | None = None
         self._connections: dict[asyncio.Task[None], asyncio.StreamWriter] = {}

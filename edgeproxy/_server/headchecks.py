@@ -15,7 +15,7 @@ status line, whatever version the client sent.
 
 from __future__ import annotations
 
-from aiohttp import web
+from aiohttp import hdrs, web
 from aiohttp.web_request import BaseRequest
 from multidict import CIMultiDictProxy
 
@@ -170,9 +170,14 @@ class _OwnAnswer(web.Response):
     """An answer the listener gives itself: an HTTP/1.1 status line, whatever the request's
     version (a client sending ``HTTP/0.9`` or ``HTTP/2.0`` must not see it echoed back)."""
 
+    unnamed = False
+
     async def _write_headers(self) -> None:
         writer = self._payload_writer
         assert writer is not None
+        if self.unnamed:
+            # aiohttp gave it its own (see own_error).
+            self.headers.popall(hdrs.SERVER, None)
         if not self.keep_alive:
             # Said outright: the status line claims 1.1, where connections persist by default.
             self.headers["Connection"] = "close"
@@ -192,12 +197,16 @@ def own_answer(error: ProxyError) -> Response:
     return answer
 
 
-def own_error(error: ProxyError, *, close: bool = False) -> web.Response:
+def own_error(error: ProxyError, *, close: bool = False, server: str = "edgeproxy") -> web.Response:
     """:func:`own_answer` on the aiohttp listener; ``close`` ends the connection after it
-    (so does a framing error, and a 413)."""
+    (so does a framing error, and a 413). ``server``: its Server header (``""``: none)."""
     answer = own_answer(error)
     headers = {k: v for k, v in answer.headers.items() if k.lower() != "connection"}
+    if server:
+        # Given one, aiohttp does not add its own (which names its version and Python's).
+        headers[hdrs.SERVER] = server
     resp = _OwnAnswer(status=answer.status, body=answer.body, headers=headers)
+    resp.unnamed = not server
     if close or error.headers.get("Connection") == "close" or error.status == 413:
         resp.force_close()
     return resp

@@ -108,8 +108,9 @@ def expect_handler(limits: LimitsConfig) -> Callable[[web.Request], Awaitable[No
     return edgeproxy_expect
 
 
-def limits_middleware(limits: LimitsConfig) -> Middleware:
-    """The request-head checks, and the per-request hooks of :class:`EdgeRequestHandler`."""
+def limits_middleware(limits: LimitsConfig, server: str = "edgeproxy") -> Middleware:
+    """The request-head checks, and the per-request hooks of :class:`EdgeRequestHandler`;
+    ``server``: the Server header of the refusals (``""``: none)."""
 
     @web.middleware
     async def edgeproxy_limits(
@@ -126,13 +127,13 @@ def limits_middleware(limits: LimitsConfig) -> Middleware:
                 if protocol is not None:
                     # A declared body over the limit counts as one that grows past it.
                     protocol.head_refused(error)
-                return own_error(error)
+                return own_error(error, server=server)
             try:
                 return await handler(request)
             except web.HTTPException as exc:
                 if exc.status < 400:
                     raise
-                return own_error(http_exception_error(exc))
+                return own_error(http_exception_error(exc), server=server)
             except asyncio.CancelledError:
                 if protocol is not None:
                     protocol.request_cancelled(request)
@@ -148,10 +149,12 @@ def limits_middleware(limits: LimitsConfig) -> Middleware:
 
 
 class ConnectionGuard:
-    """The limits and counters shared by every connection of one listener."""
+    """The limits and counters shared by every connection of one listener, and the Server
+    header of its answers (``""``: none)."""
 
-    def __init__(self, limits: LimitsConfig) -> None:
+    def __init__(self, limits: LimitsConfig, server_header: str = "edgeproxy") -> None:
         self.limits = limits
+        self.server_header = server_header
         self.open = 0
         # Open connections by client address, and the connections themselves.
         self.per_ip: dict[str, int] = {}
@@ -270,11 +273,12 @@ class ConnectionGuard:
 _IDLE, _HEAD, _BODY, _BUSY, _DRAIN = range(5)
 
 
-def _raw_error(status: int, message: str, code: str) -> bytes:
+def _raw_error(status: int, message: str, code: str, server: str) -> bytes:
     body = error_body("invalid_request_error", message, code=code)
     phrase = HTTPStatus(status).phrase
+    named = f"Server: {server}\r\n" if server else ""
     return (
-        f"HTTP/1.1 {status} {phrase}\r\nContent-Type: application/json\r\n"
+        f"HTTP/1.1 {status} {phrase}\r\n{named}Content-Type: application/json\r\n"
         f"Content-Length: {len(body)}\r\nConnection: close\r\n"
         "X-Edgeproxy-Region: none\r\n\r\n"
     ).encode("ascii") + body
@@ -533,7 +537,12 @@ class EdgeRequestHandler(web.RequestHandler):
             and request.writer.output_size == 0
         ):
             transport.write(
-                _raw_error(503, "The proxy is shutting down; retry the request.", "shutting_down")
+                _raw_error(
+                    503,
+                    "The proxy is shutting down; retry the request.",
+                    "shutting_down",
+                    self._guard.server_header,
+                )
             )
             self.force_close()
 
@@ -650,7 +659,7 @@ class EdgeRequestHandler(web.RequestHandler):
         transport = self.transport
         if transport is None:
             return
-        raw = _raw_error(status, message, code)
+        raw = _raw_error(status, message, code, self._guard.server_header)
         if retry_after:
             raw = raw.replace(b"\r\n\r\n", f"\r\nRetry-After: {retry_after}\r\n\r\n".encode(), 1)
         transport.write(raw)
@@ -696,7 +705,11 @@ class EdgeRequestHandler(web.RequestHandler):
                 # Parser messages quote the offending bytes: only say what was wrong.
                 message = f"Malformed request: {_parser_reason(message)}"
             logger.debug("bad request from %s: %s", request.remote, exc)
-        resp = own_error(ProxyError(status, type_, message, code=code), close=True)
+        resp = own_error(
+            ProxyError(status, type_, message, code=code),
+            close=True,
+            server=self._guard.server_header,
+        )
         return resp
 
 

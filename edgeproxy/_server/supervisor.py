@@ -38,7 +38,7 @@ from prometheus_client.multiprocess import mark_process_dead
 from edgeproxy._core.config import Config, ConfigError
 from edgeproxy._observability.multiprocess import multiprocess_dir
 from edgeproxy._observability.statuspage import StatusPage
-from edgeproxy._server.admin import admin_auth, json_response
+from edgeproxy._server.admin import admin_auth, json_response, name_answers
 from edgeproxy._server.aio import web_error
 from edgeproxy._server.tls import ListenerTls, check_tls_files
 
@@ -573,6 +573,7 @@ class Supervisor:
             )
 
         app = web.Application(middlewares=[admin_auth(token)] if token else [])
+        name_answers(app, self.config.server.server_header)
         app.router.add_get("/healthz", healthz)
         app.router.add_get("/readyz", readyz)
         app.router.add_get("/status", status)

@@ -43,6 +43,13 @@ class ServerConfig(Section):
         "",
         description="Pseudonym used in the Via header; empty means the PoP name.",
     )
+    server_header: str = Field(
+        "edgeproxy",
+        max_length=256,
+        description="The Server header of every answer of the proxy's listeners, the admin "
+        "listener's too, in place of the region's and the server library's (which name their "
+        "versions); empty sends none.",
+    )
     backlog: int = Field(1024, ge=1, description="Listen backlog of the server socket.")
     reuse_port: bool = Field(
         False,
@@ -113,6 +120,16 @@ class ServerConfig(Section):
     @classmethod
     def _check_tls_key(cls, value: str | None, info: ValidationInfo) -> str | None:
         return _check_key(value, info)
+
+    @field_validator("server_header")
+    @classmethod
+    def _check_server_header(cls, value: str) -> str:
+        # Sent as it is on every answer: a control character (CR, LF) would split the head.
+        if value != value.strip() or not all(" " <= c <= "~" for c in value):
+            raise ValueError(
+                "must be printable ASCII without leading or trailing spaces (or empty)"
+            )
+        return value
 
     @field_validator("tls_client_ca")
     @classmethod
