@@ -485,6 +485,30 @@ async def test_connection_caps_hold(make_region: RegionFactory, make_proxy: Prox
     await good_client_served(proxy.url)
 
 
+@pytest.mark.parametrize("tls", [False, True], ids=["cleartext", "tls-h2"])
+async def test_a_connection_the_client_closes_idle_is_released_at_once(
+    make_region: RegionFactory, make_proxy: ProxyFactory, tmp_path: Path, tls: bool
+) -> None:
+    # Not at the keep-alive timeout: until released it counts under the caps.
+    ca = trustme.CA()
+    cert_path, key_path = write_pair(ca, tmp_path)
+    region = await make_region("ap-1")
+    server: dict[str, Any] = (
+        {"http2": True, "tls_cert": cert_path, "tls_key": key_path} if tls else H2C
+    )
+    proxy = await make_proxy([region], server=server, limits={"keepalive_timeout": 60.0})
+    host, port = proxy.url.split("://")[1].split(":")
+    context = None
+    if tls:
+        context = ssl.create_default_context()
+        ca.configure_trust(context)
+        context.set_alpn_protocols(["h2"])
+    _, writer = await asyncio.open_connection(host, int(port), ssl=context)
+    await eventually(lambda: proxy.guard.open == 1)
+    writer.close()
+    await eventually(lambda: proxy.guard.open == 0)
+
+
 # -- edgeproxy serve --------------------------------------------------------------
 
 

@@ -213,6 +213,10 @@ class _Connection(TCPServer):
                 await self.protocol.handle(RawData(b""))
             return
         await self.protocol.handle(Closed())
+        # hypercorn's keep-alive timer would hold the connection (its task, its place under
+        # the caps) until keep_alive_timeout although the client is gone: the read side
+        # ended, and nothing but the requests still running may keep it.
+        await self.idle_task.stop()
 
 
 def _their_state(protocol: H11Protocol | H2Protocol) -> object:
