@@ -469,6 +469,16 @@ async def test_a_client_that_half_closes_while_its_stream_runs_gets_all_of_it(
     await eventually(lambda: proxy.guard.open == 0)
 
 
+def assert_refused_503(answer: bytes) -> None:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    assert lines[0] == "HTTP/1.1 503 Service Unavailable", answer
+    headers = {k.strip().lower(): v.strip() for k, v in (x.split(":", 1) for x in lines[1:])}
+    assert headers["retry-after"] == "1"
+    assert headers["connection"] == "close"
+    assert json.loads(body)["error"]["code"] == "too_many_connections"
+
+
 async def test_connection_caps_hold(make_region: RegionFactory, make_proxy: ProxyFactory) -> None:
     region = await make_region("ap-1")
     proxy = await make_proxy(
@@ -476,8 +486,13 @@ async def test_connection_caps_hold(make_region: RegionFactory, make_proxy: Prox
     )
     held = [await RawH2.open(proxy.url) for _ in range(2)]
     await eventually(lambda: proxy.guard.open == 2)
-    third = await RawH2.open(proxy.url)
-    await third.goaway()
+    # Over the cap: the aiohttp listener's 503, written before reading anything (nothing
+    # in cleartext says whether the client speaks HTTP/1.1 or h2c until it sends).
+    host, port = proxy.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    answer = await asyncio.wait_for(reader.read(), 20)
+    writer.close()
+    assert_refused_503(answer)
     assert proxy.guard.snapshot()["connections_refused"] == 1
     for client in held:
         client.writer.close()
@@ -506,6 +521,52 @@ async def test_a_connection_the_client_closes_idle_is_released_at_once(
     _, writer = await asyncio.open_connection(host, int(port), ssl=context)
     await eventually(lambda: proxy.guard.open == 1)
     writer.close()
+    await eventually(lambda: proxy.guard.open == 0)
+
+
+async def test_a_refused_tls_connection_is_answered_in_its_protocol(
+    make_region: RegionFactory, make_proxy: ProxyFactory, tmp_path: Path
+) -> None:
+    ca = trustme.CA()
+    cert_path, key_path = write_pair(ca, tmp_path)
+    region = await make_region("ap-1")
+    proxy = await make_proxy(
+        [region],
+        server={"http2": True, "tls_cert": cert_path, "tls_key": key_path},
+        limits={"max_connections": 1, "max_connections_per_ip": 0},
+    )
+    host, port = proxy.url.removeprefix("https://").split(":")
+
+    async def connect(alpn: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        context = ssl.create_default_context()
+        ca.configure_trust(context)
+        context.set_alpn_protocols([alpn])
+        return await asyncio.open_connection(host, int(port), ssl=context)
+
+    held = await connect("h2")
+    await eventually(lambda: proxy.guard.open == 1)
+    # A client that negotiated h2: the server's SETTINGS, allowing no stream, then GOAWAY
+    # with no stream processed (each request may be retried) and the reason.
+    reader, writer = await connect("h2")
+    frames = await asyncio.wait_for(reader.read(), 20)
+    writer.close()
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    client.initiate_connection()
+    events = client.receive_data(frames)
+    assert isinstance(events[0], h2.events.RemoteSettingsChanged)
+    assert client.remote_settings.max_concurrent_streams == 0
+    goaway = events[-1]
+    assert isinstance(goaway, h2.events.ConnectionTerminated)
+    assert goaway.error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
+    assert goaway.last_stream_id == 0
+    assert goaway.additional_data == b"Too many connections to this proxy; retry shortly."
+    # One that negotiated HTTP/1.1: the 503.
+    reader, writer = await connect("http/1.1")
+    answer = await asyncio.wait_for(reader.read(), 20)
+    writer.close()
+    assert_refused_503(answer)
+    assert proxy.guard.snapshot()["connections_refused"] == 2
+    held[1].close()
     await eventually(lambda: proxy.guard.open == 0)
 
 

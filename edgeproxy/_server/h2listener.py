@@ -27,16 +27,19 @@ Body size, stall, rate and deadline are bounded by the ASGI front end, as on any
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import ssl
 import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import h2.config
 import h2.connection
 import h2.errors
 import h2.events
 import h2.exceptions
+import h2.settings
 import h11
 from hypercorn.app_wrappers import ASGIWrapper
 from hypercorn.asyncio.tcp_server import TCPServer
@@ -246,6 +249,33 @@ def _partial_head(protocol: H11Protocol | H2Protocol) -> bool:
     return connection.their_state is h11.IDLE and bool(connection.trailing_data[0])
 
 
+def _refuse(writer: asyncio.StreamWriter, guard: ConnectionGuard, message: str) -> None:
+    """Answer a connection over a cap and close it, reading nothing of it and waiting for
+    nothing: a client that negotiated h2 by ALPN gets HTTP/2's refusal, any other the
+    aiohttp listener's 503. In cleartext an h2c client with prior knowledge gets the 503
+    too: telling it apart would mean waiting for its first bytes."""
+    tls = writer.get_extra_info("ssl_object")
+    if tls is not None and tls.selected_alpn_protocol() == "h2":
+        writer.write(_h2_refusal(message))
+    else:
+        writer.write(guard.refusal(message))
+    writer.close()
+
+
+@functools.cache
+def _h2_refusal(message: str) -> bytes:
+    """The server's preface allowing no stream, then GOAWAY: last stream 0 (none was
+    processed, so the client may retry each request elsewhere), ENHANCE_YOUR_CALM (back
+    off rather than reconnect at once), the reason as its debug data."""
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
+    conn.local_settings = h2.settings.Settings(
+        client=False, initial_values={h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: 0}
+    )
+    conn.initiate_connection()
+    conn.close_connection(error_code=_CALM, additional_data=message.encode(), last_stream_id=0)
+    return conn.data_to_send()
+
+
 class Http2Listener:
     """The client listener over HTTP/2 and HTTP/1.1, serving ``app`` (the ASGI front end)."""
 
@@ -288,8 +318,9 @@ class Http2Listener:
         guard = self.guard
         peer = writer.get_extra_info("peername")
         ip = str(peer[0]) if isinstance(peer, tuple) and peer else ""
-        if guard.admit(ip) is not None:
-            writer.close()
+        refused = guard.admit(ip)
+        if refused is not None:
+            _refuse(writer, guard, refused)
             return
         task = asyncio.current_task()
         assert task is not None

@@ -216,6 +216,13 @@ class ConnectionGuard:
         self.per_ip[ip] = self.per_ip.get(ip, 0) + 1
         return None
 
+    def refusal(self, message: str) -> bytes:
+        """The answer to a connection :meth:`admit` refused (with ``message``): a 503 with
+        ``Retry-After``, written before reading a byte of the connection (a refused one
+        must cost next to nothing), so in HTTP/1.1 whatever the client speaks."""
+        raw = _raw_error(503, message, "too_many_connections", self.server_header)
+        return raw.replace(b"\r\n\r\n", b"\r\nRetry-After: 1\r\n\r\n", 1)
+
     def release(self, ip: str) -> None:
         """A connection :meth:`admit` counted has closed."""
         self.open -= 1
@@ -371,7 +378,7 @@ class EdgeRequestHandler(web.RequestHandler):
         ip = str(peer[0]) if isinstance(peer, tuple) and peer else ""
         refused = guard.admit(ip)
         if refused is not None:
-            self._refuse(503, refused, "too_many_connections", retry_after=1)
+            self._refuse(guard.refusal(refused))
             return
         guard.connections.add(self)
         self._peer = ip
@@ -585,13 +592,10 @@ class EdgeRequestHandler(web.RequestHandler):
             # Armed for an earlier head, answered in time: this one is due later.
             self._head_timer = self._loop.call_at(due, self._head_timeout)
             return
-        self._guard.header_timeouts += 1
-        self._refuse(
-            408,
-            f"The request head did not arrive within {self._guard.limits.header_timeout:g} "
-            "seconds.",
-            "request_timeout",
-        )
+        guard = self._guard
+        guard.header_timeouts += 1
+        message = f"The request head did not arrive within {guard.limits.header_timeout:g} seconds."
+        self._refuse(_raw_error(408, message, "request_timeout", guard.server_header))
 
     def _active(self, now: float) -> float:
         """Seconds the body has been arriving, less those the proxy did not read."""
@@ -654,14 +658,11 @@ class EdgeRequestHandler(web.RequestHandler):
             return
         self._arm(self._next_body_check(now), self._body_timer)
 
-    def _refuse(self, status: int, message: str, code: str, retry_after: int = 0) -> None:
-        """Answer outside any request (no handler runs) and close the connection."""
+    def _refuse(self, raw: bytes) -> None:
+        """Answer ``raw`` outside any request (no handler runs) and close the connection."""
         transport = self.transport
         if transport is None:
             return
-        raw = _raw_error(status, message, code, self._guard.server_header)
-        if retry_after:
-            raw = raw.replace(b"\r\n\r\n", f"\r\nRetry-After: {retry_after}\r\n\r\n".encode(), 1)
         transport.write(raw)
         self.force_close()
 
