@@ -174,6 +174,9 @@ async def test_the_admin_listener_names_itself_on_every_answer(
         async with client.post(proxy.admin_url + "/healthz") as resp:
             assert resp.status == 405
             assert resp.headers.getall("Server") == ["edgeproxy"]
+    # aiohttp's own 400 for a request it cannot parse, which no app signal sees.
+    port = int(proxy.admin_url.rsplit(":", 1)[1])
+    assert named(await raw_head(port, MALFORMED), "server") == ["edgeproxy"]
 
 
 async def test_a_cached_answer_does_not_carry_the_regions_server(
@@ -222,6 +225,9 @@ async def test_an_empty_server_header_sends_none(
         for path in ("/healthz", "/nowhere"):
             async with client.get(proxy.admin_url + path) as resp:
                 assert "Server" not in resp.headers, path
+    if proxy.admin_url.startswith("http://"):
+        admin_port = int(proxy.admin_url.rsplit(":", 1)[1])
+        assert named(await raw_head(admin_port, MALFORMED), "server") == []
 
 
 @pytest.mark.parametrize("value", ["edge\r\nX-Injected: 1", " padded", "caf\u00e9"])

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from aiohttp import hdrs, web
 from aiohttp.typedefs import Handler, Middleware
+from aiohttp.web_request import BaseRequest
 
 from edgeproxy._core.errors import ProxyError
 from edgeproxy._observability.statuspage import StatusPage
@@ -19,7 +20,7 @@ from edgeproxy._server.aio import web_error
 if TYPE_CHECKING:
     from edgeproxy._server.app import EdgeProxy
 
-__all__ = ["admin_app", "admin_auth", "json_response", "name_answers"]
+__all__ = ["AdminRunner", "admin_app", "admin_auth", "json_response", "name_answers"]
 
 
 def json_response(data: Any, status: int = 200) -> web.Response:
@@ -91,6 +92,57 @@ def name_answers(app: web.Application, server_header: str) -> None:
             response.headers.popall(hdrs.SERVER, None)
 
     app.on_response_prepare.append(edgeproxy_server_header)
+
+
+class _NamedHandler(web.RequestHandler):
+    """aiohttp's connection handler, whose own answers (a malformed request's 400, which
+    no app signal sees) carry the admin listener's Server header instead of aiohttp's."""
+
+    def handle_error(
+        self,
+        request: BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        response = super().handle_error(request, status, exc, message)
+        header: str = getattr(self._manager, "server_header", "")
+        if header:
+            response.headers[hdrs.SERVER] = header
+        elif type(response) is web.Response:
+            response.__class__ = _Unnamed
+        return response
+
+
+class _Unnamed(web.Response):
+    async def _prepare_headers(self) -> None:
+        await super()._prepare_headers()
+        # aiohttp adds its own as the answer is sent ([server] server_header = ""): none.
+        self.headers.popall(hdrs.SERVER, None)
+
+
+class _NamedServer(web.Server):
+    server_header = ""
+
+    def __call__(self) -> web.RequestHandler:
+        return _NamedHandler(self, loop=self._loop, **self._kwargs)
+
+
+class AdminRunner(web.AppRunner):
+    """The runner of an admin application: every answer it sends, its connection
+    handler's own included, carries ``server_header`` (see :func:`name_answers`)."""
+
+    def __init__(self, app: web.Application, *, server_header: str) -> None:
+        super().__init__(app, access_log=None)
+        self._server_header = server_header
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        # aiohttp builds its Server inside Application: the subclass only changes the
+        # handler it makes for each connection.
+        server.__class__ = _NamedServer
+        server.server_header = self._server_header  # type: ignore[attr-defined]
+        return server
 
 
 def admin_app(proxy: EdgeProxy, *, token: str | None = None) -> web.Application:

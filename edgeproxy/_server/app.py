@@ -23,7 +23,7 @@ from edgeproxy._observability.access_log import AccessLog
 from edgeproxy._observability.metrics import Metrics
 from edgeproxy._observability.tracing import Tracing
 from edgeproxy._pipeline import JSON_BODY_LIMIT, Pipeline
-from edgeproxy._server.admin import admin_app
+from edgeproxy._server.admin import AdminRunner, admin_app
 from edgeproxy._server.aio import AiohttpExchange, send_answer
 from edgeproxy._server.asgi import AsgiApp
 from edgeproxy._server.generation import (
@@ -577,7 +577,7 @@ class EdgeProxy:
             )
             await site.start()
         if admin_socket is not None or self.config.admin.enabled:
-            self._admin_runner = web.AppRunner(self.admin_app, access_log=None)
+            self._admin_runner = AdminRunner(self.admin_app, server_header=self._server_header)
             await self._admin_runner.setup()
             admin: web.BaseSite
             if admin_socket is not None:

@@ -38,7 +38,7 @@ from prometheus_client.multiprocess import mark_process_dead
 from edgeproxy._core.config import Config, ConfigError
 from edgeproxy._observability.multiprocess import multiprocess_dir
 from edgeproxy._observability.statuspage import StatusPage
-from edgeproxy._server.admin import admin_auth, json_response, name_answers
+from edgeproxy._server.admin import AdminRunner, admin_auth, json_response, name_answers
 from edgeproxy._server.aio import web_error
 from edgeproxy._server.tls import ListenerTls, check_tls_files
 
@@ -186,7 +186,7 @@ class Supervisor:
             logger.error("%s", exc)
             reserved.close()
             return 2
-        runner = web.AppRunner(self._admin_app(token), access_log=None)
+        runner = AdminRunner(self._admin_app(token), server_header=self.config.server.server_header)
         loop = asyncio.get_running_loop()
         signals = {signal.SIGTERM: self._stop.set, signal.SIGINT: self._stop.set}
         signals[signal.SIGHUP] = self._reload_in_background
