@@ -9,11 +9,12 @@ One module per concern: ``server`` (``[server]``, ``[admin]``, ``[pop]``,
 ``[limits]``), ``upstream`` (``[upstream]``, ``[[regions]]``), ``routes``,
 ``routing`` (``[routing]``, ``[health]``), ``geo``, ``admission``, ``cache``,
 ``observability`` (``[metrics]``, ``[tracing]``, ``[access_log]``),
-``local_model``, ``plugins``, ``sharedload`` (``[shared_load]``); ``redis`` holds the
-connection keys every Redis-using section shares; ``root`` holds :class:`Config` and
-``Config.from_mapping``; ``loader`` reads TOML files, ``env`` applies
-environment overrides, ``errors`` formats problems, ``docs`` renders the key
-reference and ``checks`` holds the field checks several sections share.
+``local_model``, ``plugins``, ``sharedload`` (``[shared_load]``); ``redis`` holds
+``[redis]`` and the connection keys every Redis-using section shares; ``root``
+holds :class:`Config` and ``Config.from_mapping``; ``loader`` reads TOML files,
+``env`` applies environment overrides, ``errors`` formats problems, ``docs``
+renders the key reference and ``checks`` holds the field checks several
+sections share.
 """
 
 from edgeproxy._core.config.admission import AdmissionConfig
@@ -33,7 +34,7 @@ from edgeproxy._core.config.observability import (
     TracingConfig,
 )
 from edgeproxy._core.config.plugins import PluginsConfig
-from edgeproxy._core.config.redis import RedisSettings, redis_settings
+from edgeproxy._core.config.redis import RedisConfig, RedisSettings, redis_settings
 from edgeproxy._core.config.root import Config
 from edgeproxy._core.config.routes import DEFAULT_FALLBACK, FallbackRung, RouteConfig
 from edgeproxy._core.config.routing import HealthConfig, RoutingConfig
@@ -61,6 +62,7 @@ __all__ = [
     "MetricsConfig",
     "PluginsConfig",
     "PopConfig",
+    "RedisConfig",
     "RedisSettings",
     "RegionConfig",
     "RouteConfig",

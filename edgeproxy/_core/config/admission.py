@@ -115,7 +115,7 @@ class AdmissionConfig(Section):
         "",
         description="Share the buckets between workers and PoPs through this Redis: "
         "redis://host[:port][/db], rediss:// (TLS) or unix:///path/to/redis.sock[?db=N]; '' "
-        "keeps them in the process.",
+        "keeps them in the process. Unset: [redis] url.",
         repr=False,
     )
     redis_cluster: RedisCluster = False

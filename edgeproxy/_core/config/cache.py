@@ -43,7 +43,8 @@ class CacheConfig(Section):
     redis_url: str = Field(
         "redis://127.0.0.1:6379/0",
         description="Redis for the redis and tiered backends: redis:// or rediss:// (TLS), "
-        "optionally with user:password@ and a /db number, or unix:///path/to/redis.sock[?db=N].",
+        "optionally with user:password@ and a /db number, or unix:///path/to/redis.sock[?db=N]. "
+        "Unset: [redis] url, if set.",
         repr=False,
     )
     redis_cluster: RedisCluster = False

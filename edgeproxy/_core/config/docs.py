@@ -12,6 +12,7 @@ from edgeproxy._core.config.geo import GeoConfig
 from edgeproxy._core.config.local_model import LocalModelConfig
 from edgeproxy._core.config.observability import AccessLogConfig, MetricsConfig, TracingConfig
 from edgeproxy._core.config.plugins import PluginsConfig
+from edgeproxy._core.config.redis import RedisConfig
 from edgeproxy._core.config.routes import RouteConfig
 from edgeproxy._core.config.routing import HealthConfig, RoutingConfig
 from edgeproxy._core.config.server import AdminConfig, LimitsConfig, PopConfig, ServerConfig
@@ -31,6 +32,7 @@ def iter_config_keys() -> Iterator[tuple[str, str, str, str]]:
         ("regions", RegionConfig),
         ("routes", RouteConfig),
         ("plugins", PluginsConfig),
+        ("redis", RedisConfig),
         ("cache", CacheConfig),
         ("metrics", MetricsConfig),
         ("tracing", TracingConfig),

@@ -18,6 +18,7 @@ from edgeproxy._core.config.geo import GeoConfig
 from edgeproxy._core.config.local_model import LocalModelConfig
 from edgeproxy._core.config.observability import AccessLogConfig, MetricsConfig, TracingConfig
 from edgeproxy._core.config.plugins import PluginsConfig
+from edgeproxy._core.config.redis import RedisConfig, inherit_redis
 from edgeproxy._core.config.routes import RouteConfig
 from edgeproxy._core.config.routing import HealthConfig, RoutingConfig
 from edgeproxy._core.config.server import AdminConfig, LimitsConfig, PopConfig, ServerConfig
@@ -40,6 +41,10 @@ class Config(Section):
     routes: list[RouteConfig] = Field(
         default_factory=list,
         description="Per-route policy, one [[routes]] table each; longest path prefix wins.",
+    )
+    redis: RedisConfig = Field(
+        default_factory=RedisConfig,
+        description="The Redis of the cache, the rate limits and the shared load view.",
     )
     cache: CacheConfig = Field(default_factory=CacheConfig, description="Hot-answer cache.")
     plugins: PluginsConfig = Field(default_factory=PluginsConfig, description="Plugins.")
@@ -133,6 +138,16 @@ class Config(Section):
             if route.name in names:
                 raise ValueError(f"routes: duplicate route name {route.name!r}")
             names.add(route.name)
+        return self
+
+    @model_validator(mode="after")
+    def _inherit_redis(self) -> Config:
+        for name in ("cache", "admission", "shared_load"):
+            section = getattr(self, name)
+            merged = inherit_redis(name, section, self.redis)
+            if merged is not section:
+                # Through __dict__: validate_assignment would run this validator again.
+                self.__dict__[name] = merged
         return self
 
     @model_validator(mode="after")

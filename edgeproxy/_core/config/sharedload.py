@@ -37,7 +37,8 @@ class SharedLoadConfig(Section):
     redis_url: str = Field(
         "",
         description="Share the load view through this Redis: redis://host[:port][/db], "
-        "rediss:// (TLS) or unix:///path/to/redis.sock[?db=N]; '' keeps the view local.",
+        "rediss:// (TLS) or unix:///path/to/redis.sock[?db=N]; '' keeps the view local. "
+        "Unset: [redis] url.",
         repr=False,
     )
     redis_cluster: RedisCluster = False
