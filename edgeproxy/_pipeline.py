@@ -26,26 +26,22 @@ from edgeproxy._core.errors import ProxyError, error_response
 from edgeproxy._core.exchange import Exchange
 from edgeproxy._core.response import Response, StreamResponse
 from edgeproxy._local.model import LocalAnswer
+from edgeproxy._obtain import Obtainer
 from edgeproxy._plugins import PluginError, Plugins, hook_answer
 from edgeproxy._protocol.headers import request_id, trace_context
 from edgeproxy._stages.admission import AdmissionStage, Admitted, Overloaded
 from edgeproxy._stages.affinity import AffinityPlan
-from edgeproxy._stages.cache.stage import CacheRecorder, CacheStage
+from edgeproxy._stages.cache.stage import CacheRecorder, CacheStage, Refresh
 from edgeproxy._stages.compression import Compression
 from edgeproxy._stages.continuation import ContinuationStage
-from edgeproxy._stages.failover import (
-    AttemptResponse,
-    DeadlineExceeded,
-    Failover,
-    PendingUpstream,
-)
-from edgeproxy._stages.fallback import Degraded, FallbackStage, UpstreamWon
+from edgeproxy._stages.failover import AttemptResponse, Failover, Failure
+from edgeproxy._stages.fallback import Degraded, FallbackStage
 from edgeproxy._stages.heartbeat import Heartbeat, start_heartbeat
-from edgeproxy._stages.models import ModelError, ModelList
+from edgeproxy._stages.models import ModelList
 from edgeproxy._stages.relay import StreamStage
 from edgeproxy._stages.routing import Router
 from edgeproxy._stages.upstream import UpstreamStage
-from edgeproxy._upstream.regions import Region, RegionSet
+from edgeproxy._upstream.regions import RegionSet
 
 __all__ = ["JSON_BODY_LIMIT", "Pipeline"]
 
@@ -79,10 +75,6 @@ def _context(request: Exchange, config: Config) -> RequestContext:
     )
 
 
-def _no_region() -> ProxyError:
-    return ProxyError(503, "no_region", "no region may serve this request", code="no_region")
-
-
 class Pipeline:
     """received → admission → cache → route → upstream → fallback → stream, for every request."""
 
@@ -91,12 +83,16 @@ class Pipeline:
         self.regions = regions
         self.plugins = plugins
         self.router = Router(config, regions)
-        self.cache = CacheStage(config, plugins, fetch=self._refresh)
+        self.cache = CacheStage(config, plugins, refresh=True)
         self.upstream = UpstreamStage(config, plugins)
         self.failover = Failover(config, regions, self.upstream)
         self.fallback = FallbackStage(config, plugins)
-        self.continuation = ContinuationStage(self.router, self.failover, self.fallback)
-        self.stream = StreamStage(plugins, self.continuation, Compression(config))
+        self.continuation = ContinuationStage()
+        # The one path from a request to its answer: route, failover, fallback.
+        self.obtainer = Obtainer(
+            plugins, self.router, self.failover, self.fallback, self.cache, self.continuation
+        )
+        self.stream = StreamStage(plugins, Compression(config))
         self.admission = AdmissionStage(config)
         self.models = ModelList(config, regions, self.failover)
         self.in_flight = 0
@@ -118,7 +114,6 @@ class Pipeline:
         admitted: Admitted | None = None
         recorder: CacheRecorder | None = None
         upstream: AttemptResponse | None = None
-        pending: PendingUpstream | None = None
         degraded: StreamResponse | None = None
         response: StreamResponse | None = None
         # Early SSE heartbeats (the route's sse_heartbeat) while no first token came;
@@ -152,71 +147,52 @@ class Pipeline:
                     # A plugin rewrote the request: match its route again.
                     ctx.route = self.config.route_for(ctx.method, ctx.path)
             # admission: body validation, rate limits, then a slot (may queue, or shed).
-            failure: ProxyError | None = None
+            shed: ProxyError | None = None
             plan: AffinityPlan | None = None  # the prompt key, with prefix affinity on
             try:
                 admitted = await self.admission.admit(request, ctx)
             except Overloaded as err:
                 if ctx.route.on_overload != "degrade":
                     raise
-                failure = err  # shed: to the fallback, never upstream
-            if failure is None and self.models.active and self.models.answers(ctx):
-                # GET /v1/models, once regions list models: the proxy's own merged list.
-                response = self._local_answer(ctx, await self.models.respond(ctx))
-                return response
-            if failure is None:
+                shed = err  # shed: to the fallback, never upstream
+            if shed is None:
+                if self.models.active and self.models.answers(ctx):
+                    # GET /v1/models, once regions list models: the proxy's own merged list.
+                    response = self._local_answer(ctx, await self.models.respond(ctx))
+                    return response
                 # cache: a stored answer, or that of an identical request in flight; else a
                 # cacheable request leads, and `recorder` stores what the stream stage relays.
                 answer, recorder = await self.cache.lookup(request, ctx)
+                if self.cache.due:
+                    self._start_refreshes()
                 if answer is not None:
                     response = answer
                     return response
-                # route + upstream: the first byte from the best region, failing over (or
-                # hedging) until then; residency violations are refused, never degraded.
-                try:
-                    plan = self.router.plan(ctx)
-                    if "edgeproxy_route" in active:
-                        candidates = await self._candidates(request, ctx, plan)
-                    else:
-                        candidates = self.router.candidates(ctx, plan)
-                        if not candidates:
-                            raise _no_region()
-                    if ctx.route.sse_heartbeat is not None:
-                        heartbeat = start_heartbeat(request, ctx, close_connection=self.draining)
-                    upstream = await self.failover.send(
-                        request, ctx, candidates, keep_late=ctx.route.deadline_action == "race"
-                    )
-                except DeadlineExceeded as err:
-                    failure, pending = err, err.pending
-                except ModelError as err:
-                    # A model no region serves: only the local model may still answer it.
-                    if err.status != 404 or not self.fallback.local_may_answer(ctx):
-                        raise
-                    failure = err
-                except ProxyError as err:
-                    if err.code == "residency":
-                        raise
-                    failure = err
-            if failure is not None:
-                # fallback: the regions cannot answer; the stale cache, the local model or
-                # a plugin may. A local answer races the attempts `pending` past the deadline.
-                stale = await self.cache.serve_stale(request, ctx)
-                outcome = await self.fallback.respond(
-                    request, ctx, failure, stale=stale, pending=pending
-                )
-                if isinstance(outcome, UpstreamWon):
-                    upstream = outcome.upstream  # relayed below, like any winner
-                if pending is not None:
-                    await pending.aclose()  # the race is over: what it left is cancelled
-                if isinstance(outcome, Degraded):
-                    degraded = outcome.response
-                    if heartbeat is not None:
-                        early = await heartbeat.stop()
-                    response = await self._send_degraded(request, ctx, degraded, early)
-                    return response
+                plan = self.router.plan(ctx)
+                if ctx.route.sse_heartbeat is not None:
+                    heartbeat = start_heartbeat(request, ctx, close_connection=self.draining)
+            # route + upstream + fallback: the first byte from the best region, failing over
+            # (or hedging) until then; else the ladder (stale cache, local model), which races
+            # the attempts still running past the deadline (deadline_action = "race").
+            obtained = await self.obtainer.obtain(
+                request,
+                ctx,
+                plan=plan,
+                shed=shed,
+                keep_late=ctx.route.deadline_action == "race",
+            )
+            if isinstance(obtained, Failure):
+                response = await self._error(request, ctx, obtained.error, heartbeat)
+                return response
+            if isinstance(obtained, Degraded):
+                degraded = obtained.response
+                if heartbeat is not None:
+                    early = await heartbeat.stop()
+                response = await self._send_degraded(request, ctx, degraded, early)
+                return response
             # stream: relay chunk by chunk to the client; with the route's continue_on_break,
             # a stream that breaks after tokens were sent goes on at another region.
-            assert upstream is not None
+            upstream = obtained
             if plan is not None:
                 self.router.routed(plan, upstream.region)  # its KV cache now holds the prompt
             if heartbeat is not None:
@@ -228,6 +204,7 @@ class Pipeline:
                 close_connection=self.draining,
                 recorder=recorder,
                 started=early,
+                legs=self.obtainer.continuer(plan) if ctx.route.continue_on_break else None,
             )
             return response
         except ProxyError as err:
@@ -256,9 +233,6 @@ class Pipeline:
                 await upstream.aclose()
             if admitted is not None:
                 admitted.release(ctx)
-            if pending is not None:
-                # Cancels each attempt at once; then waits for them to let go.
-                await pending.aclose()
             ctx.finished_at = time.monotonic()
             if response is not None and not ctx.status:
                 ctx.status = response.status
@@ -270,31 +244,36 @@ class Pipeline:
             if not self.in_flight and self._idle_waiters:
                 self._now_idle()
 
-    async def _refresh(self, ctx: RequestContext, recorder: CacheRecorder) -> None:
-        """A background cache refresh (stale-while-revalidate, early refresh), with no client:
-        routed and sent as :meth:`handle` does, and its answer read into the cache's
-        ``recorder`` by the stream stage's own loop. The hooks get ``request=None``."""
-        candidates = await self._candidates(None, ctx)
-        upstream = await self.failover.send(None, ctx, candidates)
-        try:
-            await self.stream.drain(ctx, upstream, recorder)
-        finally:
-            await upstream.aclose()
+    def _start_refreshes(self) -> None:
+        """Run the background refreshes the cache asked for, each in a task it keeps."""
+        for refresh in self.cache.take_refreshes():
+            self.cache.spawn(self._refresh(refresh))
 
-    async def _candidates(
-        self, request: Exchange | None, ctx: RequestContext, plan: AffinityPlan | None = None
-    ) -> list[Region]:
-        """The regions this request may use, best first; the edgeproxy_route hook may override."""
-        candidates = self.router.candidates(ctx, plan)
-        if "edgeproxy_route" in self.plugins.active:
-            chosen = await self.plugins.call_first(
-                "edgeproxy_route", request=request, ctx=ctx, candidates=candidates
-            )
-            if chosen is not None:
-                candidates = list(chosen)
-        if not candidates:
-            raise _no_region()
-        return candidates
+    async def _refresh(self, refresh: Refresh) -> None:
+        """A background cache refresh (stale-while-revalidate, early refresh), with no client:
+        obtained as :meth:`handle` does (no fallback: the stale entry stays), and its answer
+        read into the cache by the stream stage's own loop. The hooks get ``request=None``."""
+        recorder = self.cache.refresh_recorder(refresh)
+        if recorder is None:
+            return
+        error: str | None = None
+        try:
+            obtained = await self.obtainer.obtain(None, refresh.ctx, degrade=False)
+            if isinstance(obtained, Failure):
+                error = obtained.error.message
+            else:
+                assert isinstance(obtained, AttemptResponse)
+                try:
+                    await self.stream.drain(refresh.ctx, obtained, recorder)
+                finally:
+                    await obtained.aclose()
+        except asyncio.CancelledError:
+            error = "cancelled"
+            raise
+        except Exception as exc:  # noqa: BLE001 - a failed refresh keeps the stale entry
+            error = str(exc) or type(exc).__name__
+        finally:
+            self.cache.refresh_done(refresh, recorder, error)
 
     async def _send_degraded(
         self,

@@ -11,7 +11,13 @@ import orjson
 import pytest
 
 from edgeproxy import Response, StreamResponse, hookimpl
-from edgeproxy._stages.failover import Budget, DeadlineExceeded, PendingUpstream
+from edgeproxy._stages.failover import (
+    Budget,
+    DeadlineExceeded,
+    Failure,
+    FailureKind,
+    PendingUpstream,
+)
 
 from .conftest import ProxyFactory, RegionFactory, eventually
 
@@ -379,11 +385,10 @@ async def test_deadline_race_hands_the_running_attempt_to_the_fallback(
     send = failover.send
 
     async def spy(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return await send(*args, **kwargs)
-        except DeadlineExceeded as exc:
-            handed.append(exc.pending)
-            raise
+        result = await send(*args, **kwargs)
+        if isinstance(result, Failure):
+            handed.append((result.kind, result.error, result.pending))
+        return result
 
     failover.send = spy  # type: ignore[method-assign]
     async with aiohttp.ClientSession() as client:
@@ -391,6 +396,10 @@ async def test_deadline_race_hands_the_running_attempt_to_the_fallback(
             # No local model to race against: the attempt is dropped, the deadline answers.
             assert resp.status == 504
             assert (await resp.json())["error"]["code"] == "deadline_exceeded"
-    assert len(handed) == 1 and isinstance(handed[0], PendingUpstream)
+    # The deadline's failure is a value holding the attempt still running, not an
+    # exception carrying it.
+    [(kind, error, pending)] = handed
+    assert kind is FailureKind.DEADLINE and isinstance(error, DeadlineExceeded)
+    assert isinstance(pending, PendingUpstream)
     await eventually(lambda: slow.in_flight == 0 and slow.cancelled_total == 1)
     await eventually(lambda: proxy.regions.by_name["slow"].in_flight == 0)

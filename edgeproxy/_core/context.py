@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 from multidict import CIMultiDict
@@ -12,9 +12,20 @@ from edgeproxy._core.config import RouteConfig
 from edgeproxy._core.strictjson import DuplicateKey, loads_unique
 from edgeproxy._core.types import Headers, TraceContext
 
-__all__ = ["RequestContext", "UpstreamReply"]
+__all__ = ["Continuation", "RequestContext", "UpstreamReply"]
 
 _UNSET: Any = object()
+
+
+class Continuation(NamedTuple):
+    """One try at continuing a stream that broke after tokens were sent."""
+
+    source: str
+    """The region (or ``local``) whose leg broke."""
+    target: str
+    """The region (or ``local``) that took the answer on; ``none`` when none did."""
+    outcome: str
+    """``continued``, or why not: ``failed``, ``limit``, ``impossible``, ``budget``."""
 
 
 @dataclass(slots=True)
@@ -62,6 +73,8 @@ class RequestContext:
     degraded: str | None = None
     usage: dict[str, Any] | None = None
     error: str | None = None
+    # Each try at continuing the stream (routes' continue_on_break), in order.
+    continuations: list[Continuation] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
     _json: Any = _UNSET
     # ``path`` and the target it was worked out from: the stages ask for it several times.
@@ -153,6 +166,7 @@ def start_context(
     ctx.degraded = None
     ctx.usage = None
     ctx.error = None
+    ctx.continuations = []
     ctx.extra = {}
     ctx._json = _UNSET
     ctx._path = ""

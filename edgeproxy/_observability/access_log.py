@@ -40,7 +40,7 @@ from typing import IO, Any
 import orjson
 
 from edgeproxy._core.config import AccessLogConfig
-from edgeproxy._core.context import RequestContext
+from edgeproxy._core.context import Continuation, RequestContext
 from edgeproxy._core.exchange import Exchange
 from edgeproxy.hookspecs import hookimpl
 
@@ -92,14 +92,12 @@ def record(request: Exchange, ctx: RequestContext) -> dict[str, Any]:
         "error": error,
         "usage": ctx.usage,
     }
-    if ctx.extra:
-        continuations = ctx.extra.get("continuations")
-        if continuations:
-            _continued(out, continuations)
+    if ctx.continuations:
+        _continued(out, ctx.continuations)
     return out
 
 
-def _continued(out: dict[str, Any], continuations: list[tuple[str, str, str]]) -> None:
+def _continued(out: dict[str, Any], continuations: list[Continuation]) -> None:
     """A continued stream's fields: from the first region that broke to the last that went on."""
     done = [(source, target) for source, target, outcome in continuations if outcome == "continued"]
     out["continued"] = 1 if done else 0

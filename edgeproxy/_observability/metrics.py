@@ -217,13 +217,10 @@ class Metrics:
         key = (route, region, cache, "yes" if degraded else "no", status_class)
         self._series.record(key, observation)
         self.window.observe(duration, ttfb, region, cache, status >= 500, completion)
-        if ctx.extra:
-            continuations = ctx.extra.get("continuations")
-            if continuations:
-                for source, target, outcome in continuations:
-                    self._continuations.labels(
-                        route, self._region(source), self._region(target), outcome
-                    ).inc()
+        for source, target, outcome in ctx.continuations:
+            self._continuations.labels(
+                route, self._region(source), self._region(target), outcome
+            ).inc()
 
     def recent(self) -> dict[str, Any]:
         """Traffic and latency percentiles over the last ``metrics.window`` seconds."""

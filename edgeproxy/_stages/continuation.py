@@ -4,7 +4,7 @@ On a route with ``continue_on_break``, the stream stage relays a streamed chat
 completion through a :class:`Splice`: only whole SSE events reach the client,
 and the splice keeps what they carried (the answer's ``id``, ``created`` and
 ``model``, the assistant text, whether tool-call deltas or a finish came).
-When the region breaks mid-stream, :meth:`ContinuationStage.next_leg` asks the
+When the region breaks mid-stream, :meth:`edgeproxy._obtain.Continuer.next_leg` asks the
 next-best region for the rest, by that region's method
 (``[[regions]] continuation``):
 
@@ -33,10 +33,7 @@ no ``[DONE]``, as without continuation.
 
 from __future__ import annotations
 
-import asyncio
-import copy
 import logging
-import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -44,20 +41,26 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from edgeproxy._core.context import Continuation
 from edgeproxy._core.errors import ProxyError
 from edgeproxy._protocol.endpoints import CHAT_COMPLETIONS, openai_endpoint
 from edgeproxy._protocol.openai import SSE_DONE, sse_event
-from edgeproxy._upstream.pool import UpstreamError
 
 if TYPE_CHECKING:
     from edgeproxy._core.context import RequestContext
-    from edgeproxy._core.exchange import Exchange
-    from edgeproxy._stages.failover import AttemptResponse, Failover
-    from edgeproxy._stages.fallback import FallbackStage
-    from edgeproxy._stages.routing import Router
     from edgeproxy._upstream.regions import Region
 
-__all__ = ["ContinuationStage", "Leg", "Splice"]
+__all__ = [
+    "LOCAL",
+    "Continuation",
+    "ContinuationStage",
+    "Leg",
+    "Splice",
+    "carries_token",
+    "chain",
+    "continuation_body",
+    "spent_body",
+]
 
 logger = logging.getLogger("edgeproxy")
 
@@ -73,7 +76,7 @@ LOCAL = "local"
 class Leg:
     """One continuation of the answer: its bytes and how to let go of it.
 
-    The stream stage owns it once :meth:`ContinuationStage.next_leg` returned it, and
+    The stream stage owns it once :meth:`edgeproxy._obtain.Continuer.next_leg` returned it, and
     calls :attr:`close` whatever happens (idempotent).
     """
 
@@ -307,16 +310,13 @@ def _int(value: Any) -> int:
 
 
 class ContinuationStage:
-    """Finds the next leg of a broken stream: a region able to continue it, or the local model.
-
-    Counts each continuation by route, from and to region and outcome
-    (``continued``, ``failed``, ``limit``, ``impossible``) for ``/status``.
+    """Decides whether and where a broken stream may go on, and counts each continuation
+    by route, from and to region and outcome (``continued``, ``failed``, ``limit``,
+    ``impossible``, ``budget``) for ``/status``. Finding the next leg is the obtain path's
+    (:class:`edgeproxy._obtain.Continuer`): this stage holds no other stage.
     """
 
-    def __init__(self, router: Router, failover: Failover, fallback: FallbackStage) -> None:
-        self.router = router
-        self.failover = failover
-        self.fallback = fallback
+    def __init__(self) -> None:
         self.counts: Counter[tuple[str, str, str, str]] = Counter()
 
     def splice(self, ctx: RequestContext, status: int, content_type: str) -> Splice | None:
@@ -334,33 +334,29 @@ class ContinuationStage:
             return None
         return Splice(body)
 
-    def _count(self, ctx: RequestContext, source: str, target: str, outcome: str) -> None:
+    def count(self, ctx: RequestContext, source: str, target: str, outcome: str) -> None:
+        """One continuation attempt's outcome, in ``/status`` and on the request."""
         self.counts[(ctx.route.name, source, target, outcome)] += 1
         # For the metrics and the access log, as they read a finished request.
-        ctx.extra.setdefault("continuations", []).append((source, target, outcome))
+        ctx.continuations.append(Continuation(source, target, outcome))
 
-    async def next_leg(
-        self, request: Exchange | None, ctx: RequestContext, splice: Splice, broken: str
-    ) -> Leg | None:
-        """The next leg of the answer ``broken`` (a region's name, or ``local``) broke, or
-        None when it cannot be continued (the caller ends the stream with an error)."""
+    def may_continue(self, ctx: RequestContext, splice: Splice, broken: str) -> bool:
+        """Whether the answer ``broken`` broke may go on: not past ``max_continuations``,
+        nor inside tool calls, after its finish, or before any text (counted if not)."""
         splice.broke(broken)
-        route = ctx.route
         if (
-            len(splice.continued) >= route.max_continuations
+            len(splice.continued) >= ctx.route.max_continuations
             or splice.tool_calls
             or splice.finished
             or not splice.text
         ):
-            self._count(ctx, broken, "none", "limit" if splice.text else "impossible")
-            return None
-        if not self.failover.retry_budget.try_spend():
-            self._count(ctx, broken, "none", "budget")
-            return None
-        try:
-            candidates = self.router.candidates(ctx)
-        except ProxyError:
-            candidates = []
+            self.count(ctx, broken, "none", "limit" if splice.text else "impossible")
+            return False
+        return True
+
+    def groups(self, candidates: list[Region], splice: Splice) -> dict[str, list[Region]]:
+        """The candidates able to continue ``splice``, best first, by continuation method;
+        none that broke it already."""
         groups: dict[str, list[Region]] = {}
         for region in candidates:
             method = region.config.continuation_method
@@ -369,150 +365,15 @@ class ContinuationStage:
             if method == "reissue" and not splice.deterministic:
                 continue
             groups.setdefault(method, []).append(region)
-        for method, regions in groups.items():
-            if route.race_continuations and len(regions) > 1:
-                raced = await self._race(request, ctx, splice, method, regions)
-                if raced is not None:
-                    upstream, chunks = raced
-                    target = upstream.region.name
-                    splice.start_leg(broken, target, method)
-                    self._count(ctx, broken, target, "continued")
-                    ctx.region = target
-                    return Leg(target, chunks, upstream.aclose)
-                continue
-            leg_ctx = self._leg_context(ctx, splice, method)
-            try:
-                upstream = await self.failover.send(request, leg_ctx, regions)
-            except ProxyError as err:
-                logger.info(
-                    "request %s: no region continued the stream by %s: %s",
-                    ctx.request_id,
-                    method,
-                    err.message,
-                )
-                ctx.attempts = leg_ctx.attempts
-                continue
-            ctx.attempts = leg_ctx.attempts
-            if upstream.status != 200:
-                await upstream.aclose()
-                continue
-            target = upstream.region.name
-            splice.start_leg(broken, target, method)
-            self._count(ctx, broken, target, "continued")
-            ctx.region = target
-            return Leg(target, upstream.aiter_bytes(), upstream.aclose)
-        leg = await self._local(ctx, splice, broken)
-        if leg is None:
-            self._count(ctx, broken, "none", "failed")
-        return leg
+        return groups
 
-    async def _race(
-        self,
-        request: Exchange | None,
-        ctx: RequestContext,
-        splice: Splice,
-        method: str,
-        regions: list[Region],
-    ) -> tuple[AttemptResponse, AsyncIterator[bytes]] | None:
-        """Ask the best two regions for the rest at once; the first whose new leg carries
-        a token wins and the other is cancelled (closing its stream). A leg that breaks
-        before its first token, which would stall the client for a second time-to-first-
-        token, so costs nothing but the other leg's prefill. None when neither answered."""
-        # A second leg spends a second unit of the retry budget; without one, no race.
-        if self.failover.retry_budget.try_spend():
-            contenders = [regions[:1], regions[1:]]
-        else:
-            contenders = [regions]
-        legs = [self._leg_context(ctx, splice, method) for _ in contenders]
-        tasks = [
-            asyncio.ensure_future(self._until_token(request, leg, group))
-            for leg, group in zip(legs, contenders, strict=True)
-        ]
-        won: tuple[AttemptResponse, AsyncIterator[bytes]] | None = None
-        try:
-            pending = set(tasks)
-            while pending and won is None:
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                won = next((t.result() for t in tasks if t in done and t.result()), None)
-            return won
-        finally:
-            for task in tasks:
-                task.cancel()
-            # A loser still reading closes its own stream as its cancellation unwinds; one
-            # that finished with a token too is closed here.
-            results = await asyncio.gather(*tasks, return_exceptions=True)
-            for result in results:
-                if isinstance(result, tuple) and result is not won:
-                    await result[0].aclose()
-            ctx.attempts = max(leg.attempts for leg in legs) + len(legs) - 1
-
-    async def _until_token(
-        self, request: Exchange | None, leg_ctx: RequestContext, regions: list[Region]
-    ) -> tuple[AttemptResponse, AsyncIterator[bytes]] | None:
-        """One contender of a race: its leg, read up to its first token, the bytes read so
-        far put back in front of the rest. None if it failed before a token."""
-        try:
-            upstream = await self.failover.send(request, leg_ctx, regions)
-        except ProxyError:
-            return None
-        if upstream.status != 200:
-            await upstream.aclose()
-            return None
-        chunks = upstream.aiter_bytes()
-        seen: list[bytes] = []
-        try:
-            async for chunk in chunks:
-                seen.append(chunk)
-                if _carries_token(b"".join(seen)):
-                    return upstream, _chain(seen, chunks)
-        except UpstreamError:
-            pass
-        except BaseException:
-            await upstream.aclose()
-            raise
-        await upstream.aclose()
-        return None
-
-    def _leg_context(self, ctx: RequestContext, splice: Splice, method: str) -> RequestContext:
-        """The request a continuation leg sends: its own body, its deadline from now."""
-        leg = copy.copy(ctx)
-        leg.started = time.monotonic()
-        if method != "reissue":
-            leg.set_json(_continuation_body(splice, method))
-        return leg
-
-    async def _local(self, ctx: RequestContext, splice: Splice, broken: str) -> Leg | None:
-        """The local model as the last rung: the conversation, the partial answer as prefix."""
-        fallback = self.fallback
-        local = fallback.local
-        if broken == LOCAL or not fallback.local_may_answer(ctx) or not local.ready:
-            return None
-        leg_ctx = copy.copy(ctx)
-        body = dict(splice.body)
-        _spend_tokens(body, splice)
-        leg_ctx.set_json(body)
-        try:
-            answer = await local.answer(leg_ctx, prefix=splice.text)
-        except ProxyError as err:
-            logger.info(
-                "request %s: the local model cannot continue: %s", ctx.request_id, err.message
-            )
-            return None
-        splice.start_leg(broken, LOCAL, "prefill")
-        self._count(ctx, broken, LOCAL, "continued")
-        ctx.degraded = ctx.degraded or "local-model"
-
-        async def chunks() -> AsyncIterator[bytes]:
-            try:
-                async for event in answer.events(leg_ctx):
-                    yield event
-            except (ProxyError, RuntimeError, ValueError, OSError) as exc:
-                raise UpstreamError(f"the local model failed: {exc}") from exc
-
-        async def close() -> None:
-            answer.abandon()
-
-        return Leg(LOCAL, chunks(), close)
+    def no_region_continued(self, ctx: RequestContext, method: str, err: ProxyError) -> None:
+        logger.info(
+            "request %s: no region continued the stream by %s: %s",
+            ctx.request_id,
+            method,
+            err.message,
+        )
 
     def snapshot(self) -> dict[str, Any]:
         """The continuation part of /status: counts by outcome."""
@@ -531,7 +392,15 @@ def _spend_tokens(body: dict[str, Any], splice: Splice) -> None:
             body[key] = max(1, value - sent)
 
 
-def _continuation_body(splice: Splice, method: str) -> dict[str, Any]:
+def spent_body(splice: Splice) -> dict[str, Any]:
+    """The client's request with its token limit less what was already sent (for the
+    local model, which continues from the partial answer as its prefix)."""
+    body = dict(splice.body)
+    _spend_tokens(body, splice)
+    return body
+
+
+def continuation_body(splice: Splice, method: str) -> dict[str, Any]:
     """The original request plus the partial answer as a final assistant message."""
     body = dict(splice.body)
     body["messages"] = [*body["messages"], {"role": "assistant", "content": splice.text}]
@@ -542,7 +411,7 @@ def _continuation_body(splice: Splice, method: str) -> dict[str, Any]:
     return body
 
 
-def _carries_token(data: bytes) -> bool:
+def carries_token(data: bytes) -> bool:
     """Whether the whole events in ``data`` include a chunk with content or a finish."""
     for block in data.split(b"\n\n")[:-1]:
         for line in block.split(b"\n"):
@@ -562,7 +431,7 @@ def _carries_token(data: bytes) -> bool:
     return False
 
 
-async def _chain(first: list[bytes], rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+async def chain(first: list[bytes], rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     for chunk in first:
         yield chunk
     async for chunk in rest:

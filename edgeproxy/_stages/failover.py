@@ -43,10 +43,13 @@ exception, the client leaving, the proxy shutting down):
 * the winner, once returned as an :class:`AttemptResponse`: the caller,
   which relays it and then calls :meth:`AttemptResponse.aclose`;
 * with ``keep_late`` (the route's ``deadline_action = "race"``), the
-  attempts still running at the deadline: the :class:`PendingUpstream` in
-  the :class:`DeadlineExceeded` raised, owned by whoever catches it and
-  closed with :meth:`PendingUpstream.aclose`; :meth:`PendingUpstream.take`
-  hands its winner over as an :class:`AttemptResponse`.
+  attempts still running at the deadline: the :class:`PendingUpstream` of
+  the :class:`Failure` returned (kind :attr:`FailureKind.DEADLINE`), owned by
+  whoever holds that value and closed with :meth:`Failure.aclose`;
+  :meth:`PendingUpstream.take` hands its winner over as an :class:`AttemptResponse`.
+
+:meth:`Failover.send` returns a value either way, an :class:`AttemptResponse` or a
+:class:`Failure`; no exception carries live work.
 
 An attempt's task that is cancelled lets go of its response itself
 (``_Attempt.run``); one that had finished is let go by its owner.
@@ -55,6 +58,7 @@ An attempt's task that is cancelled lets go of its response itself
 from __future__ import annotations
 
 import asyncio
+import enum
 import itertools
 import logging
 import math
@@ -84,7 +88,15 @@ if TYPE_CHECKING:
     from edgeproxy._core.exchange import Exchange
     from edgeproxy._stages.upstream import UpstreamStage
 
-__all__ = ["AttemptResponse", "Budget", "DeadlineExceeded", "Failover", "PendingUpstream"]
+__all__ = [
+    "AttemptResponse",
+    "Budget",
+    "DeadlineExceeded",
+    "Failover",
+    "Failure",
+    "FailureKind",
+    "PendingUpstream",
+]
 
 logger = logging.getLogger("edgeproxy")
 
@@ -351,21 +363,9 @@ class AttemptResponse:
 
 
 class DeadlineExceeded(ProxyError):
-    """504 ``deadline_exceeded``: no first byte by the route's deadline.
+    """504 ``deadline_exceeded``: no first byte by the route's deadline."""
 
-    ``pending`` is set when :meth:`Failover.send` was asked to keep the
-    attempts still running (``keep_late``): whoever catches the error owns
-    them and must :meth:`~PendingUpstream.aclose` it. Otherwise they were
-    cancelled before the error was raised.
-    """
-
-    def __init__(
-        self,
-        deadline: float,
-        *,
-        headers: dict[str, str],
-        pending: PendingUpstream | None = None,
-    ) -> None:
+    def __init__(self, deadline: float, *, headers: dict[str, str]) -> None:
         super().__init__(
             504,
             "upstream_timeout",
@@ -373,7 +373,56 @@ class DeadlineExceeded(ProxyError):
             code="deadline_exceeded",
             headers=headers,
         )
-        self.pending: PendingUpstream | None = pending
+
+
+class FailureKind(enum.Enum):
+    """Why no region answered a request, which decides what may still answer it."""
+
+    NO_REGION = "no_region"
+    """No region may serve it (none configured for it, or none left to try)."""
+    OVERLOADED = "overloaded"
+    """Admission shed it, or every region it may use is at its concurrency limit."""
+    DEADLINE = "deadline"
+    """No first byte by the route's deadline."""
+    UPSTREAM = "upstream"
+    """Every attempt failed: a transport error, or a status the route retries."""
+    MODEL_UNKNOWN = "model_unknown"
+    """No region serves the request's model (404): only the local model may answer."""
+    RESIDENCY = "residency"
+    """A residency rule allows no available region: refused, never degraded."""
+    BAD_REQUEST = "bad_request"
+    """The request cannot be routed as sent (a model that is not a name): never degraded."""
+
+
+class Failure:
+    """A request the regions could not answer: its kind, the error it gets if nothing else
+    answers, and the attempts still running past the deadline (``deadline_action =
+    "race"``), which this value owns: :meth:`aclose` cancels them, and its holder calls it
+    on every way out (it is idempotent).
+    """
+
+    __slots__ = ("error", "kind", "pending")
+
+    def __init__(
+        self, kind: FailureKind, error: ProxyError, pending: PendingUpstream | None = None
+    ) -> None:
+        self.kind = kind
+        self.error = error
+        self.pending = pending
+
+    @property
+    def status(self) -> int:
+        """The status of :attr:`error`."""
+        return self.error.status
+
+    def __repr__(self) -> str:
+        return f"Failure({self.kind.name}, {self.error.status} {self.error.code})"
+
+    async def aclose(self) -> None:
+        """Cancel the attempts still running, if any; idempotent."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            await pending.aclose()
 
 
 class PendingUpstream:
@@ -472,15 +521,17 @@ class Failover:
         candidates: list[Region],
         *,
         keep_late: bool = False,
-    ) -> AttemptResponse:
-        """The first good response among ``candidates``, or a :class:`ProxyError`.
+    ) -> AttemptResponse | Failure:
+        """The first good response among ``candidates``, or the :class:`Failure` saying why
+        none came.
 
-        Raises 502/504 (or the region's own 5xx status) when every attempt
-        failed, :class:`DeadlineExceeded` (504) when the route's deadline
-        passed first, and 503 when every candidate's circuit breaker was open.
-        Nothing is left running upstream when it raises, except, with
-        ``keep_late``, the attempts a :class:`DeadlineExceeded` hands over in
-        its ``pending``. The caller owns the response returned, and closes it.
+        A failure is :attr:`~FailureKind.UPSTREAM` (502/504, or the region's own 5xx
+        status) when every attempt failed, :attr:`~FailureKind.DEADLINE` (504) when the
+        route's deadline passed first, and :attr:`~FailureKind.OVERLOADED` (503) when
+        every candidate's circuit breaker was open. Nothing is left running upstream
+        then, except, with ``keep_late``, the attempts a deadline failure holds in its
+        ``pending``. The caller owns what is returned: it closes the response, or the
+        failure (:meth:`Failure.aclose`).
 
         ``request`` is None for a request with no client (a background cache
         refresh): its body must have been buffered.
@@ -494,6 +545,16 @@ class Failover:
         if route.hedge and plan.replayable and plan.retry_safe and len(candidates) > 1:
             return await plan.race(remaining)
         return await plan.in_turn(remaining)
+
+    async def send_or_raise(
+        self, request: Exchange | None, ctx: RequestContext, candidates: list[Region]
+    ) -> AttemptResponse:
+        """:meth:`send` for callers that only want a response: its failure's error is raised
+        (nothing is left running then: no ``keep_late``)."""
+        result = await self.send(request, ctx, candidates)
+        if isinstance(result, Failure):
+            raise result.error
+        return result
 
     def hedge_delay(self, ctx: RequestContext, region: Region) -> float | None:
         """Seconds to wait for a first byte before hedging; None: not enough history."""
@@ -577,7 +638,7 @@ class _Plan:
         if last is not None:
             await last.discard()
 
-    async def in_turn(self, remaining: float) -> AttemptResponse:
+    async def in_turn(self, remaining: float) -> AttemptResponse | Failure:
         """One attempt at a time: the next candidate only after a failure."""
         # The attempt in flight, when it runs as a task (keep_late: it may outlive the
         # deadline); whatever is left here on the way out is cancelled.
@@ -587,7 +648,7 @@ class _Plan:
                 if self.tried and (self.last is None or not self.may_retry(self.last)):
                     break
                 if remaining <= 0:
-                    raise self.deadline_error(running)
+                    return self.deadline_failure(running)
                 region = self.next_region()
                 if region is None:
                     break
@@ -601,7 +662,7 @@ class _Plan:
                     running[task] = attempt
                     done, _ = await asyncio.wait(running, timeout=remaining)
                     if not done:
-                        raise self.deadline_error(running)
+                        return self.deadline_failure(running)
                     del running[task]
                     task.result()  # a plugin's failure ends the request
                 else:
@@ -611,7 +672,7 @@ class _Plan:
                         await attempt.run(self.request, self.ctx)
                     except asyncio.CancelledError:
                         if watch.expired():
-                            raise self.deadline_error(running) from None
+                            return self.deadline_failure(running)
                         raise
                     finally:
                         deadlines.release(watch)
@@ -619,7 +680,7 @@ class _Plan:
                     return self.win(attempt)
                 await self.keep_failure(attempt)
                 remaining = self.ctx.started + self.ctx.route.deadline - time.monotonic()
-            raise await self.failure_error()
+            return await self.failure()
         finally:
             # Both are no-ops for a request that got its answer at the first attempt.
             if running:
@@ -627,7 +688,7 @@ class _Plan:
             if self.last is not None:
                 await self.drop_failure()
 
-    async def race(self, remaining: float) -> AttemptResponse:
+    async def race(self, remaining: float) -> AttemptResponse | Failure:
         """The first attempt, a hedge if it is slow, retries after failures; first answer wins."""
         ctx, failover = self.ctx, self.failover
         deadline = time.monotonic() + remaining
@@ -642,14 +703,14 @@ class _Plan:
         try:
             region = self.next_region()
             if region is None:
-                raise await self.failure_error()
+                return await self.failure()
             start(region, "first")
             delay = failover.hedge_delay(ctx, region)
             hedge_at = math.inf if delay is None else time.monotonic() + delay
             while running:
                 now = time.monotonic()
                 if now >= deadline:
-                    raise self.deadline_error(running)
+                    return self.deadline_failure(running)
                 done, _ = await asyncio.wait(
                     running,
                     timeout=min(deadline, hedge_at) - now,
@@ -673,7 +734,7 @@ class _Plan:
                     region = self.next_region()
                     if region is not None and failover.retry_budget.try_spend():
                         start(region, "retry")
-            raise await self.failure_error()
+            return await self.failure()
         finally:
             # The losers, and everything else still held: cancelled upstream, uncounted.
             await _cancel(running)
@@ -691,11 +752,11 @@ class _Plan:
             return {"X-Edgeproxy-Attempts": str(self.ctx.attempts)}
         return {}
 
-    def deadline_error(self, running: dict[asyncio.Task[None], _Attempt]) -> DeadlineExceeded:
-        """The 504 for a request with no first byte by the route's deadline.
+    def deadline_failure(self, running: dict[asyncio.Task[None], _Attempt]) -> Failure:
+        """The failure (a 504) of a request with no first byte by the route's deadline.
 
         With ``keep_late``, the attempts still ``running`` move into the
-        error's ``pending``, for the fallback to race against its local
+        failure's ``pending``, for the fallback to race against its local
         answer: ``running`` is emptied, so the caller's cleanup leaves them
         alone. Otherwise they stay in ``running`` and are cancelled with it.
         """
@@ -703,10 +764,18 @@ class _Plan:
         if self.keep_late and running:
             pending = PendingUpstream(self, dict(running))
             running.clear()
-        return DeadlineExceeded(self.ctx.route.deadline, headers=self._headers(), pending=pending)
+        error = DeadlineExceeded(self.ctx.route.deadline, headers=self._headers())
+        return Failure(FailureKind.DEADLINE, error, pending)
 
-    async def failure_error(self) -> ProxyError:
-        """The error for a request whose attempts all failed (or that got none)."""
+    async def failure(self) -> Failure:
+        """The failure of a request whose attempts all failed (or that got none)."""
+        error = await self._failure_error()
+        if self.last is not None:
+            return Failure(FailureKind.UPSTREAM, error)
+        kind = FailureKind.OVERLOADED if self.overloaded else FailureKind.NO_REGION
+        return Failure(kind, error)
+
+    async def _failure_error(self) -> ProxyError:
         attempt = self.last
         headers = self._headers()
         if attempt is None:

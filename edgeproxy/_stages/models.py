@@ -232,7 +232,7 @@ class ModelList:
         body = bytearray()
         try:
             async with asyncio.timeout(self.timeout):
-                upstream = await self.failover.send(None, ctx, [region])
+                upstream = await self.failover.send_or_raise(None, ctx, [region])
                 try:
                     if upstream.status != 200:
                         raise _NoList(f"it answered {upstream.status}")

@@ -16,6 +16,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Protocol
 
 from edgeproxy._core.context import RequestContext, UpstreamReply
 from edgeproxy._core.errors import ProxyError, error_body
@@ -29,7 +30,7 @@ from edgeproxy._protocol.models import ModelRewriter
 from edgeproxy._protocol.usage import UsageTracker
 from edgeproxy._stages.cache.stage import CacheRecorder
 from edgeproxy._stages.compression import Compression, EncodedResponse
-from edgeproxy._stages.continuation import ContinuationStage, Leg, Splice
+from edgeproxy._stages.continuation import Leg, Splice
 from edgeproxy._stages.failover import AttemptResponse
 from edgeproxy._upstream.pool import UpstreamError
 from edgeproxy._upstream.regions import Region
@@ -44,6 +45,21 @@ _OWN = frozenset({"x-edgeproxy-region", "x-request-id"})
 _OWN_WITH_CACHE = _OWN | {"x-edgeproxy-cache"}
 
 
+class Legs(Protocol):
+    """Where a broken stream's next leg comes from (the obtain path's continuation of one
+    request), handed to :meth:`StreamStage.relay` for a route with ``continue_on_break``."""
+
+    def splice(self, ctx: RequestContext, status: int, content_type: str) -> Splice | None:
+        """A splice for this answer, or None when it cannot be continued."""
+        ...
+
+    async def next_leg(
+        self, request: Exchange | None, ctx: RequestContext, splice: Splice, broken: str
+    ) -> Leg | None:
+        """The next leg after ``broken`` broke, owned by the caller; None: none."""
+        ...
+
+
 class StreamStage:
     """Relays the upstream response to the client chunk by chunk, never buffering it.
 
@@ -54,14 +70,11 @@ class StreamStage:
     def __init__(
         self,
         plugins: Plugins,
-        continuation: ContinuationStage | None = None,
         compression: Compression | None = None,
     ) -> None:
         self.plugins = plugins
         # Compresses answers for clients that accept it ([server] compression).
         self.compression = compression
-        # Continues a stream that breaks after tokens were sent (routes' continue_on_break).
-        self.continuation = continuation
         # Set when the proxy's grace period ended: a relay cancelled from then on
         # was cut by the shutdown, and tells its client so.
         self.shutting_down = False
@@ -75,16 +88,21 @@ class StreamStage:
         close_connection: bool = False,
         recorder: CacheRecorder | None = None,
         started: StreamResponse | None = None,
+        legs: Legs | None = None,
     ) -> StreamResponse:
         """Send the region's answer on; ``recorder`` (the cache's) sees the headers and each
         chunk as it passes, and is told when the body ended cleanly.
 
         ``started`` is the SSE response early heartbeats already began: the answer's events
-        go on in it, and anything but a 200 stream becomes an ``error`` event there."""
+        go on in it, and anything but a 200 stream becomes an ``error`` event there.
+        ``legs``: where a stream that breaks after tokens were sent goes on (the route's
+        ``continue_on_break``); without it, a break ends the stream with an error event."""
         region = upstream.region
         reply = await self._reply(request, ctx, upstream, recorder)
         if started is not None:
-            return await self._after_heartbeats(request, ctx, upstream, reply, recorder, started)
+            return await self._after_heartbeats(
+                request, ctx, upstream, reply, recorder, started, legs
+            )
         transform = "edgeproxy_stream_chunk" in self.plugins.active
         # The headers go into one list that becomes the response's CIMultiDict in a
         # single step; the proxy's own names replace any the region sent.
@@ -116,8 +134,8 @@ class StreamStage:
         if close_connection:
             resp.force_close()
         splice: Splice | None = None
-        if ctx.route.continue_on_break and self.continuation is not None:
-            splice = self.continuation.splice(ctx, reply.status, content_type)
+        if legs is not None and ctx.route.continue_on_break:
+            splice = legs.splice(ctx, reply.status, content_type)
         # A transformed (or continued) body has an unknown length: the front end frames it.
         if (
             content_length is not None
@@ -133,12 +151,12 @@ class StreamStage:
             # Inside the try: the client may already be gone when headers go out.
             await resp.prepare(request)
             ctx.first_byte_at = time.monotonic()
-            if splice is None:
+            if splice is None or legs is None:
                 await self._body(
                     request, ctx, self._chunks(ctx, upstream), recorder, resp.writer, usage
                 )
             else:
-                await self._spliced(request, ctx, upstream, recorder, resp, usage, splice)
+                await self._spliced(request, ctx, upstream, recorder, resp, usage, splice, legs)
             await resp.write_eof()
         except UpstreamError as exc:
             # Counted against the region by the attempt itself (AttemptResponse).
@@ -188,6 +206,7 @@ class StreamStage:
         reply: UpstreamReply,
         recorder: CacheRecorder | None,
         resp: StreamResponse,
+        legs: Legs | None,
     ) -> StreamResponse:
         """The region's answer in the SSE response the heartbeats started (status 200 sent)."""
         name = upstream.region.name
@@ -206,15 +225,15 @@ class StreamStage:
         ctx.status = 200
         usage = UsageTracker.for_response(ctx.path, content_type, 200)
         splice: Splice | None = None
-        if ctx.route.continue_on_break and self.continuation is not None:
-            splice = self.continuation.splice(ctx, 200, content_type)
+        if legs is not None and ctx.route.continue_on_break:
+            splice = legs.splice(ctx, 200, content_type)
         try:
             ctx.first_byte_at = time.monotonic()
-            if splice is None:
+            if splice is None or legs is None:
                 chunks = self._chunks(ctx, upstream)
                 await self._body(request, ctx, chunks, recorder, resp.writer, usage)
             else:
-                await self._spliced(request, ctx, upstream, recorder, resp, usage, splice)
+                await self._spliced(request, ctx, upstream, recorder, resp, usage, splice, legs)
             await resp.write_eof()
         except UpstreamError as exc:
             ctx.error = f"upstream broke mid-body: {exc}"
@@ -315,14 +334,14 @@ class StreamStage:
         resp: StreamResponse,
         usage: UsageTracker | None,
         splice: Splice,
+        legs: Legs,
     ) -> None:
         """The body with continuation on: whole events reach the client through ``splice``,
-        and a break after tokens were sent goes on at the next leg the continuation stage
-        finds. This stage owns each such leg (closed here); the first stays the caller's.
+        and a break after tokens were sent goes on at the next leg ``legs`` finds. This
+        stage owns each such leg (closed here); the first stays the caller's.
 
         Raises the :class:`UpstreamError` of a break that could not be continued.
         """
-        assert self.continuation is not None
 
         async def write(chunk: bytes) -> None:
             out = splice.feed(chunk)
@@ -344,7 +363,7 @@ class StreamStage:
                         leg = None
                     else:
                         await upstream.aclose()
-                    leg = await self.continuation.next_leg(request, ctx, splice, source)
+                    leg = await legs.next_leg(request, ctx, splice, source)
                     if leg is None:
                         raise
                     # A spliced answer is not stored; its own usage is the legs' sum.

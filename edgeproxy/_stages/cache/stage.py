@@ -25,7 +25,7 @@ import logging
 import random
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
 
 from multidict import CIMultiDict
@@ -71,7 +71,18 @@ logger = logging.getLogger("edgeproxy.cache")
 # stop queueing behind one request at a time and go upstream on their own.
 MAX_FLIGHT_ATTEMPTS: Final = 2
 
-Fetch = Callable[["RequestContext", "CacheRecorder"], Awaitable[None]]
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Refresh:
+    """A background refresh the cache asks for (stale-while-revalidate, early refresh):
+    the request to send again, with a context of its own, and the plan to store its answer
+    under. The pipeline obtains the answer (:meth:`CacheStage.take_refreshes`); the cache
+    never calls back into it."""
+
+    ctx: RequestContext
+    plan: CachePlan
+
+
 """Routes and sends a background refresh like the pipeline does, and relays the answer
 into the recorder, with no client attached."""
 
@@ -99,9 +110,11 @@ class CacheStats:
 class CacheStage:
     """The cache as the pipeline sees it: lookup, coalescing, recording, stale-if-error.
 
-    ``fetch`` lets background refreshes (stale-while-revalidate, early
-    refresh) go upstream the way the pipeline does; without it they are off.
-    Open and close it with the proxy (:meth:`open`, :meth:`close`).
+    With ``refresh`` on, lookups ask for background refreshes (stale-while-revalidate,
+    early refresh) as :class:`Refresh` values, which whoever can go upstream takes with
+    :meth:`take_refreshes` and runs between :meth:`refresh_recorder` and
+    :meth:`refresh_done`; off, there are none. Open and close it with the proxy
+    (:meth:`open`, :meth:`close`).
     """
 
     def __init__(
@@ -109,7 +122,7 @@ class CacheStage:
         config: Config,
         plugins: Plugins,
         *,
-        fetch: Fetch | None = None,
+        refresh: bool = False,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.config = config.cache
@@ -123,7 +136,10 @@ class CacheStage:
         )
         self.coalescer = Coalescer()
         self.stats = CacheStats()
-        self.fetch = fetch
+        self.refresh = refresh
+        # Refreshes asked for since the last take_refreshes(); each one's key is in
+        # _refreshing until refresh_done() (or the cache closes).
+        self.due: list[Refresh] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._refreshing: set[str] = set()
         self._random: Callable[[], float] = random.random
@@ -472,37 +488,51 @@ class CacheStage:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def spawn(self, coro: Any) -> None:
+        """Run ``coro`` in the background, cancelled when the cache closes (its task is
+        kept until it ends)."""
+        self._spawn(coro)
+
     def _refresh_later(self, ctx: RequestContext, plan: CachePlan) -> bool:
-        """Refresh ``plan.key`` in the background, once: not if a refresh or a request for it
-        is already in flight.
+        """Ask for a refresh of ``plan.key`` in the background, once: not if a refresh or a
+        request for it is already in flight.
 
         The refresh outlives the client's handler: it gets a context of its own, copied
         now, and nothing of the client's request.
         """
-        if self.fetch is None or plan.key in self._refreshing or plan.key in self.coalescer.flights:
+        if not self.refresh or plan.key in self._refreshing or plan.key in self.coalescer.flights:
             return False
         self._refreshing.add(plan.key)
-        self._spawn(self._refresh(_refresh_context(ctx), plan))
+        self.due.append(Refresh(_refresh_context(ctx), plan))
         return True
 
-    async def _refresh(self, ctx: RequestContext, plan: CachePlan) -> None:
-        """Lead the key's flight and record the region's answer, relayed by ``fetch``."""
-        assert self.fetch is not None
+    def take_refreshes(self) -> list[Refresh]:
+        """The refreshes asked for since the last call; the taker runs each one."""
+        due, self.due = self.due, []
+        return due
+
+    def refresh_recorder(self, refresh: Refresh) -> CacheRecorder | None:
+        """The recorder that stores the refreshed answer, leading the key's flight; None
+        when an identical request leads it already (then there is nothing to run)."""
+        plan = refresh.plan
         flight, leading = self.coalescer.join(plan.key)
         if not leading:
             flight.followers -= 1
             self._refreshing.discard(plan.key)
-            return
-        recorder = CacheRecorder(self, ctx, plan, flight)
-        try:
-            await self.fetch(ctx, recorder)
+            return None
+        return CacheRecorder(self, refresh.ctx, plan, flight)
+
+    def refresh_done(
+        self, refresh: Refresh, recorder: CacheRecorder, error: str | None = None
+    ) -> None:
+        """A refresh ended, with the answer recorded or ``error`` (the stale entry stays)."""
+        if error is None:
             self.stats.refreshes += 1
-        except Exception as exc:  # noqa: BLE001 - a failed refresh keeps the stale entry
+        else:
             self.stats.refresh_failures += 1
-            logger.info("cache: background refresh of %s failed: %s", plan.key, exc)
-        finally:
-            recorder.release()
-            self._refreshing.discard(plan.key)
+            logger.info("cache: background refresh of %s failed: %s", refresh.plan.key, error)
+        recorder.release()
+        self._refreshing.discard(refresh.plan.key)
 
     # -- admin -------------------------------------------------------------------
 

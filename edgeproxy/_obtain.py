@@ -1,0 +1,342 @@
+"""One way to obtain an answer: route, then failover, then the degradation ladder.
+
+:meth:`Obtainer.obtain` is the single path from a request to what answers it; the
+pipeline's ``handle``, the cache's background refresh and a broken stream's continuation
+all take it. It returns a value, never an exception carrying live work:
+
+* an :class:`~edgeproxy._stages.failover.AttemptResponse`: a region's answer, its first
+  byte in. The caller relays it and closes it.
+* a :class:`~edgeproxy._stages.fallback.Degraded`: the ladder's answer (the stale cache,
+  the local model, a plugin's), for the caller to send.
+* a :class:`~edgeproxy._stages.failover.Failure`: nothing could answer. Its ``kind`` says
+  why and its ``error`` is the client's answer. A failure that ``obtain`` returns holds
+  no attempt: any that ran past the deadline to race the local model are cancelled
+  before it returns, on every way out.
+
+The kinds decide what may still answer: a residency refusal or a bad model name is
+never degraded, a model no region serves goes only to the local model, and everything
+else walks the route's ``fallback`` list.
+
+:class:`Continuer` finds the next leg of a stream that broke after tokens were sent,
+through the same path, drawing its regions from the request's own ranking.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from edgeproxy._core.errors import ProxyError
+from edgeproxy._stages.affinity import AffinityPlan
+from edgeproxy._stages.continuation import (
+    LOCAL,
+    ContinuationStage,
+    Leg,
+    Splice,
+    carries_token,
+    chain,
+    continuation_body,
+    spent_body,
+)
+from edgeproxy._stages.failover import AttemptResponse, Failover, Failure, FailureKind
+from edgeproxy._stages.fallback import Degraded, FallbackStage, UpstreamWon
+from edgeproxy._stages.models import ModelError
+from edgeproxy._upstream.pool import UpstreamError
+
+if TYPE_CHECKING:
+    from edgeproxy._core.context import RequestContext
+    from edgeproxy._core.exchange import Exchange
+    from edgeproxy._plugins import Plugins
+    from edgeproxy._stages.cache.stage import CacheStage
+    from edgeproxy._stages.routing import Router
+    from edgeproxy._upstream.regions import Region
+
+__all__ = ["Continuer", "Obtained", "Obtainer", "no_region"]
+
+logger = logging.getLogger("edgeproxy")
+
+Obtained = AttemptResponse | Degraded | Failure
+
+
+def no_region() -> ProxyError:
+    """The 503 of a request no region may serve."""
+    return ProxyError(503, "no_region", "no region may serve this request", code="no_region")
+
+
+class Obtainer:
+    """Route, failover and fallback as one path; see the module's docstring."""
+
+    def __init__(
+        self,
+        plugins: Plugins,
+        router: Router,
+        failover: Failover,
+        fallback: FallbackStage,
+        cache: CacheStage,
+        continuation: ContinuationStage,
+    ) -> None:
+        self.plugins = plugins
+        self.router = router
+        self.failover = failover
+        self.fallback = fallback
+        self.cache = cache
+        self.continuation = continuation
+
+    async def obtain(
+        self,
+        request: Exchange | None,
+        ctx: RequestContext,
+        *,
+        plan: AffinityPlan | None = None,
+        regions: list[Region] | None = None,
+        shed: ProxyError | None = None,
+        degrade: bool = True,
+        keep_late: bool = False,
+    ) -> Obtained:
+        """What answers ``ctx``: a region's response, the ladder's answer, or a failure.
+
+        ``plan``: the request's affinity plan (the router ranks by it); ``regions``: these
+        candidates instead of the router's, in this order (a continuation's); ``shed``:
+        admission shed the request (its 503), so no region is tried and only the ladder
+        may answer; ``degrade``: walk the ladder on a failure (off for a continuation leg;
+        never for a request with no client); ``keep_late``: the route's ``deadline_action =
+        "race"``, attempts past the deadline race the local model. ``request`` is None
+        for a request with no client (a background refresh).
+        """
+        failure: Failure
+        if shed is not None:
+            failure = Failure(FailureKind.OVERLOADED, shed)
+        else:
+            routed = regions if regions is not None else await self.candidates(request, ctx, plan)
+            if isinstance(routed, Failure):
+                failure = routed
+            else:
+                sent = await self.failover.send(request, ctx, routed, keep_late=keep_late)
+                if not isinstance(sent, Failure):
+                    return sent
+                failure = sent
+        if not degrade or request is None or not self._degradable(ctx, failure):
+            await failure.aclose()
+            return failure
+        return await self._degrade(request, ctx, failure)
+
+    async def candidates(
+        self, request: Exchange | None, ctx: RequestContext, plan: AffinityPlan | None = None
+    ) -> list[Region] | Failure:
+        """The regions ``ctx`` may use, best first (the ``edgeproxy_route`` hook may choose
+        others), or the failure of a request none may serve."""
+        try:
+            candidates = self.router.candidates(ctx, plan)
+        except ModelError as err:
+            kind = FailureKind.MODEL_UNKNOWN if err.status == 404 else FailureKind.BAD_REQUEST
+            return Failure(kind, err)
+        except ProxyError as err:
+            kind = FailureKind.RESIDENCY if err.code == "residency" else FailureKind.NO_REGION
+            return Failure(kind, err)
+        if "edgeproxy_route" in self.plugins.active:
+            chosen = await self.plugins.call_first(
+                "edgeproxy_route", request=request, ctx=ctx, candidates=candidates
+            )
+            if chosen is not None:
+                candidates = list(chosen)
+        if not candidates:
+            return Failure(FailureKind.NO_REGION, no_region())
+        return candidates
+
+    def _degradable(self, ctx: RequestContext, failure: Failure) -> bool:
+        kind = failure.kind
+        if kind is FailureKind.RESIDENCY or kind is FailureKind.BAD_REQUEST:
+            return False
+        if kind is FailureKind.MODEL_UNKNOWN:
+            return self.fallback.local_may_answer(ctx)
+        return True
+
+    async def _degrade(
+        self, request: Exchange, ctx: RequestContext, failure: Failure
+    ) -> Obtained:
+        """The ladder for ``failure``; whatever it held is cancelled on the way out."""
+        try:
+            stale = await self.cache.serve_stale(request, ctx)
+            try:
+                outcome = await self.fallback.respond(
+                    request, ctx, failure.error, stale=stale, pending=failure.pending
+                )
+            except ProxyError as err:
+                return Failure(failure.kind, err)
+            if isinstance(outcome, UpstreamWon):
+                return outcome.upstream
+            return outcome
+        finally:
+            await failure.aclose()
+
+    def continuer(self, plan: AffinityPlan | None) -> Continuer:
+        """The continuation of a request routed with ``plan``, for the stream stage."""
+        return Continuer(self, plan)
+
+
+class Continuer:
+    """The next legs of one request's stream: regions able to continue it, drawn from the
+    request's own ranking (its affinity plan too), then the local model."""
+
+    __slots__ = ("obtainer", "plan")
+
+    def __init__(self, obtainer: Obtainer, plan: AffinityPlan | None) -> None:
+        self.obtainer = obtainer
+        self.plan = plan
+
+    def splice(self, ctx: RequestContext, status: int, content_type: str) -> Splice | None:
+        """A splice for this answer if its route continues it and it can be continued."""
+        return self.obtainer.continuation.splice(ctx, status, content_type)
+
+    async def next_leg(
+        self, request: Exchange | None, ctx: RequestContext, splice: Splice, broken: str
+    ) -> Leg | None:
+        """The next leg of the answer ``broken`` (a region's name, or ``local``) broke, or
+        None when it cannot be continued (the caller ends the stream with an error)."""
+        obtainer = self.obtainer
+        continuation = obtainer.continuation
+        if not continuation.may_continue(ctx, splice, broken):
+            return None
+        if not obtainer.failover.retry_budget.try_spend():
+            continuation.count(ctx, broken, "none", "budget")
+            return None
+        routed = await obtainer.candidates(request, ctx, self.plan)
+        candidates = [] if isinstance(routed, Failure) else routed
+        for method, regions in continuation.groups(candidates, splice).items():
+            if ctx.route.race_continuations and len(regions) > 1:
+                raced = await self._race(request, ctx, splice, method, regions)
+                if raced is None:
+                    continue
+                upstream, chunks = raced
+            else:
+                leg_ctx = _leg_context(ctx, splice, method)
+                obtained = await obtainer.obtain(request, leg_ctx, regions=regions, degrade=False)
+                ctx.attempts = leg_ctx.attempts
+                if isinstance(obtained, Failure):
+                    continuation.no_region_continued(ctx, method, obtained.error)
+                    continue
+                assert isinstance(obtained, AttemptResponse)
+                if obtained.status != 200:
+                    await obtained.aclose()
+                    continue
+                upstream, chunks = obtained, obtained.aiter_bytes()
+            target = upstream.region.name
+            splice.start_leg(broken, target, method)
+            continuation.count(ctx, broken, target, "continued")
+            ctx.region = target
+            return Leg(target, chunks, upstream.aclose)
+        leg = await self._local(ctx, splice, broken)
+        if leg is None:
+            continuation.count(ctx, broken, "none", "failed")
+        return leg
+
+    async def _local(self, ctx: RequestContext, splice: Splice, broken: str) -> Leg | None:
+        """The local model as the last rung: the conversation, the partial answer as prefix."""
+        fallback = self.obtainer.fallback
+        local = fallback.local
+        if broken == LOCAL or not fallback.local_may_answer(ctx) or not local.ready:
+            return None
+        leg_ctx = copy.copy(ctx)
+        leg_ctx.set_json(spent_body(splice))
+        try:
+            answer = await local.answer(leg_ctx, prefix=splice.text)
+        except ProxyError as err:
+            logger.info(
+                "request %s: the local model cannot continue: %s", ctx.request_id, err.message
+            )
+            return None
+        splice.start_leg(broken, LOCAL, "prefill")
+        self.obtainer.continuation.count(ctx, broken, LOCAL, "continued")
+        ctx.degraded = ctx.degraded or "local-model"
+
+        async def chunks() -> AsyncIterator[bytes]:
+            try:
+                async for event in answer.events(leg_ctx):
+                    yield event
+            except (ProxyError, RuntimeError, ValueError, OSError) as exc:
+                raise UpstreamError(f"the local model failed: {exc}") from exc
+
+        async def close() -> None:
+            answer.abandon()
+
+        return Leg(LOCAL, chunks(), close)
+
+    async def _race(
+        self,
+        request: Exchange | None,
+        ctx: RequestContext,
+        splice: Splice,
+        method: str,
+        regions: list[Region],
+    ) -> tuple[AttemptResponse, AsyncIterator[bytes]] | None:
+        """Ask the best two regions for the rest at once; the first whose new leg carries
+        a token wins and the other is cancelled (closing its stream). A leg that breaks
+        before its first token, which would stall the client for a second time-to-first-
+        token, so costs nothing but the other leg's prefill. None when neither answered."""
+        # A second leg spends a second unit of the retry budget; without one, no race.
+        if self.obtainer.failover.retry_budget.try_spend():
+            contenders = [regions[:1], regions[1:]]
+        else:
+            contenders = [regions]
+        legs = [_leg_context(ctx, splice, method) for _ in contenders]
+        tasks = [
+            asyncio.ensure_future(self._until_token(request, leg, group))
+            for leg, group in zip(legs, contenders, strict=True)
+        ]
+        won: tuple[AttemptResponse, AsyncIterator[bytes]] | None = None
+        try:
+            pending = set(tasks)
+            while pending and won is None:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                won = next((t.result() for t in tasks if t in done and t.result()), None)
+            return won
+        finally:
+            for task in tasks:
+                task.cancel()
+            # A loser still reading closes its own stream as its cancellation unwinds; one
+            # that finished with a token too is closed here.
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            for result in results:
+                if isinstance(result, tuple) and result is not won:
+                    await result[0].aclose()
+            ctx.attempts = max(leg.attempts for leg in legs) + len(legs) - 1
+
+    async def _until_token(
+        self, request: Exchange | None, leg_ctx: RequestContext, regions: list[Region]
+    ) -> tuple[AttemptResponse, AsyncIterator[bytes]] | None:
+        """One contender of a race: its leg, read up to its first token, the bytes read so
+        far put back in front of the rest. None if it failed before a token."""
+        obtained = await self.obtainer.obtain(request, leg_ctx, regions=regions, degrade=False)
+        if isinstance(obtained, Failure):
+            return None
+        assert isinstance(obtained, AttemptResponse)
+        if obtained.status != 200:
+            await obtained.aclose()
+            return None
+        chunks = obtained.aiter_bytes()
+        seen: list[bytes] = []
+        try:
+            async for chunk in chunks:
+                seen.append(chunk)
+                if carries_token(b"".join(seen)):
+                    return obtained, chain(seen, chunks)
+        except UpstreamError:
+            pass
+        except BaseException:
+            await obtained.aclose()
+            raise
+        await obtained.aclose()
+        return None
+
+
+def _leg_context(ctx: RequestContext, splice: Splice, method: str) -> RequestContext:
+    """The request a continuation leg sends: its own body, its deadline from now."""
+    leg = copy.copy(ctx)
+    leg.started = time.monotonic()
+    if method != "reissue":
+        leg.set_json(continuation_body(splice, method))
+    return leg
