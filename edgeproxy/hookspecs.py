@@ -44,9 +44,8 @@ import pluggy
 if TYPE_CHECKING:
     from edgeproxy._core.context import RequestContext, UpstreamReply
     from edgeproxy._core.exchange import Exchange
+    from edgeproxy._core.protocols import ProxyView, RegionView
     from edgeproxy._core.response import StreamResponse
-    from edgeproxy._server.app import EdgeProxy
-    from edgeproxy._upstream.regions import Region
 
 __all__ = ["hookimpl", "hookspec"]
 
@@ -55,7 +54,7 @@ hookimpl = pluggy.HookimplMarker("edgeproxy")
 
 
 @hookspec
-def edgeproxy_startup(proxy: EdgeProxy) -> Awaitable[None] | None:
+def edgeproxy_startup(proxy: ProxyView) -> Awaitable[None] | None:
     """The proxy opened its resources (pools warm) and is about to serve.
 
     *All run*, in order; return values are ignored. An exception aborts
@@ -64,7 +63,7 @@ def edgeproxy_startup(proxy: EdgeProxy) -> Awaitable[None] | None:
 
 
 @hookspec
-def edgeproxy_shutdown(proxy: EdgeProxy) -> Awaitable[None] | None:
+def edgeproxy_shutdown(proxy: ProxyView) -> Awaitable[None] | None:
     """The proxy is closing, after the last request drained.
 
     *All run*; return values are ignored. Exceptions are logged and do not
@@ -90,8 +89,8 @@ def edgeproxy_request_received(
 
 @hookspec(firstresult=True)
 def edgeproxy_route(
-    request: Exchange, ctx: RequestContext, candidates: list[Region]
-) -> Awaitable[list[Region] | None] | list[Region] | None:
+    request: Exchange, ctx: RequestContext, candidates: list[RegionView]
+) -> Awaitable[list[RegionView] | None] | list[RegionView] | None:
     """The router ordered the regions this request may go to, best first.
 
     Return a new list to override or filter them (an empty list answers 503
@@ -120,7 +119,7 @@ def edgeproxy_cache_key(
 def edgeproxy_upstream_request(
     request: Exchange,
     ctx: RequestContext,
-    region: Region,
+    region: RegionView,
     headers: list[tuple[str, str]],
 ) -> Awaitable[None] | None:
     """About to send to ``region``: edit ``headers`` in place (credentials, routing hints).
@@ -133,7 +132,7 @@ def edgeproxy_upstream_request(
 
 @hookspec
 def edgeproxy_upstream_response(
-    request: Exchange, ctx: RequestContext, region: Region, reply: UpstreamReply
+    request: Exchange, ctx: RequestContext, region: RegionView, reply: UpstreamReply
 ) -> Awaitable[None] | None:
     """Response headers arrived from ``region``, before anything reaches the client.
 

@@ -8,7 +8,8 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 
@@ -35,15 +36,31 @@ from edgeproxy._protocol.openai import (
 
 if TYPE_CHECKING:
     from edgeproxy._core.context import RequestContext
-    from edgeproxy._local.model import LocalModel
 
-__all__ = ["LocalAnswer"]
+__all__ = ["AnsweringModel", "LocalAnswer"]
 
 logger = logging.getLogger("edgeproxy.local_model")
 
 DEGRADED = "local-model"
 WARNING_HEADER = "X-Edgeproxy-Warning"
 TRUNCATED_HEADER = "X-Edgeproxy-Prompt-Truncated"
+
+
+class AnsweringModel(Protocol):
+    """What an answer uses of its :class:`~edgeproxy._local.model.LocalModel`: its name,
+    worker threads and slots, and the counters it adds to. A Protocol, as the model's
+    module imports this one to hand answers out."""
+
+    model_name: str
+    prompt_tokens_total: int
+    completion_tokens_total: int
+    answered_total: int
+    cancelled_total: int
+    errors_total: int
+    _executor: ThreadPoolExecutor | None
+    _running: set[_Generation]
+
+    def _release(self, slot: _Slot) -> None: ...
 
 
 class LocalAnswer(StreamResponse):
@@ -55,7 +72,7 @@ class LocalAnswer(StreamResponse):
     """
 
     def __init__(
-        self, model: LocalModel, slot: _Slot, req: GenerationRequest, plan: _Prepared
+        self, model: AnsweringModel, slot: _Slot, req: GenerationRequest, plan: _Prepared
     ) -> None:
         super().__init__(status=200)
         self.model = model
@@ -91,7 +108,7 @@ class LocalAnswer(StreamResponse):
             raise RuntimeError("this answer was already discarded")
         self._slot = None
         model = self.model
-        generation = self._generation = _Generation(model, slot, self.req, self.plan)
+        generation = self._generation = _Generation(slot, self.req, self.plan)
         model._running.add(generation)
         assert model._executor is not None
         future = asyncio.get_running_loop().run_in_executor(model._executor, generation.run)

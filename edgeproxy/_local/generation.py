@@ -8,21 +8,17 @@ import asyncio
 import codecs
 import threading
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from edgeproxy._local.binding import _Slot
 from edgeproxy._local.prompt import _Prepared
 from edgeproxy._local.request import GenerationRequest
 
-if TYPE_CHECKING:
-    from edgeproxy._local.model import LocalModel
-
 
 class _Generation:
     """One generation running in a worker thread, feeding tokens to the event loop."""
 
-    def __init__(self, model: LocalModel, slot: _Slot, req: GenerationRequest, plan: _Prepared):
-        self.model = model
+    def __init__(self, slot: _Slot, req: GenerationRequest, plan: _Prepared):
         self.slot = slot
         self.req = req
         self.plan = plan

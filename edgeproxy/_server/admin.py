@@ -1,12 +1,14 @@
 """The admin listener's app: health, readiness, status, metrics, the status page, cache purge.
 
-Every handler goes through :class:`~edgeproxy.EdgeProxy`'s public methods.
+Every handler goes through :class:`~edgeproxy.EdgeProxy`'s public methods, those
+:class:`AdminProxy` names.
 """
 
 from __future__ import annotations
 
 import hmac
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 from aiohttp import hdrs, web
@@ -18,9 +20,41 @@ from edgeproxy._observability.statuspage import StatusPage
 from edgeproxy._server.aio import web_error
 
 if TYPE_CHECKING:
-    from edgeproxy._server.app import EdgeProxy
+    from edgeproxy._core.config import Config
+    from edgeproxy._observability.metrics import Metrics
 
-__all__ = ["AdminRunner", "admin_app", "admin_auth", "json_response", "name_answers"]
+__all__ = [
+    "AdminProxy",
+    "AdminRunner",
+    "admin_app",
+    "admin_auth",
+    "json_response",
+    "name_answers",
+]
+
+
+class AdminProxy(Protocol):
+    """What the proxy's admin handlers use of :class:`~edgeproxy.EdgeProxy`: a Protocol,
+    as the proxy's module imports this one to build its admin app."""
+
+    @property
+    def config(self) -> Config: ...
+
+    @property
+    def loader(self) -> Callable[[], Config] | None: ...
+
+    @property
+    def metrics(self) -> Metrics | None: ...
+
+    def readiness(self) -> tuple[bool, dict[str, Any]]: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+    async def purge_cache(
+        self, *, key: str | None = None, prefix: str | None = None, tenant: str | None = None
+    ) -> int: ...
+
+    async def reload_from_loader(self) -> dict[str, Any]: ...
 
 
 def json_response(data: Any, status: int = 200) -> web.Response:
@@ -145,7 +179,7 @@ class AdminRunner(web.AppRunner):
         return server
 
 
-def admin_app(proxy: EdgeProxy, *, token: str | None = None) -> web.Application:
+def admin_app(proxy: AdminProxy, *, token: str | None = None) -> web.Application:
     """The admin listener's application for ``proxy``; ``token``: see :func:`admin_auth`."""
 
     async def healthz(request: web.Request) -> web.Response:

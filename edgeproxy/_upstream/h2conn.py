@@ -29,7 +29,7 @@ import asyncio
 import socket
 import struct
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, Final, cast
+from typing import Any, Final, Protocol, cast
 
 # The protocol engine: jh2, h2's maintained fork with a compiled HPACK and the same API
 # (the GOAWAY-draining state machine and the stream subclass touch its internals, so its
@@ -60,11 +60,9 @@ from edgeproxy._upstream.pool import (
     UpstreamProtocolError,
 )
 
-if TYPE_CHECKING:
-    from edgeproxy._upstream.h2pool import H2Pool
-
 __all__ = [
     "Connection",
+    "ConnectionPool",
     "H2Response",
     "NeverIndexedHeaderTuple",
     "RefusedStream",
@@ -253,10 +251,28 @@ class _H2Connection(h2.connection.H2Connection):
         return
 
 
+class ConnectionPool(Protocol):
+    """What a connection tells its :class:`~edgeproxy._upstream.h2pool.H2Pool` and asks of
+    it: a Protocol, as the pool's module imports this one to open connections."""
+
+    @property
+    def origin(self) -> str: ...
+
+    def stream_budget(self, now: float | None = None) -> int: ...
+
+    def _learn_stream_budget(self, accepted: int) -> None: ...
+
+    def _slot_freed(self, conn: Connection) -> None: ...
+
+    def _capacity_changed(self, conn: Connection) -> None: ...
+
+    def _connection_gone(self, conn: Connection) -> None: ...
+
+
 class Connection(asyncio.Protocol):
     """One HTTP/2 connection: h2 state, its transport and its live streams."""
 
-    def __init__(self, pool: H2Pool, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, pool: ConnectionPool, loop: asyncio.AbstractEventLoop) -> None:
         self.pool = pool
         self.loop = loop
         config = h2.config.H2Configuration(

@@ -7,15 +7,47 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Final
+from typing import Final, Protocol
 
 from edgeproxy._core.types import Body, Headers
 from edgeproxy._upstream.pool import UpstreamError, UpstreamTimeout
 
-if TYPE_CHECKING:
-    from edgeproxy._upstream.h2conn import Connection
+__all__ = ["CANCEL", "H2Response", "Stream", "StreamConnection", "timeout_waiter"]
 
-__all__ = ["CANCEL", "H2Response", "Stream", "timeout_waiter"]
+
+class _FlowWindows(Protocol):
+    def local_flow_control_window(self, stream_id: int) -> int: ...
+
+    @property
+    def max_outbound_frame_size(self) -> int: ...
+
+
+class StreamConnection(Protocol):
+    """What a stream uses of its :class:`~edgeproxy._upstream.h2conn.Connection`: a
+    Protocol, as the connection's module imports this one to open streams."""
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop: ...
+
+    @property
+    def h2(self) -> _FlowWindows: ...
+
+    @property
+    def writable(self) -> bool: ...
+
+    @property
+    def send_blocked(self) -> set[Stream]: ...
+
+    def send_data(self, stream_id: int, data: memoryview, end_stream: bool) -> None: ...
+
+    def flush_soon(self) -> None: ...
+
+    def release(self, stream: Stream) -> None: ...
+
+    def reset(self, stream: Stream, code: int) -> None: ...
+
+    def acknowledge(self, stream_id: int, size: int) -> None: ...
+
 
 # RST_STREAM's CANCEL error code (RFC 9113 §7).
 CANCEL: Final = 0x8
@@ -51,7 +83,7 @@ class Stream:
         "received_length",
     )
 
-    def __init__(self, conn: Connection, stream_id: int, head: bool = False) -> None:
+    def __init__(self, conn: StreamConnection, stream_id: int, head: bool = False) -> None:
         self.conn = conn
         self.id = stream_id
         self.status = 0

@@ -28,17 +28,17 @@ import logging
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
+from edgeproxy._upstream.endpoint import Endpoint, RegionEndpoints
 from edgeproxy._upstream.pool import UpstreamError
 
 if TYPE_CHECKING:
     from edgeproxy._core.config import HealthConfig
-    from edgeproxy._upstream.regions import Endpoint, Region
 
-__all__ = ["Health", "RegionHealth"]
+__all__ = ["Health", "HealthRegion", "RegionHealth"]
 
 logger = logging.getLogger("edgeproxy.health")
 
@@ -59,6 +59,24 @@ class RegionHealth:
     overflows_total: int = 0
 
 
+class HealthRegion(RegionEndpoints, Protocol):
+    """A region as its health policy sees it: a Protocol, as
+    :mod:`edgeproxy._upstream.regions` imports this module to give each region its
+    :class:`RegionHealth`."""
+
+    @property
+    def state(self) -> str: ...
+
+    @property
+    def in_flight(self) -> int: ...
+
+    @property
+    def pending(self) -> int: ...
+
+    @property
+    def health(self) -> RegionHealth: ...
+
+
 class Health:
     """The health policy of a set of regions, and the active checkers' tasks.
 
@@ -70,7 +88,7 @@ class Health:
     def __init__(
         self,
         config: HealthConfig,
-        regions: list[Region],
+        regions: Sequence[HealthRegion],
         *,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -81,7 +99,7 @@ class Health:
 
     # -- what the router asks ----------------------------------------------
 
-    def available(self, region: Region, now: float) -> bool:
+    def available(self, region: HealthRegion, now: float) -> bool:
         """Reachable, not ejected, and not failing its active checks."""
         if region.state == "down":
             return False
@@ -90,7 +108,7 @@ class Health:
             return False
         return health.active_ok is not False
 
-    def overloaded(self, region: Region) -> bool:
+    def overloaded(self, region: HealthRegion) -> bool:
         """The region's circuit breaker is open: too many in flight, or waiting."""
         return (
             region.in_flight >= self.config.max_concurrent
@@ -99,7 +117,7 @@ class Health:
 
     # -- passive outlier detection ---------------------------------------------
 
-    def record(self, region: Region, *, failed: bool, now: float | None = None) -> None:
+    def record(self, region: HealthRegion, *, failed: bool, now: float | None = None) -> None:
         """One request's outcome: a 5xx or a transport failure, or anything else."""
         health = region.health
         if not failed:
@@ -114,7 +132,7 @@ class Health:
             if not (health.ejected and self._still_ejected(region, now)):
                 self._eject(region, now)
 
-    def _still_ejected(self, region: Region, now: float) -> bool:
+    def _still_ejected(self, region: HealthRegion, now: float) -> bool:
         health = region.health
         if now < health.ejected_until:
             return True
@@ -123,7 +141,7 @@ class Health:
         logger.info("region %s is back from ejection", region.name)
         return False
 
-    def _eject(self, region: Region, now: float) -> None:
+    def _eject(self, region: HealthRegion, now: float) -> None:
         health = region.health
         ejected = sum(1 for r in self.regions if r.health.ejected and self._still_ejected(r, now))
         percent = self.config.max_ejection_percent
@@ -170,14 +188,14 @@ class Health:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _check_loop(self, region: Region) -> None:
+    async def _check_loop(self, region: HealthRegion) -> None:
         # Spread the checks so that regions are not all probed in the same instant.
         await asyncio.sleep(random.uniform(0, self.config.interval / 4))
         while True:
             await self.check(region)
             await asyncio.sleep(self.config.interval * random.uniform(0.9, 1.1))
 
-    async def check(self, region: Region) -> bool:
+    async def check(self, region: HealthRegion) -> bool:
         """Run one active check of every endpoint of ``region`` and apply the result."""
         errors = await asyncio.gather(
             *(self._check_endpoint(region, ep) for ep in region.endpoints)
@@ -186,7 +204,7 @@ class Health:
         self._apply_check(region, passed, next((e for e in errors if e is not None), None))
         return passed
 
-    async def _check_endpoint(self, region: Region, endpoint: Endpoint) -> str | None:
+    async def _check_endpoint(self, region: HealthRegion, endpoint: Endpoint) -> str | None:
         headers = [("user-agent", "edgeproxy-health"), *region.credential_headers]
         try:
             async with asyncio.timeout(self.config.timeout):
@@ -215,7 +233,7 @@ class Health:
             error = f"health check answered {resp.status}"
         return error
 
-    def _apply_check(self, region: Region, passed: bool, error: str | None) -> None:
+    def _apply_check(self, region: HealthRegion, passed: bool, error: str | None) -> None:
         health = region.health
         if passed:
             health.active_passes += 1
@@ -239,7 +257,7 @@ class Health:
 
     # -- status ---------------------------------------------------------------
 
-    def snapshot(self, region: Region, now: float) -> dict[str, Any]:
+    def snapshot(self, region: HealthRegion, now: float) -> dict[str, Any]:
         health = region.health
         ejected = health.ejected and self._still_ejected(region, now)
         if not self.config.active:

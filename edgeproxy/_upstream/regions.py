@@ -13,25 +13,22 @@ recently routed to it (:class:`~edgeproxy._upstream.affinity.PrefixIndex`).
 from __future__ import annotations
 
 import asyncio
-import logging
 import math
 import ssl
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Iterator
 from typing import Any
-from urllib.parse import urlsplit
 
 from edgeproxy._core.config import Config, RegionConfig
 from edgeproxy._upstream.affinity import PrefixIndex
+from edgeproxy._upstream.endpoint import Endpoint
 from edgeproxy._upstream.factory import make_pool
 from edgeproxy._upstream.health import Health, RegionHealth
 from edgeproxy._upstream.pool import PoolLimits, UpstreamError, UpstreamPool, split_origin
 from edgeproxy._upstream.reported import LoadScraper, ReportedLoad
 
 __all__ = ["Endpoint", "LatencyWindow", "PeakEwma", "Region", "RegionSet"]
-
-logger = logging.getLogger("edgeproxy.regions")
 
 # How often an endpoint that could not be reached is tried again in the background.
 _REWARM_INTERVAL = 2.0
@@ -106,40 +103,6 @@ class LatencyWindow:
             self._p95 = ordered[min(len(ordered) - 1, math.ceil(0.95 * len(ordered)) - 1)]
             self._fresh = 0
         return self._p95
-
-
-class Endpoint:
-    """One URL of a region, with its own pool and reachability."""
-
-    def __init__(self, region_name: str, url: str, pool: UpstreamPool, host_header: str | None):
-        self.region_name = region_name
-        self.url = url
-        self.pool = pool
-        _, self.base_path = split_origin(url)
-        self.authority = host_header or urlsplit(url).netloc
-        self.state = "unknown"
-        self.last_error: str | None = None
-        self.in_flight = 0
-        self.changed_at = time.monotonic()
-
-    @property
-    def up(self) -> bool:
-        return self.state == "up"
-
-    def mark_up(self) -> None:
-        if self.state != "up":
-            if self.state == "down":
-                logger.info("region %s (%s) is reachable again", self.region_name, self.url)
-            self.state = "up"
-            self.last_error = None
-            self.changed_at = time.monotonic()
-
-    def mark_down(self, reason: str) -> None:
-        self.last_error = reason
-        if self.state != "down":
-            logger.warning("region %s (%s) is unreachable: %s", self.region_name, self.url, reason)
-            self.state = "down"
-            self.changed_at = time.monotonic()
 
 
 class Region:

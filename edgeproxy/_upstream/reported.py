@@ -29,7 +29,7 @@ import asyncio
 import logging
 import random
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from edgeproxy._core.types import Headers
 from edgeproxy._protocol.loadmetrics import (
@@ -40,16 +40,18 @@ from edgeproxy._protocol.loadmetrics import (
     parse_load_header,
     parse_scrape,
 )
+from edgeproxy._upstream.endpoint import Endpoint, RegionEndpoints
 from edgeproxy._upstream.pool import UpstreamError
 
 if TYPE_CHECKING:
-    from edgeproxy._upstream.regions import Endpoint, Region
+    from edgeproxy._core.config import RegionConfig
 
 __all__ = [
     "LOAD_FORMAT_HEADER",
     "LOAD_HEADER",
     "LoadScraper",
     "ReportedLoad",
+    "ScrapedRegion",
     "merge_reports",
     "without_load_header",
 ]
@@ -223,6 +225,18 @@ def merge_reports(reports: Iterable[LoadReport]) -> LoadReport | None:
     return None if merged.empty else merged
 
 
+class ScrapedRegion(RegionEndpoints, Protocol):
+    """A region as the load scraper sees it: a Protocol, as
+    :mod:`edgeproxy._upstream.regions` imports this module to give each region its
+    :class:`ReportedLoad`."""
+
+    @property
+    def config(self) -> RegionConfig: ...
+
+    @property
+    def reported(self) -> ReportedLoad: ...
+
+
 class LoadScraper:
     """Polls the Prometheus endpoint of every region with ``load_reporting = "scrape"``.
 
@@ -233,7 +247,7 @@ class LoadScraper:
 
     def __init__(
         self,
-        regions: Iterable[Region],
+        regions: Iterable[ScrapedRegion],
         *,
         interval: float,
         timeout: float,
@@ -260,12 +274,12 @@ class LoadScraper:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _loop(self, region: Region) -> None:
+    async def _loop(self, region: ScrapedRegion) -> None:
         while True:
             await self.scrape(region)
             await asyncio.sleep(self.interval * random.uniform(0.9, 1.1))
 
-    async def scrape(self, region: Region) -> bool:
+    async def scrape(self, region: ScrapedRegion) -> bool:
         """Scrape every endpoint of ``region`` once and apply the result; True when it gave a
         report."""
         bodies = await asyncio.gather(*(self._fetch(region, e) for e in region.endpoints))
@@ -281,7 +295,7 @@ class LoadScraper:
         oversized = any(s.oversized for s in scrapes)
         return load.observe_scrape(Scrape(merged, skipped, oversized and merged is None), now)
 
-    async def _fetch(self, region: Region, endpoint: Endpoint) -> bytes | None:
+    async def _fetch(self, region: ScrapedRegion, endpoint: Endpoint) -> bytes | None:
         """The body of one endpoint's metrics page, or None (counted) when it failed."""
         path = region.config.metrics_path
         headers = [("user-agent", "edgeproxy-load"), *region.credential_headers]

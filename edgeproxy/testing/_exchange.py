@@ -11,16 +11,13 @@ import asyncio
 import hashlib
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final, Protocol
 
 import orjson
 
 from edgeproxy.testing import _content as content
 from edgeproxy.testing._behavior import Behavior, Fault
 from edgeproxy.testing._hypercorn import StreamHandle
-
-if TYPE_CHECKING:
-    from edgeproxy.testing._app import RegionApp
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -90,12 +87,22 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
     return value
 
 
+class ExchangeRegion(Protocol):
+    """What an exchange uses of its :class:`~edgeproxy.testing._app.RegionApp`: a Protocol, as
+    the app's module imports this one to answer requests."""
+
+    @property
+    def region_header(self) -> tuple[bytes, bytes]: ...
+
+    async def wait_stopping(self) -> None: ...
+
+
 class Exchange:
     """One request/response, with the disconnect and fault plumbing."""
 
     def __init__(
         self,
-        app: RegionApp,
+        app: ExchangeRegion,
         scope: Scope,
         receive: Receive,
         send: Send,

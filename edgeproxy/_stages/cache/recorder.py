@@ -4,17 +4,51 @@ complete."""
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from collections import Counter
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
 from edgeproxy._core.context import RequestContext, UpstreamReply
 from edgeproxy._stages.cache.entry import Entry, stream_complete
-from edgeproxy._stages.cache.flight import Flight
+from edgeproxy._stages.cache.flight import Coalescer, Flight
 from edgeproxy._stages.cache.plan import CachePlan
 
 if TYPE_CHECKING:
-    from edgeproxy._stages.cache.stage import CacheStage
+    from edgeproxy._core.config import CacheConfig
+    from edgeproxy._plugins import Plugins
 
-__all__ = ["CacheRecorder"]
+__all__ = ["CacheRecorder", "RecordingStage"]
+
+
+class _NotCached(Protocol):
+    @property
+    def not_cached(self) -> Counter[str]: ...
+
+
+class RecordingStage(Protocol):
+    """What a recorder uses of :class:`~edgeproxy._stages.cache.stage.CacheStage`: a
+    Protocol, as the stage's module imports this one to hand recorders out."""
+
+    @property
+    def config(self) -> CacheConfig: ...
+
+    @property
+    def clock(self) -> Callable[[], float]: ...
+
+    @property
+    def plugins(self) -> Plugins: ...
+
+    @property
+    def stats(self) -> _NotCached: ...
+
+    @property
+    def coalescer(self) -> Coalescer: ...
+
+    def storable(
+        self, plan: CachePlan, status: int, headers: list[tuple[str, str]]
+    ) -> tuple[tuple[float, float, float] | None, str]: ...
+
+    def store(self, key: str, entry: Entry, flight: Flight | None) -> None: ...
 
 
 class CacheRecorder:
@@ -49,7 +83,7 @@ class CacheRecorder:
     )
 
     def __init__(
-        self, stage: CacheStage, ctx: RequestContext, plan: CachePlan, flight: Flight | None
+        self, stage: RecordingStage, ctx: RequestContext, plan: CachePlan, flight: Flight | None
     ) -> None:
         self.stage = stage
         self.ctx = ctx
