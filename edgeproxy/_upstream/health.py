@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from edgeproxy._upstream.endpoint import Endpoint, RegionEndpoints
 from edgeproxy._upstream.pool import UpstreamError
+from edgeproxy._upstream.regiontasks import RegionTasks
 
 if TYPE_CHECKING:
     from edgeproxy._core.config import HealthConfig
@@ -95,7 +95,11 @@ class Health:
         self.config = config
         self.regions = regions
         self.clock = clock
-        self._tasks: set[asyncio.Task[None]] = set()
+        # The first checks are spread over a quarter interval, so that regions are not
+        # all probed in the same instant.
+        self._checkers: RegionTasks[HealthRegion] = RegionTasks(
+            "health", self.check, config.interval, first_delay=config.interval / 4
+        )
 
     # -- what the router asks ----------------------------------------------
 
@@ -174,26 +178,11 @@ class Health:
 
     def start(self) -> None:
         """Start one active checker per region, when ``[health] active`` is on."""
-        if not self.config.active or self._tasks:
-            return
-        loop = asyncio.get_running_loop()
-        for region in self.regions:
-            task = loop.create_task(self._check_loop(region), name=f"health:{region.name}")
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+        if self.config.active:
+            self._checkers.start(self.regions)
 
     async def close(self) -> None:
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-    async def _check_loop(self, region: HealthRegion) -> None:
-        # Spread the checks so that regions are not all probed in the same instant.
-        await asyncio.sleep(random.uniform(0, self.config.interval / 4))
-        while True:
-            await self.check(region)
-            await asyncio.sleep(self.config.interval * random.uniform(0.9, 1.1))
+        await self._checkers.close()
 
     async def check(self, region: HealthRegion) -> bool:
         """Run one active check of every endpoint of ``region`` and apply the result."""

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -42,6 +41,7 @@ from edgeproxy._protocol.loadmetrics import (
 )
 from edgeproxy._upstream.endpoint import Endpoint, RegionEndpoints
 from edgeproxy._upstream.pool import UpstreamError
+from edgeproxy._upstream.regiontasks import RegionTasks
 
 if TYPE_CHECKING:
     from edgeproxy._core.config import RegionConfig
@@ -257,27 +257,15 @@ class LoadScraper:
         self.interval = interval
         self.timeout = timeout
         self.clock = clock
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._scrapers: RegionTasks[ScrapedRegion] = RegionTasks(
+            "load-scrape", self.scrape, interval
+        )
 
     def start(self) -> None:
-        if self._tasks:
-            return
-        loop = asyncio.get_running_loop()
-        for region in self.regions:
-            task = loop.create_task(self._loop(region), name=f"load-scrape:{region.name}")
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+        self._scrapers.start(self.regions)
 
     async def close(self) -> None:
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-    async def _loop(self, region: ScrapedRegion) -> None:
-        while True:
-            await self.scrape(region)
-            await asyncio.sleep(self.interval * random.uniform(0.9, 1.1))
+        await self._scrapers.close()
 
     async def scrape(self, region: ScrapedRegion) -> bool:
         """Scrape every endpoint of ``region`` once and apply the result; True when it gave a
