@@ -17,10 +17,12 @@ from typing import Any
 import aiohttp
 import pytest
 import trustme
+from aiohttp import web
 
-from edgeproxy import Config, ConfigError
+from edgeproxy import Config, ConfigError, EdgeProxy
+from edgeproxy._server.supervisor import Supervisor
 
-from .conftest import RegionFactory, spawn_serve, write_pair
+from .conftest import RegionFactory, proxy_config, spawn_serve, write_pair
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
@@ -351,3 +353,20 @@ async def test_workers_speak_tls_and_the_supervisors_admin_port_needs_its_token(
             "the requests were not counted",
         )
         assert len(status["workers"]) == 2
+
+
+async def test_the_supervisors_admin_port_has_the_routes_and_token_check_of_a_proxys() -> None:
+    config = Config.from_mapping(
+        proxy_config([{"name": "r1", "url": "http://127.0.0.1:9"}], admin={"token": "t"}),
+        environ={},
+    )
+    proxy = EdgeProxy(config)
+    supervisor = Supervisor(config, lambda: config)
+
+    def routes(app: web.Application) -> list[tuple[str, str]]:
+        return sorted((route.method, route.resource.canonical) for route in app.router.routes())
+
+    ours = supervisor._admin_app("t")
+    assert routes(ours) == routes(proxy.admin_app)
+    assert ("GET", "/metrics") in routes(ours)
+    assert len(ours.middlewares) == len(proxy.admin_app.middlewares) == 1

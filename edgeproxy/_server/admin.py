@@ -1,6 +1,8 @@
 """The admin listener's app: health, readiness, status, metrics, the status page, cache purge.
 
-Every handler goes through :class:`~edgeproxy.EdgeProxy`'s public methods, those
+:func:`build_admin_app` holds the routes and the middleware, for a proxy's handlers
+(:func:`admin_app`) and for the supervisor's, which ask its workers. Every handler of a
+proxy goes through :class:`~edgeproxy.EdgeProxy`'s public methods, those
 :class:`AdminProxy` names.
 """
 
@@ -8,6 +10,7 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
@@ -24,10 +27,12 @@ if TYPE_CHECKING:
     from edgeproxy._observability.metrics import Metrics
 
 __all__ = [
+    "AdminHandlers",
     "AdminProxy",
     "AdminRunner",
     "admin_app",
     "admin_auth",
+    "build_admin_app",
     "json_response",
     "name_answers",
 ]
@@ -179,6 +184,39 @@ class AdminRunner(web.AppRunner):
         return server
 
 
+@dataclass(frozen=True, slots=True)
+class AdminHandlers:
+    """The handlers of the admin routes that differ between a proxy and a supervisor;
+    ``metrics`` None: no ``/metrics`` route."""
+
+    healthz: Handler
+    readyz: Handler
+    status: Handler
+    cache_purge: Handler
+    reload: Handler
+    metrics: Handler | None = None
+
+
+def build_admin_app(
+    handlers: AdminHandlers, *, token: str | None, server_header: str
+) -> web.Application:
+    """An admin application: ``handlers`` on ``/healthz``, ``/readyz``, ``/status``,
+    ``/metrics``, ``POST /cache/purge`` and ``POST /reload``, the status page on ``/``,
+    behind :func:`admin_auth` when ``token`` is set, every answer named ``server_header``
+    (:func:`name_answers`)."""
+    app = web.Application(middlewares=[admin_auth(token)] if token else [])
+    name_answers(app, server_header)
+    app.router.add_get("/healthz", handlers.healthz)
+    app.router.add_get("/readyz", handlers.readyz)
+    app.router.add_get("/status", handlers.status)
+    if handlers.metrics is not None:
+        app.router.add_get("/metrics", handlers.metrics)
+    app.router.add_post("/cache/purge", handlers.cache_purge)
+    app.router.add_post("/reload", handlers.reload)
+    app.router.add_get("/", StatusPage().handle)
+    return app
+
+
 def admin_app(proxy: AdminProxy, *, token: str | None = None) -> web.Application:
     """The admin listener's application for ``proxy``; ``token``: see :func:`admin_auth`."""
 
@@ -224,14 +262,12 @@ def admin_app(proxy: AdminProxy, *, token: str | None = None) -> web.Application
             409, "invalid_request_error", "; ".join(result["errors"]), code="reload_refused"
         )
 
-    app = web.Application(middlewares=[admin_auth(token)] if token else [])
-    name_answers(app, proxy.config.server.server_header)
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/readyz", readyz)
-    app.router.add_get("/status", status)
-    app.router.add_post("/cache/purge", cache_purge)
-    app.router.add_post("/reload", reload)
-    app.router.add_get("/", StatusPage().handle)
-    if proxy.metrics is not None:
-        app.router.add_get("/metrics", proxy.metrics.handle)
-    return app
+    handlers = AdminHandlers(
+        healthz=healthz,
+        readyz=readyz,
+        status=status,
+        cache_purge=cache_purge,
+        reload=reload,
+        metrics=proxy.metrics.handle if proxy.metrics is not None else None,
+    )
+    return build_admin_app(handlers, token=token, server_header=proxy.config.server.server_header)

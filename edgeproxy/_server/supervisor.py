@@ -37,8 +37,7 @@ from prometheus_client.multiprocess import mark_process_dead
 
 from edgeproxy._core.config import Config, ConfigError
 from edgeproxy._observability.multiprocess import multiprocess_dir
-from edgeproxy._observability.statuspage import StatusPage
-from edgeproxy._server.admin import AdminRunner, admin_auth, json_response, name_answers
+from edgeproxy._server.admin import AdminHandlers, AdminRunner, build_admin_app, json_response
 from edgeproxy._server.aio import web_error
 from edgeproxy._server.tls import ListenerTls, check_tls_files
 
@@ -572,16 +571,17 @@ class Supervisor:
                 409, "invalid_request_error", "; ".join(result["errors"]), code="reload_refused"
             )
 
-        app = web.Application(middlewares=[admin_auth(token)] if token else [])
-        name_answers(app, self.config.server.server_header)
-        app.router.add_get("/healthz", healthz)
-        app.router.add_get("/readyz", readyz)
-        app.router.add_get("/status", status)
-        app.router.add_get("/metrics", metrics)
-        app.router.add_post("/cache/purge", purge)
-        app.router.add_post("/reload", reload)
-        app.router.add_get("/", StatusPage().handle)
-        return app
+        handlers = AdminHandlers(
+            healthz=healthz,
+            readyz=readyz,
+            status=status,
+            cache_purge=purge,
+            reload=reload,
+            metrics=metrics,
+        )
+        return build_admin_app(
+            handlers, token=token, server_header=self.config.server.server_header
+        )
 
 
 def _full_type(content_type: str) -> str:
