@@ -28,6 +28,7 @@ from edgeproxy._core.response import Response, StreamResponse
 from edgeproxy._local.model import LocalAnswer
 from edgeproxy._obtain import Obtainer
 from edgeproxy._plugins import PluginError, Plugins, hook_answer
+from edgeproxy._protocol.clientip import client_ip_resolver
 from edgeproxy._protocol.headers import request_id, trace_context
 from edgeproxy._stages.admission import AdmissionStage, Admitted, Overloaded
 from edgeproxy._stages.affinity import AffinityPlan
@@ -60,18 +61,25 @@ def _context(request: Exchange, config: Config) -> RequestContext:
     headers = request.headers
     target = request.target
     method = request.method
+    peer = request.client
+    # The one place the client is resolved: limits, geo, plugins and the access log read it.
+    client_ip, peer_trusted = client_ip_resolver(config.server.trusted_proxies).resolve_peer(
+        peer, headers.getall("x-forwarded-for", ())
+    )
     return start_context(
         request_id(headers.get("x-request-id")),
         trace_context(headers.get("traceparent")),
         method,
         target,
         CIMultiDict(headers),
-        request.client,
+        client_ip,
         time.monotonic(),
         config.route_for(method, target.split("?", 1)[0]),
         request.scheme,
         request.version,
         request.host,
+        peer,
+        peer_trusted,
     )
 
 

@@ -18,12 +18,17 @@ ignore that header:
     Header with an integer priority from -9999 to 9999 (higher first), default
     ``X-Priority``; sets ``ctx.priority``.
 ``trusted_peers``
-    List of addresses or CIDR networks (``["10.0.0.0/8", "::1"]``) of the
-    CDN or gateway that sets these headers. Requests from any other peer have
-    the headers removed and ignored. Default: empty, which trusts nobody (as
-    everywhere in edgeproxy, see :class:`edgeproxy.ClientIPResolver`): the
-    headers are only removed until the peers that set them are listed, so
-    that clients never choose their own tenant and priority.
+    Deprecated: list the CDN or gateway that sets these headers in
+    ``[server] trusted_proxies``, the one list of trusted proxies, instead.
+    Until then this list (``["10.0.0.0/8", "::1"]``) alone decides, as it did,
+    whose headers the plugin believes, and loading it logs a warning.
+
+The headers are believed only from a peer in ``[server] trusted_proxies``
+(``ctx.peer_trusted``, decided once as the request came in). Requests from
+any other peer have the headers removed and ignored. The default list is
+empty, which trusts nobody (as everywhere in edgeproxy): the headers are only
+removed until the peers that set them are listed, so that clients never
+choose their own tenant and priority.
 
 Malformed values are ignored rather than rejected: a CDN header is a hint,
 never a reason to fail a request. A header sent more than once is ambiguous
@@ -33,6 +38,7 @@ goes upstream, so clients cannot use them to talk to the regions.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterable
 from typing import Any
@@ -42,6 +48,8 @@ from aiohttp import web
 from edgeproxy import ClientIPResolver, RequestContext, hookimpl, parse_lat_lon
 
 __all__ = ["GeoTenant", "edgeproxy_plugin", "parse_lat_lon"]
+
+logger = logging.getLogger("edgeproxy.plugins.geo_tenant")
 
 _COUNTRY_RE = re.compile(r"[A-Za-z]{2}")
 _TENANT_RE = re.compile(r"[A-Za-z0-9._:@-]{1,128}")
@@ -57,7 +65,7 @@ class GeoTenant:
         geo_header: str = "X-Client-Geo",
         tenant_header: str = "X-Tenant-Id",
         priority_header: str = "X-Priority",
-        trusted_peers: Iterable[str] = (),
+        trusted_peers: Iterable[str] | None = None,
     ) -> None:
         self.country_header = country_header
         self.geo_header = geo_header
@@ -66,11 +74,14 @@ class GeoTenant:
         self.headers = tuple(
             h for h in (country_header, geo_header, tenant_header, priority_header) if h
         )
-        self.peers = ClientIPResolver(trusted_peers)
+        # The deprecated list of its own, None when [server] trusted_proxies decides.
+        self.peers = None if trusted_peers is None else ClientIPResolver(trusted_peers)
 
-    def trusts(self, client_ip: str | None) -> bool:
-        """Whether headers from the peer ``client_ip`` are believed."""
-        return self.peers.trusts(client_ip)
+    def trusts(self, ctx: RequestContext) -> bool:
+        """Whether the headers of the request's peer are believed."""
+        if self.peers is None:
+            return ctx.peer_trusted
+        return self.peers.trusts(ctx.peer)
 
     @hookimpl
     def edgeproxy_request_received(self, request: web.Request, ctx: RequestContext) -> None:
@@ -82,7 +93,7 @@ class GeoTenant:
                 values[name] = found[0].strip()
             if found:
                 headers.popall(name)
-        if not values or not self.trusts(ctx.client_ip):
+        if not values or not self.trusts(ctx):
             return None
         country = values.get(self.country_header, "")
         if _COUNTRY_RE.fullmatch(country) and country.upper() not in _NOT_COUNTRIES:
@@ -108,11 +119,19 @@ def edgeproxy_plugin(settings: dict[str, Any]) -> GeoTenant:
     for name in names & set(settings):
         if not isinstance(settings[name], str):
             raise ValueError(f'{name} must be a header name (or "" to ignore that header)')
-    peers = settings.get("trusted_peers", [])
+    headers = {k: v for k, v in settings.items() if k in names}
+    if "trusted_peers" not in settings:
+        return GeoTenant(**headers)
+    peers = settings["trusted_peers"]
     if isinstance(peers, str) or not isinstance(peers, list | tuple):
         raise ValueError("trusted_peers must be a list of addresses or CIDR networks")
-    headers = {k: v for k, v in settings.items() if k in names}
     try:
-        return GeoTenant(**headers, trusted_peers=list(peers))
+        plugin = GeoTenant(**headers, trusted_peers=list(peers))
     except ValueError as exc:  # only the peers can be wrong by now
         raise ValueError(f"trusted_peers: {exc}") from None
+    logger.warning(
+        "geo_tenant: trusted_peers is deprecated: list those peers in server.trusted_proxies, "
+        "the one list of trusted proxies; until then trusted_peers alone decides whose "
+        "headers geo_tenant believes"
+    )
+    return plugin

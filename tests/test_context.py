@@ -25,6 +25,8 @@ def test_start_context_sets_every_field_as_the_dataclass_does() -> None:
         "scheme": "https",
         "http_version": "1.0",
         "host": "edge.example",
+        "peer": "10.0.0.2",
+        "peer_trusted": True,
     }
     fast = start_context(**args)
     slow = RequestContext(**args)  # type: ignore[arg-type]

@@ -14,6 +14,7 @@ from multidict import CIMultiDict
 
 from edgeproxy import Config, ConfigError
 from edgeproxy._core.context import RequestContext
+from edgeproxy._protocol.clientip import client_ip_resolver
 from edgeproxy._protocol.headers import trace_context
 from edgeproxy._stages.geo import GeoResolver, Residency, parse_lat_lon
 
@@ -33,17 +34,27 @@ def config(regions: list[dict[str, Any]] | None = None, **sections: Any) -> Any:
     return Config.from_mapping(proxy_config(regions, **sections), environ={})
 
 
-def context(headers: dict[str, str] | None = None, client_ip: str = "127.0.0.1") -> RequestContext:
-    cfg = config()
+def context(
+    headers: dict[str, str] | None = None, peer: str = "127.0.0.1", cfg: Config | None = None
+) -> RequestContext:
+    """A request from ``peer`` as the pipeline hands it on: its client resolved at entry
+    from ``cfg``'s [server] trusted_proxies."""
+    cfg = cfg or config()
+    fields = CIMultiDict(headers or {})
+    client_ip, trusted = client_ip_resolver(cfg.server.trusted_proxies).resolve_peer(
+        peer, fields.getall("x-forwarded-for", ())
+    )
     return RequestContext(
         request_id="r",
         trace=trace_context(None),
         method="POST",
         target=CHAT,
-        headers=CIMultiDict(headers or {}),
+        headers=fields,
         client_ip=client_ip,
         started=time.monotonic(),
         route=cfg.route_for("POST", CHAT),
+        peer=peer,
+        peer_trusted=trusted,
     )
 
 
@@ -58,20 +69,22 @@ def test_parse_lat_lon() -> None:
 
 
 def test_headers_give_country_and_location() -> None:
-    geo = GeoResolver(config(geo={"trusted_peers": LOCAL_PEERS}).geo)
-    assert geo.locate(context({"CF-IPCountry": "de", "X-Client-Geo": "52.5,13.4"})) == (
+    cfg = config(server={"trusted_proxies": LOCAL_PEERS})
+    geo = GeoResolver(cfg.geo)
+    assert geo.locate(context({"CF-IPCountry": "de", "X-Client-Geo": "52.5,13.4"}, cfg=cfg)) == (
         "DE",
         (52.5, 13.4),
     )
     # Unknown, Tor, malformed and repeated values are hints to ignore, not errors.
-    assert geo.locate(context({"CF-IPCountry": "XX"})) == (None, None)
-    assert geo.locate(context({"CF-IPCountry": "T1", "X-Client-Geo": "north"})) == (None, None)
-    repeated = context()
+    assert geo.locate(context({"CF-IPCountry": "XX"}, cfg=cfg)) == (None, None)
+    malformed = {"CF-IPCountry": "T1", "X-Client-Geo": "north"}
+    assert geo.locate(context(malformed, cfg=cfg)) == (None, None)
+    repeated = context(cfg=cfg)
     repeated.headers.add("CF-IPCountry", "DE")
     repeated.headers.add("CF-IPCountry", "FR")
     assert geo.locate(repeated) == (None, None)
     # What a plugin already set wins.
-    ctx = context({"CF-IPCountry": "DE"})
+    ctx = context({"CF-IPCountry": "DE"}, cfg=cfg)
     ctx.client_country = "JP"
     assert geo.locate(ctx) == ("JP", None)
     assert ctx.client_geo is None  # the resolver never writes into ctx
@@ -81,23 +94,19 @@ def test_geo_headers_are_believed_from_no_peer_by_default() -> None:
     geo = GeoResolver(config().geo)
     headers = {"CF-IPCountry": "de", "X-Client-Geo": "52.5,13.4"}
     assert geo.locate(context(headers)) == (None, None)
-    assert geo.locate(context(headers, client_ip="10.1.2.3")) == (None, None)
+    assert geo.locate(context(headers, peer="10.1.2.3")) == (None, None)
 
 
-def test_configured_headers_and_trusted_peers() -> None:
-    geo = GeoResolver(
-        config(
-            geo={
-                "country_headers": ["X-Country", "CF-IPCountry"],
-                "geo_header": "",
-                "trusted_peers": ["10.0.0.0/8"],
-            }
-        ).geo
+def test_configured_headers_and_trusted_proxies() -> None:
+    cfg = config(
+        server={"trusted_proxies": ["10.0.0.0/8"]},
+        geo={"country_headers": ["X-Country", "CF-IPCountry"], "geo_header": ""},
     )
+    geo = GeoResolver(cfg.geo)
     headers = {"X-Country": "fr", "CF-IPCountry": "DE", "X-Client-Geo": "1,2"}
-    assert geo.locate(context(headers, client_ip="10.1.2.3")) == ("FR", None)
-    assert geo.locate(context(headers, client_ip="::ffff:10.1.2.3")) == ("FR", None)
-    assert geo.locate(context(headers, client_ip="192.0.2.1")) == (None, None)
+    assert geo.locate(context(headers, peer="10.1.2.3", cfg=cfg)) == ("FR", None)
+    assert geo.locate(context(headers, peer="::ffff:10.1.2.3", cfg=cfg)) == ("FR", None)
+    assert geo.locate(context(headers, peer="192.0.2.1", cfg=cfg)) == (None, None)
 
 
 def _mmdb(path: Path, networks: dict[str, dict[str, Any]]) -> None:
@@ -179,24 +188,25 @@ def test_maxmind_lookup_for_clients_without_headers(tmp_path: Path) -> None:
             "2.0.0.0/8": {"registered_country": {"iso_code": "FR"}},
         },
     )
-    geo = GeoResolver(config(geo={"maxmind_db": str(db), "trusted_peers": ["10.0.0.0/8"]}).geo)
+    cfg = config(server={"trusted_proxies": ["10.0.0.0/8"]}, geo={"maxmind_db": str(db)})
+    geo = GeoResolver(cfg.geo)
     assert geo.has_database
     try:
-        assert geo.locate(context(client_ip="81.2.69.160")) == ("GB", (51.5, -0.12))
-        assert geo.locate(context(client_ip="2.3.4.5")) == ("FR", None)
-        assert geo.locate(context(client_ip="::ffff:2.3.4.5")) == ("FR", None)
-        assert geo.locate(context(client_ip="192.0.2.1")) == (None, None)
-        assert geo.locate(context(client_ip="::1")) == (None, None)  # not in an IPv4 database
+        assert geo.locate(context(peer="81.2.69.160", cfg=cfg)) == ("GB", (51.5, -0.12))
+        assert geo.locate(context(peer="2.3.4.5", cfg=cfg)) == ("FR", None)
+        assert geo.locate(context(peer="::ffff:2.3.4.5", cfg=cfg)) == ("FR", None)
+        assert geo.locate(context(peer="192.0.2.1", cfg=cfg)) == (None, None)
+        assert geo.locate(context(peer="::1", cfg=cfg)) == (None, None)  # not in an IPv4 database
         # Behind a trusted peer: its headers come first, and the database looks up
         # the client it forwarded, filling in what the headers leave unknown.
         forwarded = {"CF-IPCountry": "IE", "X-Forwarded-For": "81.2.69.1"}
-        assert geo.locate(context(forwarded, client_ip="10.0.0.1")) == ("IE", (51.5, -0.12))
-        assert geo.locate(context({"X-Forwarded-For": "2.3.4.5"}, client_ip="10.0.0.1")) == (
+        assert geo.locate(context(forwarded, peer="10.0.0.1", cfg=cfg)) == ("IE", (51.5, -0.12))
+        assert geo.locate(context({"X-Forwarded-For": "2.3.4.5"}, peer="10.0.0.1", cfg=cfg)) == (
             "FR",
             None,
         )
         # From any other peer: headers ignored, the peer itself looked up.
-        assert geo.locate(context(forwarded, client_ip="2.3.4.5")) == ("FR", None)
+        assert geo.locate(context(forwarded, peer="2.3.4.5", cfg=cfg)) == ("FR", None)
     finally:
         geo.close()
 
@@ -207,9 +217,10 @@ def test_missing_or_corrupt_maxmind_database_is_a_warning(
     bad = tmp_path / "bad.mmdb"
     bad.write_bytes(b"not a database")
     for path in (tmp_path / "missing.mmdb", bad):
-        geo = GeoResolver(config(geo={"maxmind_db": str(path), "trusted_peers": LOCAL_PEERS}).geo)
+        cfg = config(server={"trusted_proxies": LOCAL_PEERS}, geo={"maxmind_db": str(path)})
+        geo = GeoResolver(cfg.geo)
         assert not geo.has_database
-        assert geo.locate(context({"CF-IPCountry": "DE"})) == ("DE", None)
+        assert geo.locate(context({"CF-IPCountry": "DE"}, cfg=cfg)) == ("DE", None)
     assert any("maxmind" in r.getMessage() for r in caplog.records)
 
 
@@ -350,7 +361,7 @@ def test_unknown_names_in_residency_rules_are_config_errors() -> None:
         "geo: residency.DE: lists no jurisdiction or region"
     ]
     assert errors_of(regions, geo={"trusted_peers": ["10.0.0.0/33"]}) == [
-        "geo.trusted_peers: '10.0.0.0/33' is not an address or network"
+        "geo.trusted_peers: '10.0.0.0/33' is not an IP address or CIDR network"
     ]
 
 

@@ -1,9 +1,12 @@
 """Who the client is: the peer, or, behind trusted proxies, the address they saw.
 
-One resolver serves everything that needs the client's address or must
-decide whether to believe what a peer says about it: the per-IP rate limits
-(``[admission] trusted_proxies``), client geo (``[geo] trusted_peers``) and
-plugins such as ``geo_tenant`` (their own ``trusted_peers``).
+The pipeline resolves each request's client once, as it enters, from the
+one list ``[server] trusted_proxies`` (:func:`client_ip_resolver`), into
+``ctx.client_ip``, with ``ctx.peer`` the connection's own address and
+``ctx.peer_trusted`` whether it is a trusted proxy. Everything that needs the
+client's address or must decide whether to believe what a peer says about it
+reads those: the per-IP rate limits, client geo, the access log and plugins
+such as ``geo_tenant``.
 
 The default is to trust nobody: with no trusted networks configured the peer
 is the client, and nothing it says about other addresses (``X-Forwarded-For``,
@@ -13,11 +16,12 @@ through a CDN or a load balancer lists their networks to be told more.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Final
 
-__all__ = ["ClientIPResolver"]
+__all__ = ["ClientIPResolver", "client_ip_resolver"]
 
 _Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 _Network = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -66,10 +70,10 @@ class ClientIPResolver:
 
     def trusts(self, peer: str | None) -> bool:
         """Whether ``peer`` is a trusted proxy, whose headers about the client are believed."""
-        if not self.networks:
+        if not self.networks or not peer:
             return False
-        address = parse_address(peer)
-        return address is not None and self._trusted(address)
+        known = _peer(peer)
+        return known is not None and self._trusted(known[0])
 
     def resolve(self, peer: str | None, forwarded_for: Iterable[str] = ()) -> str | None:
         """The client's address; None when the peer is unknown.
@@ -85,13 +89,21 @@ class ClientIPResolver:
         A peer that is not an IP address (a Unix socket) comes back as it is,
         never trusted.
         """
+        return self.resolve_peer(peer, forwarded_for)[0]
+
+    def resolve_peer(
+        self, peer: str | None, forwarded_for: Iterable[str] = ()
+    ) -> tuple[str | None, bool]:
+        """:meth:`resolve`'s address, and whether ``peer`` is trusted (:meth:`trusts`), at the
+        cost of one look at the peer: what the pipeline asks of every request."""
         if not peer:
-            return None
-        address = parse_address(peer)
-        if address is None:
-            return peer
+            return None, False
+        known = _peer(peer)
+        if known is None:
+            return peer, False
+        address, text = known
         if not self.networks or not self._trusted(address):
-            return str(address)
+            return text, False
         current = address
         for hop in _hops(forwarded_for):
             parsed = _parse_hop(hop)
@@ -100,7 +112,31 @@ class ClientIPResolver:
             current = parsed
             if not self._trusted(parsed):
                 break
-        return str(current)
+        return (text if current is address else str(current)), True
+
+
+_NOBODY: Final = ClientIPResolver()
+
+
+def client_ip_resolver(trusted: Sequence[str]) -> ClientIPResolver:
+    """The resolver of ``trusted`` (``[server] trusted_proxies``, already checked), parsed
+    once per list however many requests ask for it."""
+    return _resolver(tuple(trusted)) if trusted else _NOBODY
+
+
+# A few lists at most: one per config loaded (a reload brings a new one).
+@functools.lru_cache(maxsize=16)
+def _resolver(trusted: tuple[str, ...]) -> ClientIPResolver:
+    return ClientIPResolver(trusted)
+
+
+# Peers are the addresses of connections, so they repeat: parsing one costs more than
+# looking it up. Hops of X-Forwarded-For, which a client writes, never come here.
+@functools.lru_cache(maxsize=4096)
+def _peer(peer: str) -> tuple[_Address, str] | None:
+    """``peer`` parsed and written back normalized; None if it is not an IP address."""
+    address = parse_address(peer)
+    return None if address is None else (address, str(address))
 
 
 def parse_address(value: str | None) -> _Address | None:

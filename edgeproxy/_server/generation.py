@@ -47,6 +47,9 @@ RESTART_SECTIONS: dict[str, str] = {
     "tracing": "tracing is set up at start; a change needs a restart",
     "access_log": "the access log is opened at start; a change needs a restart",
 }
+# Keys of those sections that each request reads from its generation's config: they
+# reload in place. trusted_proxies took over [admission] and [geo] keys that always did.
+_RELOADED_KEYS: frozenset[tuple[str, str]] = frozenset({("server", "trusted_proxies")})
 
 
 def restart_errors(old: Config, new: Config) -> list[str]:
@@ -56,7 +59,7 @@ def restart_errors(old: Config, new: Config) -> list[str]:
         before: dict[str, Any] = getattr(old, section).model_dump()
         after: dict[str, Any] = getattr(new, section).model_dump()
         for key in sorted(before.keys() | after.keys()):
-            if before.get(key) != after.get(key):
+            if before.get(key) != after.get(key) and (section, key) not in _RELOADED_KEYS:
                 errors.append(f"{section}.{key}: {reason}")
     return errors
 

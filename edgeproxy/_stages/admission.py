@@ -204,8 +204,7 @@ class AdmissionStage:
             if body is not None:
                 estimate = estimate_prompt_tokens(body)
         key_value = ctx.headers.get(self.config.key_header) if self.config.key_header else None
-        forwarded = ctx.headers.getall("x-forwarded-for", ())
-        ip = rate.clients.resolve(ctx.client_ip, forwarded) or "unknown"
+        ip = ctx.client_ip or "unknown"
         key, ip_id = rate.identities(ctx.tenant, key_value, ip)
         charges = rate.charges(key, ip_id, estimate)
         if not charges:

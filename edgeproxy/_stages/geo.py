@@ -6,10 +6,11 @@ headers a CDN adds (``CF-IPCountry``, ``X-Client-Geo: lat,lon``), and last
 from a MaxMind GeoLite2/GeoIP2 database when ``[geo] maxmind_db`` names one
 and the ``maxminddb`` package is installed.
 
-The headers are believed only from the peers ``[geo] trusted_peers`` lists;
-empty (the default) trusts nobody. The database looks up the client's
-address: the peer, or behind trusted peers the address they forwarded
-(``X-Forwarded-For``).
+The headers are believed only from the peers ``[server] trusted_proxies``
+lists (``ctx.peer_trusted``); empty (the default) trusts nobody. The database
+looks up the client's address, ``ctx.client_ip``: the peer, or behind trusted
+proxies the address they forwarded (``X-Forwarded-For``), as the pipeline
+resolved it when the request came in.
 
 Residency rules map a client's country to the jurisdictions (or tags, or
 region names) allowed to serve it. A request under a rule never leaves the
@@ -28,7 +29,6 @@ from typing import TYPE_CHECKING, Any
 
 from edgeproxy._core.config import BUILTIN_GROUPS
 from edgeproxy._core.errors import ProxyError
-from edgeproxy._protocol.clientip import ClientIPResolver
 
 if TYPE_CHECKING:
     from edgeproxy._core.config import GeoConfig, RegionConfig
@@ -76,7 +76,6 @@ class GeoResolver:
     def __init__(self, config: GeoConfig) -> None:
         self.country_headers = tuple(h for h in config.country_headers if h)
         self.geo_header = config.geo_header
-        self.clients = ClientIPResolver(config.trusted_peers)
         self._reader: Any = None
         if config.maxmind_db:
             self._reader = _open_maxmind(config.maxmind_db)
@@ -95,7 +94,7 @@ class GeoResolver:
         country, geo = ctx.client_country, ctx.client_geo
         if country is not None and geo is not None:
             return country, geo
-        if self.clients.trusts(ctx.client_ip):
+        if ctx.peer_trusted:
             headers = ctx.headers
             if country is None:
                 for name in self.country_headers:
@@ -107,7 +106,7 @@ class GeoResolver:
                 if len(found) == 1:
                     geo = parse_lat_lon(found[0])
         if self._reader is not None and (country is None or geo is None):
-            client = self.clients.resolve(ctx.client_ip, ctx.headers.getall("x-forwarded-for", ()))
+            client = ctx.client_ip
             if client:
                 found_country, found_geo = self._lookup(client)
                 country = country or found_country

@@ -42,7 +42,6 @@ from redis.crc import key_slot
 
 from edgeproxy._core.config import AdmissionConfig, RedisSettings
 from edgeproxy._core.errors import ProxyError
-from edgeproxy._protocol.clientip import ClientIPResolver
 from edgeproxy._stages.redisclient import make_client, ready
 
 __all__ = ["Charge", "Limit", "LocalBuckets", "RateLimiter", "RateTicket"]
@@ -290,8 +289,6 @@ class RateLimiter:
         self.counts_tokens = any(
             lim.unit == "tokens" for lim in (*self.key_limits, *self.ip_limits)
         )
-        # Whose X-Forwarded-For is believed when finding the client IP: nobody by default.
-        self.clients = ClientIPResolver(config.trusted_proxies)
         self.local = LocalBuckets(config.max_local_buckets)
         self.redis: RedisBuckets | None = None
         self.redis_up = False

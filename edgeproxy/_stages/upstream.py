@@ -74,8 +74,9 @@ class UpstreamStage:
             out.append(("content-length", str(request.content_length)))
         headers = ctx.headers
         xff = headers.get("x-forwarded-for")
-        if ctx.client_ip:
-            xff = append_forwarded_for(xff, ctx.client_ip)
+        # The hop this proxy saw, not the client resolved behind it: the chain stays whole.
+        if ctx.peer:
+            xff = append_forwarded_for(xff, ctx.peer)
         if xff:
             out.append(("x-forwarded-for", xff))
         out.append(("x-forwarded-proto", ctx.scheme))

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import ipaddress
-
 from pydantic import Field, ValidationInfo, field_validator
 
 from edgeproxy._core.config.base import Section
-from edgeproxy._core.config.checks import check_header_name, check_redis_url
+from edgeproxy._core.config.checks import check_header_name, check_networks, check_redis_url
 from edgeproxy._core.config.redis import (
     RedisCluster,
     RedisPassword,
@@ -108,8 +106,12 @@ class AdmissionConfig(Section):
     )
     trusted_proxies: list[str] = Field(
         default_factory=list,
-        description="Networks (CIDR) of proxies in front of this one: X-Forwarded-For is "
-        "believed only from them when finding the client IP.",
+        # Out of dumps: what it said is in server.trusted_proxies once loaded, and a dump
+        # validated again (a worker's config) must not warn of it again.
+        exclude=True,
+        description="Deprecated: set server.trusted_proxies, which this feeds (they must "
+        "agree when both are set). Networks (CIDR) of proxies in front of this one: "
+        "X-Forwarded-For is believed only from them when finding the client IP.",
     )
     redis_url: str = Field(
         "",
@@ -159,12 +161,7 @@ class AdmissionConfig(Section):
     @field_validator("trusted_proxies")
     @classmethod
     def _check_networks(cls, value: list[str]) -> list[str]:
-        for entry in value:
-            try:
-                ipaddress.ip_network(entry, strict=False)
-            except ValueError:
-                raise ValueError(f"{entry!r} is not an IP address or CIDR network") from None
-        return value
+        return check_networks(value)
 
     @field_validator("redis_url")
     @classmethod

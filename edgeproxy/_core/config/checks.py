@@ -1,11 +1,12 @@
-"""Field checks shared by several sections: header names and Redis URLs."""
+"""Field checks shared by several sections: header names, networks and Redis URLs."""
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from urllib.parse import parse_qs, urlsplit
 
-__all__ = ["REDIS_SCHEMES", "check_header_name", "check_redis_url"]
+__all__ = ["REDIS_SCHEMES", "check_header_name", "check_networks", "check_redis_url"]
 
 # RFC 9110 field-name token.
 _HEADER_NAME_RE = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
@@ -18,6 +19,16 @@ def check_header_name(value: str) -> str:
     """``value`` if it is an HTTP header name or ``''`` (turned off); else ``ValueError``."""
     if value and not _HEADER_NAME_RE.fullmatch(value):
         raise ValueError("must be an HTTP header name, or '' to turn it off")
+    return value
+
+
+def check_networks(value: list[str]) -> list[str]:
+    """``value`` if every entry is an IP address or CIDR network; else ``ValueError``."""
+    for entry in value:
+        try:
+            ipaddress.ip_network(entry, strict=False)
+        except ValueError:
+            raise ValueError(f"{entry!r} is not an IP address or CIDR network") from None
     return value
 
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import ipaddress
 from typing import Final
 
 from pydantic import Field, field_validator, model_validator
 
 from edgeproxy._core.config.base import Section
+from edgeproxy._core.config.checks import check_networks
 
 __all__ = ["BUILTIN_GROUPS", "GeoConfig"]
 
@@ -33,9 +33,12 @@ class GeoConfig(Section):
     )
     trusted_peers: list[str] = Field(
         default_factory=list,
-        description="Addresses or CIDR networks of the peers (proxies, CDNs) whose geo headers "
-        "are believed; empty believes no peer, like [admission] trusted_proxies. List "
-        "'0.0.0.0/0' and '::/0' to believe every peer.",
+        # Out of dumps, as admission.trusted_proxies: server.trusted_proxies holds it.
+        exclude=True,
+        description="Deprecated: set server.trusted_proxies, which this feeds (they must "
+        "agree when both are set). Addresses or CIDR networks of the peers (proxies, CDNs) "
+        "whose geo headers are believed; empty believes no peer. List '0.0.0.0/0' and '::/0' "
+        "to believe every peer.",
     )
     maxmind_db: str | None = Field(
         None,
@@ -56,12 +59,7 @@ class GeoConfig(Section):
     @field_validator("trusted_peers")
     @classmethod
     def _check_peers(cls, value: list[str]) -> list[str]:
-        for peer in value:
-            try:
-                ipaddress.ip_network(peer, strict=False)
-            except ValueError:
-                raise ValueError(f"{peer!r} is not an address or network") from None
-        return value
+        return check_networks(value)
 
     @field_validator("country_groups")
     @classmethod

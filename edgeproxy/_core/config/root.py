@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import ipaddress
+import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Final, Self
 
 from pydantic import Field, PrivateAttr, ValidationError, model_validator
 
@@ -26,6 +28,11 @@ from edgeproxy._core.config.sharedload import SharedLoadConfig
 from edgeproxy._core.config.upstream import RegionConfig, UpstreamConfig
 
 __all__ = ["Config"]
+
+logger = logging.getLogger("edgeproxy.config")
+
+# Keys that once held trust lists of their own: now they feed server.trusted_proxies.
+_TRUST_ALIASES: Final = (("admission", "trusted_proxies"), ("geo", "trusted_peers"))
 
 
 class Config(Section):
@@ -151,6 +158,35 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
+    def _one_trust_list(self) -> Config:
+        given: list[tuple[str, list[str]]] = []
+        if "trusted_proxies" in self.server.model_fields_set:
+            given.append(("server.trusted_proxies", self.server.trusted_proxies))
+        for section, key in _TRUST_ALIASES:
+            if key in getattr(self, section).model_fields_set:
+                given.append((f"{section}.{key}", getattr(getattr(self, section), key)))
+                logger.warning(
+                    "%s.%s is deprecated: it feeds server.trusted_proxies, the one list of "
+                    "trusted proxies; set that key instead",
+                    section,
+                    key,
+                )
+        if not given:
+            return self
+        first_key, first = given[0]
+        for key, value in given[1:]:
+            # A union would trust a proxy for what the operator listed it for nowhere.
+            if _networks(value) != _networks(first):
+                raise ValueError(
+                    f"{key}: differs from {first_key}; both mean server.trusted_proxies, "
+                    "the one list of trusted proxies: set that key alone"
+                )
+        if first_key != "server.trusted_proxies":
+            server = self.server.model_copy(update={"trusted_proxies": list(first)})
+            self.__dict__["server"] = server
+        return self
+
+    @model_validator(mode="after")
     def _check_residency(self) -> Config:
         known = {r.name for r in self.regions}
         for region in self.regions:
@@ -198,3 +234,7 @@ class Config(Section):
             if region.name == name:
                 return region
         raise KeyError(name)
+
+
+def _networks(entries: list[str]) -> frozenset[ipaddress.IPv4Network | ipaddress.IPv6Network]:
+    return frozenset(ipaddress.ip_network(entry.strip(), strict=False) for entry in entries)

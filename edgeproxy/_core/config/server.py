@@ -10,6 +10,7 @@ from typing import Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from edgeproxy._core.config.base import Section
+from edgeproxy._core.config.checks import check_networks
 
 __all__ = ["AdminConfig", "LimitsConfig", "PopConfig", "ServerConfig"]
 
@@ -42,6 +43,15 @@ class ServerConfig(Section):
     via_name: str = Field(
         "",
         description="Pseudonym used in the Via header; empty means the PoP name.",
+    )
+    trusted_proxies: list[str] = Field(
+        default_factory=list,
+        description="Addresses or CIDR networks of the proxies, load balancers and CDNs in "
+        "front of this one (like uvicorn's forwarded_allow_ips): from them X-Forwarded-For is "
+        "believed (its rightmost address outside them is the client), and so are the geo "
+        "headers of [geo] and of plugins; empty believes no peer. The client IP is found "
+        "once, at entry, for the rate limits, geo, plugins (ctx.client_ip) and the access log. "
+        "Replaces [admission] trusted_proxies and [geo] trusted_peers. Reloaded in place.",
     )
     server_header: str = Field(
         "edgeproxy",
@@ -120,6 +130,11 @@ class ServerConfig(Section):
     @classmethod
     def _check_tls_key(cls, value: str | None, info: ValidationInfo) -> str | None:
         return _check_key(value, info)
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _check_trusted_proxies(cls, value: list[str]) -> list[str]:
+        return check_networks(value)
 
     @field_validator("server_header")
     @classmethod
