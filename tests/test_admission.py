@@ -17,7 +17,7 @@ import pytest
 from aiohttp import web
 from multidict import CIMultiDict
 
-from edgeproxy import EdgeProxy, Response, hookimpl
+from edgeproxy import EdgeProxy, Exchange, Response, hookimpl
 from edgeproxy._stages.admission import AdmissionStage
 
 from .conftest import ProxyFactory, eventually
@@ -291,6 +291,108 @@ async def test_client_leaving_the_queue_frees_its_place(
         assert (await stayer)[0] == 200
     assert "leaver" not in upstream.served
     await eventually(lambda: stage.in_flight == 0)
+
+
+# The aiohttp listener, and the HTTP/2 listener's HTTP/1.1 side.
+LISTENERS: dict[str, dict[str, Any]] = {"aiohttp": {}, "http2": {"http2": True, "h2c": True}}
+
+
+async def raw_get(proxy: EdgeProxy, name: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A raw HTTP/1.1 connection that has sent ``GET /gate/<name>``."""
+    host, port = proxy.url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(f"GET /gate/{name} HTTP/1.1\r\nHost: proxy.test\r\n\r\n".encode())
+    await writer.drain()
+    return reader, writer
+
+
+async def after_fin(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bytes:
+    """Half-close (shutdown(SHUT_WR)), then all the proxy sends up to its own close."""
+    writer.write_eof()
+    try:
+        return await asyncio.wait_for(reader.read(), 10.0)
+    finally:
+        writer.close()
+
+
+def half_closed(request: Exchange) -> bool:
+    """Whether the listener has seen the client's FIN (its private state, either listener)."""
+    native = request.native
+    if isinstance(native, web.Request):
+        return bool(getattr(native.protocol, "_half_closed", False))
+    assert isinstance(native, dict)
+    connection = getattr(native["extensions"]["edgeproxy.queued"], "__self__", None)
+    return bool(getattr(connection, "_half_closed", False))
+
+
+class QueueAfterTheFin:
+    """Holds ``/gate/late`` until its client's FIN reached the listener, then lets it queue."""
+
+    @hookimpl
+    async def edgeproxy_request_received(self, request: Exchange, ctx: Any) -> None:
+        if ctx.path.endswith("/late"):
+            await eventually(lambda: half_closed(request))
+
+
+@pytest.mark.parametrize("server", LISTENERS.values(), ids=LISTENERS.keys())
+async def test_a_half_closed_client_gives_up_its_queue_place_not_its_slot(
+    upstream: GatedUpstream, make_proxy: ProxyFactory, server: dict[str, Any]
+) -> None:
+    # half_close = "answer" (the default), and a long keep-alive timeout: every close here is
+    # the FIN's.
+    proxy = await make_proxy(
+        region(upstream),
+        admission={"max_in_flight": 1, "max_queue": 2, "max_queue_time": 30},
+        server=server,
+        limits={"keepalive_timeout": 60.0},
+        plugins=[QueueAfterTheFin()],
+    )
+    stage = admission(proxy)
+    # Holding the slot when its FIN comes: still answered.
+    blocker = await raw_get(proxy, "block")
+    await eventually(lambda: stage.in_flight == 1)
+    blocker_answer = asyncio.create_task(after_fin(*blocker))
+    # Waiting in the queue when its FIN comes (a client that closed looks the same): its
+    # place goes, and nothing is answered.
+    assert await after_fin(*await raw_get(proxy, "waiter")) == b""
+    await eventually(lambda: stage.waiting == 0)
+    # Its FIN came before it queued: it does not queue for long either.
+    assert await after_fin(*await raw_get(proxy, "late")) == b""
+    await eventually(lambda: stage.waiting == 0 and stage.queued_total == 2)
+    upstream.gate.set()
+    answer = await blocker_answer
+    assert answer.startswith(b"HTTP/1.1 200 ") and answer.endswith(b'{"name": "block"}'), answer
+    async with aiohttp.ClientSession() as client:
+        assert (await fetch(client, proxy, "next"))[0] == 200
+    assert upstream.served == ["block", "next"]
+    await eventually(lambda: stage.in_flight == 0 and proxy.guard.open == 0)
+
+
+@pytest.mark.parametrize("server", LISTENERS.values(), ids=LISTENERS.keys())
+async def test_with_half_close_abort_a_half_closed_client_gives_up_its_slot(
+    upstream: GatedUpstream, make_proxy: ProxyFactory, server: dict[str, Any]
+) -> None:
+    proxy = await make_proxy(
+        region(upstream),
+        admission={"max_in_flight": 1, "max_queue": 2, "max_queue_time": 30},
+        server=server,
+        limits={"half_close": "abort", "keepalive_timeout": 60.0},
+    )
+    stage = admission(proxy)
+    # Its FIN is its leaving: its upstream request is cancelled, its slot freed.
+    blocker = await raw_get(proxy, "block")
+    await eventually(lambda: stage.in_flight == 1)
+    waiter = await raw_get(proxy, "block-2")
+    await eventually(lambda: stage.waiting == 1)
+    assert await after_fin(*blocker) == b""
+    # The waiter gets the slot; its FIN in turn frees it.
+    await eventually(lambda: stage.in_flight == 1 and stage.waiting == 0)
+    assert await after_fin(*waiter) == b""
+    await eventually(lambda: stage.in_flight == 0)
+    upstream.gate.set()
+    async with aiohttp.ClientSession() as client:
+        assert (await fetch(client, proxy, "next"))[0] == 200
+    await eventually(lambda: proxy.guard.open == 0)
 
 
 async def test_priority_from_a_plugin_wins_over_the_header(

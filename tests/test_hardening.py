@@ -613,6 +613,33 @@ async def test_a_client_that_half_closes_mid_body_is_not_answered(
     await eventually(lambda: proxy.guard.open == 0)
 
 
+@pytest.mark.parametrize("when", ["waiting", "streaming"])
+async def test_with_half_close_abort_a_fin_cancels_the_request(
+    make_region: RegionFactory, make_proxy: ProxyFactory, when: str
+) -> None:
+    # nginx's and Envoy's rule: the client's FIN means it is gone. Nothing more is sent, the
+    # upstream work is cancelled and the connection closes (the keep-alive timeout is long).
+    streaming = when == "streaming"
+    region = await make_region(
+        "r1", ttft=0 if streaming else 30, tokens=200, inter_token_delay=0.05
+    )
+    proxy = await make_proxy([region], limits={"half_close": "abort", "keepalive_timeout": 60.0})
+    raw = await Raw.open(port_of(proxy))
+    body = {**BODY, "stream": True} if streaming else BODY
+    await raw.send(chat(json.dumps(body).encode(), "Content-Type: application/json"))
+    if streaming:
+        head_part = await asyncio.wait_for(raw.reader.readuntil(b"\r\n\r\n"), 10.0)
+        assert head_part.startswith(b"HTTP/1.1 200 "), head_part
+    else:
+        await eventually(lambda: region.in_flight == 1)
+    raw.writer.write_eof()
+    rest = await asyncio.wait_for(raw.reader.read(), 10.0)
+    await raw.close()
+    assert b"[DONE]" not in rest and (streaming or rest == b""), rest
+    await eventually(lambda: region.cancelled_total == 1 and region.in_flight == 0)
+    await eventually(lambda: proxy.guard.open == 0)
+
+
 async def test_connection_cap(hardened: HardenedProxy) -> None:
     proxy = await hardened(max_connections=4, header_timeout=30.0)
     async with good_traffic(proxy):  # one connection of the four

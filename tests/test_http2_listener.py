@@ -469,6 +469,35 @@ async def test_a_client_that_half_closes_while_its_stream_runs_gets_all_of_it(
     await eventually(lambda: proxy.guard.open == 0)
 
 
+@pytest.mark.parametrize("when", ["waiting", "streaming"])
+async def test_with_half_close_abort_an_http1_fin_cancels_the_request(
+    make_region: RegionFactory, make_proxy: ProxyFactory, when: str
+) -> None:
+    # The client's FIN means it is gone: nothing more is sent, the upstream work is
+    # cancelled and the connection closes (the keep-alive timeout is long).
+    streaming = when == "streaming"
+    region = await make_region(
+        "ap-1", ttft=0 if streaming else 30, tokens=200, inter_token_delay=0.05
+    )
+    proxy = await make_proxy(
+        [region], server=H2C, limits={"half_close": "abort", "keepalive_timeout": 60.0}
+    )
+    host, port = proxy.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(http1_chat({**BODY, "stream": True} if streaming else BODY))
+    if streaming:
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 20)
+        assert head.startswith(b"HTTP/1.1 200 "), head
+    else:
+        await eventually(lambda: region.in_flight == 1)
+    writer.write_eof()
+    rest = await asyncio.wait_for(reader.read(), 20)
+    writer.close()
+    assert b"[DONE]" not in rest and (streaming or rest == b""), rest
+    await eventually(lambda: region.cancelled_total == 1 and region.in_flight == 0)
+    await eventually(lambda: proxy.guard.open == 0)
+
+
 def assert_refused_503(answer: bytes) -> None:
     head, _, body = answer.partition(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")

@@ -99,6 +99,16 @@ class Exchange(ABC):
     def client_gone(self) -> bool:
         """Whether the client went away (its connection or stream closed)."""
 
+    def queued(self, waiting: bool) -> None:
+        """Admission says the request waits in its queue for a slot (``waiting``), then that
+        it no longer does.
+
+        A front end that answers clients that half-close (``limits.half_close =
+        "answer"``) takes the client's FIN, whether it came before the request started
+        waiting or while it waits, for the client gone: it cancels the request, which gives
+        up its place. The default does nothing."""
+        return
+
     # -- the response ----------------------------------------------------
 
     @abstractmethod

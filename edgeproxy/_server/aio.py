@@ -13,6 +13,7 @@ from multidict import CIMultiDict
 from edgeproxy._core.errors import error_response
 from edgeproxy._core.exchange import Exchange, TlsInfo, Writer
 from edgeproxy._core.response import Response, StreamResponse
+from edgeproxy._server.listener import EdgeRequestHandler
 
 __all__ = ["AiohttpExchange", "send_answer", "web_error", "web_response"]
 
@@ -81,6 +82,12 @@ class AiohttpExchange(Exchange):
     def client_gone(self) -> bool:
         transport = self.request.transport
         return transport is None or transport.is_closing()
+
+    def queued(self, waiting: bool) -> None:
+        # Only the proxy's own listener tells a half-close apart (a host app's closes).
+        protocol = self.request.protocol
+        if isinstance(protocol, EdgeRequestHandler):
+            protocol.request_queued(waiting)
 
     async def start(
         self, status: int, headers: CIMultiDict[str], length: int | None, close: bool

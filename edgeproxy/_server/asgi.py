@@ -256,6 +256,13 @@ class AsgiExchange(Exchange):
         if task is not None and not task.done() and task is not asyncio.current_task():
             task.cancel()
 
+    def queued(self, waiting: bool) -> None:
+        # A server that tells a client's half-close apart (the HTTP/2 listener's HTTP/1.1
+        # side) cancels the request, through this, when one comes while it waits.
+        hook = self.scope.get("extensions", {}).get("edgeproxy.queued")
+        if hook is not None:
+            hook(self._client_left if waiting else None)
+
     def close(self) -> None:
         """Stop watching for the client (the request is over)."""
         watcher, self._watcher = self._watcher, None
@@ -336,7 +343,11 @@ class AsgiApp:
 
     A server may put a callable in the scope's ``extensions["edgeproxy.reset"]``: an
     aborted answer calls it to reset the request's stream at once (the HTTP/2 listener
-    does; otherwise the application raises :class:`AnswerAborted` to its server).
+    does; otherwise the application raises :class:`AnswerAborted` to its server). One in
+    ``extensions["edgeproxy.queued"]`` is called with what cancels the request when it
+    starts waiting in the admission queue, and with None once it no longer does: a server
+    that answers clients that half-close (the HTTP/2 listener's HTTP/1.1 side) calls the
+    one it holds on a FIN, so that a client that closed gives up its place.
     """
 
     def __init__(self, proxy: Served) -> None:

@@ -173,6 +173,27 @@ class _Connection(TCPServer):
         super().__init__(*args)
         self._listener = listener
         self._guarded = False
+        self._half_closed = False  # the client ended its side after a request whole
+        # What cancels the HTTP/1.1 request waiting in admission's queue, while it waits.
+        self._leave: Callable[[], None] | None = None
+
+    def queued(self, leave: Callable[[], None] | None) -> None:
+        """The HTTP/1.1 request running waits in admission's queue (``leave`` cancels it),
+        or no longer (None). One whose client half-closed already is taken as gone."""
+        self._leave = leave
+        if leave is not None and self._half_closed:
+            self._task_group.spawn(self._client_gone, leave)
+
+    async def _client_gone(self, leave: Callable[[], None] | None) -> None:
+        """As for a client that closed: hypercorn closes the stream (nothing is answered)
+        and the connection, then ``leave`` cancels the request it still ran, if any."""
+        await self.protocol.handle(Closed())
+        # hypercorn's keep-alive timer would hold the connection (its task, its place under
+        # the caps) until keep_alive_timeout although the client is gone: the read side
+        # ended, and nothing but the requests still running may keep it.
+        await self.idle_task.stop()
+        if leave is not None:
+            leave()
 
     async def protocol_send(self, event: Event) -> None:
         # hypercorn sends the server's SETTINGS the moment a connection turns HTTP/2 (by
@@ -207,19 +228,24 @@ class _Connection(TCPServer):
             except (ConnectionError, OSError, ssl.SSLError):
                 break
             await self.protocol.handle(RawData(data))
-        if self.reader.at_eof() and _sent_whole(self.protocol.protocol):
+        if (
+            self.reader.at_eof()
+            and limits.half_close == "answer"
+            and self._leave is None
+            and _sent_whole(self.protocol.protocol)
+        ):
             # The client sent its request whole and shut its side (shutdown(SHUT_WR)): it
             # still reads. hypercorn would take the EOF for a disconnect and cancel the
             # answer. h11 is told instead (unless a read of nothing told it already): the
-            # answer goes out, then hypercorn closes, the client's side being CLOSED.
+            # answer goes out, then hypercorn closes, the client's side being CLOSED. Not
+            # for a request waiting in admission's queue (a FIN is also how a client that
+            # closed looks: its place goes to the next), nor with half_close = "abort".
+            self._half_closed = True
             if _their_state(self.protocol.protocol) is not h11.CLOSED:
                 await self.protocol.handle(RawData(b""))
             return
-        await self.protocol.handle(Closed())
-        # hypercorn's keep-alive timer would hold the connection (its task, its place under
-        # the caps) until keep_alive_timeout although the client is gone: the read side
-        # ended, and nothing but the requests still running may keep it.
-        await self.idle_task.stop()
+        # The request waiting in the queue is cancelled even if it reads nothing more.
+        await self._client_gone(self._leave)
 
 
 def _their_state(protocol: H11Protocol | H2Protocol) -> object:
@@ -351,13 +377,18 @@ class Http2Listener:
             if scope["type"] != "http":
                 await app(scope, receive, send)
                 return
+            stream = getattr(send, "__self__", None)
+            protocol = getattr(getattr(stream, "send", None), "__self__", None)
             if scope.get("http_version") == "2":
-                stream = getattr(send, "__self__", None)
-                protocol = getattr(getattr(stream, "send", None), "__self__", None)
                 if isinstance(protocol, H2Protocol) and stream is not None:
                     scope["extensions"]["edgeproxy.reset"] = lambda: self._reset(
                         protocol, stream.stream_id
                     )
+            elif isinstance(protocol, H11Protocol):
+                # Its connection tells the request when the client half-closes (queued).
+                connection = getattr(protocol.send, "__self__", None)
+                if isinstance(connection, _Connection):
+                    scope["extensions"]["edgeproxy.queued"] = connection.queued
             task = asyncio.current_task()
             assert task is not None
             self._requests.add(task)

@@ -344,6 +344,7 @@ class EdgeRequestHandler(web.RequestHandler):
         "_stalled",
         "_half_closed",
         "_handled",
+        "_queued",
     )
 
     def __init__(self, manager: web.Server, *, guard: ConnectionGuard, **kwargs: Any) -> None:
@@ -368,6 +369,7 @@ class EdgeRequestHandler(web.RequestHandler):
         self._stalled = False
         self._half_closed = False  # the client shut its side after whole requests
         self._handled = 0  # requests whose handler returned (aiohttp counts those parsed)
+        self._queued = False  # the request running waits in admission's queue
 
     # -- asyncio protocol ---------------------------------------------------------
 
@@ -406,13 +408,18 @@ class EdgeRequestHandler(web.RequestHandler):
         A client may do that once it has sent its requests (curl with --http1.1 after
         sending, some load balancers): it still reads. The requests received whole are
         answered, then the connection closes. With nothing whole to answer (idle, part
-        of a head, a body cut short), it closes at once, as aiohttp would.
+        of a head, a body cut short), it closes at once, as aiohttp would, and so it does
+        for a request waiting in admission's queue (a FIN is also how a client that closed
+        looks: its place goes to the next) and with ``half_close = "abort"``; the close
+        cancels the request.
         """
         transport = self.transport
         payload = self._payload
         unanswered = self._request_count > self._handled
         if (
             transport is None
+            or self._guard.limits.half_close == "abort"
+            or self._queued
             # asyncio's TLS cannot write once the peer's side is shut: it closes anyway.
             or transport.get_extra_info("sslcontext") is not None
             or not (unanswered or self._request_in_progress)
@@ -492,6 +499,13 @@ class EdgeRequestHandler(web.RequestHandler):
         self._paused_total = 0.0
         self._paused_at = now if self._stalled else -1.0
         self._arm(self._next_body_check(now), self._body_timer)
+
+    def request_queued(self, waiting: bool) -> None:
+        """The request running waits in admission's queue (``waiting``), or no longer: a
+        client that half-closed already is taken as gone (the close cancels the request)."""
+        self._queued = waiting
+        if waiting and self._half_closed:
+            self.force_close()
 
     def head_refused(self, error: ProxyError) -> None:
         """The head checks refused the request (a body error among them is counted)."""

@@ -180,7 +180,7 @@ class AdmissionStage:
             counted = False  # no cap applies: nothing to hold
         else:
             try:
-                counted = await self._acquire(ctx)
+                counted = await self._acquire(request, ctx)
             except BaseException:
                 if ticket is not None:
                     # Shed, not served: the client keeps its quota.
@@ -231,7 +231,7 @@ class AdmissionStage:
         if route.max_in_flight is not None:
             self._route_in_flight[route.name] = self._route_in_flight.get(route.name, 0) + 1
 
-    async def _acquire(self, ctx: RequestContext) -> bool:
+    async def _acquire(self, request: Exchange, ctx: RequestContext) -> bool:
         route = ctx.route
         if self.max_in_flight is None and route.max_in_flight is None:
             self.admitted_total += 1
@@ -264,6 +264,9 @@ class AdmissionStage:
             self._dispatch()  # this waiter may be the best one already
         timer = loop.call_later(wait, self._expire, waiter)
         try:
+            # A client that half-closed (before or while it waits) is taken as gone: its
+            # front end cancels the request rather than hold a place for it.
+            request.queued(True)
             await waiter.future
         except asyncio.CancelledError:
             # The client went away while waiting, or just after being granted.
@@ -274,6 +277,7 @@ class AdmissionStage:
             raise
         finally:
             timer.cancel()
+            request.queued(False)
         return True
 
     # -- the queue ---------------------------------------------------------------

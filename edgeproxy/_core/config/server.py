@@ -353,6 +353,15 @@ class LimitsConfig(Section):
         allow_inf_nan=False,
         description="Seconds an idle keep-alive connection is kept open.",
     )
+    half_close: Literal["answer", "abort"] = Field(
+        "answer",
+        description="A client that ends its side of an HTTP/1.1 connection (a FIN: "
+        "shutdown(SHUT_WR), or a close, which looks the same) after sending a request whole: "
+        "'answer' still answers it, then closes, unless the request is waiting in the admission "
+        "queue, whose place is given up (a client that closed would hold it for nothing); "
+        "'abort' takes every FIN for the client gone, cancelling its request and its upstream "
+        "work at once (nginx, Envoy).",
+    )
     max_connections: int = Field(
         10_000,
         ge=1,
