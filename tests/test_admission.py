@@ -306,13 +306,18 @@ async def raw_get(proxy: EdgeProxy, name: str) -> tuple[asyncio.StreamReader, as
     return reader, writer
 
 
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+
 async def after_fin(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bytes:
-    """Half-close (shutdown(SHUT_WR)), then all the proxy sends up to its own close."""
+    """Half-close (shutdown(SHUT_WR)), then all the proxy sends up to its own close, less
+    the interim 100 the aiohttp listener probes a half-closed client with."""
     writer.write_eof()
     try:
-        return await asyncio.wait_for(reader.read(), 10.0)
+        sent = await asyncio.wait_for(reader.read(), 10.0)
     finally:
         writer.close()
+    return sent.removeprefix(_CONTINUE)
 
 
 def half_closed(request: Exchange) -> bool:

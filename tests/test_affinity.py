@@ -533,7 +533,14 @@ async def test_an_overloaded_region_loses_its_conversations_to_the_balance_guard
     kv_regions: Callable[..., Awaitable[list[FakeRegion]]], make_proxy: ProxyFactory
 ) -> None:
     fakes = await kv_regions("r1", "r2", "r3")
-    proxy = await make_proxy(fakes, routing={"prefix_affinity": True, "balance_abs_threshold": 2})
+    # The held streams stall after their first chunk and their clients then close: with
+    # half_close = "answer" a FIN after the answer started is found out only at the next
+    # write, which a stalled stream never makes; "abort" frees them at once.
+    proxy = await make_proxy(
+        fakes,
+        routing={"prefix_affinity": True, "balance_abs_threshold": 2},
+        limits={"half_close": "abort"},
+    )
     by_name = {f.name: f for f in fakes}
     held: list[aiohttp.ClientResponse] = []
     async with aiohttp.ClientSession() as client:

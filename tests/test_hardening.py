@@ -613,6 +613,39 @@ async def test_a_client_that_half_closes_mid_body_is_not_answered(
     await eventually(lambda: proxy.guard.open == 0)
 
 
+async def test_a_half_closed_client_is_probed_with_an_interim_answer_it_skips(
+    make_region: RegionFactory, make_proxy: ProxyFactory
+) -> None:
+    # While its answer has not started, a client that sent FIN gets "100 Continue", which
+    # every HTTP/1.1 client reads and skips; then its answer.
+    region = await make_region("r1", ttft=0.3)
+    proxy = await make_proxy([region], limits={"keepalive_timeout": 60.0})
+    raw = await Raw.open(port_of(proxy))
+    await raw.send(chat(json.dumps(BODY).encode(), "Content-Type: application/json"))
+    await eventually(lambda: region.in_flight == 1)
+    raw.writer.write_eof()
+    answer = await asyncio.wait_for(raw.reader.read(), 10.0)
+    await raw.close()
+    assert answer.startswith(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 "), answer
+    assert region.cancelled_total == 0
+
+
+async def test_a_client_that_closed_entirely_is_found_gone_and_its_request_cancelled(
+    make_region: RegionFactory, make_proxy: ProxyFactory
+) -> None:
+    # A FIN is also how a client that closed its socket looks. The probe tells them apart:
+    # a closed socket answers it with a reset, and the request and its upstream work are
+    # cancelled, as before the half-close was answered (half_close = "answer", the default).
+    region = await make_region("r1", ttft=30)
+    proxy = await make_proxy([region], limits={"keepalive_timeout": 60.0})
+    raw = await Raw.open(port_of(proxy))
+    await raw.send(chat(json.dumps(BODY).encode(), "Content-Type: application/json"))
+    await eventually(lambda: region.in_flight == 1)
+    await raw.close()
+    await eventually(lambda: region.cancelled_total == 1 and region.in_flight == 0)
+    await eventually(lambda: proxy.guard.open == 0)
+
+
 @pytest.mark.parametrize("when", ["waiting", "streaming"])
 async def test_with_half_close_abort_a_fin_cancels_the_request(
     make_region: RegionFactory, make_proxy: ProxyFactory, when: str

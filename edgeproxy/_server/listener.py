@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import ssl
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
@@ -84,6 +85,14 @@ logger = logging.getLogger("edgeproxy")
 
 # While the proxy drains, a body has this long (at most) before its rate is checked.
 _DRAIN_RATE_GRACE = 1.0
+# After a client's FIN, what tells a client that only shut its sending side from one that
+# closed: an interim answer every HTTP/1.1 client must read and skip (RFC 9110 §15.2),
+# which a closed socket answers with a reset. The socket's TCP state is then read every
+# _GONE_POLL seconds while the request runs (Linux's TCP_INFO; TCP_CLOSE after a reset).
+_PROBE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_GONE_POLL = 0.25
+_TCP_CLOSE = 7
+_TCP_INFO: int | None = getattr(socket, "TCP_INFO", None)
 
 # -- the middleware ---------------------------------------------------------------
 
@@ -343,6 +352,8 @@ class EdgeRequestHandler(web.RequestHandler):
         "_line_len",
         "_stalled",
         "_half_closed",
+        "_request",
+        "_probe_timer",
         "_handled",
         "_queued",
     )
@@ -368,6 +379,8 @@ class EdgeRequestHandler(web.RequestHandler):
         self._line_len = -1  # length of the request line, once its end arrived
         self._stalled = False
         self._half_closed = False  # the client shut its side after whole requests
+        self._request: BaseRequest | None = None  # the request whose handler runs
+        self._probe_timer: asyncio.TimerHandle | None = None
         self._handled = 0  # requests whose handler returned (aiohttp counts those parsed)
         self._queued = False  # the request running waits in admission's queue
 
@@ -397,8 +410,12 @@ class EdgeRequestHandler(web.RequestHandler):
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
+        if self._probe_timer is not None:
+            self._probe_timer.cancel()
+            self._probe_timer = None
         self._payload = None
         self._request_task = None
+        self._request = None
         super().connection_lost(exc)
 
     # aiohttp types it as returning None; asyncio reads True as "keep the transport open".
@@ -433,7 +450,49 @@ class EdgeRequestHandler(web.RequestHandler):
         if not unanswered:
             # The last handler returned: its answer is on its way out, then the close.
             self.close()
+        else:
+            self._probe()
         return True
+
+    def _probe(self) -> None:
+        """After a FIN, find out whether the client still reads; one that closed its socket
+        entirely is taken as gone (its request cancelled, its upstream work with it).
+
+        Only before the answer's first byte, to an HTTP/1.1 client, where TCP_INFO exists;
+        elsewhere the request is answered as ``half_close = "answer"`` says.
+        """
+        request, transport = self._request, self.transport
+        if (
+            _TCP_INFO is None
+            or request is None
+            or transport is None
+            or self._probe_timer is not None
+            or request.version < HttpVersion11
+            or request.writer.output_size
+        ):
+            return
+        sock = transport.get_extra_info("socket")
+        if sock is None:
+            return
+        transport.write(_PROBE)
+        self._probe_timer = self._loop.call_later(_GONE_POLL, self._check_gone, sock)
+
+    def _check_gone(self, sock: Any) -> None:
+        self._probe_timer = None
+        transport = self.transport
+        if transport is None or _TCP_INFO is None:
+            return
+        try:
+            state = sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, 1)[0]
+        except OSError:
+            state = _TCP_CLOSE
+        if state == _TCP_CLOSE:
+            # The probe was answered with a reset: nobody reads this answer.
+            logger.debug("client %s closed after its request: cancelled", self._peer)
+            transport.abort()
+            return
+        if self._handled < self._request_count:
+            self._probe_timer = self._loop.call_later(_GONE_POLL, self._check_gone, sock)
 
     def data_received(self, data: bytes) -> None:
         phase = self._phase
@@ -483,12 +542,15 @@ class EdgeRequestHandler(web.RequestHandler):
     def request_started(self, request: BaseRequest) -> None:
         self._cancel_timer()
         self._request_task = asyncio.current_task()
+        self._request = request
         payload = request.content
         self._payload = payload
         # Part of the body, or all of it, may have arrived with the head.
         self._check_size()
         if payload.is_eof():
             self._phase = _BUSY
+            if self._half_closed:
+                self._probe()  # the FIN came with this request, before its handler ran
             return
         if self._half_closed:
             # The client shut its side before this body was whole: it never will be.
@@ -535,6 +597,7 @@ class EdgeRequestHandler(web.RequestHandler):
     def request_finished(self) -> None:
         self._cancel_timer()
         self._request_task = None
+        self._request = None
         self._handled += 1
         if self._half_closed and self._handled >= self._request_count:
             # No request can follow: close once this answer is out.
