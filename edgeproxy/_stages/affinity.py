@@ -21,7 +21,10 @@ it keeps the request while its score is under 4 times the best (3 + 4/4 = 4),
 one holding 80% of it while under 2.5 times (2.4 + 4/2.5 = 4).
 
 Priority tiers still come first, and residency, the model catalog and health
-have already filtered the candidates: affinity only ranks what is left.
+have already filtered the candidates: affinity only ranks what is left, as one
+of the ranking policies of ``[routing] rank``
+(:mod:`edgeproxy._stages.ranking`): by default after the load tiers, so that
+it chooses among the regions whose reported queues are alike.
 
 **Balance guard** (SGLang's cache-aware router): when the loads of the
 candidates are too uneven, affinity is ignored and the router's own choice
@@ -60,12 +63,14 @@ class AffinityPlan:
     """One request's prompt key and what affinity decided for it.
 
     ``chosen``: the region affinity put first because a prefix matched there;
-    ``balanced``: the balance guard set affinity aside.
+    ``balanced``: the balance guard set affinity aside; ``matched``: the
+    candidates holding some of the prompt, when affinity ranked them.
     """
 
     key: PromptKey
     chosen: Region | None = None
     balanced: bool = False
+    matched: tuple[Region, ...] = ()
 
 
 class Affinity:
@@ -109,37 +114,36 @@ class Affinity:
         )
         return None if key is None else AffinityPlan(key)
 
-    def rank(
+    def keys(
         self,
         plan: AffinityPlan,
         scored: list[tuple[float, Region]],
         now: float,
         load: Callable[[Region, float], float],
-    ) -> list[Region] | None:
-        """The candidates (``scored``: (score, region), by tier then score) best first by
+    ) -> list[float] | None:
+        """A sort key per candidate of ``scored`` ((score, region)), lower first: minus its
         prefix match and load; None when affinity has nothing to say (no match anywhere)
-        or the balance guard sets it aside."""
+        or the balance guard sets it aside. Sets ``plan.matched``."""
         blocks = plan.key.blocks
+        plan.matched = ()
         matches = [region.prefix_index.match(blocks, now) for _, region in scored]
         if not any(matches):
             return None
         if self.unbalanced([load(region, now) for _, region in scored]):
             plan.balanced = True
             return None
-        best = min(score for score, _ in scored)
+        best = min([score for score, _ in scored])
         prefix_weight = self.prefix_weight / len(blocks)
         load_weight = self.load_weight * best
-        ranked = sorted(
-            zip(scored, matches, strict=True),
-            key=lambda item: (
-                item[0][1].priority,
-                -(prefix_weight * item[1] + load_weight / item[0][0]),
-            ),
-        )
-        (_, first), matched = ranked[0]
-        if matched:
-            plan.chosen = first
-        return [region for (_, region), _ in ranked]
+        keys: list[float] = []
+        matched: list[Region] = []
+        for i, (score, region) in enumerate(scored):
+            blocks_matched = matches[i]
+            if blocks_matched:
+                matched.append(region)
+            keys.append(-(prefix_weight * blocks_matched + load_weight / score))
+        plan.matched = tuple(matched)
+        return keys
 
     def unbalanced(self, loads: list[float]) -> bool:
         """SGLang's guard: the loads differ by more than both thresholds."""

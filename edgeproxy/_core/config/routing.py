@@ -11,6 +11,9 @@ from edgeproxy._core.config.checks import check_header_name
 
 __all__ = ["HealthConfig", "RoutingConfig"]
 
+RankPolicyName = Literal["reported_load", "affinity", "latency"]
+_DEFAULT_RANK: tuple[RankPolicyName, ...] = ("reported_load", "affinity", "latency")
+
 
 class RoutingConfig(Section):
     """How a region is chosen: latency history, load, geo prior, retry and hedge budgets."""
@@ -48,6 +51,13 @@ class RoutingConfig(Section):
         gt=0,
         description="Seconds over which the latency penalty of a region that gets no traffic "
         "fades towards its prior, so that a recovered region is probed again.",
+    )
+    rank: list[RankPolicyName] = Field(
+        default_factory=lambda: list(_DEFAULT_RANK),
+        description="The ranking policies, in the order they decide within a priority tier, "
+        "each breaking the ties of those before it: 'reported_load' (the load tiers of fresh "
+        "reports: load_tier_queue), 'affinity' (the prefix match weighed against load, with "
+        "prefix_affinity), 'latency' (the score, power of two choices among equals; last).",
     )
     retry_budget: float = Field(
         0.2,
@@ -193,11 +203,34 @@ class RoutingConfig(Section):
         description="A fresh load report multiplies a region's expected latency by "
         "1 + this x its load score (0 to 1): 4 makes a saturated region look 5 times slower.",
     )
+    load_tier_queue: float = Field(
+        4.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="A fresh report of at least this many waiting requests puts a region one "
+        "load tier down, twice as many two tiers, and so on: with 'reported_load' in rank, a "
+        "lower tier comes first whatever the latencies.",
+    )
 
     @field_validator("session_header")
     @classmethod
     def _check_session_header(cls, value: str) -> str:
         return check_header_name(value)
+
+    @field_validator("rank")
+    @classmethod
+    def _check_rank(cls, value: list[str]) -> list[str]:
+        if len(set(value)) != len(value):
+            raise ValueError("a policy is listed twice")
+        if not value or value[-1] != "latency":
+            raise ValueError("must end with 'latency', the one policy that orders every region")
+        return value
+
+    @model_validator(mode="after")
+    def _check_affinity_ranked(self) -> RoutingConfig:
+        if self.prefix_affinity and "affinity" not in self.rank:
+            raise ValueError("prefix_affinity needs 'affinity' in rank, where it is to decide")
+        return self
 
     @field_validator("retry_statuses")
     @classmethod
