@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import random
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -16,6 +17,7 @@ import pytest
 
 from edgeproxy import Config, EdgeProxy
 from edgeproxy._protocol.loadmetrics import LoadReport, Scrape
+from edgeproxy._stages.ranking import LoadTiers
 from edgeproxy._stages.routing import Router
 from edgeproxy._upstream.regions import RegionSet
 from edgeproxy._upstream.reported import ReportedLoad, merge_reports, without_load_header
@@ -151,6 +153,102 @@ async def test_a_fresh_report_raises_the_score_and_a_stale_one_does_not() -> Non
         assert router.load(a, clock()) == 9.0
         view.counts["a"] = None
         assert router.in_flight(a) == 0
+    finally:
+        await regions.close()
+
+
+TWINS = [
+    {"name": "loaded", "url": "http://127.0.0.1:9"},
+    {"name": "twin", "url": "http://127.0.0.1:9"},
+]
+
+
+def _twins(clock: FakeClock, **routing: Any) -> tuple[Router, RegionSet]:
+    """Two regions in one place, each with 5 answers of 50 ms, and a router on ``clock``."""
+    config = Config.from_mapping(proxy_config(TWINS, routing=routing), environ={})
+    regions = RegionSet(config, clock=clock)
+    for region in regions:
+        region.endpoints[0].mark_up()
+        for i in range(5):
+            region.latency.observe(0.05, now=clock() - 10.0 + i)
+    return Router(config, regions, seed=3, clock=clock), regions
+
+
+def _queues(regions: RegionSet, now: float, **waiting: float) -> None:
+    for name, queue in waiting.items():
+        regions.by_name[name].reported.observe_header(
+            "TEXT named_metrics.kv_cache_usage_perc=0.7, "
+            f"named_metrics.num_requests_waiting={queue}",
+            now,
+        )
+
+
+def _noisy_choices(router: Router, regions: RegionSet, clock: FakeClock, n: int) -> Counter[str]:
+    """``n`` decisions, 50 ms apart, each after a new answer from both regions: the loaded one
+    answers in about 50 ms, its twin up to 5 times slower (a busy machine's stalls), which
+    the peak-EWMA takes at once."""
+    noise = random.Random(7)
+    loaded, twin = regions.by_name["loaded"], regions.by_name["twin"]
+    counts: Counter[str] = Counter()
+    for _ in range(n):
+        clock.advance(0.05)
+        loaded.latency.observe(0.05 * noise.uniform(0.9, 1.1))
+        twin.latency.observe(0.05 * noise.uniform(1.0, 5.0))
+        first = router.route().first
+        assert first is not None
+        counts[first.name] += 1
+    return counts
+
+
+async def test_a_deep_reported_queue_outweighs_any_latency_noise_until_it_is_stale() -> None:
+    clock = FakeClock(100.0)
+    router, regions = _twins(clock)  # the defaults: load_report_max_age 5 s
+    try:
+        # 60 requests wait at one region, none at its twin, and the twin looks up to 5x slower.
+        _queues(regions, clock(), loaded=60.0, twin=0.0)
+        assert _noisy_choices(router, regions, clock, 40)["loaded"] <= 2
+        # Stale (older than load_report_max_age): ignored, and latency routes again.
+        clock.advance(5.0)
+        assert router.load(regions.by_name["loaded"], clock()) == 0
+        assert _noisy_choices(router, regions, clock, 40)["loaded"] >= 36
+    finally:
+        await regions.close()
+
+
+async def test_without_load_tiers_latency_noise_outweighs_a_deep_queue() -> None:
+    # The weighting alone (rank without reported_load): the queue only makes the region look
+    # 4.4 times slower, and the noise on its twin reaches 5 times.
+    clock = FakeClock(100.0)
+    router, regions = _twins(clock, rank=["latency"])
+    try:
+        _queues(regions, clock(), loaded=60.0, twin=0.0)
+        assert _noisy_choices(router, regions, clock, 40)["loaded"] > 2
+    finally:
+        await regions.close()
+
+
+async def test_load_tiers_double_and_ties_are_left_to_latency() -> None:
+    clock = FakeClock(100.0)
+    router, regions = _twins(clock)
+    tiers = LoadTiers(router.config.routing)  # load_tier_queue = 4
+    loaded, twin = regions.by_name["loaded"], regions.by_name["twin"]
+    try:
+        for queue, tier in [(0, 0), (3, 0), (4, 1), (7, 1), (8, 2), (15, 2), (16, 3), (60, 4)]:
+            _queues(regions, clock(), loaded=float(queue))
+            assert tiers.tier(loaded, clock()) == tier, queue
+        # A short queue sets no tier: its report only raises the latency estimate, and the
+        # twin, twice as slow, stays behind.
+        twin.latency.observe(0.1)
+        _queues(regions, clock(), loaded=3.0, twin=0.0)
+        assert {router.route().first for _ in range(20)} == {loaded}
+        # Queues of about the same length share a tier: latency decides between them.
+        _queues(regions, clock(), loaded=60.0, twin=50.0)
+        assert tiers.tier(loaded, clock()) == tiers.tier(twin, clock()) == 4
+        assert {router.route().first for _ in range(20)} == {loaded}
+        # A report without a queue (KV utilisation only) sets no tier either.
+        twin.reported.observe_header("TEXT named_metrics.kv_cache_usage_perc=0.9", clock())
+        assert tiers.tier(twin, clock()) == 0
+        assert {router.route().first for _ in range(20)} == {twin}
     finally:
         await regions.close()
 
