@@ -17,8 +17,9 @@ The kinds decide what may still answer: a residency refusal or a bad model name 
 never degraded, a model no region serves goes only to the local model, and everything
 else walks the route's ``fallback`` list.
 
-:class:`Continuer` finds the next leg of a stream that broke after tokens were sent,
-through the same path, drawing its regions from the request's own ranking.
+:meth:`Obtainer.route` makes the request's one ranked :class:`RoutePlan`; failover and
+hedging walk it in order, and :class:`Continuer` finds the next leg of a stream that broke
+after tokens were sent through the same path, drawing its regions from that same plan.
 """
 
 from __future__ import annotations
@@ -28,10 +29,10 @@ import copy
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from edgeproxy._core.errors import ProxyError
-from edgeproxy._stages.affinity import AffinityPlan
 from edgeproxy._stages.continuation import (
     LOCAL,
     ContinuationStage,
@@ -45,6 +46,7 @@ from edgeproxy._stages.continuation import (
 from edgeproxy._stages.failover import AttemptResponse, Failover, Failure, FailureKind
 from edgeproxy._stages.fallback import Degraded, FallbackStage, UpstreamWon
 from edgeproxy._stages.models import ModelError
+from edgeproxy._stages.routeplan import RoutePlan
 from edgeproxy._upstream.pool import UpstreamError
 
 if TYPE_CHECKING:
@@ -91,7 +93,7 @@ class Obtainer:
         request: Exchange | None,
         ctx: RequestContext,
         *,
-        plan: AffinityPlan | None = None,
+        route: RoutePlan | Failure | None = None,
         regions: list[Region] | None = None,
         shed: ProxyError | None = None,
         degrade: bool = True,
@@ -99,19 +101,27 @@ class Obtainer:
     ) -> Obtained:
         """What answers ``ctx``: a region's response, the ladder's answer, or a failure.
 
-        ``plan``: the request's affinity plan (the router ranks by it); ``regions``: these
-        candidates instead of the router's, in this order (a continuation's); ``shed``:
-        admission shed the request (its 503), so no region is tried and only the ladder
-        may answer; ``degrade``: walk the ladder on a failure (off for a continuation leg;
-        never for a request with no client); ``keep_late``: the route's ``deadline_action =
-        "race"``, attempts past the deadline race the local model. ``request`` is None
-        for a request with no client (a background refresh).
+        ``route``: the request's plan from :meth:`route` (or the failure routing gave),
+        made here when None; ``regions``: these candidates instead, in this order (a
+        continuation's); ``shed``: admission shed the request (its 503), so no region is
+        tried and only the ladder may answer; ``degrade``: walk the ladder on a failure
+        (off for a continuation leg; never for a request with no client);
+        ``keep_late``: the route's ``deadline_action = "race"``, attempts past the
+        deadline race the local model. ``request`` is None for a request with no client
+        (a background refresh).
         """
         failure: Failure
         if shed is not None:
             failure = Failure(FailureKind.OVERLOADED, shed)
         else:
-            routed = regions if regions is not None else await self.candidates(request, ctx, plan)
+            if regions is None:
+                if route is None:
+                    route = await self.route(request, ctx)
+                routed: list[Region] | Failure = (
+                    route if isinstance(route, Failure) else list(route.regions)
+                )
+            else:
+                routed = regions
             if isinstance(routed, Failure):
                 failure = routed
             else:
@@ -124,13 +134,13 @@ class Obtainer:
             return failure
         return await self._degrade(request, ctx, failure)
 
-    async def candidates(
-        self, request: Exchange | None, ctx: RequestContext, plan: AffinityPlan | None = None
-    ) -> list[Region] | Failure:
-        """The regions ``ctx`` may use, best first (the ``edgeproxy_route`` hook may choose
-        others), or the failure of a request none may serve."""
+    async def route(
+        self, request: Exchange | None, ctx: RequestContext, *, exclude: tuple[str, ...] = ()
+    ) -> RoutePlan | Failure:
+        """The request's one ranked plan (the ``edgeproxy_route`` hook may choose other
+        regions, kept in its affinity plan), or the failure of a request none may serve."""
         try:
-            candidates = self.router.candidates(ctx, plan)
+            plan = self.router.route(ctx, exclude=exclude)
         except ModelError as err:
             kind = FailureKind.MODEL_UNKNOWN if err.status == 404 else FailureKind.BAD_REQUEST
             return Failure(kind, err)
@@ -139,13 +149,13 @@ class Obtainer:
             return Failure(kind, err)
         if "edgeproxy_route" in self.plugins.active:
             chosen = await self.plugins.call_first(
-                "edgeproxy_route", request=request, ctx=ctx, candidates=candidates
+                "edgeproxy_route", request=request, ctx=ctx, candidates=list(plan.regions)
             )
             if chosen is not None:
-                candidates = list(chosen)
-        if not candidates:
+                plan = replace(plan, regions=tuple(chosen))
+        if not plan.regions:
             return Failure(FailureKind.NO_REGION, no_region())
-        return candidates
+        return plan
 
     def _degradable(self, ctx: RequestContext, failure: Failure) -> bool:
         kind = failure.kind
@@ -155,9 +165,7 @@ class Obtainer:
             return self.fallback.local_may_answer(ctx)
         return True
 
-    async def _degrade(
-        self, request: Exchange, ctx: RequestContext, failure: Failure
-    ) -> Obtained:
+    async def _degrade(self, request: Exchange, ctx: RequestContext, failure: Failure) -> Obtained:
         """The ladder for ``failure``; whatever it held is cancelled on the way out."""
         try:
             stale = await self.cache.serve_stale(request, ctx)
@@ -173,18 +181,18 @@ class Obtainer:
         finally:
             await failure.aclose()
 
-    def continuer(self, plan: AffinityPlan | None) -> Continuer:
-        """The continuation of a request routed with ``plan``, for the stream stage."""
+    def continuer(self, plan: RoutePlan | None) -> Continuer:
+        """The continuation of a request routed by ``plan``, for the stream stage."""
         return Continuer(self, plan)
 
 
 class Continuer:
     """The next legs of one request's stream: regions able to continue it, drawn from the
-    request's own ranking (its affinity plan too), then the local model."""
+    request's own ranked plan (never ranked again), then the local model."""
 
     __slots__ = ("obtainer", "plan")
 
-    def __init__(self, obtainer: Obtainer, plan: AffinityPlan | None) -> None:
+    def __init__(self, obtainer: Obtainer, plan: RoutePlan | None) -> None:
         self.obtainer = obtainer
         self.plan = plan
 
@@ -204,8 +212,12 @@ class Continuer:
         if not obtainer.failover.retry_budget.try_spend():
             continuation.count(ctx, broken, "none", "budget")
             return None
-        routed = await obtainer.candidates(request, ctx, self.plan)
-        candidates = [] if isinstance(routed, Failure) else routed
+        plan = self.plan
+        if plan is None:
+            # Routed with no plan of its own (a hook's answer, a refresh): rank it now.
+            routed = await obtainer.route(request, ctx)
+            plan = None if isinstance(routed, Failure) else routed
+        candidates = [] if plan is None else list(plan.without(*splice.broken).regions)
         for method, regions in continuation.groups(candidates, splice).items():
             if ctx.route.race_continuations and len(regions) > 1:
                 raced = await self._race(request, ctx, splice, method, regions)

@@ -31,7 +31,6 @@ from edgeproxy._plugins import PluginError, Plugins, hook_answer
 from edgeproxy._protocol.clientip import client_ip_resolver
 from edgeproxy._protocol.headers import request_id, trace_context
 from edgeproxy._stages.admission import AdmissionStage, Admitted, Overloaded
-from edgeproxy._stages.affinity import AffinityPlan
 from edgeproxy._stages.cache.stage import CacheRecorder, CacheStage, Refresh
 from edgeproxy._stages.compression import Compression
 from edgeproxy._stages.continuation import ContinuationStage
@@ -40,6 +39,7 @@ from edgeproxy._stages.fallback import Degraded, FallbackStage
 from edgeproxy._stages.heartbeat import Heartbeat, start_heartbeat
 from edgeproxy._stages.models import ModelList
 from edgeproxy._stages.relay import StreamStage
+from edgeproxy._stages.routeplan import RoutePlan
 from edgeproxy._stages.routing import Router
 from edgeproxy._stages.upstream import UpstreamStage
 from edgeproxy._upstream.regions import RegionSet
@@ -156,7 +156,7 @@ class Pipeline:
                     ctx.route = self.config.route_for(ctx.method, ctx.path)
             # admission: body validation, rate limits, then a slot (may queue, or shed).
             shed: ProxyError | None = None
-            plan: AffinityPlan | None = None  # the prompt key, with prefix affinity on
+            route: RoutePlan | Failure | None = None  # the regions ranked, or why none
             try:
                 admitted = await self.admission.admit(request, ctx)
             except Overloaded as err:
@@ -176,8 +176,9 @@ class Pipeline:
                 if answer is not None:
                     response = answer
                     return response
-                plan = self.router.plan(ctx)
-                if ctx.route.sse_heartbeat is not None:
+                # route: the one ranked plan that failover, hedging and continuation draw on.
+                route = await self.obtainer.route(request, ctx)
+                if ctx.route.sse_heartbeat is not None and not isinstance(route, Failure):
                     heartbeat = start_heartbeat(request, ctx, close_connection=self.draining)
             # route + upstream + fallback: the first byte from the best region, failing over
             # (or hedging) until then; else the ladder (stale cache, local model), which races
@@ -185,7 +186,7 @@ class Pipeline:
             obtained = await self.obtainer.obtain(
                 request,
                 ctx,
-                plan=plan,
+                route=route,
                 shed=shed,
                 keep_late=ctx.route.deadline_action == "race",
             )
@@ -201,8 +202,9 @@ class Pipeline:
             # stream: relay chunk by chunk to the client; with the route's continue_on_break,
             # a stream that breaks after tokens were sent goes on at another region.
             upstream = obtained
+            plan = route if isinstance(route, RoutePlan) else None
             if plan is not None:
-                self.router.routed(plan, upstream.region)  # its KV cache now holds the prompt
+                plan.routed(upstream.region)  # its KV cache now holds the prompt
             if heartbeat is not None:
                 early = await heartbeat.stop()
             response = await self.stream.relay(

@@ -331,3 +331,26 @@ def test_the_seam_trims_a_repeat_but_not_a_word_said_twice(
     assert b'"role"' not in raw and raw.endswith(b"data: [DONE]\n\n")
     # The first leg's id and created throughout.
     assert b'"chatcmpl-leg0"' in raw and b"leg1" not in raw and b'"created":8' not in raw
+
+
+async def test_the_next_leg_comes_from_the_requests_own_ranking(
+    make_region: RegionFactory, make_proxy: ProxyFactory
+) -> None:
+    # The request is ranked once; the break draws the next region from that same plan
+    # (less the region that broke), not from a second ranking.
+    broken, sound = await regions(make_region)
+    proxy = await make_proxy([table(broken, 0), table(sound, 1)], routes=[route()])
+    router = proxy.pipeline.router
+    ranked = router.route
+    plans: list[Any] = []
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        plan = ranked(*args, **kwargs)
+        plans.append(plan)
+        return plan
+
+    router.route = counting  # type: ignore[method-assign]
+    raw = await raw_stream(proxy.url, {"model": "m", "messages": MESSAGES, "stream": True})
+    assert b"\n: edgeproxy continued from=broken to=sound\n\n" in raw
+    assert len(plans) == 1
+    assert [r.name for r in plans[0].regions] == ["broken", "sound"]
