@@ -252,8 +252,7 @@ class Continuer:
         local = fallback.local
         if broken == LOCAL or not fallback.local_may_answer(ctx) or not local.ready:
             return None
-        leg_ctx = copy.copy(ctx)
-        leg_ctx.set_json(spent_body(splice))
+        leg_ctx = ctx.with_json(spent_body(splice))
         try:
             answer = await local.answer(leg_ctx, prefix=splice.text)
         except ProxyError as err:
@@ -347,8 +346,8 @@ class Continuer:
 
 def _leg_context(ctx: RequestContext, splice: Splice, method: str) -> RequestContext:
     """The request a continuation leg sends: its own body, its deadline from now."""
-    leg = copy.copy(ctx)
+    leg = (
+        copy.copy(ctx) if method == "reissue" else ctx.with_json(continuation_body(splice, method))
+    )
     leg.started = time.monotonic()
-    if method != "reissue":
-        leg.set_json(continuation_body(splice, method))
     return leg

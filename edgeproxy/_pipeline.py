@@ -29,6 +29,7 @@ from edgeproxy._local.model import LocalAnswer
 from edgeproxy._obtain import Obtainer
 from edgeproxy._plugins import PluginError, Plugins, hook_answer
 from edgeproxy._protocol.clientip import client_ip_resolver
+from edgeproxy._protocol.endpoints import openai_endpoint
 from edgeproxy._protocol.headers import request_id, trace_context
 from edgeproxy._stages.admission import AdmissionStage, Admitted, Overloaded
 from edgeproxy._stages.cache.stage import CacheRecorder, CacheStage, Refresh
@@ -163,6 +164,9 @@ class Pipeline:
                 if ctx.route.on_overload != "degrade":
                     raise
                 shed = err  # shed: to the fallback, never upstream
+            # The request has entered: what it is is fixed from here on (RequestFacts).
+            endpoint = openai_endpoint(ctx.path)
+            ctx.fix(endpoint.name if endpoint is not None else None)
             if shed is None:
                 if self.models.active and self.models.answers(ctx):
                     # GET /v1/models, once regions list models: the proxy's own merged list.

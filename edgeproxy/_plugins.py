@@ -41,6 +41,7 @@ import pluggy
 
 from edgeproxy import hookspecs
 from edgeproxy._core.config import PluginsConfig
+from edgeproxy._core.context import FixedFact, RequestContext
 from edgeproxy._core.errors import ProxyError
 from edgeproxy._core.response import StreamResponse
 
@@ -361,6 +362,10 @@ class Plugins:
         if chain and value_arg not in entry.argnames:
             raise TypeError(f"{hook} has no argument {value_arg!r} to chain")
         results: list[Any] = []
+        # After entry, a hook must not change what the request is (RequestFacts).
+        ctx = kwargs.get("ctx")
+        if not isinstance(ctx, RequestContext):
+            ctx = None
         for impl in entry.impls:
             if only is not None and impl.plugin not in only:
                 continue
@@ -378,6 +383,14 @@ class Plugins:
                     result = impl.function(*args)
                 if impl.is_async or (result is not None and inspect.isawaitable(result)):
                     result = await result
+                if ctx is not None and ctx.facts is not None:
+                    changed = ctx.facts.changed(ctx)
+                    if changed is not None:
+                        ctx.facts.restore(ctx)
+                        raise FixedFact(
+                            f"ctx.{changed} is fixed once the request has entered: change it "
+                            "in edgeproxy_request_received"
+                        )
             except Exception as exc:
                 self._failed(impl, hook, exc, mode)
                 continue

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -12,7 +13,7 @@ from edgeproxy._core.config import RouteConfig
 from edgeproxy._core.strictjson import DuplicateKey, loads_unique
 from edgeproxy._core.types import Headers, TraceContext
 
-__all__ = ["Continuation", "RequestContext", "UpstreamReply"]
+__all__ = ["Continuation", "FixedFact", "RequestContext", "RequestFacts", "UpstreamReply"]
 
 _UNSET: Any = object()
 
@@ -26,6 +27,54 @@ class Continuation(NamedTuple):
     """The region (or ``local``) that took the answer on; ``none`` when none did."""
     outcome: str
     """``continued``, or why not: ``failed``, ``limit``, ``impossible``, ``budget``."""
+
+
+class FixedFact(RuntimeError):
+    """Something tried to change one of a request's facts after they were fixed."""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFacts:
+    """What a request is, fixed once it has entered (the ``edgeproxy_request_received``
+    hooks and admission are behind it) and never written again.
+
+    Every stage after entry (cache, routing, failover, the fallback ladder, the relay)
+    and the hooks they call see these values; a hook that changes one of them on the
+    context after entry fails (:class:`FixedFact`), and so does :meth:`RequestContext.set_json`.
+    """
+
+    client_ip: str | None
+    """The client's address, resolved once through ``[server] trusted_proxies``."""
+    route: RouteConfig
+    """The ``[[routes]]`` entry the request matched (again, if a hook rewrote it)."""
+    dialect: str | None
+    """The API it speaks: the endpoint table's name (``chat.completions``,
+    ``embeddings``, ...), None for plain HTTP."""
+    stream: bool
+    """Whether the client asked for a streamed answer (``"stream": true``)."""
+    tenant: str | None
+    """Who the request is for, as the hooks at entry decided (the cache's scope)."""
+    body: bytes | None
+    """The buffered body as it is forwarded; None for a body that streams through."""
+
+    def changed(self, ctx: RequestContext) -> str | None:
+        """The name of a fact ``ctx`` no longer agrees with, or None."""
+        if ctx.tenant != self.tenant:
+            return "tenant"
+        if ctx.route is not self.route:
+            return "route"
+        if ctx.body is not self.body:
+            return "body"
+        if ctx.client_ip != self.client_ip:
+            return "client_ip"
+        return None
+
+    def restore(self, ctx: RequestContext) -> None:
+        """Put the facts back on ``ctx`` (after a hook changed one)."""
+        ctx.tenant = self.tenant
+        ctx.route = self.route
+        ctx.body = self.body
+        ctx.client_ip = self.client_ip
 
 
 @dataclass(slots=True)
@@ -81,6 +130,8 @@ class RequestContext:
     # Each try at continuing the stream (routes' continue_on_break), in order.
     continuations: list[Continuation] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
+    # Fixed at entry (fix()): what the request is, from then on.
+    facts: RequestFacts | None = None
     _json: Any = _UNSET
     # ``path`` and the target it was worked out from: the stages ask for it several times.
     _path: str = field(default="", init=False, repr=False, compare=False)
@@ -108,8 +159,39 @@ class RequestContext:
                     pass
         return self._json
 
+    def fix(self, dialect: str | None) -> RequestFacts:
+        """Fix the request's facts, once it has entered; see :class:`RequestFacts`."""
+        body = self.json
+        facts = self.facts = RequestFacts(
+            self.client_ip,
+            self.route,
+            dialect,
+            isinstance(body, dict) and body.get("stream") is True,
+            self.tenant,
+            self.body,
+        )
+        return facts
+
+    def with_json(self, value: Any) -> RequestContext:
+        """Another request like this one with ``value`` as its JSON body and its facts fixed
+        anew (a continuation leg's: the conversation with the partial answer)."""
+        other = copy.copy(self)
+        other.headers = CIMultiDict(self.headers)
+        facts = self.facts
+        other.facts = None
+        other.set_json(value)
+        if facts is not None:
+            other.fix(facts.dialect)
+        return other
+
     def set_json(self, value: Any) -> None:
-        """Replace the request body with ``value`` serialized as JSON."""
+        """Replace the request body with ``value`` serialized as JSON (until the request's
+        facts are fixed at entry: then it raises :class:`FixedFact`)."""
+        if self.facts is not None:
+            raise FixedFact(
+                "the request's body is fixed once it has entered: set_json is for "
+                "edgeproxy_request_received"
+            )
         self.body = orjson.dumps(value)
         self.body_read = True
         self._json = value
@@ -177,6 +259,7 @@ def start_context(
     ctx.error = None
     ctx.continuations = []
     ctx.extra = {}
+    ctx.facts = None
     ctx._json = _UNSET
     ctx._path = ""
     ctx._path_of = None
