@@ -384,9 +384,14 @@ class Plugins:
                 if impl.is_async or (result is not None and inspect.isawaitable(result)):
                     result = await result
                 if ctx is not None and ctx.facts is not None:
-                    changed = ctx.facts.changed(ctx)
-                    if changed is not None:
-                        ctx.facts.restore(ctx)
+                    facts = ctx.facts
+                    if (
+                        ctx.tenant is not facts.tenant
+                        or ctx.route is not facts.route
+                        or ctx.body is not facts.body
+                        or ctx.client_ip is not facts.client_ip
+                    ) and (changed := facts.changed(ctx)) is not None:
+                        facts.restore(ctx)
                         raise FixedFact(
                             f"ctx.{changed} is fixed once the request has entered: change it "
                             "in edgeproxy_request_received"

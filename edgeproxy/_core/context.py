@@ -33,14 +33,15 @@ class FixedFact(RuntimeError):
     """Something tried to change one of a request's facts after they were fixed."""
 
 
-@dataclass(frozen=True, slots=True)
-class RequestFacts:
+class RequestFacts(NamedTuple):
     """What a request is, fixed once it has entered (the ``edgeproxy_request_received``
     hooks and admission are behind it) and never written again.
 
     Every stage after entry (cache, routing, failover, the fallback ladder, the relay)
     and the hooks they call see these values; a hook that changes one of them on the
     context after entry fails (:class:`FixedFact`), and so does :meth:`RequestContext.set_json`.
+    A named tuple: immutable, and built in a fraction of a frozen dataclass's time, once
+    a request.
     """
 
     client_ip: str | None
