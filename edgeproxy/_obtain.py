@@ -134,28 +134,42 @@ class Obtainer:
             return failure
         return await self._degrade(request, ctx, failure)
 
+    def ranked(self, ctx: RequestContext, *, exclude: tuple[str, ...] = ()) -> RoutePlan | Failure:
+        """:meth:`route` with no ``edgeproxy_route`` hook to ask: the router's plan, or the
+        failure of a request none may serve (no coroutine, on every request's path)."""
+        plan = self._ranked(ctx, exclude)
+        if isinstance(plan, RoutePlan) and not plan.regions:
+            return Failure(FailureKind.NO_REGION, no_region())
+        return plan
+
     async def route(
         self, request: Exchange | None, ctx: RequestContext, *, exclude: tuple[str, ...] = ()
     ) -> RoutePlan | Failure:
         """The request's one ranked plan (the ``edgeproxy_route`` hook may choose other
         regions, kept in its affinity plan), or the failure of a request none may serve."""
+        if "edgeproxy_route" not in self.plugins.active:
+            return self.ranked(ctx, exclude=exclude)
+        plan = self._ranked(ctx, exclude)
+        if isinstance(plan, Failure):
+            return plan
+        chosen = await self.plugins.call_first(
+            "edgeproxy_route", request=request, ctx=ctx, candidates=list(plan.regions)
+        )
+        if chosen is not None:
+            plan = replace(plan, regions=tuple(chosen))
+        if not plan.regions:
+            return Failure(FailureKind.NO_REGION, no_region())
+        return plan
+
+    def _ranked(self, ctx: RequestContext, exclude: tuple[str, ...]) -> RoutePlan | Failure:
         try:
-            plan = self.router.route(ctx, exclude=exclude)
+            return self.router.route(ctx, exclude=exclude)
         except ModelError as err:
             kind = FailureKind.MODEL_UNKNOWN if err.status == 404 else FailureKind.BAD_REQUEST
             return Failure(kind, err)
         except ProxyError as err:
             kind = FailureKind.RESIDENCY if err.code == "residency" else FailureKind.NO_REGION
             return Failure(kind, err)
-        if "edgeproxy_route" in self.plugins.active:
-            chosen = await self.plugins.call_first(
-                "edgeproxy_route", request=request, ctx=ctx, candidates=list(plan.regions)
-            )
-            if chosen is not None:
-                plan = replace(plan, regions=tuple(chosen))
-        if not plan.regions:
-            return Failure(FailureKind.NO_REGION, no_region())
-        return plan
 
     def _degradable(self, ctx: RequestContext, failure: Failure) -> bool:
         kind = failure.kind

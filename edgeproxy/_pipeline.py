@@ -181,7 +181,10 @@ class Pipeline:
                     response = answer
                     return response
                 # route: the one ranked plan that failover, hedging and continuation draw on.
-                route = await self.obtainer.route(request, ctx)
+                if "edgeproxy_route" in active:
+                    route = await self.obtainer.route(request, ctx)
+                else:
+                    route = self.obtainer.ranked(ctx)
                 if ctx.route.sse_heartbeat is not None and not isinstance(route, Failure):
                     heartbeat = start_heartbeat(request, ctx, close_connection=self.draining)
             # route + upstream + fallback: the first byte from the best region, failing over

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from edgeproxy._stages.affinity import AffinityPlan
     from edgeproxy._upstream.regions import Region
 
-__all__ = ["RoutePlan"]
+__all__ = ["RoutePlan", "route_plan"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,3 +74,27 @@ class RoutePlan:
         prompt (whichever region it is: failover and hedges included)."""
         if self.affinity is not None:
             Affinity.routed(self.affinity, region, self.clock())
+
+
+# One plan a request: built slot by slot, as the frozen dataclass's own __init__ goes
+# through object.__setattr__ once a field (about half the cost of routing one region).
+_new_plan = object.__new__
+_set_regions = RoutePlan.__dict__["regions"].__set__
+_set_affinity = RoutePlan.__dict__["affinity"].__set__
+_set_panic = RoutePlan.__dict__["panic"].__set__
+_set_clock = RoutePlan.__dict__["clock"].__set__
+
+
+def route_plan(
+    regions: tuple[Region, ...],
+    affinity: AffinityPlan | None,
+    panic: bool,
+    clock: Callable[[], float],
+) -> RoutePlan:
+    """``RoutePlan(regions, affinity, panic, clock)``, built at a fraction of the cost."""
+    plan: RoutePlan = _new_plan(RoutePlan)
+    _set_regions(plan, regions)
+    _set_affinity(plan, affinity)
+    _set_panic(plan, panic)
+    _set_clock(plan, clock)
+    return plan

@@ -39,7 +39,7 @@ from edgeproxy._stages.eligibility import (
 from edgeproxy._stages.geo import GeoResolver, Residency
 from edgeproxy._stages.models import ModelCatalog
 from edgeproxy._stages.ranking import Ranking, Scorer, great_circle_km
-from edgeproxy._stages.routeplan import RoutePlan
+from edgeproxy._stages.routeplan import RoutePlan, route_plan
 from edgeproxy._upstream.regions import Region, RegionSet
 
 if TYPE_CHECKING:
@@ -131,7 +131,7 @@ class Router:
         names = frozenset(r if isinstance(r, str) else r.name for r in exclude) if exclude else ()
         query = RouteQuery(ctx, self.clock(), None, None, owner, names)
         regions = self._rank(query, plan)
-        return RoutePlan(tuple(regions), plan, query.panic, self.clock)
+        return route_plan(tuple(regions), plan, query.panic, self.clock)
 
     def plan(self, ctx: RequestContext) -> AffinityPlan | None:
         """The request's prompt key for prefix affinity; None when affinity is off or the
