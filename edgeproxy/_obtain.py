@@ -13,6 +13,14 @@ all take it. It returns a value, never an exception carrying live work:
   no attempt: any that ran past the deadline to race the local model are cancelled
   before it returns, on every way out.
 
+The stages return what happened and write none of it on the request; this path records
+it on the request's context (its outcome fields, see
+:class:`~edgeproxy._core.context.RequestContext`), in :func:`record`, as each value comes
+back: the region, attempts, hedge and time to headers of what failover returned, then the
+kind of degradation of the ladder's answer. A continuation leg's (:class:`Continuer`) are
+recorded on the request once its leg is found: the attempts it took, the region or the
+local model that continued, and the :class:`~edgeproxy._core.context.Continuation` record.
+
 The kinds decide what may still answer: a residency refusal or a bad model name is
 never degraded, a model no region serves goes only to the local model, and everything
 else walks the route's ``fallback`` list.
@@ -50,14 +58,14 @@ from edgeproxy._stages.routeplan import RoutePlan
 from edgeproxy._upstream.pool import UpstreamError
 
 if TYPE_CHECKING:
-    from edgeproxy._core.context import RequestContext
+    from edgeproxy._core.context import Continuation, RequestContext
     from edgeproxy._core.exchange import Exchange
     from edgeproxy._plugins import Plugins
     from edgeproxy._stages.cache.stage import CacheStage
     from edgeproxy._stages.routing import Router
     from edgeproxy._upstream.regions import Region
 
-__all__ = ["Continuer", "Obtained", "Obtainer", "no_region"]
+__all__ = ["Continuer", "Obtained", "Obtainer", "no_region", "record"]
 
 logger = logging.getLogger("edgeproxy")
 
@@ -67,6 +75,23 @@ Obtained = AttemptResponse | Degraded | Failure
 def no_region() -> ProxyError:
     """The 503 of a request no region may serve."""
     return ProxyError(503, "no_region", "no region may serve this request", code="no_region")
+
+
+def record(ctx: RequestContext, obtained: Obtained) -> None:
+    """Record on ``ctx`` what ``obtained`` says happened to the request: the one writer of
+    its region, attempts, hedge, time to headers and degradation (a continuation's legs
+    add theirs through :class:`Continuer`)."""
+    if isinstance(obtained, Degraded):
+        ctx.degraded = obtained.kind
+        return
+    ctx.attempts = obtained.attempts
+    ctx.hedged = obtained.hedged
+    if isinstance(obtained, AttemptResponse):
+        ctx.region = obtained.region.name
+        ctx.upstream_ttfb = obtained.ttfb
+    elif obtained.region is not None:
+        # The region the latest attempt went to: the error answer names it.
+        ctx.region = obtained.region
 
 
 class Obtainer:
@@ -126,6 +151,8 @@ class Obtainer:
                 failure = routed
             else:
                 sent = await self.failover.send(request, ctx, routed, keep_late=keep_late)
+                # Before the ladder: its hooks, and the error answer, see what was tried.
+                record(ctx, sent)
                 if not isinstance(sent, Failure):
                     return sent
                 failure = sent
@@ -181,16 +208,28 @@ class Obtainer:
 
     async def _degrade(self, request: Exchange, ctx: RequestContext, failure: Failure) -> Obtained:
         """The ladder for ``failure``; whatever it held is cancelled on the way out."""
+        fallback = self.fallback
         try:
             stale = await self.cache.serve_stale(request, ctx)
             try:
-                outcome = await self.fallback.respond(
-                    request, ctx, failure.error, stale=stale, pending=failure.pending
+                rung = await fallback.ladder(request, ctx, stale=stale)
+                if rung.answer is not None:
+                    # The edgeproxy_fallback hook sees the degradation about to answer.
+                    record(ctx, rung.answer)
+                outcome = await fallback.settle(
+                    request, ctx, failure.error, rung, pending=failure.pending
                 )
             except ProxyError as err:
-                return Failure(failure.kind, err)
+                # Vetoed, or nothing could answer: the request is not degraded.
+                ctx.degraded = None
+                return failure.with_error(err)
             if isinstance(outcome, UpstreamWon):
+                # A region beat the local model: not degraded after all, and its answer
+                # is the request's (its region, its time to headers).
+                ctx.degraded = None
+                record(ctx, outcome.upstream)
                 return outcome.upstream
+            record(ctx, outcome)
             return outcome
         finally:
             await failure.aclose()
@@ -198,6 +237,45 @@ class Obtainer:
     def continuer(self, plan: RoutePlan | None) -> Continuer:
         """The continuation of a request routed by ``plan``, for the stream stage."""
         return Continuer(self, plan)
+
+
+class _LegOutcome:
+    """What one :meth:`Continuer.next_leg` call did, as its steps return it, recorded on the
+    request in one place (:meth:`record`) whatever way the call ends."""
+
+    __slots__ = ("attempts", "continuation", "leg")
+
+    def __init__(self) -> None:
+        self.attempts = 0
+        self.continuation: Continuation | None = None
+        self.leg: Leg | None = None
+
+    def record(self, ctx: RequestContext) -> None:
+        """The leg's outcome onto the request: the attempts it took, its continuation
+        record, and the region (or the local model's degradation) that now answers."""
+        ctx.attempts += self.attempts
+        if self.continuation is not None:
+            # For the metrics and the access log, as they read a finished request.
+            ctx.continuations.append(self.continuation)
+        leg = self.leg
+        if leg is not None:
+            if leg.degraded is not None:
+                # A request degraded already keeps its first reason.
+                ctx.degraded = ctx.degraded or leg.degraded
+            else:
+                ctx.region = leg.name
+
+
+class _Contender:
+    """One side of a continuation race: its leg's request and regions, and the attempts
+    its leg took (at least one sent when it is cancelled before it knew)."""
+
+    __slots__ = ("ctx", "regions", "attempts")
+
+    def __init__(self, ctx: RequestContext, regions: list[Region]) -> None:
+        self.ctx = ctx
+        self.regions = regions
+        self.attempts = 1
 
 
 class Continuer:
@@ -218,13 +296,32 @@ class Continuer:
         self, request: Exchange | None, ctx: RequestContext, splice: Splice, broken: str
     ) -> Leg | None:
         """The next leg of the answer ``broken`` (a region's name, or ``local``) broke, or
-        None when it cannot be continued (the caller ends the stream with an error)."""
+        None when it cannot be continued (the caller ends the stream with an error).
+
+        What it did is recorded on ``ctx`` here, once, however it ends."""
+        outcome = _LegOutcome()
+        try:
+            outcome.leg = await self._find(request, ctx, splice, broken, outcome)
+            return outcome.leg
+        finally:
+            outcome.record(ctx)
+
+    async def _find(
+        self,
+        request: Exchange | None,
+        ctx: RequestContext,
+        splice: Splice,
+        broken: str,
+        outcome: _LegOutcome,
+    ) -> Leg | None:
         obtainer = self.obtainer
         continuation = obtainer.continuation
-        if not continuation.may_continue(ctx, splice, broken):
+        refused = continuation.refusal(ctx, splice, broken)
+        if refused is not None:
+            outcome.continuation = refused
             return None
         if not obtainer.failover.retry_budget.try_spend():
-            continuation.count(ctx, broken, "none", "budget")
+            outcome.continuation = continuation.count(ctx, broken, "none", "budget")
             return None
         plan = self.plan
         if plan is None:
@@ -234,30 +331,31 @@ class Continuer:
         candidates = [] if plan is None else list(plan.without(*splice.broken).regions)
         for method, regions in continuation.groups(candidates, splice).items():
             if ctx.route.race_continuations and len(regions) > 1:
-                raced = await self._race(request, ctx, splice, method, regions)
+                raced = await self._race(request, ctx, splice, method, regions, outcome)
                 if raced is None:
                     continue
                 upstream, chunks = raced
             else:
                 leg_ctx = _leg_context(ctx, splice, method)
                 obtained = await obtainer.obtain(request, leg_ctx, regions=regions, degrade=False)
-                ctx.attempts = leg_ctx.attempts
+                assert not isinstance(obtained, Degraded)
+                outcome.attempts += obtained.attempts
                 if isinstance(obtained, Failure):
                     continuation.no_region_continued(ctx, method, obtained.error)
                     continue
-                assert isinstance(obtained, AttemptResponse)
                 if obtained.status != 200:
                     await obtained.aclose()
                     continue
                 upstream, chunks = obtained, obtained.aiter_bytes()
             target = upstream.region.name
             splice.start_leg(broken, target, method)
-            continuation.count(ctx, broken, target, "continued")
-            ctx.region = target
+            outcome.continuation = continuation.count(ctx, broken, target, "continued")
             return Leg(target, chunks, upstream.aclose)
         leg = await self._local(ctx, splice, broken)
         if leg is None:
-            continuation.count(ctx, broken, "none", "failed")
+            outcome.continuation = continuation.count(ctx, broken, "none", "failed")
+        else:
+            outcome.continuation = continuation.count(ctx, broken, LOCAL, "continued")
         return leg
 
     async def _local(self, ctx: RequestContext, splice: Splice, broken: str) -> Leg | None:
@@ -275,8 +373,6 @@ class Continuer:
             )
             return None
         splice.start_leg(broken, LOCAL, "prefill")
-        self.obtainer.continuation.count(ctx, broken, LOCAL, "continued")
-        ctx.degraded = ctx.degraded or "local-model"
 
         async def chunks() -> AsyncIterator[bytes]:
             try:
@@ -288,7 +384,7 @@ class Continuer:
         async def close() -> None:
             answer.abandon()
 
-        return Leg(LOCAL, chunks(), close)
+        return Leg(LOCAL, chunks(), close, degraded="local-model")
 
     async def _race(
         self,
@@ -297,6 +393,7 @@ class Continuer:
         splice: Splice,
         method: str,
         regions: list[Region],
+        outcome: _LegOutcome,
     ) -> tuple[AttemptResponse, AsyncIterator[bytes]] | None:
         """Ask the best two regions for the rest at once; the first whose new leg carries
         a token wins and the other is cancelled (closing its stream). A leg that breaks
@@ -304,13 +401,12 @@ class Continuer:
         token, so costs nothing but the other leg's prefill. None when neither answered."""
         # A second leg spends a second unit of the retry budget; without one, no race.
         if self.obtainer.failover.retry_budget.try_spend():
-            contenders = [regions[:1], regions[1:]]
+            groups = [regions[:1], regions[1:]]
         else:
-            contenders = [regions]
-        legs = [_leg_context(ctx, splice, method) for _ in contenders]
+            groups = [regions]
+        contenders = [_Contender(_leg_context(ctx, splice, method), group) for group in groups]
         tasks = [
-            asyncio.ensure_future(self._until_token(request, leg, group))
-            for leg, group in zip(legs, contenders, strict=True)
+            asyncio.ensure_future(self._until_token(request, contender)) for contender in contenders
         ]
         won: tuple[AttemptResponse, AsyncIterator[bytes]] | None = None
         try:
@@ -328,17 +424,21 @@ class Continuer:
             for result in results:
                 if isinstance(result, tuple) and result is not won:
                     await result[0].aclose()
-            ctx.attempts = max(leg.attempts for leg in legs) + len(legs) - 1
+            # The longest contender's attempts, and one for each other contender.
+            outcome.attempts += max(c.attempts for c in contenders) + len(contenders) - 1
 
     async def _until_token(
-        self, request: Exchange | None, leg_ctx: RequestContext, regions: list[Region]
+        self, request: Exchange | None, contender: _Contender
     ) -> tuple[AttemptResponse, AsyncIterator[bytes]] | None:
         """One contender of a race: its leg, read up to its first token, the bytes read so
         far put back in front of the rest. None if it failed before a token."""
-        obtained = await self.obtainer.obtain(request, leg_ctx, regions=regions, degrade=False)
+        obtained = await self.obtainer.obtain(
+            request, contender.ctx, regions=contender.regions, degrade=False
+        )
+        assert not isinstance(obtained, Degraded)
+        contender.attempts = obtained.attempts
         if isinstance(obtained, Failure):
             return None
-        assert isinstance(obtained, AttemptResponse)
         if obtained.status != 200:
             await obtained.aclose()
             return None

@@ -202,3 +202,57 @@ async def test_the_cache_refresh_takes_the_same_path(
     [(result, _, _)] = seen
     assert not isinstance(result, Failure)
     assert region.counters().requests_by_path[CHAT] == 2
+
+
+class _Outcome:
+    """What a finished request's context says happened to it."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str | None, int, float | None]] = []
+
+    @hookimpl
+    def edgeproxy_response_complete(self, ctx: Any) -> None:
+        self.seen.append((ctx.region, ctx.attempts, ctx.upstream_ttfb))
+
+
+async def test_the_values_returned_say_what_was_tried_and_the_context_records_it(
+    make_region: RegionFactory, make_proxy: ProxyFactory
+) -> None:
+    # Failover writes nothing on the request: its values carry the attempts and the
+    # region, and the obtain path records them, as the logs and hooks read them after.
+    regions = [await make_region(n, fault="5xx", fault_status=503) for n in ("r1", "r2")]
+    outcome = _Outcome()
+    proxy = await make_proxy(
+        regions, routes=[{"name": "chat", "path": CHAT, "retries": 1}], plugins=[outcome]
+    )
+    seen = record_outcomes(proxy)
+    async with aiohttp.ClientSession() as client:
+        async with client.post(proxy.url + CHAT, json=BODY) as resp:
+            assert resp.status == 503
+            region, attempts = (
+                resp.headers["X-Edgeproxy-Region"],
+                resp.headers["X-Edgeproxy-Attempts"],
+            )
+    failure = only_failure(seen)
+    assert failure.attempts == 2 and attempts == "2"
+    assert failure.region == region and region in ("r1", "r2")
+    await eventually(lambda: len(outcome.seen) == 1)
+    assert outcome.seen == [(region, 2, None)]
+
+    # A region answers (after the other failed, if it was tried first): the answer
+    # carries the count and its time to headers, and the context records them.
+    healthy = await make_region("ok")
+    broken = await make_region("down", fault="5xx", fault_status=503)
+    outcome = _Outcome()
+    proxy = await make_proxy(
+        [broken, healthy], routes=[{"name": "chat", "path": CHAT, "retries": 1}], plugins=[outcome]
+    )
+    seen = record_outcomes(proxy)
+    async with aiohttp.ClientSession() as client:
+        async with client.post(proxy.url + CHAT, json=BODY) as resp:
+            assert resp.status == 200
+            header = resp.headers.get("X-Edgeproxy-Attempts", "1")
+    [(answer, _, _)] = seen
+    assert answer.region.name == "ok" and str(answer.attempts) == header
+    await eventually(lambda: len(outcome.seen) == 1)
+    assert outcome.seen == [("ok", answer.attempts, answer.ttfb)]

@@ -84,7 +84,43 @@ class RequestContext:
 
     Plugins read and rewrite the request through it: ``target`` (path and
     query), ``headers`` (a mutable copy of the client's), ``json`` and
-    :meth:`set_json`, ``tenant`` and ``priority``.
+    :meth:`set_json`, ``tenant`` and ``priority``. Once it has entered, what the
+    request is is fixed in ``facts`` (:class:`RequestFacts`).
+
+    What happened to it, its outcome, is filled in from what the stages return, for the
+    hooks (``edgeproxy_response_complete``), the metrics and the access log to read; the
+    stages themselves write none of it. Who fills each field:
+
+    * ``region``: the region that answered, or the latest one tried; a continued
+      stream's, the region that took it on. Recorded by the obtain path
+      (``edgeproxy._obtain``) from failover's returned value, and by its ``Continuer``.
+    * ``attempts``: upstream attempts sent, a continuation's legs' included. The obtain
+      path, from failover's value (its ``attempts``) and each leg's.
+    * ``hedged``: a hedge was sent. The obtain path, from failover's value.
+    * ``upstream_ttfb``: seconds from sending the answering attempt to its headers. The
+      obtain path, from the ``AttemptResponse``.
+    * ``degraded``: ``stale-cache``, ``local-model`` or ``plugin`` when the fallback
+      ladder answered (or the local model continued a stream), else None. The obtain
+      path, from the ladder's ``Degraded`` kind (already as the ``edgeproxy_fallback``
+      hook runs) and a continuation ``Leg``'s.
+    * ``continuations``: each try at continuing a broken stream, in order
+      (:class:`Continuation`). The obtain path's ``Continuer``, from the continuation
+      stage's returned records.
+    * ``cache``, ``cache_key``: the cache's status (``HIT``, ``MISS``, ``STALE``,
+      ``COALESCED``, ``BYPASS``, ``REFRESH``) and key. The cache stage, at lookup and
+      as it serves a stale answer to the ladder.
+    * ``status``: the status sent to the client. The answer's writer (the relay, the
+      heartbeats, the cache's replay, the pipeline's own and error answers).
+    * ``bytes_out``, ``first_byte_at``, ``response_is_sse``: what the client was sent,
+      when its first byte went, whether as SSE. The answer's writer, as it sends.
+    * ``usage``: the answer's token counts (a continued stream's summed). The answer's
+      writer (the relay, the local model), as it sends.
+    * ``error``: why the answer failed or ended early. The pipeline's error answer, or
+      the answer's writer when it breaks off.
+    * ``finished_at``: when the request ended. The pipeline, on every way out.
+
+    The answer's writer accounts for what it sent: the streaming fields are written as the
+    bytes go out, never returned.
     """
 
     request_id: str
@@ -114,6 +150,7 @@ class RequestContext:
     model: str | None = None
     client_country: str | None = None
     client_geo: tuple[float, float] | None = None
+    # The outcome: filled in from what the stages return (see the docstring).
     region: str | None = None
     attempts: int = 0
     hedged: bool = False

@@ -81,8 +81,12 @@ class Leg:
     """
 
     name: str
+    """The region that continues the answer, or ``local``."""
     chunks: AsyncIterator[bytes]
     close: Callable[[], Awaitable[None]]
+    degraded: str | None = None
+    """The degradation this leg makes of the answer (``local-model``), None for a region's;
+    recorded on the request by :class:`edgeproxy._obtain.Continuer`."""
 
 
 def _deterministic(body: dict[str, Any]) -> bool:
@@ -334,15 +338,16 @@ class ContinuationStage:
             return None
         return Splice(body)
 
-    def count(self, ctx: RequestContext, source: str, target: str, outcome: str) -> None:
-        """One continuation attempt's outcome, in ``/status`` and on the request."""
+    def count(self, ctx: RequestContext, source: str, target: str, outcome: str) -> Continuation:
+        """One continuation attempt's outcome, counted in ``/status``; the record returned
+        is the request's (its caller adds it to ``ctx.continuations``)."""
         self.counts[(ctx.route.name, source, target, outcome)] += 1
-        # For the metrics and the access log, as they read a finished request.
-        ctx.continuations.append(Continuation(source, target, outcome))
+        return Continuation(source, target, outcome)
 
-    def may_continue(self, ctx: RequestContext, splice: Splice, broken: str) -> bool:
-        """Whether the answer ``broken`` broke may go on: not past ``max_continuations``,
-        nor inside tool calls, after its finish, or before any text (counted if not)."""
+    def refusal(self, ctx: RequestContext, splice: Splice, broken: str) -> Continuation | None:
+        """None when the answer ``broken`` broke may go on: not past ``max_continuations``,
+        nor inside tool calls, after its finish, or before any text; else the counted
+        record of why not."""
         splice.broke(broken)
         if (
             len(splice.continued) >= ctx.route.max_continuations
@@ -350,9 +355,8 @@ class ContinuationStage:
             or splice.finished
             or not splice.text
         ):
-            self.count(ctx, broken, "none", "limit" if splice.text else "impossible")
-            return False
-        return True
+            return self.count(ctx, broken, "none", "limit" if splice.text else "impossible")
+        return None
 
     def groups(self, candidates: list[Region], splice: Splice) -> dict[str, list[Region]]:
         """The candidates able to continue ``splice``, best first, by continuation method;

@@ -211,8 +211,6 @@ class _Attempt:
         now = self.started = time.monotonic()
         region.attempt_started(endpoint, self.id, self.kind, now)
         self._released = False
-        ctx.attempts += 1
-        ctx.region = region.name
         failover = self.failover
         try:
             response = self.response = await failover.upstream.send(request, ctx, region, endpoint)
@@ -325,15 +323,32 @@ class AttemptResponse:
     Replays the first chunk read while racing, records the region's latency
     when a non-streamed body ends, and on :meth:`aclose` releases the
     region's in-flight slot (and cancels the upstream if the body did not end).
+
+    It also says how it was obtained, for the obtain path to record on the request
+    (:func:`edgeproxy._obtain.record`): the region that answered, the ``attempts`` it
+    took (this one included), whether a hedge was sent (``hedged``), and ``ttfb``, the
+    seconds from sending this attempt to its response's headers.
     """
 
-    __slots__ = ("attempt", "region", "status", "headers", "http_version")
+    __slots__ = (
+        "attempt",
+        "region",
+        "status",
+        "headers",
+        "http_version",
+        "attempts",
+        "hedged",
+        "ttfb",
+    )
 
-    def __init__(self, attempt: _Attempt, attempts: int) -> None:
+    def __init__(self, attempt: _Attempt, attempts: int, *, hedged: bool = False) -> None:
         response = attempt.response
         assert response is not None
         self.attempt = attempt
         self.region = attempt.region
+        self.attempts = attempts
+        self.hedged = hedged
+        self.ttfb = attempt.headers_at - attempt.started
         self.status = response.status
         self.headers: Headers = list(response.headers)
         if attempts > 1:
@@ -399,16 +414,37 @@ class Failure:
     answers, and the attempts still running past the deadline (``deadline_action =
     "race"``), which this value owns: :meth:`aclose` cancels them, and its holder calls it
     on every way out (it is idempotent).
+
+    It also says what was tried, for the obtain path to record on the request
+    (:func:`edgeproxy._obtain.record`): the ``attempts`` sent, the ``region`` the latest
+    of them went to (None when none was sent), and whether a hedge was (``hedged``).
     """
 
-    __slots__ = ("error", "kind", "pending")
+    __slots__ = ("error", "kind", "pending", "attempts", "region", "hedged")
 
     def __init__(
-        self, kind: FailureKind, error: ProxyError, pending: PendingUpstream | None = None
+        self,
+        kind: FailureKind,
+        error: ProxyError,
+        pending: PendingUpstream | None = None,
+        *,
+        attempts: int = 0,
+        region: str | None = None,
+        hedged: bool = False,
     ) -> None:
         self.kind = kind
         self.error = error
         self.pending = pending
+        self.attempts = attempts
+        self.region = region
+        self.hedged = hedged
+
+    def with_error(self, error: ProxyError) -> Failure:
+        """The same failure (what was tried) answered with ``error`` instead; it holds
+        no pending attempts (those stay this value's to close)."""
+        return Failure(
+            self.kind, error, attempts=self.attempts, region=self.region, hedged=self.hedged
+        )
 
     @property
     def status(self) -> int:
@@ -594,9 +630,14 @@ class _Plan:
         self.keep_late = keep_late
         self.overloaded = 0
         self.last: _Attempt | None = None
+        # What the values returned say of the attempts: the region the latest went to,
+        # whether a hedge was sent (the count is `tried`).
+        self.latest: Region | None = None
+        self.hedged = False
 
     def attempt(self, region: Region, kind: str) -> _Attempt:
         self.tried += 1
+        self.latest = region
         return _Attempt(self.failover, region, kind, self.tried_endpoints)
 
     def next_region(self) -> Region | None:
@@ -721,7 +762,7 @@ class _Plan:
                         hedge_at = math.inf
                         region = self.next_region() if self.queue else None
                         if region is not None and failover.hedge_budget.try_spend():
-                            ctx.hedged = True
+                            self.hedged = True
                             start(region, "hedge")
                     continue
                 for task in done:
@@ -742,14 +783,24 @@ class _Plan:
 
     def win(self, attempt: _Attempt) -> AttemptResponse:
         """``attempt`` answered: the response the caller owns from now on."""
-        ctx = self.ctx
-        ctx.region = attempt.region.name
-        ctx.upstream_ttfb = attempt.headers_at - attempt.started
-        return AttemptResponse(attempt, ctx.attempts)
+        return AttemptResponse(attempt, self.tried, hedged=self.hedged)
+
+    def _failure(
+        self, kind: FailureKind, error: ProxyError, pending: PendingUpstream | None = None
+    ) -> Failure:
+        latest = self.latest
+        return Failure(
+            kind,
+            error,
+            pending,
+            attempts=self.tried,
+            region=None if latest is None else latest.name,
+            hedged=self.hedged,
+        )
 
     def _headers(self) -> dict[str, str]:
-        if self.ctx.attempts > 1:
-            return {"X-Edgeproxy-Attempts": str(self.ctx.attempts)}
+        if self.tried > 1:
+            return {"X-Edgeproxy-Attempts": str(self.tried)}
         return {}
 
     def deadline_failure(self, running: dict[asyncio.Task[None], _Attempt]) -> Failure:
@@ -765,15 +816,15 @@ class _Plan:
             pending = PendingUpstream(self, dict(running))
             running.clear()
         error = DeadlineExceeded(self.ctx.route.deadline, headers=self._headers())
-        return Failure(FailureKind.DEADLINE, error, pending)
+        return self._failure(FailureKind.DEADLINE, error, pending)
 
     async def failure(self) -> Failure:
         """The failure of a request whose attempts all failed (or that got none)."""
         error = await self._failure_error()
         if self.last is not None:
-            return Failure(FailureKind.UPSTREAM, error)
+            return self._failure(FailureKind.UPSTREAM, error)
         kind = FailureKind.OVERLOADED if self.overloaded else FailureKind.NO_REGION
-        return Failure(kind, error)
+        return self._failure(kind, error)
 
     async def _failure_error(self) -> ProxyError:
         attempt = self.last

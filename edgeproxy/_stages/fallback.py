@@ -15,10 +15,13 @@ sheds a request whose policy says degrade. It walks the route's
 ``fallback`` list (rungs 3 and 4, in the configured order) and lets the
 ``edgeproxy_fallback`` hook veto or replace the chosen answer.
 
-It answers or raises, and sends nothing itself: :meth:`FallbackStage.respond`
-returns a :class:`Degraded` answer for the pipeline to send, or an
-:class:`UpstreamWon` for it to relay, and raises the
-:class:`~edgeproxy._core.errors.ProxyError` the client is to get otherwise.
+It answers or raises, and sends nothing itself, nor writes the request's outcome: in two
+steps, :meth:`FallbackStage.ladder` finds the rung that may answer (a :class:`Rung`, its
+answer a :class:`Degraded` of a kind), which the obtain path records on the request for the
+hook to see, and :meth:`FallbackStage.settle` lets the hook have its say and returns a
+:class:`Degraded` answer (of its kind) for the pipeline to send, or an :class:`UpstreamWon`
+for it to relay, and raises the :class:`~edgeproxy._core.errors.ProxyError` the client is
+to get otherwise.
 
 With the route's ``deadline_action = "race"``, the attempts still running
 past the deadline (the ``pending`` of the
@@ -50,7 +53,7 @@ if TYPE_CHECKING:
     from edgeproxy._core.context import RequestContext
     from edgeproxy._stages.failover import AttemptResponse, PendingUpstream
 
-__all__ = ["Degraded", "FallbackStage", "UpstreamWon"]
+__all__ = ["Degraded", "FallbackStage", "Rung", "UpstreamWon"]
 
 logger = logging.getLogger("edgeproxy.fallback")
 
@@ -66,6 +69,19 @@ class Degraded:
     """
 
     response: StreamResponse
+    kind: str
+    """What answers: ``stale-cache``, ``local-model`` or ``plugin`` (the request's
+    ``degraded``, its ``X-Edgeproxy-Degraded``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Rung:
+    """The rung of the ladder that may answer, before the ``edgeproxy_fallback`` hook has
+    its say: its answer (None when none could), and why rungs that applied could not
+    (``missing``: the local model not loaded)."""
+
+    answer: Degraded | None
+    missing: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,28 +119,64 @@ class FallbackStage:
     async def close(self) -> None:
         await self.local.close()
 
-    async def respond(
+    async def ladder(
+        self, request: Exchange, ctx: RequestContext, *, stale: StreamResponse | None
+    ) -> Rung:
+        """Rungs 3 and 4 as the route orders them: the rung that may answer a request the
+        regions could not. ``stale`` is the cache's stale-if-error answer, if it has one.
+
+        A local answer holds a generation slot: :meth:`settle` takes it over (the caller
+        gives it to :meth:`settle` at once). Raises the local model's own refusal (400 bad
+        input, 503 saturated).
+        """
+        missing: list[str] = []
+        for rung in ctx.route.fallback:
+            if rung == "stale" and stale is not None:
+                return Rung(Degraded(stale, "stale-cache"), tuple(missing))
+            if rung == "local" and self._local_applies(ctx):
+                if not self.local.ready:
+                    missing.append(f"the local model is {self.local.state}")
+                    continue
+                answer = await self.local.answer(ctx)
+                return Rung(Degraded(answer, "local-model"), tuple(missing))
+        return Rung(None, tuple(missing))
+
+    async def settle(
         self,
         request: Exchange,
         ctx: RequestContext,
         err: ProxyError,
+        rung: Rung,
         *,
-        stale: StreamResponse | None,
         pending: PendingUpstream | None = None,
     ) -> Degraded | UpstreamWon:
-        """The degraded answer for a request the regions could not answer.
+        """The degraded answer for a request the regions could not answer (``err``), once
+        the ``edgeproxy_fallback`` hook had its say about ``rung``'s.
 
-        ``stale`` is the cache's stale-if-error answer, if it has one.
         ``pending`` holds the attempts still running past the deadline
         (``deadline_action = "race"``): a local answer races them, and an
         attempt with its first byte first is taken out of ``pending`` and
         returned instead. What is left in ``pending`` is the caller's to close.
 
         Raises ``err`` when no rung answers or the hook vetoes, a 503 saying
-        why when a rung could not answer (the local model not loaded), or the
-        local model's own refusal (400 bad input, 503 saturated).
+        why when a rung could not answer (the local model not loaded).
         """
-        answer = await self._ladder(request, ctx, err, stale)
+        chosen = rung.answer
+        try:
+            verdict = await self._hook(request, ctx, err, chosen)
+        except BaseException:
+            _discard(chosen)
+            raise
+        if verdict is None:
+            if rung.missing:
+                self.unavailable_total += 1
+                raise self._unavailable(ctx, err, list(rung.missing))
+            raise err
+        if verdict is False:
+            self.vetoed_total += 1
+            raise err
+        assert isinstance(verdict, Degraded)
+        answer = verdict.response
         if isinstance(answer, LocalAnswer) and pending is not None:
             try:
                 upstream_first = await self._upstream_first(answer, pending)
@@ -133,47 +185,8 @@ class FallbackStage:
                 raise
             if upstream_first:
                 answer.abandon()
-                ctx.degraded = None
                 return UpstreamWon(pending.take())
-        self.served[ctx.degraded or "plugin"] += 1
-        return Degraded(answer)
-
-    async def _ladder(
-        self,
-        request: Exchange,
-        ctx: RequestContext,
-        err: ProxyError,
-        stale: StreamResponse | None,
-    ) -> StreamResponse:
-        """Rungs 3 and 4 as the route orders them, then the edgeproxy_fallback hook."""
-        answer: StreamResponse | None = None
-        missing: list[str] = []
-        try:
-            for rung in ctx.route.fallback:
-                if rung == "stale" and stale is not None:
-                    answer = stale
-                    ctx.degraded = ctx.degraded or "stale-cache"
-                    break
-                if rung == "local" and self._local_applies(ctx):
-                    if not self.local.ready:
-                        missing.append(f"the local model is {self.local.state}")
-                        continue
-                    answer = await self.local.answer(ctx)
-                    ctx.degraded = "local-model"
-                    break
-            verdict = await self._hook(request, ctx, err, answer)
-        except BaseException:
-            _discard(answer)
-            raise
-        if verdict is False:
-            self.vetoed_total += 1
-            raise err
-        if verdict is None:
-            if missing:
-                self.unavailable_total += 1
-                raise self._unavailable(ctx, err, missing)
-            raise err
-        assert isinstance(verdict, StreamResponse)
+        self.served[verdict.kind] += 1
         return verdict
 
     async def _upstream_first(self, answer: LocalAnswer, pending: PendingUpstream) -> bool:
@@ -217,24 +230,24 @@ class FallbackStage:
         request: Exchange,
         ctx: RequestContext,
         err: ProxyError,
-        answer: StreamResponse | None,
-    ) -> Any:
-        """Let plugins veto (``False``) or replace the answer; returns what is to be used."""
+        chosen: Degraded | None,
+    ) -> Degraded | bool | None:
+        """Let plugins veto (``False``) or replace the answer; returns what is to be used
+        (None: nothing)."""
         if not self.plugins.has("edgeproxy_fallback"):
-            return answer
+            return chosen
+        answer = None if chosen is None else chosen.response
         verdict = await self.plugins.call_first(
             "edgeproxy_fallback", request=request, ctx=ctx, reason=err.type, answer=answer
         )
         if verdict is False:
-            _discard(answer)
-            ctx.degraded = None
+            _discard(chosen)
             return False
         if verdict is not None and verdict is not True and verdict is not answer:
             verdict = hook_answer("edgeproxy_fallback", verdict)
-            _discard(answer)
-            ctx.degraded = "plugin"
-            return verdict
-        return answer
+            _discard(chosen)
+            return Degraded(verdict, "plugin")
+        return chosen
 
     def _unavailable(self, ctx: RequestContext, err: ProxyError, missing: list[str]) -> ProxyError:
         """The last rung: 503 with Retry-After, saying what failed and why no fallback answered."""
@@ -260,6 +273,6 @@ class FallbackStage:
         }
 
 
-def _discard(answer: object) -> None:
-    if isinstance(answer, LocalAnswer):
-        answer.abandon()
+def _discard(chosen: Degraded | None) -> None:
+    if chosen is not None and isinstance(chosen.response, LocalAnswer):
+        chosen.response.abandon()
