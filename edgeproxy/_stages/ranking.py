@@ -275,14 +275,25 @@ class LoadTiers:
         self.step = routing.load_tier_queue
 
     def tier(self, region: Region, now: float) -> int:
-        reported = region.reported
-        report = reported.report
-        if report is None or not 0.0 <= now - reported.stamp <= self.max_age:
-            return 0
-        waiting = report.num_requests_waiting
-        if waiting is None or waiting < self.step:
-            return 0
-        return int(waiting // self.step).bit_length()
+        """The load tier of ``region``'s report at ``now``."""
+        return int(self.tiers([(0.0, region)], now)[0])
+
+    def tiers(self, scored: list[tuple[float, Region]], now: float) -> list[float]:
+        """The load tier of each region of ``scored`` ((score, region))."""
+        max_age = self.max_age
+        step = self.step
+        tiers: list[float] = []
+        for _, region in scored:
+            reported = region.reported
+            report = reported.report
+            if report is None or not 0.0 <= now - reported.stamp <= max_age:
+                tiers.append(0)
+                continue
+            waiting = report.num_requests_waiting
+            tiers.append(
+                0 if waiting is None or waiting < step else int(waiting // step).bit_length()
+            )
+        return tiers
 
     def keys(
         self, query: RouteQuery, scored: list[tuple[float, Region]], plan: AffinityPlan | None
@@ -290,9 +301,7 @@ class LoadTiers:
         # Most requests find no fresh report anywhere (the score looked already).
         if not query.fresh_reports:
             return None
-        now = query.now
-        tier = self.tier
-        tiers: list[float] = [tier(region, now) for _, region in scored]
+        tiers = self.tiers(scored, query.now)
         return tiers if any(tiers) else None
 
 
@@ -347,6 +356,12 @@ def _tier_then_score(pair: tuple[float, Region]) -> tuple[int, float]:
     return pair[1].priority, pair[0]
 
 
+def _to_front(ordered: list[Region], first: Region) -> None:
+    if ordered[0] is not first:
+        ordered.remove(first)
+        ordered.insert(0, first)
+
+
 def _reachable_then_score(pair: tuple[float, Region]) -> tuple[bool, float]:
     return pair[1].state == "down", pair[0]
 
@@ -386,15 +401,21 @@ class Ranking:
         if query.panic:
             # Nothing is known to work, so try everything, reachable first.
             return [r for _, r in sorted(scored, key=_reachable_then_score)]
-        columns = [c for p in self.policies if (c := p.keys(query, scored, plan)) is not None]
+        columns = []
+        for policy in self.policies:
+            column = policy.keys(query, scored, plan)
+            if column is not None:
+                columns.append(column)
         equal_within = self.latency.equal_within
         if not columns:
             scored.sort(key=_tier_then_score)
             tier = scored[0][1].priority
             best = scored[0][0] * equal_within
             equals = [(s, r) for s, r in scored if r.priority == tier and s <= best]
-            first = self.latency.pick(equals) if len(equals) > 1 else scored[0][1]
-            return [first, *(r for _, r in scored if r is not first)]
+            ordered = [r for _, r in scored]
+            if len(equals) > 1:
+                _to_front(ordered, self.latency.pick(equals))
+            return ordered
         # Lexicographic: the tier, then each policy's key in turn, then the score, then the
         # eligible order (so that a full tie never compares two regions).
         keys: list[tuple[Any, ...]]  # the tier, the policies' keys, the score, the index
@@ -407,14 +428,19 @@ class Ranking:
                 for i, pair in enumerate(scored)
             ]
         keys.sort()
-        lead = keys[0][:-2]
-        best = keys[0][-2] * equal_within
-        equals = []
-        for key in keys:
+        top = keys[0]
+        lead = top[:-2]
+        best = top[-2] * equal_within
+        equals = [scored[top[-1]]]
+        for key in keys[1:]:
             if key[-2] > best or key[:-2] != lead:
                 break
             equals.append(scored[key[-1]])
-        first = self.latency.pick(equals) if len(equals) > 1 else equals[0][1]
+        ordered = [scored[key[-1]][1] for key in keys]
+        first = ordered[0]
+        if len(equals) > 1:
+            first = self.latency.pick(equals)
+            _to_front(ordered, first)
         if plan is not None and first in plan.matched:
             plan.chosen = first
-        return [first, *(r for r in (scored[key[-1]][1] for key in keys) if r is not first)]
+        return ordered
