@@ -98,6 +98,9 @@ class ClientIPResolver:
         cost of one look at the peer: what the pipeline asks of every request."""
         if not peer:
             return None, False
+        if not self.networks and ":" not in peer:
+            # Nobody is trusted, and a dotted IPv4 address is already in its plain form.
+            return peer, False
         known = _peer(peer)
         if known is None:
             return peer, False
