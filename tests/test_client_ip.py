@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 from multidict import CIMultiDict
 
-from edgeproxy import Config, ConfigError, EdgeProxy, RequestContext
+from edgeproxy import ClientIPResolver, Config, ConfigError, EdgeProxy, RequestContext
 from edgeproxy._core.config import iter_config_keys
 from edgeproxy._protocol.headers import trace_context
 from edgeproxy._server.generation import restart_errors
@@ -273,3 +273,18 @@ def test_geo_tenants_trusted_peers_still_decide_and_warn_naming_the_one_list(
     # As before: its own list alone says whose headers it believes.
     assert plugin.trusts(context("10.0.0.1", peer_trusted=False))
     assert not plugin.trusts(context("192.0.2.1", peer_trusted=True))
+
+
+@pytest.mark.parametrize(
+    ("peer", "resolved"),
+    [
+        ("192.0.2.7", "192.0.2.7"),
+        ("192.168.1.1%lo", "192.168.1.1"),
+        ("::ffff:192.0.2.7", "192.0.2.7"),
+        ("2001:DB8::1", "2001:db8::1"),
+        ("not-an-address", "not-an-address"),
+    ],
+)
+def test_the_peer_is_normalized_when_nobody_is_trusted(peer: str, resolved: str) -> None:
+    # The no-trusted-proxy fast path must give what the parse gives.
+    assert ClientIPResolver().resolve_peer(peer) == (resolved, False)

@@ -98,8 +98,9 @@ class ClientIPResolver:
         cost of one look at the peer: what the pipeline asks of every request."""
         if not peer:
             return None, False
-        if not self.networks and ":" not in peer:
-            # Nobody is trusted, and a dotted IPv4 address is already in its plain form.
+        if not self.networks and peer.replace(".", "").isdigit():
+            # Nobody is trusted, and digits and dots are a plain IPv4 address already (or
+            # no address at all, which the parse would give back as it is, too).
             return peer, False
         known = _peer(peer)
         if known is None:
