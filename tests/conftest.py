@@ -11,6 +11,7 @@ from typing import Any
 import aiohttp
 import pytest
 import trustme
+from aiohttp import web
 
 from edgeproxy import Config, EdgeProxy
 from edgeproxy.testing import Behavior, FakeRegion
@@ -291,3 +292,25 @@ async def check_disconnect_cancels_upstream(
     async with aiohttp.ClientSession() as client:
         async with client.post(url, json=body) as again:
             assert again.status == 200
+
+
+CustomRegion = Callable[[web.Application], Awaitable[str]]
+
+
+@pytest.fixture
+async def custom_region() -> AsyncIterator[CustomRegion]:
+    """Serve an aiohttp app as a hand-written region (HTTP/1.1); returns its URL. Every
+    app served is stopped afterwards."""
+    runners: list[web.AppRunner] = []
+
+    async def factory(app: web.Application) -> str:
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        runners.append(runner)
+        host, port = runner.addresses[0][:2]
+        return f"http://{host}:{port}"
+
+    yield factory
+    for runner in runners:
+        await runner.cleanup()

@@ -10,7 +10,6 @@ their versions; and one ``Date``.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import aiohttp
@@ -21,7 +20,7 @@ from aiohttp import web
 
 from edgeproxy import Config, ConfigError
 
-from .conftest import ProxyFactory, RegionFactory, eventually, proxy_config
+from .conftest import CustomRegion, ProxyFactory, RegionFactory, eventually, proxy_config
 from .test_server import closed_port
 
 CHAT = "/v1/chat/completions"
@@ -35,8 +34,6 @@ POST = (
 )
 TRACE = b"TRACE / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
 MALFORMED = b"GET / HTTP/1.1\r\nHost: x\r\nBad Header Line\r\n\r\n"
-
-Upstream = Callable[[web.Application], Awaitable[str]]
 
 
 # -- /readyz ---------------------------------------------------------------------
@@ -91,25 +88,7 @@ async def test_readyz_says_the_local_model_failed_but_not_where_it_looked(
 # -- the Server header -----------------------------------------------------------
 
 
-@pytest.fixture
-async def upstream() -> AsyncIterator[Upstream]:
-    """Serve an aiohttp app as a region over HTTP/1.1; returns its URL."""
-    runners: list[web.AppRunner] = []
-
-    async def factory(app: web.Application) -> str:
-        runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        runners.append(runner)
-        host, port = runner.addresses[0][:2]
-        return f"http://{host}:{port}"
-
-    yield factory
-    for runner in runners:
-        await runner.cleanup()
-
-
-async def nginx_like(upstream: Upstream) -> dict[str, object]:
+async def nginx_like(custom_region: CustomRegion) -> dict[str, object]:
     """A region that names its software and version, as nginx does by default."""
 
     async def answer(request: web.Request) -> web.Response:
@@ -120,7 +99,7 @@ async def nginx_like(upstream: Upstream) -> dict[str, object]:
 
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", answer)
-    return {"name": "ngx", "url": await upstream(app), "http2": False}
+    return {"name": "ngx", "url": await custom_region(app), "http2": False}
 
 
 async def raw_head(port: int, payload: bytes) -> list[tuple[str, str]]:
@@ -146,9 +125,9 @@ def port_of(url: str) -> int:
 
 
 async def test_the_aiohttp_listener_names_itself_on_every_answer(
-    make_proxy: ProxyFactory, upstream: Upstream
+    make_proxy: ProxyFactory, custom_region: CustomRegion
 ) -> None:
-    proxy = await make_proxy([await nginx_like(upstream)])
+    proxy = await make_proxy([await nginx_like(custom_region)])
     port = port_of(proxy.url)
     relayed = await raw_head(port, POST)
     assert named(relayed, "x-edgeproxy-region") == ["ngx"]
@@ -194,9 +173,9 @@ async def test_a_cached_answer_does_not_carry_the_regions_server(
 
 
 async def test_the_http2_listener_sends_one_date_and_one_server(
-    make_proxy: ProxyFactory, upstream: Upstream
+    make_proxy: ProxyFactory, custom_region: CustomRegion
 ) -> None:
-    proxy = await make_proxy([await nginx_like(upstream)], server=H2C)
+    proxy = await make_proxy([await nginx_like(custom_region)], server=H2C)
     for http2 in (True, False):
         async with httpx.AsyncClient(http1=not http2, http2=http2) as client:
             resp = await client.post(proxy.url + CHAT, json=BODY)
@@ -212,9 +191,11 @@ async def test_the_http2_listener_sends_one_date_and_one_server(
 
 @pytest.mark.parametrize("server", [{}, H2C], ids=["aiohttp", "http2"])
 async def test_an_empty_server_header_sends_none(
-    make_proxy: ProxyFactory, upstream: Upstream, server: dict[str, object]
+    make_proxy: ProxyFactory, custom_region: CustomRegion, server: dict[str, object]
 ) -> None:
-    proxy = await make_proxy([await nginx_like(upstream)], server={**server, "server_header": ""})
+    proxy = await make_proxy(
+        [await nginx_like(custom_region)], server={**server, "server_header": ""}
+    )
     port = port_of(proxy.url)
     relayed = await raw_head(port, POST)
     assert named(relayed, "x-edgeproxy-region") == ["ngx"]

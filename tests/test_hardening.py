@@ -25,7 +25,7 @@ import pytest
 from edgeproxy import EdgeProxy
 from edgeproxy.testing import FakeRegion
 
-from .conftest import ProxyFactory, RegionFactory, eventually
+from .conftest import CustomRegion, ProxyFactory, RegionFactory, eventually
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
@@ -741,7 +741,7 @@ async def test_hop_by_hop_internal_and_credential_headers_are_not_forwarded(
 
 
 async def test_upstream_credentials_never_reach_the_client(
-    make_proxy: ProxyFactory, custom_upstream: Callable[..., Awaitable[str]]
+    make_proxy: ProxyFactory, custom_region: CustomRegion
 ) -> None:
     from aiohttp import web
 
@@ -759,7 +759,7 @@ async def test_upstream_credentials_never_reach_the_client(
 
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", leaky)
-    url = await custom_upstream(app)
+    url = await custom_region(app)
     proxy = await make_proxy(
         [
             {"name": "leaky", "url": url, "http2": False, "api_key": "sk-upstream-SECRET-0123"},
@@ -797,26 +797,6 @@ async def test_dead_region_error_does_not_leak_credentials(make_proxy: ProxyFact
             text = await resp.text()
             all_headers = str(dict(resp.headers))
     assert "SECRET" not in text and "SECRET" not in all_headers
-
-
-@pytest.fixture
-async def custom_upstream() -> AsyncIterator[Callable[..., Awaitable[str]]]:
-    from aiohttp import web
-
-    runners: list[web.AppRunner] = []
-
-    async def factory(app: web.Application) -> str:
-        runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        runners.append(runner)
-        host, port = runner.addresses[0][:2]
-        return f"http://{host}:{port}"
-
-    yield factory
-    for runner in runners:
-        await runner.cleanup()
 
 
 # -- the pure-Python parser -------------------------------------------------------------

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import pytest
-from aiohttp import web
 
 from edgeproxy import Config, EdgeProxy, RequestContext, hookimpl
 
@@ -67,22 +66,3 @@ def plugins_section(**settings: dict[str, Any]) -> dict[str, Any]:
         "settings": settings,
         "entry_points": False,
     }
-
-
-@pytest.fixture
-async def custom_region() -> AsyncIterator[Callable[[web.Application], Awaitable[str]]]:
-    """Serve an aiohttp app as a hand-written region (HTTP/1.1); returns its URL."""
-    runners: list[web.AppRunner] = []
-
-    async def factory(app: web.Application) -> str:
-        runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        runners.append(runner)
-        host, port = runner.addresses[0][:2]
-        return f"http://{host}:{port}"
-
-    yield factory
-    for runner in runners:
-        await runner.cleanup()

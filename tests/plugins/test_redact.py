@@ -8,7 +8,7 @@ import hashlib
 import json
 import logging
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -19,14 +19,12 @@ from aiohttp import web
 from edgeproxy import PluginLoadError, RequestContext, hookimpl
 from edgeproxy.plugins.redact import Redactor, _SseState, _WholeBody
 
-from ..conftest import RegionFactory
+from ..conftest import CustomRegion, RegionFactory
 from .conftest import CHAT, PluginProxyFactory, build_proxy, plugins_section
 
 EMAIL = "john.doe@example.com"
 API_KEY = "sk-proj-AbCdEf0123456789XyZ"
 R = "[REDACTED]"
-
-CustomRegion = Callable[[web.Application], Awaitable[str]]
 
 
 def sse_data(raw: bytes) -> list[bytes]:
