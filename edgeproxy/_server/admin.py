@@ -35,6 +35,7 @@ __all__ = [
     "build_admin_app",
     "json_response",
     "name_answers",
+    "reload_answer",
 ]
 
 
@@ -217,6 +218,15 @@ def build_admin_app(
     return app
 
 
+def reload_answer(result: dict[str, Any]) -> web.Response:
+    """``POST /reload``'s answer to a reload's ``result``: it, or 409 with the reasons."""
+    if result["reloaded"]:
+        return json_response(result)
+    return web_error(
+        409, "invalid_request_error", "; ".join(result["errors"]), code="reload_refused"
+    )
+
+
 def admin_app(proxy: AdminProxy, *, token: str | None = None) -> web.Application:
     """The admin listener's application for ``proxy``; ``token``: see :func:`admin_auth`."""
 
@@ -255,12 +265,7 @@ def admin_app(proxy: AdminProxy, *, token: str | None = None) -> web.Application
                 "in the host app, or restart it",
                 code="reload_unsupported",
             )
-        result = await proxy.reload_from_loader()
-        if result["reloaded"]:
-            return json_response(result)
-        return web_error(
-            409, "invalid_request_error", "; ".join(result["errors"]), code="reload_refused"
-        )
+        return reload_answer(await proxy.reload_from_loader())
 
     handlers = AdminHandlers(
         healthz=healthz,

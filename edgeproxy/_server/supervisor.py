@@ -37,7 +37,13 @@ from prometheus_client.multiprocess import mark_process_dead
 
 from edgeproxy._core.config import Config, ConfigError
 from edgeproxy._observability.multiprocess import multiprocess_dir
-from edgeproxy._server.admin import AdminHandlers, AdminRunner, build_admin_app, json_response
+from edgeproxy._server.admin import (
+    AdminHandlers,
+    AdminRunner,
+    build_admin_app,
+    json_response,
+    reload_answer,
+)
 from edgeproxy._server.aio import web_error
 from edgeproxy._server.tls import ListenerTls, check_tls_files
 
@@ -564,12 +570,7 @@ class Supervisor:
             return json_response({"purged": purged, "workers": answered})
 
         async def reload(request: web.Request) -> web.Response:
-            result = await self.reload()
-            if result["reloaded"]:
-                return json_response(result)
-            return web_error(
-                409, "invalid_request_error", "; ".join(result["errors"]), code="reload_refused"
-            )
+            return reload_answer(await self.reload())
 
         handlers = AdminHandlers(
             healthz=healthz,
