@@ -83,10 +83,6 @@ class Refresh:
     plan: CachePlan
 
 
-"""Routes and sends a background refresh like the pipeline does, and relays the answer
-into the recorder, with no client attached."""
-
-
 class CacheStats:
     """Counters for ``/status``: outcomes, why answers were not cached, refreshes."""
 
@@ -478,20 +474,17 @@ class CacheStage:
                 if flight is not None:
                     self.coalescer.end(flight)
 
-        self._spawn(run())
+        self.spawn(run())
 
-    def _spawn(self, coro: Any) -> None:
+    def spawn(self, coro: Any) -> None:
+        """Run ``coro`` in the background, cancelled when the cache closes (its task is
+        kept until it ends)."""
         if self._closed:
             coro.close()
             return
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-    def spawn(self, coro: Any) -> None:
-        """Run ``coro`` in the background, cancelled when the cache closes (its task is
-        kept until it ends)."""
-        self._spawn(coro)
 
     def _refresh_later(self, ctx: RequestContext, plan: CachePlan) -> bool:
         """Ask for a refresh of ``plan.key`` in the background, once: not if a refresh or a
@@ -598,6 +591,7 @@ def _refresh_context(ctx: RequestContext) -> RequestContext:
         degraded=None,
         usage=None,
         error=None,
+        continuations=[],
         extra={},
     )
 
