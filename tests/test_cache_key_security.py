@@ -311,11 +311,17 @@ async def test_behaviour_headers_are_part_of_the_key(
     assert calls(region) == len(variants)
 
 
-def test_vary_headers_must_be_header_names() -> None:
+@pytest.mark.parametrize("name", ["bad name", "caf\u00e9", " ", "x:y"])
+def test_vary_headers_must_be_header_names(name: str) -> None:
     from edgeproxy import ConfigError
 
     with pytest.raises(ConfigError, match="vary_headers"):
-        Config.from_mapping(proxy_config([], cache={"vary_headers": ["bad name"]}), environ={})
+        Config.from_mapping(proxy_config([], cache={"vary_headers": [name]}), environ={})
+    region = {"name": "r1", "url": "http://127.0.0.1:9"}
+    config = Config.from_mapping(
+        proxy_config([region], cache={"vary_headers": [" X-LoRA "]}), environ={}
+    )
+    assert config.cache.vary_headers == ["x-lora"]
 
 
 # -- the rule, as a property -----------------------------------------------------------------

@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from edgeproxy._core.config.base import Section
-from edgeproxy._core.config.checks import check_redis_url
+from edgeproxy._core.config.checks import check_header_name, check_redis_url
 from edgeproxy._core.config.redis import (
     RedisCluster,
     RedisPassword,
@@ -124,10 +124,9 @@ class CacheConfig(Section):
     def _check_vary_headers(cls, value: list[str]) -> list[str]:
         names = []
         for name in value:
-            lname = name.strip().lower()
-            if not lname or not all(c.isalnum() or c in "!#$%&'*+-.^_`|~" for c in lname):
+            if not name.strip():
                 raise ValueError(f"{name!r} is not a header name")
-            names.append(lname)
+            names.append(check_header_name(name.strip()).lower())
         return names
 
     @field_validator("redis_url")
