@@ -28,7 +28,7 @@ from edgeproxy._core.response import Response, StreamResponse
 from edgeproxy._local.model import LocalAnswer
 from edgeproxy._obtain import Obtainer
 from edgeproxy._plugins import PluginError, Plugins, hook_answer
-from edgeproxy._protocol.clientip import client_ip_resolver
+from edgeproxy._protocol.clientip import ClientIPResolver, client_ip_resolver
 from edgeproxy._protocol.endpoints import openai_endpoint
 from edgeproxy._protocol.headers import request_id, trace_context
 from edgeproxy._stages.admission import AdmissionStage, Admitted, Overloaded
@@ -57,16 +57,14 @@ SMALL_BODY = 64 * 1024
 JSON_BODY_LIMIT = 4 * 1024 * 1024
 
 
-def _context(request: Exchange, config: Config) -> RequestContext:
+def _context(request: Exchange, config: Config, clients: ClientIPResolver) -> RequestContext:
     """The request's context, as the stages and hooks will see it."""
     headers = request.headers
     target = request.target
     method = request.method
     peer = request.client
     # The one place the client is resolved: limits, geo, plugins and the access log read it.
-    client_ip, peer_trusted = client_ip_resolver(config.server.trusted_proxies).resolve_peer(
-        peer, headers.getall("x-forwarded-for", ())
-    )
+    client_ip, peer_trusted = clients.resolve_peer(peer, headers.getall("x-forwarded-for", ()))
     return start_context(
         request_id(headers.get("x-request-id")),
         trace_context(headers.get("traceparent")),
@@ -89,6 +87,9 @@ class Pipeline:
 
     def __init__(self, config: Config, regions: RegionSet, plugins: Plugins) -> None:
         self.config = config
+        # The one trusted-proxy list, parsed once for this config (a reload builds a new
+        # pipeline): every request's client is resolved with it at entry.
+        self.clients = client_ip_resolver(config.server.trusted_proxies)
         self.regions = regions
         self.plugins = plugins
         self.router = Router(config, regions)
@@ -114,7 +115,7 @@ class Pipeline:
     async def handle(self, request: Exchange) -> StreamResponse:
         """Answer ``request``. The answer returned was sent already, or (a :class:`Response`
         not yet prepared) is for the front end to send."""
-        ctx = _context(request, self.config)
+        ctx = _context(request, self.config, self.clients)
         self.in_flight += 1
         active = self.plugins.active
         # What the request holds, each let go of in `finally` whatever happens: its
@@ -221,7 +222,11 @@ class Pipeline:
                 close_connection=self.draining,
                 recorder=recorder,
                 started=early,
-                legs=self.obtainer.continuer(plan) if ctx.route.continue_on_break else None,
+                legs=(
+                    self.obtainer.continuer(plan)
+                    if plan is not None and ctx.route.continue_on_break
+                    else None
+                ),
             )
             return response
         except ProxyError as err:

@@ -199,7 +199,9 @@ class RequestContext:
 
     def fix(self, dialect: str | None) -> RequestFacts:
         """Fix the request's facts, once it has entered; see :class:`RequestFacts`."""
-        body = self.json
+        # Whether it streams is read from a body parsed already (an LLM route's, by
+        # admission): a plain HTTP body is not parsed for a fact about LLM answers.
+        body = self._json
         facts = self.facts = RequestFacts(
             self.client_ip,
             self.route,

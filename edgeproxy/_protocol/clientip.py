@@ -123,15 +123,9 @@ _NOBODY: Final = ClientIPResolver()
 
 
 def client_ip_resolver(trusted: Sequence[str]) -> ClientIPResolver:
-    """The resolver of ``trusted`` (``[server] trusted_proxies``, already checked), parsed
-    once per list however many requests ask for it."""
-    return _resolver(tuple(trusted)) if trusted else _NOBODY
-
-
-# A few lists at most: one per config loaded (a reload brings a new one).
-@functools.lru_cache(maxsize=16)
-def _resolver(trusted: tuple[str, ...]) -> ClientIPResolver:
-    return ClientIPResolver(trusted)
+    """The resolver of ``trusted`` (``[server] trusted_proxies``, already checked); the
+    pipeline builds one per config."""
+    return ClientIPResolver(trusted) if trusted else _NOBODY
 
 
 # Peers are the addresses of connections, so they repeat: parsing one costs more than
