@@ -51,7 +51,13 @@ from edgeproxy._stages.continuation import (
     continuation_body,
     spent_body,
 )
-from edgeproxy._stages.failover import AttemptResponse, Failover, Failure, FailureKind
+from edgeproxy._stages.failover import (
+    AttemptResponse,
+    Failover,
+    Failure,
+    FailureKind,
+    no_region,
+)
 from edgeproxy._stages.fallback import Degraded, FallbackStage, UpstreamWon
 from edgeproxy._stages.models import ModelError
 from edgeproxy._stages.routeplan import RoutePlan
@@ -65,16 +71,11 @@ if TYPE_CHECKING:
     from edgeproxy._stages.routing import Router
     from edgeproxy._upstream.regions import Region
 
-__all__ = ["Continuer", "Obtained", "Obtainer", "no_region", "record"]
+__all__ = ["Continuer", "Obtained", "Obtainer", "record"]
 
 logger = logging.getLogger("edgeproxy")
 
 Obtained = AttemptResponse | Degraded | Failure
-
-
-def no_region() -> ProxyError:
-    """The 503 of a request no region may serve."""
-    return ProxyError(503, "no_region", "no region may serve this request", code="no_region")
 
 
 def record(ctx: RequestContext, obtained: Obtained) -> None:
@@ -234,7 +235,7 @@ class Obtainer:
         finally:
             await failure.aclose()
 
-    def continuer(self, plan: RoutePlan | None) -> Continuer:
+    def continuer(self, plan: RoutePlan) -> Continuer:
         """The continuation of a request routed by ``plan``, for the stream stage."""
         return Continuer(self, plan)
 
@@ -284,7 +285,7 @@ class Continuer:
 
     __slots__ = ("obtainer", "plan")
 
-    def __init__(self, obtainer: Obtainer, plan: RoutePlan | None) -> None:
+    def __init__(self, obtainer: Obtainer, plan: RoutePlan) -> None:
         self.obtainer = obtainer
         self.plan = plan
 
@@ -323,12 +324,7 @@ class Continuer:
         if not obtainer.failover.retry_budget.try_spend():
             outcome.continuation = continuation.count(ctx, broken, "none", "budget")
             return None
-        plan = self.plan
-        if plan is None:
-            # Routed with no plan of its own (a hook's answer, a refresh): rank it now.
-            routed = await obtainer.route(request, ctx)
-            plan = None if isinstance(routed, Failure) else routed
-        candidates = [] if plan is None else list(plan.without(*splice.broken).regions)
+        candidates = list(self.plan.without(*splice.broken).regions)
         for method, regions in continuation.groups(candidates, splice).items():
             if ctx.route.race_continuations and len(regions) > 1:
                 raced = await self._race(request, ctx, splice, method, regions, outcome)

@@ -96,6 +96,7 @@ __all__ = [
     "Failure",
     "FailureKind",
     "PendingUpstream",
+    "no_region",
 ]
 
 logger = logging.getLogger("edgeproxy")
@@ -390,6 +391,11 @@ class DeadlineExceeded(ProxyError):
         )
 
 
+def no_region() -> ProxyError:
+    """The 503 of a request no region may serve."""
+    return ProxyError(503, "no_region", "no region may serve this request", code="no_region")
+
+
 class FailureKind(enum.Enum):
     """Why no region answered a request, which decides what may still answer it."""
 
@@ -581,16 +587,6 @@ class Failover:
         if route.hedge and plan.replayable and plan.retry_safe and len(candidates) > 1:
             return await plan.race(remaining)
         return await plan.in_turn(remaining)
-
-    async def send_or_raise(
-        self, request: Exchange | None, ctx: RequestContext, candidates: list[Region]
-    ) -> AttemptResponse:
-        """:meth:`send` for callers that only want a response: its failure's error is raised
-        (nothing is left running then: no ``keep_late``)."""
-        result = await self.send(request, ctx, candidates)
-        if isinstance(result, Failure):
-            raise result.error
-        return result
 
     def hedge_delay(self, ctx: RequestContext, region: Region) -> float | None:
         """Seconds to wait for a first byte before hedging; None: not enough history."""
@@ -838,9 +834,7 @@ class _Plan:
                     code="region_overloaded",
                     headers={**headers, "Retry-After": "1"},
                 )
-            return ProxyError(
-                503, "no_region", "no region may serve this request", code="no_region"
-            )
+            return no_region()
         name = attempt.region.name
         exc = attempt.error
         if isinstance(exc, UpstreamTimeout):

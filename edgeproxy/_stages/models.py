@@ -29,11 +29,11 @@ from edgeproxy._plugins import PluginError
 from edgeproxy._protocol.endpoints import endpoint_has
 from edgeproxy._protocol.headers import request_id, trace_context
 from edgeproxy._protocol.models import ModelMatcher, model_from_body
+from edgeproxy._stages.failover import Failover, Failure
 from edgeproxy._upstream.pool import UpstreamError
 
 if TYPE_CHECKING:
     from edgeproxy._core.config import Config, RegionConfig
-    from edgeproxy._stages.failover import Failover
     from edgeproxy._upstream.regions import Region, RegionSet
 
 __all__ = ["ModelCatalog", "ModelError", "ModelList", "model_not_found"]
@@ -232,7 +232,9 @@ class ModelList:
         body = bytearray()
         try:
             async with asyncio.timeout(self.timeout):
-                upstream = await self.failover.send_or_raise(None, ctx, [region])
+                upstream = await self.failover.send(None, ctx, [region])
+                if isinstance(upstream, Failure):
+                    raise upstream.error  # nothing is left running (no keep_late)
                 try:
                     if upstream.status != 200:
                         raise _NoList(f"it answered {upstream.status}")

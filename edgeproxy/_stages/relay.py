@@ -134,7 +134,7 @@ class StreamStage:
         if close_connection:
             resp.force_close()
         splice: Splice | None = None
-        if legs is not None and ctx.route.continue_on_break:
+        if legs is not None:
             splice = legs.splice(ctx, reply.status, content_type)
         # A transformed (or continued) body has an unknown length: the front end frames it.
         if (
@@ -225,7 +225,7 @@ class StreamStage:
         ctx.status = 200
         usage = UsageTracker.for_response(ctx.path, content_type, 200)
         splice: Splice | None = None
-        if legs is not None and ctx.route.continue_on_break:
+        if legs is not None:
             splice = legs.splice(ctx, 200, content_type)
         try:
             ctx.first_byte_at = time.monotonic()
