@@ -20,7 +20,7 @@ from aiohttp.web_request import BaseRequest
 
 from edgeproxy._core.errors import ProxyError
 from edgeproxy._observability.statuspage import StatusPage
-from edgeproxy._server.aio import web_error
+from edgeproxy._server.aio import UnnamedResponse, web_error
 
 if TYPE_CHECKING:
     from edgeproxy._core.config import Config
@@ -150,15 +150,8 @@ class _NamedHandler(web.RequestHandler):
         if header:
             response.headers[hdrs.SERVER] = header
         elif type(response) is web.Response:
-            response.__class__ = _Unnamed
+            response.__class__ = UnnamedResponse
         return response
-
-
-class _Unnamed(web.Response):
-    async def _prepare_headers(self) -> None:
-        await super()._prepare_headers()
-        # aiohttp adds its own as the answer is sent ([server] server_header = ""): none.
-        self.headers.popall(hdrs.SERVER, None)
 
 
 class _NamedServer(web.Server):

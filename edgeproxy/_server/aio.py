@@ -15,7 +15,7 @@ from edgeproxy._core.exchange import Exchange, TlsInfo, Writer
 from edgeproxy._core.response import Response, StreamResponse
 from edgeproxy._server.listener import EdgeRequestHandler
 
-__all__ = ["AiohttpExchange", "send_answer", "web_error", "web_response"]
+__all__ = ["AiohttpExchange", "UnnamedResponse", "send_answer", "web_error", "web_response"]
 
 # The version strings of the requests the listener accepts, made once.
 _HTTP_VERSIONS = {HttpVersion10: "1.0", HttpVersion11: "1.1"}
@@ -30,7 +30,7 @@ class _UnnamedStream(web.StreamResponse):
         self.headers.popall(hdrs.SERVER, None)
 
 
-class _Unnamed(web.Response):
+class UnnamedResponse(web.Response):
     async def _prepare_headers(self) -> None:
         await super()._prepare_headers()
         self.headers.popall(hdrs.SERVER, None)
@@ -149,7 +149,7 @@ def web_response(answer: Response, server: str | None = None) -> web.Response:
         if server:
             resp.headers[hdrs.SERVER] = server
     else:
-        resp = _Unnamed(status=answer.status, body=answer.body, headers=answer.headers)
+        resp = UnnamedResponse(status=answer.status, body=answer.body, headers=answer.headers)
     if not answer.keep_alive:
         resp.force_close()
     return resp

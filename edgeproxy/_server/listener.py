@@ -491,7 +491,9 @@ class EdgeRequestHandler(web.RequestHandler):
             logger.debug("client %s closed after its request: cancelled", self._peer)
             transport.abort()
             return
-        if self._handled < self._request_count:
+        request = self._request
+        if request is not None and not request.writer.output_size:
+            # Once the answer is going out, its writes find a closed client themselves.
             self._probe_timer = self._loop.call_later(_GONE_POLL, self._check_gone, sock)
 
     def data_received(self, data: bytes) -> None:
