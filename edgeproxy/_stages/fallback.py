@@ -24,8 +24,8 @@ for it to relay, and raises the :class:`~edgeproxy._core.errors.ProxyError` the 
 to get otherwise.
 
 With the route's ``deadline_action = "race"``, the attempts still running
-past the deadline (the ``pending`` of the
-:class:`~edgeproxy._stages.failover.DeadlineExceeded`) race a local answer:
+past the deadline (the ``pending`` of the deadline's
+:class:`~edgeproxy._stages.failover.Failure`) race a local answer:
 whichever produces a first byte or first token first is used. The stage
 only borrows them: the pipeline owns them and cancels what is left once the
 race is over. Recovery needs nothing here: each new request tries the
