@@ -36,7 +36,7 @@ import asyncio
 import copy
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -143,8 +143,8 @@ class Obtainer:
             if regions is None:
                 if route is None:
                     route = await self.route(request, ctx)
-                routed: list[Region] | Failure = (
-                    route if isinstance(route, Failure) else list(route.regions)
+                routed: Sequence[Region] | Failure = (
+                    route if isinstance(route, Failure) else route.regions
                 )
             else:
                 routed = regions
@@ -165,8 +165,11 @@ class Obtainer:
     def ranked(self, ctx: RequestContext, *, exclude: tuple[str, ...] = ()) -> RoutePlan | Failure:
         """:meth:`route` with no ``edgeproxy_route`` hook to ask: the router's plan, or the
         failure of a request none may serve (no coroutine, on every request's path)."""
-        plan = self._ranked(ctx, exclude)
-        if isinstance(plan, RoutePlan) and not plan.regions:
+        try:
+            plan = self.router.route(ctx, exclude=exclude)
+        except ProxyError as err:
+            return _refused(err)
+        if not plan.regions:
             return Failure(FailureKind.NO_REGION, no_region())
         return plan
 
@@ -192,12 +195,8 @@ class Obtainer:
     def _ranked(self, ctx: RequestContext, exclude: tuple[str, ...]) -> RoutePlan | Failure:
         try:
             return self.router.route(ctx, exclude=exclude)
-        except ModelError as err:
-            kind = FailureKind.MODEL_UNKNOWN if err.status == 404 else FailureKind.BAD_REQUEST
-            return Failure(kind, err)
         except ProxyError as err:
-            kind = FailureKind.RESIDENCY if err.code == "residency" else FailureKind.NO_REGION
-            return Failure(kind, err)
+            return _refused(err)
 
     def _degradable(self, ctx: RequestContext, failure: Failure) -> bool:
         kind = failure.kind
@@ -257,7 +256,7 @@ class _LegOutcome:
         ctx.attempts += self.attempts
         if self.continuation is not None:
             # For the metrics and the access log, as they read a finished request.
-            ctx.continuations.append(self.continuation)
+            ctx.continuations = (*ctx.continuations, self.continuation)
         leg = self.leg
         if leg is not None:
             if leg.degraded is not None:
@@ -452,6 +451,18 @@ class Continuer:
             raise
         await obtained.aclose()
         return None
+
+
+def _refused(err: ProxyError) -> Failure:
+    """The failure of a request the router refused: a model no region serves (or a bad
+    model name), a residency rule with no region left, or no region at all."""
+    if isinstance(err, ModelError):
+        kind = FailureKind.MODEL_UNKNOWN if err.status == 404 else FailureKind.BAD_REQUEST
+    elif err.code == "residency":
+        kind = FailureKind.RESIDENCY
+    else:
+        kind = FailureKind.NO_REGION
+    return Failure(kind, err)
 
 
 def _leg_context(ctx: RequestContext, splice: Splice, method: str) -> RequestContext:

@@ -63,7 +63,7 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING
 
 import orjson
@@ -560,7 +560,7 @@ class Failover:
         self,
         request: Exchange | None,
         ctx: RequestContext,
-        candidates: list[Region],
+        candidates: Sequence[Region],
         *,
         keep_late: bool = False,
     ) -> AttemptResponse | Failure:
@@ -610,7 +610,7 @@ class _Plan:
         failover: Failover,
         request: Exchange | None,
         ctx: RequestContext,
-        candidates: list[Region],
+        candidates: Sequence[Region],
         *,
         keep_late: bool = False,
     ) -> None:

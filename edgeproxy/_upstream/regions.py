@@ -181,7 +181,10 @@ class Region:
     @property
     def state(self) -> str:
         """``up`` when an endpoint answers, ``down`` when none does, else ``unknown``."""
-        states = {e.state for e in self.endpoints}
+        endpoints = self.endpoints
+        if len(endpoints) == 1:
+            return endpoints[0].state  # asked on every routing decision: no set for one
+        states = {e.state for e in endpoints}
         if "up" in states:
             return "up"
         if states == {"down"}:
