@@ -363,9 +363,8 @@ class Plugins:
             raise TypeError(f"{hook} has no argument {value_arg!r} to chain")
         results: list[Any] = []
         # After entry, a hook must not change what the request is (RequestFacts).
-        ctx = kwargs.get("ctx")
-        if not isinstance(ctx, RequestContext):
-            ctx = None
+        ctx: Any = kwargs.get("ctx")
+        facts = ctx.facts if isinstance(ctx, RequestContext) else None
         for impl in entry.impls:
             if only is not None and impl.plugin not in only:
                 continue
@@ -383,8 +382,7 @@ class Plugins:
                     result = impl.function(*args)
                 if impl.is_async or (result is not None and inspect.isawaitable(result)):
                     result = await result
-                if ctx is not None and ctx.facts is not None:
-                    facts = ctx.facts
+                if facts is not None:
                     if (
                         ctx.tenant is not facts.tenant
                         or ctx.route is not facts.route

@@ -166,7 +166,7 @@ class RequestContext:
     usage: dict[str, Any] | None = None
     error: str | None = None
     # Each try at continuing the stream (routes' continue_on_break), in order.
-    continuations: list[Continuation] = field(default_factory=list)
+    continuations: tuple[Continuation, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
     # Fixed at entry (fix()): what the request is, from then on.
     facts: RequestFacts | None = None
@@ -202,14 +202,18 @@ class RequestContext:
         # Whether it streams is read from a body parsed already (an LLM route's, by
         # admission): a plain HTTP body is not parsed for a fact about LLM answers.
         body = self._json
-        facts = self.facts = RequestFacts(
-            self.client_ip,
-            self.route,
-            dialect,
-            isinstance(body, dict) and body.get("stream") is True,
-            self.tenant,
-            self.body,
+        facts: RequestFacts = _new_tuple(
+            RequestFacts,
+            (
+                self.client_ip,
+                self.route,
+                dialect,
+                isinstance(body, dict) and body.get("stream") is True,
+                self.tenant,
+                self.body,
+            ),
         )
+        self.facts = facts
         return facts
 
     def with_json(self, value: Any) -> RequestContext:
@@ -239,6 +243,8 @@ class RequestContext:
 
 
 _new = object.__new__
+# A named tuple's own __new__ is a Python function around this: a call less per request.
+_new_tuple = tuple.__new__
 
 
 def start_context(
@@ -297,7 +303,7 @@ def start_context(
     ctx.degraded = None
     ctx.usage = None
     ctx.error = None
-    ctx.continuations = []
+    ctx.continuations = ()
     ctx.extra = {}
     ctx.facts = None
     ctx._json = _UNSET

@@ -97,7 +97,7 @@ def record(request: Exchange, ctx: RequestContext) -> dict[str, Any]:
     return out
 
 
-def _continued(out: dict[str, Any], continuations: list[Continuation]) -> None:
+def _continued(out: dict[str, Any], continuations: tuple[Continuation, ...]) -> None:
     """A continued stream's fields: from the first region that broke to the last that went on."""
     done = [(source, target) for source, target, outcome in continuations if outcome == "continued"]
     out["continued"] = 1 if done else 0

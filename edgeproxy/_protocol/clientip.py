@@ -98,10 +98,17 @@ class ClientIPResolver:
         cost of one look at the peer: what the pipeline asks of every request."""
         if not peer:
             return None, False
-        if not self.networks and peer.replace(".", "").isdigit():
-            # Nobody is trusted, and digits and dots are a plain IPv4 address already (or
-            # no address at all, which the parse would give back as it is, too).
-            return peer, False
+        if not self.networks:
+            # Nobody is trusted: the peer as the parse normalizes it, looked up first (peers
+            # repeat, one per connection).
+            text = _PLAIN.get(peer)
+            if text is None:
+                known = _peer(peer)
+                text = peer if known is None else known[1]
+                if len(_PLAIN) >= _PLAIN_MAX:
+                    _PLAIN.clear()
+                _PLAIN[peer] = text
+            return text, False
         known = _peer(peer)
         if known is None:
             return peer, False
@@ -120,6 +127,10 @@ class ClientIPResolver:
 
 
 _NOBODY: Final = ClientIPResolver()
+
+# Peers normalized for a resolver that trusts nobody: bounded, emptied when full.
+_PLAIN: dict[str, str] = {}
+_PLAIN_MAX = 4096
 
 
 def client_ip_resolver(trusted: Sequence[str]) -> ClientIPResolver:

@@ -591,7 +591,7 @@ def _refresh_context(ctx: RequestContext) -> RequestContext:
         degraded=None,
         usage=None,
         error=None,
-        continuations=[],
+        continuations=(),
         extra={},
     )
 
