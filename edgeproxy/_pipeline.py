@@ -64,7 +64,9 @@ def _context(request: Exchange, config: Config, clients: ClientIPResolver) -> Re
     method = request.method
     peer = request.client
     # The one place the client is resolved: limits, geo, plugins and the access log read it.
-    client_ip, peer_trusted = clients.resolve_peer(peer, headers.getall("x-forwarded-for", ()))
+    client_ip, peer_trusted = clients.resolve_peer(
+        peer, headers.getall("x-forwarded-for", ()) if clients.networks else ()
+    )
     return start_context(
         request_id(headers.get("x-request-id")),
         trace_context(headers.get("traceparent")),
@@ -175,12 +177,14 @@ class Pipeline:
                     return response
                 # cache: a stored answer, or that of an identical request in flight; else a
                 # cacheable request leads, and `recorder` stores what the stream stage relays.
-                answer, recorder = await self.cache.lookup(request, ctx)
-                if self.cache.due:
-                    self._start_refreshes()
-                if answer is not None:
-                    response = answer
-                    return response
+                # The bypass (most sampled requests) is decided without the lookup's coroutine.
+                if not self.cache.passes(ctx):
+                    answer, recorder = await self.cache.lookup(request, ctx, checked=True)
+                    if self.cache.due:
+                        self._start_refreshes()
+                    if answer is not None:
+                        response = answer
+                        return response
                 # route: the one ranked plan that failover, hedging and continuation draw on.
                 if "edgeproxy_route" in active:
                     route = await self.obtainer.route(request, ctx)
@@ -211,7 +215,7 @@ class Pipeline:
             # a stream that breaks after tokens were sent goes on at another region.
             upstream = obtained
             plan = route if isinstance(route, RoutePlan) else None
-            if plan is not None:
+            if plan is not None and plan.affinity is not None:
                 plan.routed(upstream.region)  # its KV cache now holds the prompt
             if heartbeat is not None:
                 early = await heartbeat.stop()

@@ -154,7 +154,11 @@ class Healthy:
     def keep(self, query: RouteQuery, regions: list[Region]) -> list[Region]:
         available = self.health.available
         now = query.now
-        kept = [r for r in regions if available(r, now)]
+        # A loop, not a comprehension (a frame more), on every request's path.
+        kept = []
+        for region in regions:
+            if available(region, now):
+                kept.append(region)
         if kept:
             return kept
         allowed = query.allowed

@@ -49,6 +49,11 @@ if TYPE_CHECKING:
 
 __all__ = ["RoutePlan", "Router", "great_circle_km"]
 
+# A request's RouteQuery is built without its __init__ (see Router.route).
+_new = object.__new__
+# Router.route's default: the affinity plan is made there.
+_OWN: object = object()
+
 
 class Router:
     """Orders the regions a request may use, best first.
@@ -116,19 +121,25 @@ class Router:
         *,
         exclude: Collection[Region | str] = (),
         owner: str | None = None,
+        affinity: AffinityPlan | None | object = _OWN,
     ) -> RoutePlan:
         """The regions this request may use, ranked, with its affinity plan.
 
         ``exclude``: regions (or their names) it must not use; ``owner``: the
-        one region that may answer it, healthy or not (a stateful request's).
+        one region that may answer it, healthy or not (a stateful request's);
+        ``affinity``: the request's prompt key made beforehand (by default, made here).
         Raises a 503 :class:`ProxyError` when a residency rule applies and none
         of the regions it allows is available, and a
         :class:`~edgeproxy._stages.models.ModelError` (404) when no region
         serves the request's model. Only the regions serving the model are
         candidates, whatever their health.
         """
-        plan = None if ctx is None or self.affinity is None else self.affinity.plan(ctx)
-        names = frozenset(r if isinstance(r, str) else r.name for r in exclude) if exclude else ()
+        plan: AffinityPlan | None
+        if affinity is _OWN:
+            plan = None if ctx is None or self.affinity is None else self.affinity.plan(ctx)
+        else:
+            assert affinity is None or isinstance(affinity, AffinityPlan)
+            plan = affinity
         # The query built slot by slot: the dataclass's own __init__ is a call more, on
         # every request's path.
         query: RouteQuery = _new(RouteQuery)
@@ -136,9 +147,21 @@ class Router:
         query.now = self.clock()
         query.country = query.client_geo = query.allowed = None
         query.owner = owner
-        query.exclude = names
+        query.exclude = (
+            frozenset(r if isinstance(r, str) else r.name for r in exclude) if exclude else ()
+        )
         query.panic = query.fresh_reports = False
-        regions = self._rank(query, plan)
+        if ctx is not None and self._locates:
+            country, geo = self.geo.locate(ctx)
+            query.country = country
+            if self.from_client:
+                query.client_geo = geo
+        regions = self.regions.regions
+        filters = self.filters if owner or exclude else self._plain_filters
+        for eligible in filters:
+            regions = eligible.keep(query, regions)
+        if len(regions) != 1 or query.panic:  # one eligible region: nothing to rank
+            regions = self.ranking.order(query, regions, plan)
         return route_plan(tuple(regions), plan, query.panic, self.clock)
 
     def plan(self, ctx: RequestContext) -> AffinityPlan | None:
@@ -158,23 +181,4 @@ class Router:
     ) -> list[Region]:
         """The regions this request may use, best first (by affinity too, given a ``plan``):
         :meth:`route`'s regions, with the affinity plan made beforehand."""
-        return self._rank(RouteQuery(ctx, self.clock()), plan)
-
-    def _rank(self, query: RouteQuery, plan: AffinityPlan | None) -> list[Region]:
-        ctx = query.ctx
-        if ctx is not None and self._locates:
-            country, geo = self.geo.locate(ctx)
-            query.country = country
-            if self.from_client:
-                query.client_geo = geo
-        regions = self.regions.regions
-        filters = self.filters if query.owner or query.exclude else self._plain_filters
-        for eligible in filters:
-            regions = eligible.keep(query, regions)
-        if len(regions) == 1 and not query.panic:
-            return regions  # one eligible region: nothing to rank
-        return self.ranking.order(query, regions, plan)
-
-
-# A request's RouteQuery is built without its __init__ (see route).
-_new = object.__new__
+        return list(self.route(ctx, affinity=plan).regions)

@@ -282,18 +282,27 @@ class CacheStage:
 
     # -- serving -------------------------------------------------------------
 
-    async def lookup(
-        self, request: Exchange, ctx: RequestContext
-    ) -> tuple[StreamResponse | None, CacheRecorder | None]:
-        """An answer from the cache or from an identical request in flight; else, for a
-        cacheable request, the recorder that stores what the pipeline relays."""
+    def passes(self, ctx: RequestContext) -> bool:
+        """Whether the cache leaves ``ctx`` alone (off, or a bypass, counted here): then
+        :meth:`lookup` has nothing to do, and the pipeline skips its coroutine."""
         if self.backend is None:
-            return None, None
-        # The bypass decided here, without the coroutines of plan().
+            return True
         reason = self._bypass_reason(ctx)
         if reason:
             self._bypass(ctx, reason)
+            return True
+        return False
+
+    async def lookup(
+        self, request: Exchange, ctx: RequestContext, *, checked: bool = False
+    ) -> tuple[StreamResponse | None, CacheRecorder | None]:
+        """An answer from the cache or from an identical request in flight; else, for a
+        cacheable request, the recorder that stores what the pipeline relays.
+
+        ``checked``: :meth:`passes` was asked already, and said no."""
+        if not checked and self.passes(ctx):
             return None, None
+        assert self.backend is not None
         plan = await self._plan(request, ctx)
         if plan.lookup:
             entry = await self.backend.get(plan.key)
