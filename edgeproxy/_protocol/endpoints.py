@@ -23,6 +23,7 @@ __all__ = [
     "COMPLETIONS",
     "EMBEDDINGS",
     "ENDPOINTS",
+    "ENDPOINT_NAMED",
     "EndpointPaths",
     "MODERATIONS",
     "OpenAIEndpoint",
@@ -119,6 +120,9 @@ ENDPOINTS: Final[tuple[OpenAIEndpoint, ...]] = (
     RESPONSES,
     MODERATIONS,
 )
+
+# The endpoints by name (a request's dialect, fixed at entry in its facts).
+ENDPOINT_NAMED: Final[dict[str | None, OpenAIEndpoint]] = {e.name: e for e in ENDPOINTS}
 
 _UNKNOWN: Final[Any] = object()
 

@@ -34,7 +34,7 @@ from edgeproxy._core.config import Config
 from edgeproxy._core.context import RequestContext
 from edgeproxy._core.exchange import Exchange
 from edgeproxy._core.response import Response, StreamResponse
-from edgeproxy._protocol.endpoints import openai_endpoint
+from edgeproxy._protocol.endpoints import ENDPOINT_NAMED, openai_endpoint
 from edgeproxy._protocol.headers import request_id
 from edgeproxy._stages.cache.backends import CacheBackend, make_backend
 from edgeproxy._stages.cache.entry import Entry, ReplayResponse, replay_parts, response_headers
@@ -220,8 +220,12 @@ class CacheStage:
             return "get_with_body" if ctx.body else ""
         if method != "POST":
             return "method"
-        # The endpoint looked up once (CACHEABLE_PATHS and _deterministic ask the same).
-        endpoint = openai_endpoint(ctx.path)
+        # The endpoint looked up once (CACHEABLE_PATHS and _deterministic ask the same): the
+        # one the request's facts name, once it has entered.
+        facts = ctx.facts
+        endpoint = (
+            ENDPOINT_NAMED.get(facts.dialect) if facts is not None else openai_endpoint(ctx.path)
+        )
         if mode != "always" and (endpoint is None or not endpoint.cacheable):
             return "path"
         body = ctx.json
