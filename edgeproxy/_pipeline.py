@@ -30,7 +30,7 @@ from edgeproxy._obtain import Obtainer
 from edgeproxy._plugins import PluginError, Plugins, hook_answer
 from edgeproxy._protocol.clientip import ClientIPResolver, client_ip_resolver
 from edgeproxy._protocol.endpoints import openai_endpoint
-from edgeproxy._protocol.headers import request_id, trace_context
+from edgeproxy._protocol.headers import request_ids
 from edgeproxy._stages.admission import AdmissionStage, Admitted, Overloaded
 from edgeproxy._stages.cache.stage import CacheRecorder, CacheStage, Refresh
 from edgeproxy._stages.compression import Compression
@@ -63,13 +63,14 @@ def _context(request: Exchange, config: Config, clients: ClientIPResolver) -> Re
     target = request.target
     method = request.method
     peer = request.client
+    rid, trace = request_ids(headers.get("x-request-id"), headers.get("traceparent"))
     # The one place the client is resolved: limits, geo, plugins and the access log read it.
     client_ip, peer_trusted = clients.resolve_peer(
         peer, headers.getall("x-forwarded-for", ()) if clients.networks else ()
     )
     return start_context(
-        request_id(headers.get("x-request-id")),
-        trace_context(headers.get("traceparent")),
+        rid,
+        trace,
         method,
         target,
         CIMultiDict(headers),

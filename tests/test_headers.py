@@ -6,6 +6,7 @@ from edgeproxy._protocol.headers import (
     append_forwarded_for,
     append_via,
     request_id,
+    request_ids,
     strip_hop_by_hop,
     trace_context,
 )
@@ -29,6 +30,22 @@ def test_request_id_kept_when_valid_and_generated_otherwise() -> None:
     assert request_id("abc-123") == "abc-123"
     generated = request_id("bad id with spaces\r\n")
     assert len(generated) == 32 and generated != request_id(None)
+
+
+def test_request_ids_follow_the_rules_of_request_id_and_trace_context() -> None:
+    # One draw of randomness at entry gives what the two helpers give one by one.
+    incoming = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    rid, trace = request_ids("abc-123", incoming)
+    assert rid == "abc-123"
+    assert trace.trace_id == "4bf92f3577b34da6a3ce929d0e0e4736"
+    assert trace.parent_id == "00f067aa0ba902b7" and len(trace.span_id) == 16
+    rid, trace = request_ids("bad id\r\n", "garbage")
+    assert len(rid) == 32 and int(rid, 16) >= 0
+    assert trace.parent_id is None and trace.flags == "01"
+    assert len(trace.trace_id) == 32 and trace.trace_id != "0" * 32
+    assert rid != trace.trace_id[: len(rid)]  # distinct parts of the draw
+    others = {request_ids(None, None)[0] for _ in range(50)}
+    assert len(others) == 50
 
 
 def test_traceparent_continues_trace_with_new_span() -> None:

@@ -130,9 +130,11 @@ def _trace(trace_id: str, span_id: str, parent_id: str | None, flags: str) -> Tr
     return trace
 
 
-def _fresh_ids() -> tuple[str, str]:
-    """A new trace id (32 hex digits) and span id (16), neither all zeros (W3C)."""
-    ids = _bits(192).to_bytes(24, "big").hex()
+def _fresh_ids(ids: str | None = None) -> tuple[str, str]:
+    """A new trace id (32 hex digits) and span id (16), neither all zeros (W3C), from
+    ``ids`` (48 random hex digits) when given."""
+    if ids is None:
+        ids = _bits(192).to_bytes(24, "big").hex()
     trace_id, span_id = ids[:32], ids[32:]
     if trace_id == _ZERO_TRACE:
         trace_id = trace_id[:-1] + "1"
@@ -145,13 +147,23 @@ _ZERO_TRACE = "0" * 32
 _ZERO_SPAN = "0" * 16
 
 
-def trace_context(incoming: str | None) -> TraceContext:
+def request_ids(incoming_id: str | None, incoming_trace: str | None) -> tuple[str, TraceContext]:
+    """:func:`request_id` and :func:`trace_context` of a request, from one draw of
+    randomness (once a request, at entry)."""
+    ids = _bits(320).to_bytes(40, "big").hex()
+    if not (incoming_id and _REQUEST_ID_RE.match(incoming_id)):
+        incoming_id = ids[:32]
+    return incoming_id, trace_context(incoming_trace, ids[32:])
+
+
+def trace_context(incoming: str | None, ids: str | None = None) -> TraceContext:
     """Continue the caller's trace (W3C Trace Context level 1) or start a new one.
 
     The proxy is a participant: it keeps the trace id and sends a new parent
-    id (its own span), so upstream spans hang under the proxy's hop.
+    id (its own span), so upstream spans hang under the proxy's hop. ``ids``: 48 random
+    hex digits to take the new ids from (drawn here by default).
     """
-    trace_id, span_id = _fresh_ids()
+    trace_id, span_id = _fresh_ids(ids)
     if incoming:
         m = _TRACEPARENT_RE.match(incoming.strip())
         if m:
