@@ -19,6 +19,14 @@ Three independent signals keep a region out of the candidate list:
 
 Unlike Envoy, a passing active check does not lift an ejection: an LLM
 cluster's health endpoint often answers while its inference path fails.
+
+Unlike Envoy too, a 5xx answer is not always the region's fault: a malformed request
+makes several servers answer 500, so one client could otherwise eject a healthy region,
+or make it look slow enough to send everyone's traffic far away. A region's 5xx answers
+count against it (:meth:`Health.blame`) only while ``min_failing_callers`` distinct
+callers got them within ``failure_window``, or while its active check fails; until
+then they are the callers' own. Transport failures (connect, reset, timeout) always
+count: no request causes those.
 """
 
 from __future__ import annotations
@@ -27,8 +35,9 @@ import asyncio
 import logging
 import math
 import time
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from edgeproxy._upstream.endpoint import Endpoint, RegionEndpoints
@@ -57,6 +66,20 @@ class RegionHealth:
     ejections_total: int = 0
     multiplier: int = 0
     overflows_total: int = 0
+    last_ejection_reason: str | None = None
+    # 5xx answers within [health] failure_window: when each came, and each caller's latest
+    # (oldest first). Bounded: a flood from one caller cannot grow them.
+    failures: deque[float] = field(default_factory=lambda: deque(maxlen=_FAILURES_KEPT))
+    failing_callers: OrderedDict[str, float] = field(default_factory=OrderedDict)
+    failures_counted_total: int = 0
+    failures_callers_total: int = 0  # not counted: too few callers got them
+    # The latest penalty fed to the latency estimate (a failure counted as a slow answer).
+    latency_penalty: float = 0.0
+    latency_penalty_at: float | None = None
+
+
+_FAILURES_KEPT = 1024
+_CALLERS_KEPT = 256
 
 
 class HealthRegion(RegionEndpoints, Protocol):
@@ -119,6 +142,53 @@ class Health:
             or region.pending >= self.config.max_pending
         )
 
+    # -- whose fault a 5xx is ----------------------------------------------------
+
+    def blame(self, region: HealthRegion, caller: str, now: float | None = None) -> bool:
+        """A 5xx answer of ``region`` to ``caller``: whether it counts against the region
+        (its health, its errors and its latency), or is the caller's own.
+
+        It counts once ``min_failing_callers`` distinct callers got 5xx answers from the
+        region within ``failure_window`` (this one included), or while the region fails
+        its active check; a region failing for one caller alone stays healthy for the
+        rest."""
+        now = self.clock() if now is None else now
+        health = region.health
+        callers = self._failing(health, now)
+        health.failures.append(now)
+        callers.pop(caller, None)
+        callers[caller] = now
+        if len(callers) > _CALLERS_KEPT:
+            callers.popitem(last=False)
+        if self._counts(health, callers):
+            health.failures_counted_total += 1
+            return True
+        health.failures_callers_total += 1
+        return False
+
+    def _counts(self, health: RegionHealth, callers: OrderedDict[str, float]) -> bool:
+        """Whether the region's 5xx answers now count against it: enough distinct callers
+        got them, or its active check confirms it fails."""
+        minimum = self.config.min_failing_callers
+        return minimum <= 1 or len(callers) >= minimum or health.active_ok is False
+
+    def _failing(self, health: RegionHealth, now: float) -> OrderedDict[str, float]:
+        """The callers that got 5xx answers within the window (older ones forgotten)."""
+        horizon = now - self.config.failure_window
+        failures, callers = health.failures, health.failing_callers
+        while failures and failures[0] < horizon:
+            failures.popleft()
+        while callers and next(iter(callers.values())) < horizon:
+            callers.popitem(last=False)
+        return callers
+
+    def penalized(self, region: HealthRegion, penalty: float, now: float) -> None:
+        """A failure counted against ``region`` was fed to its latency as ``penalty``
+        seconds (for /status: why traffic moved)."""
+        health = region.health
+        health.latency_penalty = penalty
+        health.latency_penalty_at = now
+
     # -- passive outlier detection ---------------------------------------------
 
     def record(self, region: HealthRegion, *, failed: bool, now: float | None = None) -> None:
@@ -165,6 +235,11 @@ class Health:
         health.ejected = True
         health.ejected_until = now + duration
         health.ejections_total += 1
+        callers = len(self._failing(health, now))
+        health.last_ejection_reason = (
+            f"{self.config.consecutive_failures} failures in a row; "
+            f"{callers} distinct callers got 5xx in the last {self.config.failure_window:g}s"
+        )
         health.consecutive_failures = 0
         logger.warning(
             "region %s ejected for %.1fs after %d failures in a row (ejection #%d)",
@@ -248,6 +323,7 @@ class Health:
 
     def snapshot(self, region: HealthRegion, now: float) -> dict[str, Any]:
         health = region.health
+        callers = self._failing(health, now)
         ejected = health.ejected and self._still_ejected(region, now)
         if not self.config.active:
             active = "off"
@@ -261,6 +337,21 @@ class Health:
             "ejected_for_s": round(health.ejected_until - now, 3) if ejected else 0.0,
             "ejections_total": health.ejections_total,
             "consecutive_failures": health.consecutive_failures,
+            "last_ejection_reason": health.last_ejection_reason,
+            "failures": {
+                # Why traffic moved, or did not: the 5xx answers within the window, how
+                # many callers got them, and whether they count against the region.
+                "recent": len(health.failures),
+                "callers": len(callers),
+                "counted": self._counts(health, callers),
+                "counted_total": health.failures_counted_total,
+                "callers_own_total": health.failures_callers_total,
+                "window_s": self.config.failure_window,
+            },
+            "latency_penalty_ms": round(health.latency_penalty * 1000, 3),
+            "latency_penalty_age_s": round(now - health.latency_penalty_at, 3)
+            if health.latency_penalty_at is not None
+            else None,
             "breaker_open": self.overloaded(region),
             "breaker_overflows_total": health.overflows_total,
         }

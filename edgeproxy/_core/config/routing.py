@@ -282,6 +282,31 @@ class HealthConfig(Section):
         description="Seconds without an ejection after which a region's ejection multiplier "
         "goes down by one.",
     )
+    min_failing_callers: int = Field(
+        3,
+        ge=1,
+        description="A region's 5xx answers count against its health and latency only while "
+        "this many distinct callers (tenants, API keys, else client IPs) got them within "
+        "failure_window; fewer are the callers' fault (1: every 5xx counts, as Envoy does).",
+    )
+    failure_window: float = Field(
+        30.0,
+        gt=0,
+        description="Seconds over which a region's 5xx answers and their distinct callers are "
+        "counted (min_failing_callers).",
+    )
+    poison_ttl: float = Field(
+        300.0,
+        gt=0,
+        description="Seconds a request body that got 5xx answers from two regions is known as "
+        "poison: the same body gets 502 upstream_rejected_request at once, with no attempt.",
+    )
+    poison_strikes: int = Field(
+        5,
+        ge=0,
+        description="Poison requests from one caller within poison_ttl after which its "
+        "requests get 429 until the oldest fades (0: never).",
+    )
     max_concurrent: int = Field(
         1024, ge=1, description="Circuit breaker: most requests in flight per region."
     )
