@@ -200,7 +200,11 @@ class Obtainer:
 
     def _degradable(self, ctx: RequestContext, failure: Failure) -> bool:
         kind = failure.kind
-        if kind is FailureKind.RESIDENCY or kind is FailureKind.BAD_REQUEST:
+        if (
+            kind is FailureKind.RESIDENCY
+            or kind is FailureKind.BAD_REQUEST
+            or kind is FailureKind.REJECTED
+        ):
             return False
         if kind is FailureKind.MODEL_UNKNOWN:
             return self.fallback.local_may_answer(ctx)

@@ -39,6 +39,7 @@ from edgeproxy._stages.failover import AttemptResponse, Failover, Failure
 from edgeproxy._stages.fallback import Degraded, FallbackStage
 from edgeproxy._stages.heartbeat import Heartbeat, start_heartbeat
 from edgeproxy._stages.models import ModelList
+from edgeproxy._stages.poison import Poison
 from edgeproxy._stages.relay import StreamStage
 from edgeproxy._stages.routeplan import RoutePlan
 from edgeproxy._stages.routing import Router
@@ -98,7 +99,10 @@ class Pipeline:
         self.router = Router(config, regions)
         self.cache = CacheStage(config, plugins, refresh=True)
         self.upstream = UpstreamStage(config, plugins)
-        self.failover = Failover(config, regions, self.upstream)
+        # Poison bodies and the callers who send them: failover finds them, admission
+        # limits their callers.
+        self.poison = Poison(config, clock=regions.clock)
+        self.failover = Failover(config, regions, self.upstream, poison=self.poison)
         self.fallback = FallbackStage(config, plugins)
         self.continuation = ContinuationStage()
         # The one path from a request to its answer: route, failover, fallback.
@@ -106,7 +110,7 @@ class Pipeline:
             plugins, self.router, self.failover, self.fallback, self.cache, self.continuation
         )
         self.stream = StreamStage(plugins, Compression(config))
-        self.admission = AdmissionStage(config)
+        self.admission = AdmissionStage(config, poison=self.poison)
         self.models = ModelList(config, regions, self.failover)
         self.in_flight = 0
         # While draining, responses close their connection so keep-alive

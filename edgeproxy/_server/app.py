@@ -691,7 +691,13 @@ class EdgeProxy:
             "admission": (
                 self._pipeline.admission.snapshot() if self._pipeline is not None else None
             ),
-            "limits": self.guard.snapshot(),
+            "limits": {
+                **self.guard.snapshot(),
+                # Requests every region rejected (poison) and the callers limited for them.
+                "rejected_requests": (
+                    self._pipeline.poison.snapshot() if self._pipeline is not None else None
+                ),
+            },
             "cache": self._pipeline.cache.status() if self._pipeline is not None else None,
             "shared_load": self._load_view.snapshot() if self._load_view is not None else None,
             "generation": self._generation.number if self._generation is not None else None,

@@ -39,6 +39,7 @@ from edgeproxy._protocol.bodies import (
     read_json_body,
     requires_json,
 )
+from edgeproxy._stages.poison import Poison
 from edgeproxy._stages.ratelimit import RateLimiter, RateTicket
 
 if TYPE_CHECKING:
@@ -125,8 +126,10 @@ class Admitted:
 class AdmissionStage:
     """Input validation, rate limits, in-flight caps and the priority queue of one proxy."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, *, poison: Poison | None = None) -> None:
         self.config = config.admission
+        # Callers whose requests every region rejected too often (429); see poison.py.
+        self.poison = poison
         self.max_body_size = config.limits.max_body_size
         self.rate = RateLimiter(config.admission)
         self.max_in_flight = config.admission.max_in_flight or None
@@ -172,6 +175,11 @@ class AdmissionStage:
             raw = ctx.headers.get(header)
             if raw is not None:
                 self._priority(ctx, raw)
+        poison = self.poison
+        if poison is not None and poison.limiting:
+            refused = poison.limited(ctx)
+            if refused is not None:
+                raise refused
         ticket: RateTicket | None = None
         if self.rate.enabled:
             ticket = await self._rate_limit(request, ctx, body)

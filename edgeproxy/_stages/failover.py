@@ -72,6 +72,7 @@ from edgeproxy._core.errors import ProxyError
 from edgeproxy._core.types import Headers
 from edgeproxy._protocol.endpoints import endpoint_suffixes
 from edgeproxy._stages.deadlines import Deadlines
+from edgeproxy._stages.poison import Poison, caller_of
 from edgeproxy._upstream.pool import (
     UpstreamConnectError,
     UpstreamError,
@@ -179,6 +180,8 @@ class _Attempt:
         "error",
         "failed_status",
         "sse",
+        "neutral",
+        "rejected",
         "_released",
     )
 
@@ -198,6 +201,10 @@ class _Attempt:
         self.error: UpstreamError | None = None
         self.failed_status = 0
         self.sse = False
+        # A 5xx the caller caused (Health.blame): nothing of it counts against the region.
+        self.neutral = False
+        # The 502 of a request whose body this 5xx made poison: not tried further.
+        self.rejected: ProxyError | None = None
         # Nothing to release until run() counts the attempt: a task cancelled before
         # it started must not uncount anything.
         self._released = True
@@ -246,14 +253,16 @@ class _Attempt:
         now = time.monotonic()
         region.attempt_answered(self.id)
         if self.error is not None or self.failed_status:
-            self._failed(now)
+            self._failed(now, ctx)
+            return
+        failed = self.response is not None and self.response.status >= 500
+        if failed and not self._blamed(ctx):
+            self.neutral = True  # the caller's own 5xx, relayed: the region is not judged
             return
         region.ttfb.add(now - self.started)
         if self.sse or self.eof:
             region.latency.observe(now - self.started, now)
-        failover.health.record(
-            region, failed=self.response is not None and self.response.status >= 500
-        )
+        failover.health.record(region, failed=failed)
 
     async def _read_whole(self) -> None:
         """Read a non-streamed LLM answer to its end (up to ``WHOLE_BODY_LIMIT``) before it
@@ -271,15 +280,32 @@ class _Attempt:
             self.eof = True
         self.first = b"".join(parts)
 
-    def _failed(self, now: float) -> None:
+    def _blamed(self, ctx: RequestContext) -> bool:
+        """This attempt's 5xx: whether it counts against the region (several callers got
+        them, :meth:`Health.blame`); if not, whether it made the request's body poison (a
+        region failing for everyone is an outage, never a reason to reject a body)."""
+        failover, region = self.failover, self.region
+        assert self.response is not None
+        if failover.health.blame(region, caller_of(ctx, failover.poison.key_header)):
+            return True
+        self.rejected = failover.poison.failed(ctx, region.name, self.response.status)
+        return False
+
+    def _failed(self, now: float, ctx: RequestContext) -> None:
         region, failover = self.region, self.failover
+        if self.failed_status and not self._blamed(ctx):
+            # A 5xx this caller alone gets: not the region's failure, nor a slow answer.
+            self.neutral = True
+            return
         region.record_error()
         failover.health.record(region, failed=True, now=now)
         elapsed = now - self.started
         # A failure counts as a slow answer, so that traffic leaves before the
         # ejection threshold is reached; a fast refusal must not look attractive.
         penalty = max(elapsed, 2 * region.latency.value) if region.latency.samples else elapsed
-        region.latency.observe(max(penalty, region.geo_rtt), now)
+        penalty = max(penalty, region.geo_rtt)
+        region.latency.observe(penalty, now)
+        failover.health.penalized(region, penalty, failover.regions.clock())
         exc = self.error
         if isinstance(exc, UpstreamConnectError) or (
             isinstance(exc, UpstreamTimeout) and exc.phase == "connect"
@@ -289,7 +315,7 @@ class _Attempt:
 
     def body_done(self) -> None:
         """The whole body arrived: a non-streamed answer's latency is its total time."""
-        if not self.sse and not self.eof:
+        if not self.sse and not self.eof and not self.neutral:
             now = time.monotonic()
             self.region.latency.observe(now - self.started, now)
 
@@ -413,6 +439,9 @@ class FailureKind(enum.Enum):
     """A residency rule allows no available region: refused, never degraded."""
     BAD_REQUEST = "bad_request"
     """The request cannot be routed as sent (a model that is not a name): never degraded."""
+    REJECTED = "rejected"
+    """Two regions answered this request's body with 5xx (a poison request, see
+    :mod:`edgeproxy._stages.poison`): 502, never tried further, never degraded."""
 
 
 class Failure:
@@ -542,7 +571,14 @@ def _is_sse(headers: Headers) -> bool:
 class Failover:
     """Sends a request to its candidates in turn, or races two of them, before the first byte."""
 
-    def __init__(self, config: Config, regions: RegionSet, upstream: UpstreamStage) -> None:
+    def __init__(
+        self,
+        config: Config,
+        regions: RegionSet,
+        upstream: UpstreamStage,
+        *,
+        poison: Poison | None = None,
+    ) -> None:
         routing = config.routing
         self.regions = regions
         self.health = regions.health
@@ -555,6 +591,7 @@ class Failover:
             routing.hedge_budget, routing.hedge_budget_min, routing.budget_window
         )
         self.deadlines = Deadlines()
+        self.poison = Poison(config, clock=regions.clock) if poison is None else poison
 
     async def send(
         self,
@@ -578,6 +615,12 @@ class Failover:
         ``request`` is None for a request with no client (a background cache
         refresh): its body must have been buffered.
         """
+        if self.poison.known:
+            # A body two regions rejected lately: not sent again (no attempt).
+            refused = self.poison.rejection(ctx)
+            if refused is not None:
+                self.poison.strike(ctx)
+                return Failure(FailureKind.REJECTED, refused)
         now = time.monotonic()
         self.retry_budget.deposit(now)
         self.hedge_budget.deposit(now)
@@ -716,6 +759,8 @@ class _Plan:
                 if attempt.ok:
                     return self.win(attempt)
                 await self.keep_failure(attempt)
+                if attempt.rejected is not None:
+                    return self.rejected_failure(attempt.rejected)
                 remaining = self.ctx.started + self.ctx.route.deadline - time.monotonic()
             return await self.failure()
         finally:
@@ -767,6 +812,8 @@ class _Plan:
                     if attempt.ok:
                         return self.win(attempt)
                     await self.keep_failure(attempt)
+                    if attempt.rejected is not None:
+                        return self.rejected_failure(attempt.rejected)
                 if not running and self.last is not None and self.may_retry(self.last):
                     region = self.next_region()
                     if region is not None and failover.retry_budget.try_spend():
@@ -813,6 +860,12 @@ class _Plan:
             running.clear()
         error = DeadlineExceeded(self.ctx.route.deadline, headers=self._headers())
         return self._failure(FailureKind.DEADLINE, error, pending)
+
+    def rejected_failure(self, error: ProxyError) -> Failure:
+        """The failure of a request whose body turned out poison: its caller's strike."""
+        self.failover.poison.strike(self.ctx)
+        error.headers.update(self._headers())
+        return self._failure(FailureKind.REJECTED, error)
 
     async def failure(self) -> Failure:
         """The failure of a request whose attempts all failed (or that got none)."""

@@ -44,7 +44,7 @@ from edgeproxy._core.config import AdmissionConfig, RedisSettings
 from edgeproxy._core.errors import ProxyError
 from edgeproxy._stages.redisclient import make_client, ready
 
-__all__ = ["Charge", "Limit", "LocalBuckets", "RateLimiter", "RateTicket"]
+__all__ = ["Charge", "Limit", "LocalBuckets", "RateLimiter", "RateTicket", "identities"]
 
 logger = logging.getLogger("edgeproxy")
 
@@ -274,6 +274,18 @@ def _identity(value: str) -> str:
     return hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()[:24]
 
 
+def identities(tenant: str | None, key_value: str | None, ip: str) -> tuple[str | None, str]:
+    """Who a request is for, as the rate limits (and region health) name callers: the key
+    identity (the tenant, else the hashed key header; None without either) and the IP's."""
+    key: str | None = None
+    if tenant:
+        readable = len(tenant) <= 64 and tenant.isprintable()
+        key = "t:" + (tenant if readable else _identity(tenant))
+    elif key_value:
+        key = "h:" + _identity(key_value)
+    return key, ip
+
+
 class RateLimiter:
     """The rate limits of one proxy: configured limits, buckets, Redis state, counters."""
 
@@ -331,13 +343,7 @@ class RateLimiter:
         self, tenant: str | None, key_value: str | None, ip: str
     ) -> tuple[str | None, str]:
         """The key identity (tenant, else the hashed key header) and the IP identity."""
-        key: str | None = None
-        if tenant:
-            readable = len(tenant) <= 64 and tenant.isprintable()
-            key = "t:" + (tenant if readable else _identity(tenant))
-        elif key_value:
-            key = "h:" + _identity(key_value)
-        return key, ip
+        return identities(tenant, key_value, ip)
 
     def charges(self, key: str | None, ip: str, tokens: int) -> list[Charge]:
         out: list[Charge] = []
