@@ -527,6 +527,9 @@ class RegionApp:
                 body = await ex.read_body()
         except BadRequest as exc:
             reply = error_reply(exc.status, str(exc))
+        if fault is not None and behavior.fault_body is not None and not echo:
+            if behavior.fault_body.encode() not in body:
+                fault = None  # this request is not one the fault is for
         ex.watch_disconnect()
 
         if fault == "stall":

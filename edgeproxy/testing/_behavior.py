@@ -82,6 +82,14 @@ def _paths(name: str, value: object) -> tuple[str, ...] | None:
     return tuple(value)
 
 
+def _text(name: str, value: object) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise TypeError(f"{name} must be None or a non-empty string, not {value!r}")
+    return value
+
+
 _VALIDATORS: Final[dict[str, Callable[[str, object], object]]] = {
     "ttft": _duration,
     "inter_token_delay": _duration,
@@ -92,6 +100,7 @@ _VALIDATORS: Final[dict[str, Callable[[str, object], object]]] = {
     "fault_after_tokens": lambda n, v: _count(n, v, 0),
     "fault_after_tokens_random": _flag,
     "fault_paths": _paths,
+    "fault_body": _text,
     "slow_headers_delay": _duration,
     "goaway_after": lambda n, v: _count(n, v, 1),
     "ttft_per_uncached_token": _duration,
@@ -190,6 +199,10 @@ class Behavior:
     ``fault_paths``
         ``None`` for every path, or the path prefixes the fault applies to,
         e.g. ``("/v1/",)`` to keep ``/healthz`` answering.
+    ``fault_body``
+        ``None`` for every request, or a text the request body must contain for the
+        fault to apply: a region that fails only some clients' requests (a server
+        answering 500 to a malformed body, say), while it serves everyone else.
     ``fault_after_tokens_random``
         ``True``: a ``"reset"`` comes after a number of tokens drawn
         uniformly from 1 to the answer's tokens minus one (at least 1), by
@@ -229,6 +242,7 @@ class Behavior:
     fault_status: int = 503
     fault_after_tokens: int = 2
     fault_paths: tuple[str, ...] | None = None
+    fault_body: str | None = None
     slow_headers_delay: float = 1.0
     goaway_after: int = 1
     ttft_per_uncached_token: float = 0.0
