@@ -42,6 +42,10 @@ def proxy_config(regions: list[dict[str, Any]], **sections: dict[str, Any]) -> d
         "admin": {"host": "127.0.0.1", "port": 0},
         "pop": {"name": "edge-test", "lat": 1.35, "lon": 103.82},
         "upstream": {"read_timeout": 10.0, "connect_timeout": 2.0},
+        # A test is one caller, and its fake regions fail for every caller: each 5xx counts
+        # against the region, as Envoy counts them. The tests of the caller rule
+        # (test_caller_blame.py) set [health] min_failing_callers themselves.
+        "health": {"min_failing_callers": 1},
         "regions": regions,
     }
     for name, values in sections.items():
@@ -78,13 +82,15 @@ class FakeClock:
 
 
 def use_clock(proxy: EdgeProxy, clock: Callable[[], float]) -> None:
-    """Make ``clock`` the monotonic clock of the proxy's routing, health and latency history."""
+    """Make ``clock`` the monotonic clock of the proxy's routing, health, latency history
+    and poison requests."""
     regions = proxy.regions
     regions.clock = clock
     regions.health.clock = clock
     for region in regions:
         region.latency.clock = clock
     proxy.pipeline.router.clock = clock
+    proxy.pipeline.poison.clock = clock
 
 
 @pytest.fixture

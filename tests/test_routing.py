@@ -324,6 +324,17 @@ async def test_status_shows_latency_load_health_and_share(
         "ejected_for_s": 0.0,
         "ejections_total": 0,
         "consecutive_failures": 0,
+        "last_ejection_reason": None,
+        "failures": {
+            "recent": 0,
+            "callers": 0,
+            "counted": True,  # min_failing_callers = 1 (conftest): every 5xx would count
+            "counted_total": 0,
+            "callers_own_total": 0,
+            "window_s": 30.0,
+        },
+        "latency_penalty_ms": 0.0,
+        "latency_penalty_age_s": None,
         "breaker_open": False,
         "breaker_overflows_total": 0,
     }
