@@ -28,7 +28,7 @@ from edgeproxy._core.response import Response, StreamResponse
 from edgeproxy._local.model import LocalAnswer
 from edgeproxy._obtain import Obtainer
 from edgeproxy._plugins import PluginError, Plugins, hook_answer
-from edgeproxy._protocol.clientip import ClientIPResolver, client_ip_resolver
+from edgeproxy._protocol.clientip import client_ip_resolver
 from edgeproxy._protocol.endpoints import openai_endpoint
 from edgeproxy._protocol.headers import request_ids
 from edgeproxy._stages.admission import AdmissionStage, Admitted, Overloaded
@@ -56,34 +56,6 @@ logger = logging.getLogger("edgeproxy")
 # arrives.
 SMALL_BODY = 64 * 1024
 JSON_BODY_LIMIT = 4 * 1024 * 1024
-
-
-def _context(request: Exchange, config: Config, clients: ClientIPResolver) -> RequestContext:
-    """The request's context, as the stages and hooks will see it."""
-    headers = request.headers
-    target = request.target
-    method = request.method
-    peer = request.client
-    rid, trace = request_ids(headers.get("x-request-id"), headers.get("traceparent"))
-    # The one place the client is resolved: limits, geo, plugins and the access log read it.
-    client_ip, peer_trusted = clients.resolve_peer(
-        peer, headers.getall("x-forwarded-for", ()) if clients.networks else ()
-    )
-    return start_context(
-        rid,
-        trace,
-        method,
-        target,
-        CIMultiDict(headers),
-        client_ip,
-        time.monotonic(),
-        config.route_for(method, target.split("?", 1)[0]),
-        request.scheme,
-        request.version,
-        request.host,
-        peer,
-        peer_trusted,
-    )
 
 
 class Pipeline:
@@ -122,7 +94,33 @@ class Pipeline:
     async def handle(self, request: Exchange) -> StreamResponse:
         """Answer ``request``. The answer returned was sent already, or (a :class:`Response`
         not yet prepared) is for the front end to send."""
-        ctx = _context(request, self.config, self.clients)
+        # The request's context, as the stages and hooks will see it (built here, not in a
+        # helper: a call less on every request).
+        headers = request.headers
+        target = request.target
+        method = request.method
+        peer = request.client
+        rid, trace = request_ids(headers.get("x-request-id"), headers.get("traceparent"))
+        # The one place the client is resolved: limits, geo, plugins and the access log read it.
+        clients = self.clients
+        client_ip, peer_trusted = clients.resolve_peer(
+            peer, headers.getall("x-forwarded-for", ()) if clients.networks else ()
+        )
+        ctx = start_context(
+            rid,
+            trace,
+            method,
+            target,
+            CIMultiDict(headers),
+            client_ip,
+            time.monotonic(),
+            self.config.route_for(method, target.split("?", 1)[0]),
+            request.scheme,
+            request.version,
+            request.host,
+            peer,
+            peer_trusted,
+        )
         self.in_flight += 1
         active = self.plugins.active
         # What the request holds, each let go of in `finally` whatever happens: its
