@@ -26,7 +26,8 @@ from multidict import CIMultiDict
 from edgeproxy import Config, EdgeProxy, RequestContext
 from edgeproxy._protocol.headers import trace_context
 from edgeproxy._stages.poison import Poison, caller_of
-from edgeproxy._upstream.regions import RegionSet
+from edgeproxy._upstream.health import Health
+from edgeproxy._upstream.regions import Region, RegionSet
 
 from .conftest import FakeClock, ProxyFactory, RegionFactory, proxy_config
 
@@ -61,60 +62,53 @@ async def post(
 # -- the rule, unit level ---------------------------------------------------------------
 
 
-def region_set(clock: FakeClock, **health: Any) -> RegionSet:
-    regions = [{"name": "near", "url": "http://127.0.0.1:9"}]
-    config = Config.from_mapping(proxy_config(regions, health=health), environ={})
-    regions_set = RegionSet(config, clock=clock)
-    for region in regions_set:
-        region.endpoints[0].mark_up()
-    return regions_set
-
-
-async def test_one_callers_5xx_never_count_and_several_callers_do() -> None:
+@pytest.fixture
+async def near() -> AsyncIterator[tuple[Region, Health, FakeClock]]:
+    """One region, its health policy (min_failing_callers = 3, a 30 s window) and its clock."""
     clock = FakeClock(100.0)
-    regions = region_set(clock, min_failing_callers=3, failure_window=30.0)
-    try:
-        near, health = regions.by_name["near"], regions.health
-        # One caller, a thousand times: its own fault, however often.
-        assert not any(health.blame(near, "h:mallory") for _ in range(1000))
-        snap = health.snapshot(near, clock())
-        assert snap["failures"]["callers"] == 1 and not snap["failures"]["counted"]
-        assert snap["failures"]["recent"] == 1000 and snap["failures"]["callers_own_total"] == 1000
-        # A second caller: still too few. A third: the region's fault from now on.
-        assert not health.blame(near, "ip:10.0.0.2")
-        assert health.blame(near, "t:acme")
-        assert health.blame(near, "h:mallory")
-        # The window passes without a failure: the callers are forgotten.
-        clock.advance(31.0)
-        assert not health.blame(near, "t:acme")
-        assert health.snapshot(near, clock())["failures"]["callers"] == 1
-    finally:
-        await regions.close()
+    health = {"min_failing_callers": 3, "failure_window": 30.0}
+    config = Config.from_mapping(proxy_config(ONE, health=health), environ={})
+    regions = RegionSet(config, clock=clock)
+    region = regions.by_name["near"]
+    region.endpoints[0].mark_up()
+    yield region, regions.health, clock
+    await regions.close()
 
 
-async def test_a_failing_active_check_confirms_a_single_callers_failures() -> None:
-    clock = FakeClock(100.0)
-    regions = region_set(clock, min_failing_callers=3)
-    try:
-        near, health = regions.by_name["near"], regions.health
-        assert not health.blame(near, "h:mallory")
-        near.health.active_ok = False  # the probe fails too: the region is at fault
-        assert health.blame(near, "h:mallory")
-    finally:
-        await regions.close()
+def test_one_callers_5xx_never_count_and_several_callers_do(
+    near: tuple[Region, Health, FakeClock],
+) -> None:
+    region, health, clock = near
+    # One caller, a thousand times: its own fault, however often.
+    assert not any(health.blame(region, "h:mallory") for _ in range(1000))
+    snap = health.snapshot(region, clock())
+    assert snap["failures"]["callers"] == 1 and not snap["failures"]["counted"]
+    assert snap["failures"]["recent"] == 1000 and snap["failures"]["callers_own_total"] == 1000
+    # A second caller: still too few. A third: the region's fault from now on.
+    assert not health.blame(region, "ip:10.0.0.2")
+    assert health.blame(region, "t:acme")
+    assert health.blame(region, "h:mallory")
+    # The window passes without a failure: the callers are forgotten.
+    clock.advance(31.0)
+    assert not health.blame(region, "t:acme")
+    assert health.snapshot(region, clock())["failures"]["callers"] == 1
 
 
-async def test_the_callers_kept_are_bounded() -> None:
-    clock = FakeClock(100.0)
-    regions = region_set(clock, min_failing_callers=3)
-    try:
-        near, health = regions.by_name["near"], regions.health
-        for i in range(10_000):
-            health.blame(near, f"ip:10.0.{i // 256}.{i % 256}")
-        assert len(near.health.failing_callers) <= 256
-        assert len(near.health.failures) <= 1024
-    finally:
-        await regions.close()
+def test_a_failing_active_check_confirms_a_single_callers_failures(
+    near: tuple[Region, Health, FakeClock],
+) -> None:
+    region, health, _ = near
+    assert not health.blame(region, "h:mallory")
+    region.health.active_ok = False  # the probe fails too: the region is at fault
+    assert health.blame(region, "h:mallory")
+
+
+def test_the_callers_kept_are_bounded(near: tuple[Region, Health, FakeClock]) -> None:
+    region, health, _ = near
+    for i in range(10_000):
+        health.blame(region, f"ip:10.0.{i // 256}.{i % 256}")
+    assert len(region.health.failing_callers) <= 256
+    assert len(region.health.failures) <= 1024
 
 
 def _ctx(body: bytes, who: str) -> RequestContext:
