@@ -62,16 +62,18 @@ def _plan_for_ctx(ctx: RequestContext, key: str, *, coalesce: bool) -> CachePlan
     for name in CLIENT_CREDENTIAL_HEADERS:
         if headers.get(name):
             credentials = True
+            break
     route = ctx.route
+    # Positional, in the fields' order: matching ten keywords costs more, once a request.
     return CachePlan(
-        key=key,
-        method=ctx.method,
-        lookup=not fresh_only,
-        coalesce=coalesce and ctx.method == "POST",
-        wants_sse=wants_sse,
-        include_usage=include_usage,
-        ttl=route.cache_ttl,
-        swr=route.stale_while_revalidate,
-        sie=route.stale_if_error,
-        credentials=credentials,
+        key,
+        ctx.method,
+        not fresh_only,
+        coalesce and ctx.method == "POST",
+        wants_sse,
+        include_usage,
+        route.cache_ttl,
+        route.stale_while_revalidate,
+        route.stale_if_error,
+        credentials,
     )
