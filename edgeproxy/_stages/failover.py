@@ -23,6 +23,12 @@ still go to the next region:
   ``RST_STREAM``, or the HTTP/1.1 connection closed). Hedges have their own
   budget, ``hedge_budget``.
 
+A region's 5xx answer counts against it (its health, its errors, its latency) only when
+:meth:`Health.blame <edgeproxy._upstream.health.Health.blame>` says several callers get
+them; otherwise it is the caller's own, and two regions rejecting the same body make it
+poison (:mod:`edgeproxy._stages.poison`): 502 ``upstream_rejected_request``, no further
+attempt, and none at all for that body while it is known.
+
 A non-streamed answer of an LLM endpoint is read to its end inside its
 attempt (up to ``WHOLE_BODY_LIMIT``), within the deadline: a region that
 resets mid-body has sent the client nothing, so the request is retried whole
