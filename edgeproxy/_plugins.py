@@ -129,10 +129,15 @@ class _Impl:
         return {name: kwargs[name] for name in self.kwargnames if name in kwargs}
 
 
+# Called once the request is answered: nothing acts on its facts any more, so its hooks
+# may change the context for the observers after them (an address anonymized for the log).
+_AFTER_THE_ANSWER = frozenset({"edgeproxy_response_complete"})
+
+
 class _Hook:
     """A hook's spec options and its implementations in call order."""
 
-    __slots__ = ("name", "firstresult", "argnames", "impls")
+    __slots__ = ("name", "firstresult", "argnames", "impls", "guards_facts")
 
     def __init__(
         self, name: str, firstresult: bool, argnames: tuple[str, ...], impls: list[_Impl]
@@ -141,6 +146,8 @@ class _Hook:
         self.firstresult = firstresult
         self.argnames = argnames
         self.impls = impls
+        # Whether an implementation that changes the request's facts fails (RequestFacts).
+        self.guards_facts = name not in _AFTER_THE_ANSWER
 
 
 class Plugins:
@@ -362,8 +369,9 @@ class Plugins:
         if chain and value_arg not in entry.argnames:
             raise TypeError(f"{hook} has no argument {value_arg!r} to chain")
         results: list[Any] = []
-        # After entry, a hook must not change what the request is (RequestFacts).
-        ctx: Any = kwargs.get("ctx")
+        # After entry, a hook must not change what the request is (RequestFacts), until
+        # the request is answered.
+        ctx: Any = kwargs.get("ctx") if entry.guards_facts else None
         facts = ctx.facts if isinstance(ctx, RequestContext) else None
         for impl in entry.impls:
             if only is not None and impl.plugin not in only:

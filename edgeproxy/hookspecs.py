@@ -168,6 +168,10 @@ def edgeproxy_response_complete(request: Exchange, ctx: RequestContext) -> Await
     ``ctx.bytes_out``, ``ctx.region``, ``ctx.attempts``, ``ctx.error`` and,
     for LLM answers, ``ctx.usage`` (the upstream's token counts).
 
+    The request is answered: an implementation may change ``ctx`` for the ones after
+    it (a client address anonymized for the access log, say), its facts included;
+    ``ctx.facts`` keeps what the request was.
+
     *All run*; return values are ignored. Exceptions are logged and never
     reach the client.
     """

@@ -10,7 +10,7 @@ import pytest
 from edgeproxy import Exchange, RequestContext, hookimpl
 from edgeproxy._core.context import FixedFact
 
-from .conftest import ProxyFactory, RegionFactory
+from .conftest import ProxyFactory, RegionFactory, eventually
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -116,3 +116,35 @@ def test_with_json_fixes_a_new_request() -> None:
     assert leg.facts is not None and leg.facts is not facts
     assert leg.facts.stream is True and leg.facts.dialect == "chat.completions"
     assert ctx.facts is facts and ctx.json == BODY
+
+
+class Anonymize:
+    """Anonymizes the client's address for the observers after it, once answered."""
+
+    @hookimpl(tryfirst=True)
+    def edgeproxy_response_complete(self, ctx: RequestContext) -> None:
+        ctx.client_ip = "0.0.0.0"
+
+
+class Observer:
+    def __init__(self) -> None:
+        self.seen: list[tuple[str | None, str | None]] = []
+
+    @hookimpl(trylast=True)
+    def edgeproxy_response_complete(self, ctx: RequestContext) -> None:
+        assert ctx.facts is not None
+        self.seen.append((ctx.client_ip, ctx.facts.client_ip))
+
+
+async def test_once_answered_a_hook_may_change_the_context_for_those_after_it(
+    make_region: RegionFactory, make_proxy: ProxyFactory
+) -> None:
+    region = await make_region("r1")
+    observer = Observer()
+    proxy = await make_proxy([region], plugins=[Anonymize(), observer])
+    async with aiohttp.ClientSession() as client:
+        async with client.post(proxy.url + CHAT, json=BODY) as resp:
+            assert resp.status == 200
+            await resp.read()
+    await eventually(lambda: bool(observer.seen))
+    assert observer.seen == [("0.0.0.0", "127.0.0.1")]
