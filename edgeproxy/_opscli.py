@@ -13,6 +13,7 @@ import asyncio
 import datetime
 import math
 import os
+import signal
 import ssl
 import sys
 import time
@@ -185,6 +186,10 @@ def _cmd_top(args: argparse.Namespace, admin: Admin) -> int:
     if args.once:
         console.print(frame())
         return 0
+    if sys.stdin.isatty() and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        # Started from a shell or job that ignores SIGINT (inherited across exec): at a
+        # terminal, Ctrl-C must still end the view.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     shown = 0
     try:
         with Live(frame(), console=console, auto_refresh=False, transient=False) as live:
