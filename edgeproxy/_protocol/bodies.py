@@ -273,7 +273,8 @@ def estimate_prompt_tokens(body: dict[str, Any]) -> int:
                 name = message.get("name")
                 if isinstance(name, str):
                     chars += len(name)
-    for key in ("prompt", "input", "instructions"):
+    # Completions' prompt, the Responses API's input and instructions, Messages' system.
+    for key in ("prompt", "input", "instructions", "system"):
         chars += _text_chars(body.get(key), 0)
     return max(1, framing + (chars + 3) // 4)
 

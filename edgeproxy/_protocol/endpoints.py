@@ -25,6 +25,8 @@ __all__ = [
     "ENDPOINTS",
     "ENDPOINT_NAMED",
     "EndpointPaths",
+    "MESSAGES",
+    "MESSAGES_COUNT_TOKENS",
     "MODERATIONS",
     "OpenAIEndpoint",
     "Property",
@@ -113,12 +115,39 @@ MODERATIONS: Final = OpenAIEndpoint(
     local=False,
 )
 
+# Anthropic's Messages API. Its path is matched whole from /v1 on: the Assistants API's
+# /v1/threads/{id}/messages creates objects, and a retry would create two. Not cacheable
+# yet: the cache's replay speaks chat's events.
+MESSAGES: Final = OpenAIEndpoint(
+    "messages",
+    "/v1/messages",
+    json_body=True,
+    usage=True,
+    retry_safe=True,
+    cacheable=False,
+    deterministic=False,
+    local=False,
+)
+# Counting a Messages request's tokens costs no tokens: passed through, never charged.
+MESSAGES_COUNT_TOKENS: Final = OpenAIEndpoint(
+    "messages.count_tokens",
+    "/v1/messages/count_tokens",
+    json_body=True,
+    usage=False,
+    retry_safe=True,
+    cacheable=False,
+    deterministic=True,
+    local=False,
+)
+
 ENDPOINTS: Final[tuple[OpenAIEndpoint, ...]] = (
     CHAT_COMPLETIONS,
     COMPLETIONS,
     EMBEDDINGS,
     RESPONSES,
     MODERATIONS,
+    MESSAGES,
+    MESSAGES_COUNT_TOKENS,
 )
 
 # The endpoints by name (a request's dialect, fixed at entry in its facts).

@@ -1,4 +1,20 @@
-"""Token usage of OpenAI-style answers, picked out as the body streams past."""
+"""Token usage of LLM answers, picked out as the body streams past.
+
+Three shapes of ``usage`` reach it, and every reader (the metrics, the token limits, the
+access log, tokens per second) gets one: chat's (``prompt_tokens``, ``completion_tokens``,
+``total_tokens``), with the API's own fields kept beside them.
+
+* chat completions and completions: ``usage`` at the top of the JSON answer, or of the
+  last streamed chunk (``stream_options.include_usage``);
+* the Responses API: ``usage`` at the top of the JSON answer, or in the ``response`` of the
+  ``response.completed`` (``.incomplete``, ``.failed``) event: ``input_tokens`` (cached
+  ones included) and ``output_tokens``;
+* Anthropic Messages: ``usage`` at the top of the JSON answer; streamed, split over
+  ``message_start`` (in its ``message``: the input tokens, cache reads and writes) and
+  ``message_delta`` (the output tokens so far), the later value of a field winning. The
+  prompt is ``input_tokens`` plus ``cache_read_input_tokens`` and
+  ``cache_creation_input_tokens``, which Anthropic counts apart.
+"""
 
 from __future__ import annotations
 
@@ -69,11 +85,46 @@ class UsageTracker:
             event = orjson.loads(raw)
         except orjson.JSONDecodeError:
             return
-        if isinstance(event, dict) and isinstance(event.get("usage"), dict):
-            self._usage = event["usage"]
+        if not isinstance(event, dict):
+            return
+        usage = event.get("usage")
+        if not isinstance(usage, dict):
+            # Responses' final event, Messages' first: the usage inside the object.
+            inner = event.get("response") or event.get("message")
+            usage = inner.get("usage") if isinstance(inner, dict) else None
+            if not isinstance(usage, dict):
+                return
+        if self._usage is None or "prompt_tokens" in usage:
+            self._usage = dict(usage)
+        else:
+            # Messages: message_delta's counts update message_start's, field by field.
+            self._usage.update(usage)
 
     def result(self) -> dict[str, Any] | None:
         if not self._sse and not self._overflow and self._buf:
             self._take(self._buf)
             self._buf = b""
-        return self._usage
+        usage = self._usage
+        if usage is not None and "prompt_tokens" not in usage and "input_tokens" in usage:
+            return chat_usage(usage)
+        return usage
+
+
+def chat_usage(usage: dict[str, Any]) -> dict[str, Any]:
+    """A Responses or Messages ``usage`` with chat's fields added (its own kept)."""
+    prompt = _tokens(usage.get("input_tokens"))
+    if "cache_read_input_tokens" in usage or "cache_creation_input_tokens" in usage:
+        # Anthropic counts cached input apart from input_tokens; OpenAI includes it.
+        prompt += _tokens(usage.get("cache_read_input_tokens"))
+        prompt += _tokens(usage.get("cache_creation_input_tokens"))
+    completion = _tokens(usage.get("output_tokens"))
+    return {
+        **usage,
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+def _tokens(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0

@@ -40,7 +40,7 @@ from edgeproxy._protocol.bodies import (
     requires_json,
 )
 from edgeproxy._stages.poison import Poison
-from edgeproxy._stages.ratelimit import RateLimiter, RateTicket
+from edgeproxy._stages.ratelimit import RateLimiter, RateTicket, api_key
 
 if TYPE_CHECKING:
     from edgeproxy._core.context import RequestContext
@@ -211,7 +211,7 @@ class AdmissionStage:
                 body = value if isinstance(value, dict) else None
             if body is not None:
                 estimate = estimate_prompt_tokens(body)
-        key_value = ctx.headers.get(self.config.key_header) if self.config.key_header else None
+        key_value = api_key(ctx.headers, self.config.key_header)
         ip = ctx.client_ip or "unknown"
         key, ip_id = rate.identities(ctx.tenant, key_value, ip)
         charges = rate.charges(key, ip_id, estimate)

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from edgeproxy._core.errors import ProxyError
-from edgeproxy._stages.ratelimit import identities
+from edgeproxy._stages.ratelimit import api_key, identities
 
 if TYPE_CHECKING:
     from edgeproxy._core.config import Config
@@ -40,11 +40,10 @@ _BODIES_KEPT = 4096
 _CALLERS_KEPT = 4096
 
 
-def caller_of(ctx: RequestContext, key_header: str | None) -> str:
+def caller_of(ctx: RequestContext, key_header: str) -> str:
     """The caller of ``ctx`` as the rate limits name it: ``t:<tenant>``, ``h:<hashed key>``
     (``key_header``, the API key), else the client IP."""
-    key_value = ctx.headers.get(key_header) if key_header else None
-    key, ip = identities(ctx.tenant, key_value, ctx.client_ip or "unknown")
+    key, ip = identities(ctx.tenant, api_key(ctx.headers, key_header), ctx.client_ip or "unknown")
     return key if key is not None else "ip:" + ip
 
 

@@ -34,7 +34,7 @@ import logging
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,7 +44,7 @@ from edgeproxy._core.config import AdmissionConfig, RedisSettings
 from edgeproxy._core.errors import ProxyError
 from edgeproxy._stages.redisclient import make_client, ready
 
-__all__ = ["Charge", "Limit", "LocalBuckets", "RateLimiter", "RateTicket", "identities"]
+__all__ = ["Charge", "Limit", "LocalBuckets", "RateLimiter", "RateTicket", "api_key", "identities"]
 
 logger = logging.getLogger("edgeproxy")
 
@@ -272,6 +272,18 @@ class RateTicket:
 def _identity(value: str) -> str:
     # Raw API keys never become Redis keys or log lines.
     return hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()[:24]
+
+
+def api_key(headers: Mapping[str, str], key_header: str) -> str | None:
+    """The API key a request carries, for the per-key limits: ``key_header``'s value; with
+    ``Authorization`` (the default), Anthropic's ``x-api-key`` when it is absent, as the
+    Messages API's clients send their key there."""
+    if not key_header:
+        return None
+    value = headers.get(key_header)
+    if value is None and key_header.lower() == "authorization":
+        value = headers.get("x-api-key")
+    return value
 
 
 def identities(tenant: str | None, key_value: str | None, ip: str) -> tuple[str | None, str]:

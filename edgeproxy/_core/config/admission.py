@@ -64,7 +64,8 @@ class AdmissionConfig(Section):
     key_header: str = Field(
         "Authorization",
         description="Header whose value, hashed, keys the per-key rate limits when no plugin "
-        "set a tenant; '' keys them by tenant only.",
+        "set a tenant (with Authorization, x-api-key when it is absent, as Anthropic's "
+        "clients send); '' keys them by tenant only.",
     )
     key_requests_per_second: float = Field(
         0.0,

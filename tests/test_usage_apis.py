@@ -1,0 +1,163 @@
+"""Token usage of every API the regions speak, read as the answer streams past: chat's
+shape, the Responses API's and Anthropic Messages', each given to the readers (metrics,
+token limits, the access log) with chat's fields beside the API's own."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+
+from edgeproxy._protocol.bodies import estimate_prompt_tokens
+from edgeproxy._protocol.endpoints import MESSAGES, MESSAGES_COUNT_TOKENS, openai_endpoint
+from edgeproxy._protocol.usage import UsageTracker
+from edgeproxy._stages.ratelimit import api_key
+
+
+def sse(*events: tuple[str | None, dict[str, Any]]) -> bytes:
+    out = b""
+    for name, data in events:
+        if name is not None:
+            out += b"event: " + name.encode() + b"\n"
+        out += b"data: " + orjson.dumps(data) + b"\n\n"
+    return out
+
+
+RESPONSE = {"id": "resp_1", "object": "response", "status": "in_progress", "usage": None}
+RESPONSES_STREAM = sse(
+    ("response.created", {"type": "response.created", "sequence_number": 0, "response": RESPONSE}),
+    (
+        "response.output_text.delta",
+        {"type": "response.output_text.delta", "sequence_number": 1, "delta": '"usage" hi'},
+    ),
+    (
+        "response.completed",
+        {
+            "type": "response.completed",
+            "sequence_number": 2,
+            "response": {
+                **RESPONSE,
+                "status": "completed",
+                "usage": {
+                    "input_tokens": 12,
+                    "input_tokens_details": {"cached_tokens": 4},
+                    "output_tokens": 7,
+                    "output_tokens_details": {"reasoning_tokens": 0},
+                    "total_tokens": 19,
+                },
+            },
+        },
+    ),
+)
+MESSAGE = {"id": "msg_1", "type": "message", "role": "assistant", "content": []}
+MESSAGES_STREAM = sse(
+    (
+        "message_start",
+        {
+            "type": "message_start",
+            "message": {
+                **MESSAGE,
+                "usage": {
+                    "input_tokens": 10,
+                    "output_tokens": 1,
+                    "cache_creation_input_tokens": 3,
+                    "cache_read_input_tokens": 20,
+                },
+            },
+        },
+    ),
+    ("ping", {"type": "ping"}),
+    (
+        "content_block_delta",
+        {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "hi"}},
+    ),
+    (
+        "message_delta",
+        {
+            "type": "message_delta",
+            "delta": {"stop_reason": "end_turn"},
+            "usage": {"output_tokens": 9},
+        },
+    ),
+    ("message_stop", {"type": "message_stop"}),
+)
+
+
+def feed(tracker: UsageTracker, body: bytes, size: int) -> dict[str, Any] | None:
+    for i in range(0, len(body), size):
+        tracker.feed(body[i : i + size])
+    return tracker.result()
+
+
+@pytest.mark.parametrize("size", [1, 7, 64, 100_000])
+def test_a_responses_stream_is_counted_from_response_completed(size: int) -> None:
+    usage = feed(UsageTracker(sse=True), RESPONSES_STREAM, size)
+    assert usage is not None
+    assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (
+        12,
+        7,
+        19,
+    )
+    assert usage["input_tokens_details"] == {"cached_tokens": 4}
+
+
+@pytest.mark.parametrize("size", [1, 7, 64, 100_000])
+def test_a_messages_stream_sums_message_start_and_message_delta(size: int) -> None:
+    usage = feed(UsageTracker(sse=True), MESSAGES_STREAM, size)
+    assert usage is not None
+    # Anthropic counts cache reads and writes apart from input_tokens: the prompt is all three.
+    assert usage["prompt_tokens"] == 10 + 3 + 20
+    assert usage["completion_tokens"] == 9  # message_delta's count replaces the start's 1
+    assert usage["total_tokens"] == 42
+    assert usage["cache_read_input_tokens"] == 20 and usage["input_tokens"] == 10
+
+
+def test_json_answers_of_each_api() -> None:
+    chat = {"usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
+    responses = {"object": "response", "usage": {"input_tokens": 5, "output_tokens": 6}}
+    messages = {
+        "type": "message",
+        "usage": {
+            "input_tokens": 2,
+            "output_tokens": 4,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": 1,
+        },
+    }
+    for answer, expected in ((chat, (3, 2, 5)), (responses, (5, 6, 11)), (messages, (3, 4, 7))):
+        usage = feed(UsageTracker(sse=False), orjson.dumps(answer), 5)
+        assert usage is not None
+        assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (
+            expected
+        )
+
+
+def test_a_chat_stream_is_read_as_before() -> None:
+    chunk = {"choices": [{"delta": {"content": "x"}}], "usage": None}
+    last = {"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+    body = sse((None, chunk), (None, last)) + b"data: [DONE]\n\n"
+    assert feed(UsageTracker(sse=True), body, 3) == last["usage"]
+
+
+def test_messages_endpoints_are_in_the_table_and_count_tokens_is_never_charged() -> None:
+    assert openai_endpoint("/v1/messages") is MESSAGES
+    assert openai_endpoint("/anthropic/v1/messages") is MESSAGES
+    assert openai_endpoint("/v1/messages/count_tokens") is MESSAGES_COUNT_TOKENS
+    # The Assistants API creates thread messages: not Anthropic's, and never retried.
+    assert openai_endpoint("/v1/threads/t_1/messages") is None
+    assert MESSAGES.usage and not MESSAGES_COUNT_TOKENS.usage
+    assert UsageTracker.for_response("/v1/messages", "text/event-stream", 200) is not None
+    assert UsageTracker.for_response("/v1/messages/count_tokens", "application/json", 200) is None
+
+
+def test_the_system_prompt_of_a_messages_request_is_estimated() -> None:
+    body = {"system": "x" * 400, "messages": [{"role": "user", "content": "hi"}]}
+    assert estimate_prompt_tokens(body) >= 100
+
+
+def test_the_api_key_is_read_from_x_api_key_when_there_is_no_authorization() -> None:
+    assert api_key({"x-api-key": "sk-ant"}, "Authorization") == "sk-ant"
+    assert api_key({"Authorization": "Bearer a", "x-api-key": "b"}, "Authorization") == "Bearer a"
+    assert api_key({"x-api-key": "sk-ant"}, "X-Tenant-Key") is None
+    assert api_key({"x-api-key": "sk-ant"}, "") is None
