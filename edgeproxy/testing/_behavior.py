@@ -125,6 +125,9 @@ class Behavior:
     ``ttft``
         Delay before the response headers of the LLM endpoints: the first
         token of a stream goes out with them, a JSON answer goes out whole.
+        A Responses or Messages stream sends its headers and opening events
+        (``response.created``, ``message_start``) at once, as servers do,
+        and waits ``ttft`` before its first token.
     ``inter_token_delay``
         Delay between two tokens of a stream.
     ``tokens``
