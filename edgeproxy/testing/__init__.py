@@ -17,8 +17,14 @@ A region can also run as its own process, controlled over HTTP::
 
 ``POST /_control`` with a JSON object of :class:`Behavior` fields changes the
 behaviour, ``GET /_control`` returns it with the counters,
-``POST /_control/reset-counters`` zeroes the counters and
-``POST /_control/clear-kv-cache`` empties the prefix cache.
+``POST /_control/reset-counters`` zeroes the counters,
+``POST /_control/clear-kv-cache`` empties the prefix cache and
+``POST /_control/clear-responses`` the stored Responses API responses.
+
+Besides chat completions, completions and embeddings, a region speaks the
+OpenAI Responses API, statefully (``previous_response_id`` works only on the
+region that stored the response), and Anthropic's Messages API (with
+assistant prefill continuations), with the same faults.
 
 :func:`answer_text` is the deterministic answer to a prompt, to compare
 what a client received (spliced from a continuation or not) against.

@@ -1,7 +1,9 @@
 """The fake region's routes and their answers.
 
 OpenAI-style completions and embeddings (deterministic, from
-:mod:`edgeproxy.testing._content`), models, health, echo and status-code
+:mod:`edgeproxy.testing._content`), the Responses API
+(:mod:`edgeproxy.testing._responses`), Anthropic's Messages API
+(:mod:`edgeproxy.testing._messages`), models, health, echo and status-code
 endpoints. Each answer is a :class:`~edgeproxy.testing._exchange.Reply`; a
 request it cannot answer raises :class:`~edgeproxy.testing._exchange.BadRequest`.
 """
@@ -16,6 +18,8 @@ from typing import Any, Final, TypeVar
 from urllib.parse import parse_qs
 
 from edgeproxy.testing import _content as content
+from edgeproxy.testing import _messages as messages
+from edgeproxy.testing import _responses as responses
 from edgeproxy.testing._behavior import Behavior
 from edgeproxy.testing._exchange import (
     BadRequest,
@@ -23,6 +27,7 @@ from edgeproxy.testing._exchange import (
     Generation,
     Headers,
     Reply,
+    error_reply,
     json_reply,
     parse_json_object,
 )
@@ -40,8 +45,22 @@ def route(
     *,
     region_model: str,
     metrics: Callable[[], Reply],
+    store: responses.ResponseStore,
+    seen: messages.SeenHeaders,
 ) -> Reply:
     path, method = ex.path, ex.method
+    if path == "/v1/responses":
+        _require_method(method, "POST")
+        return responses.create(parse_json_object(body), behavior, region_model, store)
+    if path.startswith("/v1/responses/"):
+        return responses.route(ex, store)
+    if path in ("/v1/messages", "/v1/messages/count_tokens"):
+        seen.record(ex)
+        _require_method(method, "POST")
+        request = parse_json_object(body)
+        if path == "/v1/messages":
+            return messages.create(request, behavior, region_model)
+        return messages.count_tokens(request)
     if path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings"):
         _require_method(method, "POST")
         request = parse_json_object(body)
@@ -137,6 +156,17 @@ def _completion(
         parts.append(content.usage_chunk(id_, created, model, obj, usage))
     parts.append(content.SSE_DONE)
     headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+
+    def stream_error(index: int) -> bytes:
+        # vLLM's in-band error: one data event with an error object, then [DONE].
+        message = f"injected error after {index} tokens"
+        return (
+            b"data: "
+            + content.error_body(message, type_="server_error")
+            + b"\n\n"
+            + content.SSE_DONE
+        )
+
     return Reply(
         200,
         headers,
@@ -145,7 +175,22 @@ def _completion(
         gap=behavior.inter_token_delay,
         gap_units=len(words),
         generation=generation,
+        stream_error=stream_error,
     )
+
+
+def error_for(path: str, status: int, message: str, type_: str = "invalid_request_error") -> Reply:
+    """An error answer in the shape of the API ``path`` belongs to."""
+    if path.startswith("/v1/messages"):
+        return messages.error_reply(status, message)
+    return error_reply(status, message, type_)
+
+
+def bad_request(path: str, exc: BadRequest) -> Reply:
+    """The answer to a request refused with ``exc``, in its API's shape."""
+    if path.startswith("/v1/messages"):
+        return messages.error_reply(exc.status, str(exc))
+    return error_reply(exc.status, str(exc), exc.type_, param=exc.param, code=exc.code)
 
 
 def _continued_answer(request: dict[str, Any], messages: list[Any]) -> str | None:

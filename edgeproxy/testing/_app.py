@@ -4,7 +4,7 @@ The routes and their answers are in :mod:`edgeproxy.testing._answers`; one
 request/response, with its disconnect and fault plumbing, is an
 :class:`~edgeproxy.testing._exchange.Exchange`.
 
-Chat and completions requests also go through the region's model of an
+Chat, completions, Responses and Messages requests also go through the region's model of an
 LLM server (:meth:`RegionApp._generate`): a FIFO queue in front of
 ``max_running`` generation slots and a prefix (KV) cache
 (:mod:`edgeproxy.testing._kv`) whose hits make the first token come sooner;
@@ -54,6 +54,8 @@ from edgeproxy.testing._load import (
     requested_format,
     spoiled_orca_header,
 )
+from edgeproxy.testing._messages import SeenHeaders
+from edgeproxy.testing._responses import DEFAULT_CAPACITY, ResponseStore
 
 _CONNECTIONS_PRUNE_AT: Final = 512
 
@@ -114,6 +116,22 @@ class Counters:
     """``kv_blocks_in_use / kv_capacity_blocks``, at most 1 (a gauge; 0 without a cache)."""
     kv_evicted_blocks_total: int = 0
 
+    # The Responses API's store (see edgeproxy.testing._responses).
+    responses_stored: int = 0
+    """Responses in the store now (a gauge; a reset does not zero it)."""
+    responses_stored_total: int = 0
+    """Responses stored (written whole, with ``store`` not false)."""
+    responses_evicted_total: int = 0
+    """Stored responses dropped because the store was full."""
+    previous_response_hits_total: int = 0
+    """``previous_response_id`` values found in the store."""
+    previous_response_misses_total: int = 0
+    """``previous_response_id`` values not found (answered 404)."""
+    response_lookups_total: int = 0
+    """``GET``/``DELETE /v1/responses/{id}``, ``input_items`` and ``cancel`` that found it."""
+    response_lookup_misses_total: int = 0
+    """Those that did not (answered 404)."""
+
     @property
     def kv_hit_rate(self) -> float:
         """``cached_tokens_total / prompt_tokens_total`` (0.0 before any prompt)."""
@@ -147,6 +165,13 @@ class Counters:
             "kv_blocks_in_use": self.kv_blocks_in_use,
             "kv_cache_usage": self.kv_cache_usage,
             "kv_evicted_blocks_total": self.kv_evicted_blocks_total,
+            "responses_stored": self.responses_stored,
+            "responses_stored_total": self.responses_stored_total,
+            "responses_evicted_total": self.responses_evicted_total,
+            "previous_response_hits_total": self.previous_response_hits_total,
+            "previous_response_misses_total": self.previous_response_misses_total,
+            "response_lookups_total": self.response_lookups_total,
+            "response_lookup_misses_total": self.response_lookup_misses_total,
         }
 
 
@@ -195,6 +220,7 @@ class RegionApp:
         queue_full_status: int = 503,
         load_metrics_always: LoadMetricsFormat | None = None,
         metrics_flavor: MetricsFlavor = "vllm",
+        responses_capacity: int = DEFAULT_CAPACITY,
     ) -> None:
         self.name = name
         self.behavior = behavior
@@ -238,6 +264,9 @@ class RegionApp:
         self._generation_tokens = 0
         self._tokens_sent = 0
         self._modelled_ttft = 0.0
+        # The stateful APIs: stored responses, the Anthropic headers last seen.
+        self.responses = ResponseStore(responses_capacity)
+        self.seen = SeenHeaders()
 
     @property
     def kv_capacity_blocks(self) -> int:
@@ -259,6 +288,7 @@ class RegionApp:
             self._running = 0
             self._waiting.clear()
             self._kv_held = 0
+        self.responses.clear()  # an in-memory store, as vLLM's
 
     @property
     def stopping(self) -> bool:
@@ -299,6 +329,7 @@ class RegionApp:
     # -- counters, any thread -----------------------------------------------
 
     def counters(self) -> Counters:
+        store = self.responses.counters()
         with self._lock:
             return Counters(
                 requests_total=self._requests_total,
@@ -324,6 +355,13 @@ class RegionApp:
                 kv_blocks_in_use=self._kv_held,
                 kv_cache_usage=self._kv_usage(),
                 kv_evicted_blocks_total=self._kv.evicted_total,
+                responses_stored=store.stored,
+                responses_stored_total=store.stored_total,
+                responses_evicted_total=store.evicted_total,
+                previous_response_hits_total=store.previous_hits_total,
+                previous_response_misses_total=store.previous_misses_total,
+                response_lookups_total=store.lookups_total,
+                response_lookup_misses_total=store.lookup_misses_total,
             )
 
     def reset_counters(self) -> None:
@@ -346,6 +384,7 @@ class RegionApp:
             self._tokens_sent = 0
             self._modelled_ttft = 0.0
             self._kv.evicted_total = 0
+        self.responses.reset_counters()
 
     def clear_kv_cache(self) -> None:
         """Empty the prefix cache (blocks held by running requests stay held)."""
@@ -526,7 +565,7 @@ class RegionApp:
             else:
                 body = await ex.read_body()
         except BadRequest as exc:
-            reply = error_reply(exc.status, str(exc))
+            reply = answers.bad_request(ex.path, exc)
         if fault is not None and behavior.fault_body is not None and not echo:
             if behavior.fault_body.encode() not in body:
                 fault = None  # this request is not one the fault is for
@@ -538,7 +577,9 @@ class RegionApp:
         if fault == "5xx":
             status = behavior.fault_status
             message = f"fake region {self.name}: injected {status}"
-            await ex.send_reply(error_reply(status, message, "server_error"), None, behavior)
+            await ex.send_reply(
+                answers.error_for(ex.path, status, message, "server_error"), None, behavior
+            )
             return
 
         if reply is None:
@@ -547,11 +588,25 @@ class RegionApp:
                     answers.echo(ex, length, sha256, region=self.name)
                     if echo
                     else answers.route(
-                        ex, body, behavior, region_model=self.model, metrics=self._metrics_reply
+                        ex,
+                        body,
+                        behavior,
+                        region_model=self.model,
+                        metrics=self._metrics_reply,
+                        store=self.responses,
+                        seen=self.seen,
                     )
                 )
             except BadRequest as exc:
-                reply = error_reply(exc.status, str(exc))
+                reply = answers.bad_request(ex.path, exc)
+        if fault == "stream_error" and reply.stream_error is None:
+            # An answer with no in-band error event gets the 5xx instead.
+            status = behavior.fault_status
+            message = f"fake region {self.name}: injected {status}"
+            await ex.send_reply(
+                answers.error_for(ex.path, status, message, "server_error"), None, behavior
+            )
+            return
         if fault == "reset" and behavior.fault_after_tokens_random:
             behavior = behavior.copy(fault_after_tokens=self._draw_reset_point(reply))
         if reply.generation is not None:
@@ -580,7 +635,7 @@ class RegionApp:
             status = self.queue_full_status
             message = f"fake region {self.name}: {self.max_queue} requests already waiting"
             kind = "server_error" if status >= 500 else "rate_limit_error"
-            rejected = error_reply(status, message, kind)
+            rejected = answers.error_for(ex.path, status, message, kind)
             rejected.late_headers = lambda: self._orca_headers(ex, behavior)
             await ex.send_reply(rejected, fault, behavior)
             return
@@ -608,6 +663,8 @@ class RegionApp:
             self._generation_tokens += generation.completion_tokens
             self._modelled_ttft += ttft
         try:
+            if reply.with_cache is not None:
+                reply.with_cache(cached)
             reply.first_delay = ttft
             reply.headers.extend(
                 [
@@ -699,6 +756,9 @@ class RegionApp:
             elif ex.path == "/_control/clear-kv-cache" and ex.method == "POST":
                 self.clear_kv_cache()
                 reply = json_reply(200, self.control_state())
+            elif ex.path == "/_control/clear-responses" and ex.method == "POST":
+                self.responses.clear()
+                reply = json_reply(200, self.control_state())
             else:
                 raise BadRequest(f"no route for {ex.method} {ex.path}", status=404)
         except BadRequest as exc:
@@ -721,5 +781,7 @@ class RegionApp:
                 "metrics_flavor": self.metrics_flavor,
             },
             "behavior": self.behavior.to_dict(),
+            "anthropic_version": self.seen.anthropic_version,
+            "anthropic_beta": self.seen.anthropic_beta,
             "counters": self.counters().to_dict(),
         }

@@ -10,7 +10,7 @@ from typing import Any, Final, Literal, get_args
 
 from edgeproxy.testing._load import LOAD_METRICS_FAULTS, LoadMetricsFault
 
-Fault = Literal["5xx", "reset", "stall", "stall_body", "slow_headers", "goaway"]
+Fault = Literal["5xx", "reset", "stall", "stall_body", "slow_headers", "goaway", "stream_error"]
 """The failure modes a fake region can inject; see :class:`Behavior`."""
 
 FAULTS: Final[frozenset[str]] = frozenset(get_args(Fault))
@@ -125,6 +125,9 @@ class Behavior:
     ``ttft``
         Delay before the response headers of the LLM endpoints: the first
         token of a stream goes out with them, a JSON answer goes out whole.
+        A Responses or Messages stream sends its headers and opening events
+        (``response.created``, ``message_start``) at once, as servers do,
+        and waits ``ttft`` before its first token.
     ``inter_token_delay``
         Delay between two tokens of a stream.
     ``tokens``
@@ -171,12 +174,26 @@ class Behavior:
     ``fault``
         ``None`` or one of:
 
-        * ``"5xx"``: answer ``fault_status`` with an OpenAI error body;
+        * ``"5xx"``: answer ``fault_status`` with an error body in the API's
+          shape: OpenAI's, or on ``/v1/messages`` Anthropic's (``type``
+          ``overloaded_error`` for 503 and 529, ``api_error`` for other 5xx);
         * ``"reset"``: send ``fault_after_tokens`` body units (stream events,
           echo chunks, or half of a single-piece body), then reset: HTTP/2
           sends RST_STREAM(INTERNAL_ERROR), HTTP/1.1 drops the connection.
           ``fault_after_tokens=0`` resets before the response headers;
-          with ``fault_after_tokens_random``, after a count drawn instead;
+          with ``fault_after_tokens_random``, after a count drawn instead.
+          A Responses or Messages stream first sends its opening events
+          (``response.created`` to ``response.content_part.added``;
+          ``message_start``, ``content_block_start``, ``ping``) and counts
+          its tokens after them: ``fault_after_tokens=0`` resets right after
+          the opening events, before the first text delta;
+        * ``"stream_error"``: a stream sends ``fault_after_tokens`` tokens,
+          then an in-band error event in its API's shape and ends cleanly:
+          chat and completions ``data: {"error": ...}`` and ``data: [DONE]``
+          (as vLLM does), the Responses API ``event: error``, the Messages
+          API ``event: error`` with ``overloaded_error`` (``fault_status``
+          503 or 529) or ``api_error``. Any other answer gets the ``"5xx"``
+          fault instead;
         * ``"stall"``: read the request, then never answer until the client
           goes away or the region stops;
         * ``"stall_body"``: send the headers and the first body unit, then

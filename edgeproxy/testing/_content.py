@@ -104,13 +104,26 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def error_body(message: str, *, type_: str = "invalid_request_error") -> bytes:
+def error_body(
+    message: str,
+    *,
+    type_: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+) -> bytes:
     """The OpenAI error shape."""
-    return orjson.dumps({"error": {"message": message, "type": type_, "param": None, "code": None}})
+    return orjson.dumps(
+        {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    )
 
 
 def sse_event(payload: object) -> bytes:
     return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+def sse_named_event(event: str, payload: object) -> bytes:
+    """An SSE event with an ``event:`` line, as the Responses and Messages APIs send them."""
+    return b"event: " + event.encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
 
 
 SSE_DONE: Final = b"data: [DONE]\n\n"

@@ -53,6 +53,19 @@ class Reply:
     generation: Generation | None = None
     # Headers computed when the response starts, after ``first_delay`` (load reports).
     late_headers: Callable[[], Headers] | None = None
+    # Parts sent with the headers, before ``first_delay`` and the tokens: the opening
+    # events of a Responses or Messages stream (``response.created``, ``message_start``),
+    # which servers send before the first token. A reset counts tokens after them.
+    lead_parts: int = 0
+    # The in-band error event that replaces the rest of a stream under the
+    # ``stream_error`` fault, given the index of the part it replaces; ``None`` for
+    # answers that have no such event (they get the ``5xx`` fault instead).
+    stream_error: Callable[[int], bytes] | None = None
+    # Called with the prompt tokens the KV model found cached, before the answer
+    # starts: answers that report cached tokens in their usage rebuild ``parts``.
+    with_cache: Callable[[int], None] | None = None
+    # Called once the answer was written whole (a stateful API stores it then).
+    on_complete: Callable[[], None] | None = None
 
 
 def json_reply(status: int, payload: object) -> Reply:
@@ -60,8 +73,25 @@ def json_reply(status: int, payload: object) -> Reply:
     return Reply(status, [_JSON, (b"content-length", str(len(body)).encode())], [body])
 
 
-def error_reply(status: int, message: str, type_: str = "invalid_request_error") -> Reply:
-    body = content.error_body(message, type_=type_)
+def set_json(reply: Reply, payload: object) -> None:
+    """Replace a JSON reply's body (and its ``content-length``)."""
+    body = orjson.dumps(payload)
+    reply.parts = [body]
+    reply.headers = [
+        (b"content-length", str(len(body)).encode()) if key == b"content-length" else (key, value)
+        for key, value in reply.headers
+    ]
+
+
+def error_reply(
+    status: int,
+    message: str,
+    type_: str = "invalid_request_error",
+    *,
+    param: str | None = None,
+    code: str | None = None,
+) -> Reply:
+    body = content.error_body(message, type_=type_, param=param, code=code)
     return Reply(status, [_JSON, (b"content-length", str(len(body)).encode())], [body])
 
 
@@ -70,11 +100,23 @@ class ClientGone(Exception):
 
 
 class BadRequest(Exception):
-    """A request the fake answers with a 4xx OpenAI error."""
+    """A request the fake answers with a 4xx error (OpenAI's shape, or Anthropic's on
+    the Messages API); ``type_``, ``param`` and ``code`` fill in the OpenAI body."""
 
-    def __init__(self, message: str, status: int = 400) -> None:
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        *,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
+        self.type_ = type_
+        self.param = param
+        self.code = code
 
 
 def parse_json_object(body: bytes) -> dict[str, Any]:
@@ -263,17 +305,20 @@ class Exchange:
             half = len(parts[0]) // 2
             parts = [parts[0][:half], parts[0][half:]]
 
+        lead = reply.lead_parts
         delay = reply.first_delay
-        if fault == "slow_headers":
-            delay += behavior.slow_headers_delay
-        await self.pause(delay)
+        slow = behavior.slow_headers_delay if fault == "slow_headers" else 0.0
+        # With lead parts, the modelled TTFT comes after them, before the first token.
+        await self.pause(slow if lead else delay + slow)
 
-        reset_at = None
+        cut = None  # the part a reset or an in-band error replaces
         if fault == "reset":
-            reset_at = min(behavior.fault_after_tokens, max(len(parts) - 1, 0))
-            if reset_at == 0:
+            cut = min(behavior.fault_after_tokens + lead, max(len(parts) - 1, 0))
+            if cut == 0:
                 await self.abort()
                 return
+        elif fault == "stream_error" and reply.stream_error is not None:
+            cut = min(behavior.fault_after_tokens, reply.gap_units) + lead
 
         headers = reply.headers
         if reply.late_headers is not None:
@@ -283,16 +328,24 @@ class Exchange:
             await self.write(parts[0] if parts else b"", more=True)
             await self.hang()
             return
+        tokens_end = lead + reply.gap_units
         for index, part in enumerate(parts):
-            if 0 < index < reply.gap_units:
+            if lead and index == lead:
+                await self.pause(delay)
+            elif lead < index < tokens_end:
                 await self.pause(reply.gap)
-            if index == reset_at:
-                await self.abort()
+            if index == cut:
+                if reply.stream_error is not None and fault == "stream_error":
+                    await self.write(reply.stream_error(index), more=False)
+                else:
+                    await self.abort()
                 return
             await self.write(part, more=index < len(parts) - 1)
-            if index < reply.gap_units and reply.generation is not None:
+            if lead <= index < tokens_end and reply.generation is not None:
                 self.tokens_sent += 1
         if not parts:
             await self.write(b"", more=False)
         if reply.gap_units == 0 and reply.generation is not None:
             self.tokens_sent = reply.generation.completion_tokens  # a JSON answer, sent whole
+        if reply.on_complete is not None:
+            reply.on_complete()

@@ -85,12 +85,27 @@ class FakeRegion:
     ``http/1.1`` by ALPN.
 
     Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``,
-    ``POST /v1/embeddings``, ``GET /v1/models``, ``GET /healthz``,
+    ``POST /v1/embeddings``, the Responses API (``POST /v1/responses``,
+    ``GET``/``DELETE /v1/responses/{id}``, ``GET /v1/responses/{id}/input_items``,
+    ``POST /v1/responses/{id}/cancel``; see :mod:`edgeproxy.testing._responses`),
+    Anthropic's Messages API (``POST /v1/messages``,
+    ``POST /v1/messages/count_tokens``; see :mod:`edgeproxy.testing._messages`),
+    ``GET /v1/models``, ``GET /healthz``,
     ``ANY /echo/...`` (``?size=N``, ``?chunks=N``, ``?delay=S``),
     ``GET /status/{code}``, ``GET /metrics`` and the control API under
     ``/_control``. Every response carries ``x-fake-region: <name>``.
 
-    Chat and completions requests go through a small model of an LLM server
+    The Responses API is stateful: a region stores the responses it answered
+    whole (unless ``store`` is false), at most ``responses_capacity`` of them,
+    and only it can continue them (``previous_response_id``), look them up or
+    delete them; another region answers 404 ``previous_response_not_found``.
+    The store is emptied when the region (re)starts. :attr:`responses` shows
+    it, :meth:`clear_responses` (or ``POST /_control/clear-responses``)
+    empties it, and :meth:`counters` counts its hits and misses.
+    :attr:`anthropic_version` and :attr:`anthropic_beta` are the last such
+    headers a Messages request carried.
+
+    Chat, completions, Responses and Messages requests go through a small model of an LLM server
     (vLLM-like). It is always on, with defaults that change nothing: no slot
     limit, no cache, no per-token cost. With ``max_running`` set, that
     many requests generate at once and the others wait in FIFO order; with
@@ -175,6 +190,8 @@ class FakeRegion:
             when asked, like vLLM.
         metrics_flavor: ``"vllm"`` (the default) or ``"sglang"``: the metric
             names of ``GET /metrics``.
+        responses_capacity: Responses the region stores before it drops the
+            oldest (10,000 by default).
     """
 
     def __init__(
@@ -199,6 +216,7 @@ class FakeRegion:
         queue_full_status: int = 503,
         load_metrics_always: LoadMetricsFormat | None = None,
         metrics_flavor: MetricsFlavor = "vllm",
+        responses_capacity: int = 10_000,
     ) -> None:
         if (certfile is None) != (keyfile is None):
             raise ValueError("certfile and keyfile go together")
@@ -211,6 +229,7 @@ class FakeRegion:
             load_metrics_always,
             metrics_flavor,
         )
+        _check_count("responses_capacity", responses_capacity, 1)
         self.name = name
         self.host = host
         self._port = port
@@ -233,6 +252,7 @@ class FakeRegion:
             queue_full_status=queue_full_status,
             load_metrics_always=load_metrics_always,
             metrics_flavor=metrics_flavor,
+            responses_capacity=responses_capacity,
         )
         self._thread: threading.Thread | None = None
         self._done: concurrent.futures.Future[None] | None = None
@@ -305,6 +325,25 @@ class FakeRegion:
     def clear_kv_cache(self) -> None:
         """Empty the prefix cache, as if the server had just started."""
         self._app.clear_kv_cache()
+
+    @property
+    def responses(self) -> dict[str, dict[str, Any]]:
+        """The stored Responses API responses by id, oldest first (a snapshot)."""
+        return self._app.responses.snapshot()
+
+    def clear_responses(self) -> None:
+        """Forget every stored response, as a restarted server would."""
+        self._app.responses.clear()
+
+    @property
+    def anthropic_version(self) -> str | None:
+        """The ``anthropic-version`` header of the last Messages request that had one."""
+        return self._app.seen.anthropic_version
+
+    @property
+    def anthropic_beta(self) -> str | None:
+        """The ``anthropic-beta`` header of the last Messages request that had one."""
+        return self._app.seen.anthropic_beta
 
     @property
     def cancelled_total(self) -> int:
