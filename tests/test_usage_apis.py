@@ -4,15 +4,25 @@ token limits, the access log) with chat's fields beside the API's own."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import orjson
 import pytest
 
+from edgeproxy import EdgeProxy
 from edgeproxy._protocol.bodies import estimate_prompt_tokens
 from edgeproxy._protocol.endpoints import MESSAGES, MESSAGES_COUNT_TOKENS, openai_endpoint
 from edgeproxy._protocol.usage import UsageTracker
 from edgeproxy._stages.ratelimit import api_key
+
+from .conftest import ProxyFactory, RegionFactory, eventually
+from .test_metrics import scrape
+
+
+async def settled(proxy: EdgeProxy) -> None:
+    """Wait until every request finished, token settlement included."""
+    await eventually(lambda: proxy.pipeline.in_flight == 0)
 
 
 def sse(*events: tuple[str | None, dict[str, Any]]) -> bytes:
@@ -161,3 +171,124 @@ def test_the_api_key_is_read_from_x_api_key_when_there_is_no_authorization() -> 
     assert api_key({"Authorization": "Bearer a", "x-api-key": "b"}, "Authorization") == "Bearer a"
     assert api_key({"x-api-key": "sk-ant"}, "X-Tenant-Key") is None
     assert api_key({"x-api-key": "sk-ant"}, "") is None
+
+
+# -- end to end: the official SDKs through the proxy, the fake region's usage ------------
+
+
+async def test_token_counters_equal_the_regions_usage_for_every_api(
+    make_region: RegionFactory, make_proxy: ProxyFactory
+) -> None:
+    import anthropic
+    import openai
+
+    region = await make_region("r1", tokens=6)
+    proxy = await make_proxy([region])
+    oa = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="sk-test", max_retries=0)
+    an = anthropic.AsyncAnthropic(base_url=proxy.url, api_key="sk-ant-test", max_retries=0)
+    want = {"prompt": 0, "completion": 0}
+
+    def add(prompt: int, completion: int) -> None:
+        want["prompt"] += prompt
+        want["completion"] += completion
+
+    messages: Any = [{"role": "user", "content": "count my tokens please"}]
+    try:
+        chat = await oa.chat.completions.create(model="fake-llm", messages=messages)
+        assert chat.usage is not None
+        add(chat.usage.prompt_tokens, chat.usage.completion_tokens)
+        chunks = await oa.chat.completions.create(
+            model="fake-llm",
+            messages=messages,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        async for chunk in chunks:
+            if chunk.usage is not None:
+                add(chunk.usage.prompt_tokens, chunk.usage.completion_tokens)
+        done = await oa.completions.create(model="fake-llm", prompt="count my tokens")
+        assert done.usage is not None
+        add(done.usage.prompt_tokens, done.usage.completion_tokens)
+        response = await oa.responses.create(model="fake-llm", input="count my tokens")
+        assert response.usage is not None
+        add(response.usage.input_tokens, response.usage.output_tokens)
+        async with oa.responses.stream(model="fake-llm", input="count them again") as events:
+            final = await events.get_final_response()
+        assert final.usage is not None
+        add(final.usage.input_tokens, final.usage.output_tokens)
+        message = await an.messages.create(model="fake-llm", max_tokens=16, messages=messages)
+        usage = message.usage
+        add(
+            usage.input_tokens
+            + (usage.cache_read_input_tokens or 0)
+            + (usage.cache_creation_input_tokens or 0),
+            usage.output_tokens,
+        )
+        async with an.messages.stream(
+            model="fake-llm", max_tokens=16, messages=[{"role": "user", "content": "again"}]
+        ) as stream:
+            streamed = await stream.get_final_message()
+        usage = streamed.usage
+        add(
+            usage.input_tokens
+            + (usage.cache_read_input_tokens or 0)
+            + (usage.cache_creation_input_tokens or 0),
+            usage.output_tokens,
+        )
+        # Counting a Messages request's tokens is passed through and charged nothing.
+        counted = await an.messages.count_tokens(model="fake-llm", messages=messages)
+        assert counted.input_tokens > 0
+    finally:
+        await oa.close()
+        await an.close()
+    assert want["prompt"] > 0 and want["completion"] > 0
+
+    async def counted() -> tuple[float, float]:
+        m = await scrape(proxy)
+        return (
+            m.value("edgeproxy_tokens_total", kind="prompt"),
+            m.value("edgeproxy_tokens_total", kind="completion"),
+        )
+
+    for _ in range(100):
+        if await counted() == (want["prompt"], want["completion"]):
+            break
+        await asyncio.sleep(0.05)
+    assert await counted() == (want["prompt"], want["completion"])
+
+
+@pytest.mark.parametrize("api", ["responses", "messages"])
+async def test_a_tokens_per_minute_limit_holds_on_responses_and_messages(
+    make_region: RegionFactory, make_proxy: ProxyFactory, api: str
+) -> None:
+    import anthropic
+    import openai
+
+    region = await make_region("r1", tokens=40)
+    # 60 tokens a minute: each answer of 40 tokens is settled against the key's bucket.
+    proxy = await make_proxy([region], admission={"key_tokens_per_minute": 60})
+    oa = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="sk-one", max_retries=0)
+    an = anthropic.AsyncAnthropic(base_url=proxy.url, api_key="sk-ant-one", max_retries=0)
+
+    async def once() -> None:
+        if api == "responses":
+            await oa.responses.create(model="fake-llm", input="hi")
+        else:
+            await an.messages.create(
+                model="fake-llm", max_tokens=64, messages=[{"role": "user", "content": "hi"}]
+            )
+
+    limited = openai.RateLimitError if api == "responses" else anthropic.RateLimitError
+    try:
+        refused = False
+        for _ in range(5):
+            try:
+                await once()
+            except limited:
+                refused = True
+                break
+            await settled(proxy)
+        assert refused, "the answers' tokens were never charged"
+    finally:
+        await oa.close()
+        await an.close()
