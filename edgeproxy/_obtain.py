@@ -162,11 +162,14 @@ class Obtainer:
             return failure
         return await self._degrade(request, ctx, failure)
 
-    def ranked(self, ctx: RequestContext, *, exclude: tuple[str, ...] = ()) -> RoutePlan | Failure:
+    def ranked(
+        self, ctx: RequestContext, *, exclude: tuple[str, ...] = (), owner: str | None = None
+    ) -> RoutePlan | Failure:
         """:meth:`route` with no ``edgeproxy_route`` hook to ask: the router's plan, or the
-        failure of a request none may serve (no coroutine, on every request's path)."""
+        failure of a request none may serve (no coroutine, on every request's path).
+        ``owner``: the one region holding the request's state."""
         try:
-            plan = self.router.route(ctx, exclude=exclude)
+            plan = self.router.route(ctx, exclude=exclude, owner=owner)
         except ProxyError as err:
             return _refused(err)
         if not plan.regions:
@@ -174,12 +177,18 @@ class Obtainer:
         return plan
 
     async def route(
-        self, request: Exchange | None, ctx: RequestContext, *, exclude: tuple[str, ...] = ()
+        self,
+        request: Exchange | None,
+        ctx: RequestContext,
+        *,
+        exclude: tuple[str, ...] = (),
+        owner: str | None = None,
     ) -> RoutePlan | Failure:
         """The request's one ranked plan (the ``edgeproxy_route`` hook may choose other
-        regions, kept in its affinity plan), or the failure of a request none may serve."""
-        if "edgeproxy_route" not in self.plugins.active:
-            return self.ranked(ctx, exclude=exclude)
+        regions, kept in its affinity plan), or the failure of a request none may serve.
+        A request with an ``owner`` goes there alone: the hook is not asked."""
+        if "edgeproxy_route" not in self.plugins.active or owner is not None:
+            return self.ranked(ctx, exclude=exclude, owner=owner)
         plan = self._ranked(ctx, exclude)
         if isinstance(plan, Failure):
             return plan
@@ -204,6 +213,7 @@ class Obtainer:
             kind is FailureKind.RESIDENCY
             or kind is FailureKind.BAD_REQUEST
             or kind is FailureKind.REJECTED
+            or kind is FailureKind.OWNER_UNAVAILABLE
         ):
             return False
         if kind is FailureKind.MODEL_UNKNOWN:
@@ -464,6 +474,8 @@ def _refused(err: ProxyError) -> Failure:
         kind = FailureKind.MODEL_UNKNOWN if err.status == 404 else FailureKind.BAD_REQUEST
     elif err.code == "residency":
         kind = FailureKind.RESIDENCY
+    elif err.code == "owner_unavailable":
+        kind = FailureKind.OWNER_UNAVAILABLE
     else:
         kind = FailureKind.NO_REGION
     return Failure(kind, err)

@@ -35,10 +35,17 @@ from edgeproxy._stages.admission import AdmissionStage, Admitted, Overloaded
 from edgeproxy._stages.cache.stage import CacheRecorder, CacheStage, Refresh
 from edgeproxy._stages.compression import Compression
 from edgeproxy._stages.continuation import ContinuationStage
-from edgeproxy._stages.failover import AttemptResponse, Failover, Failure
+from edgeproxy._stages.failover import AttemptResponse, Failover, Failure, FailureKind
 from edgeproxy._stages.fallback import Degraded, FallbackStage
 from edgeproxy._stages.heartbeat import Heartbeat, start_heartbeat
 from edgeproxy._stages.models import ModelList
+from edgeproxy._stages.owners import (
+    Owners,
+    created_id,
+    creates_state,
+    owner_unavailable,
+    state_ref,
+)
 from edgeproxy._stages.poison import Poison
 from edgeproxy._stages.relay import StreamStage
 from edgeproxy._stages.routeplan import RoutePlan
@@ -83,6 +90,8 @@ class Pipeline:
         )
         self.stream = StreamStage(plugins, Compression(config))
         self.admission = AdmissionStage(config, poison=self.poison)
+        # Where each stored object lives (a Responses API response): its follow-ups go there.
+        self.owners = Owners(config.stateful, clock=regions.clock)
         self.models = ModelList(config, regions, self.failover)
         self.in_flight = 0
         # While draining, responses close their connection so keep-alive
@@ -164,6 +173,7 @@ class Pipeline:
             # admission: body validation, rate limits, then a slot (may queue, or shed).
             shed: ProxyError | None = None
             route: RoutePlan | Failure | None = None  # the regions ranked, or why none
+            owner: str | None = None  # the one region holding the request's state
             try:
                 admitted = await self.admission.admit(request, ctx)
             except Overloaded as err:
@@ -188,11 +198,13 @@ class Pipeline:
                     if answer is not None:
                         response = answer
                         return response
+                # A request referring to a stored object goes to the region holding it.
+                owner = await self._owner(ctx) if self.owners.enabled else None
                 # route: the one ranked plan that failover, hedging and continuation draw on.
                 if "edgeproxy_route" in active:
-                    route = await self.obtainer.route(request, ctx)
+                    route = await self.obtainer.route(request, ctx, owner=owner)
                 else:
-                    route = self.obtainer.ranked(ctx)
+                    route = self.obtainer.ranked(ctx, owner=owner)
                 if ctx.route.sse_heartbeat is not None and not isinstance(route, Failure):
                     heartbeat = start_heartbeat(request, ctx, close_connection=self.draining)
             # route + upstream + fallback: the first byte from the best region, failing over
@@ -206,7 +218,12 @@ class Pipeline:
                 keep_late=ctx.route.deadline_action == "race",
             )
             if isinstance(obtained, Failure):
-                response = await self._error(request, ctx, obtained.error, heartbeat)
+                error = obtained.error
+                if owner is not None and obtained.kind is FailureKind.UPSTREAM:
+                    # The one region holding the state failed (cannot connect, reset, a
+                    # gateway status): unavailable, as when it is known down.
+                    error = owner_unavailable(self.config.stateful.retry_after)
+                response = await self._error(request, ctx, error, heartbeat)
                 return response
             if isinstance(obtained, Degraded):
                 degraded = obtained.response
@@ -217,6 +234,8 @@ class Pipeline:
             # stream: relay chunk by chunk to the client; with the route's continue_on_break,
             # a stream that breaks after tokens were sent goes on at another region.
             upstream = obtained
+            if self.owners.enabled and upstream.status == 200 and creates_state(ctx):
+                await self._remember(upstream)
             plan = route if isinstance(route, RoutePlan) else None
             if plan is not None and plan.affinity is not None:
                 plan.routed(upstream.region)  # its KV cache now holds the prompt
@@ -272,6 +291,34 @@ class Pipeline:
             self.in_flight -= 1
             if not self.in_flight and self._idle_waiters:
                 self._now_idle()
+
+    async def _owner(self, ctx: RequestContext) -> str | None:
+        """The region holding the object ``ctx`` refers to; None when it refers to none.
+        Raises the API's own 404 for an object no region is known to hold."""
+        ref = state_ref(ctx)
+        if ref is None:
+            return None
+        owner = await self.owners.owner(ref.id)
+        if owner is None and len(self.regions.by_name) == 1:
+            return None  # one region: it is the owner, whoever made the object
+        if owner is None or owner not in self.regions.by_name:
+            # Unknown here and in Redis, or its region is gone from the config.
+            self.owners.unknown_total += 1
+            raise ref.not_found()
+        return owner
+
+    async def _remember(self, upstream: AttemptResponse) -> None:
+        """The region that answered a request storing its answer owns what it stored; for a
+        JSON answer, known in Redis before the client has the id."""
+        attempt = upstream.attempt
+        object_id = created_id(attempt.first or b"", attempt.sse)
+        if object_id is None:
+            return
+        write = self.owners.remember(object_id, upstream.region.name)
+        if write is not None and not attempt.sse:
+            # Bounded by redis_timeout inside; shielded, so that a client leaving does
+            # not cancel the write other PoPs need.
+            await asyncio.shield(write)
 
     def _start_refreshes(self) -> None:
         """Run the background refreshes the cache asked for, each in a task it keeps."""

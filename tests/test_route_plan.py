@@ -119,13 +119,19 @@ async def test_excluded_regions_are_not_eligible_and_the_panic_keeps_the_rest(
     assert _names(router.route(exclude=["sin", "tyo", "fra"])) == []
 
 
-async def test_an_owner_alone_is_eligible_healthy_or_not(make_router: RouterFactory) -> None:
+async def test_an_owner_alone_is_eligible_and_unavailable_is_a_503(
+    make_router: RouterFactory,
+) -> None:
     router, regions = make_router()
     assert _names(router.route(owner="fra")) == ["fra"]
     regions.by_name["fra"].mark_down("gone")
-    plan = router.route(owner="fra")
-    assert plan.panic and _names(plan) == ["fra"]  # no other region holds its state
-    assert _names(router.route(owner="fra", exclude=["fra"])) == []
+    # No other region holds its state (they would answer 404), and trying a region known
+    # down is no answer: the request gets 503 owner_unavailable, with Retry-After.
+    for exclude in ((), ("fra",)):
+        with pytest.raises(ProxyError) as info:
+            router.route(owner="fra", exclude=exclude)
+        assert info.value.status == 503 and info.value.code == "owner_unavailable"
+        assert int(info.value.headers["Retry-After"]) > 0
 
 
 async def test_the_filters_keep_their_errors(make_router: RouterFactory) -> None:

@@ -699,6 +699,7 @@ class EdgeProxy:
                 ),
             },
             "cache": self._pipeline.cache.status() if self._pipeline is not None else None,
+            "stateful": (self._pipeline.owners.snapshot() if self._pipeline is not None else None),
             "shared_load": self._load_view.snapshot() if self._load_view is not None else None,
             "generation": self._generation.number if self._generation is not None else None,
             "retiring_generations": len(self._retiring),

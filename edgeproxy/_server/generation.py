@@ -110,6 +110,9 @@ async def open_generation(number: int, config: Config, plugins: Plugins) -> Gene
         # Rate-limit buckets: Redis when configured (its absence only means local limits).
         await pipeline.admission.open()
         stack.push_async_callback(pipeline.admission.close)
+        # The owners of stored objects: Redis when configured (else this process's memory).
+        await pipeline.owners.open()
+        stack.push_async_callback(pipeline.owners.close)
         # The router lets go of its geo database once the regions are closed.
         stack.callback(pipeline.router.close)
         # Closing the regions stops the health checks too.

@@ -9,7 +9,8 @@ before left, never reordering them (ordering is
    a model no region serves is a 404 (:class:`~edgeproxy._stages.models.ModelError`);
 2. :class:`Resident`: under a residency rule, only the regions it allows;
 3. :class:`Owner`: for a request that only one region can answer (the owner of
-   a stateful exchange), that region alone;
+   a stateful exchange), that region alone; unavailable, it is a 503
+   ``owner_unavailable`` (:class:`Healthy`), never another region;
 4. :class:`NotExcluded`: not the regions the caller rules out (those a broken
    stream already tried, for instance);
 5. :class:`Healthy`: the available ones. When none is, a request under a
@@ -26,6 +27,8 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
+
+from edgeproxy._stages.owners import owner_unavailable
 
 if TYPE_CHECKING:
     from edgeproxy._core.context import RequestContext
@@ -145,11 +148,12 @@ class NotExcluded:
 class Healthy:
     """The available regions; when none is, a residency 503 or the panic."""
 
-    __slots__ = ("health", "residency")
+    __slots__ = ("health", "residency", "owner_retry_after")
 
-    def __init__(self, health: Health, residency: Residency) -> None:
+    def __init__(self, health: Health, residency: Residency, owner_retry_after: int = 5) -> None:
         self.health = health
         self.residency = residency
+        self.owner_retry_after = owner_retry_after
 
     def keep(self, query: RouteQuery, regions: list[Region]) -> list[Region]:
         available = self.health.available
@@ -165,5 +169,9 @@ class Healthy:
         if allowed is not None:
             # Never a cross-border guess: the rule's own refusal.
             raise self.residency.no_region(query.country, allowed)
+        if query.owner is not None:
+            # The one region holding the request's state is down: trying it, or another
+            # (which would answer 404), is no answer.
+            raise owner_unavailable(self.owner_retry_after)
         query.panic = True
         return regions

@@ -445,6 +445,9 @@ class FailureKind(enum.Enum):
     """A residency rule allows no available region: refused, never degraded."""
     BAD_REQUEST = "bad_request"
     """The request cannot be routed as sent (a model that is not a name): never degraded."""
+    OWNER_UNAVAILABLE = "owner_unavailable"
+    """The one region holding the request's state is unavailable: 503, never another
+    region (it would answer 404), never degraded."""
     REJECTED = "rejected"
     """Two regions answered this request's body with 5xx (a poison request, see
     :mod:`edgeproxy._stages.poison`): 502, never tried further, never degraded."""

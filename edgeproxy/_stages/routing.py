@@ -94,7 +94,7 @@ class Router:
         # only what the others left (so that its panic never leaves their bounds).
         catalog: list[Eligibility] = [ServesModel(self.models)] if self.models.active else []
         rules: list[Eligibility] = [Resident(self.residency)] if self.residency.enabled else []
-        healthy = Healthy(self.health, self.residency)
+        healthy = Healthy(self.health, self.residency, config.stateful.retry_after)
         self.filters: tuple[Eligibility, ...] = (*catalog, *rules, Owner(), NotExcluded(), healthy)
         # A request naming no owner and excluding nothing skips those two filters.
         self._plain_filters: tuple[Eligibility, ...] = (*catalog, *rules, healthy)

@@ -40,6 +40,7 @@ from edgeproxy._core.config.routes import DEFAULT_FALLBACK, FallbackRung, RouteC
 from edgeproxy._core.config.routing import HealthConfig, RoutingConfig
 from edgeproxy._core.config.server import AdminConfig, LimitsConfig, PopConfig, ServerConfig
 from edgeproxy._core.config.sharedload import SharedLoadConfig
+from edgeproxy._core.config.stateful import StatefulConfig
 from edgeproxy._core.config.upstream import RegionConfig, UpstreamConfig
 
 __all__ = [
@@ -70,6 +71,7 @@ __all__ = [
     "Section",
     "ServerConfig",
     "SharedLoadConfig",
+    "StatefulConfig",
     "TracingConfig",
     "UpstreamConfig",
     "check_header_name",

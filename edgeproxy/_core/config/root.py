@@ -25,6 +25,7 @@ from edgeproxy._core.config.routes import RouteConfig
 from edgeproxy._core.config.routing import HealthConfig, RoutingConfig
 from edgeproxy._core.config.server import AdminConfig, LimitsConfig, PopConfig, ServerConfig
 from edgeproxy._core.config.sharedload import SharedLoadConfig
+from edgeproxy._core.config.stateful import StatefulConfig
 from edgeproxy._core.config.upstream import RegionConfig, UpstreamConfig
 
 __all__ = ["Config"]
@@ -74,6 +75,10 @@ class Config(Section):
     shared_load: SharedLoadConfig = Field(
         default_factory=SharedLoadConfig,
         description="The load view shared by every PoP and worker through Redis.",
+    )
+    stateful: StatefulConfig = Field(
+        default_factory=StatefulConfig,
+        description="Stateful requests sent to the region holding their state.",
     )
     geo: GeoConfig = Field(default_factory=GeoConfig, description="Client geo and residency.")
     admission: AdmissionConfig = Field(
@@ -149,7 +154,7 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _inherit_redis(self) -> Config:
-        for name in ("cache", "admission", "shared_load"):
+        for name in ("cache", "admission", "shared_load", "stateful"):
             section = getattr(self, name)
             merged = inherit_redis(name, section, self.redis)
             if merged is not section:
