@@ -2,49 +2,26 @@
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Iterator
 
 from pydantic import BaseModel
 
-from edgeproxy._core.config.admission import AdmissionConfig
-from edgeproxy._core.config.cache import CacheConfig
-from edgeproxy._core.config.geo import GeoConfig
-from edgeproxy._core.config.local_model import LocalModelConfig
-from edgeproxy._core.config.observability import AccessLogConfig, MetricsConfig, TracingConfig
-from edgeproxy._core.config.plugins import PluginsConfig
-from edgeproxy._core.config.redis import RedisConfig
-from edgeproxy._core.config.routes import RouteConfig
-from edgeproxy._core.config.routing import HealthConfig, RoutingConfig
-from edgeproxy._core.config.server import AdminConfig, LimitsConfig, PopConfig, ServerConfig
-from edgeproxy._core.config.sharedload import SharedLoadConfig
-from edgeproxy._core.config.upstream import RegionConfig, UpstreamConfig
+from edgeproxy._core.config.root import Config
 
 __all__ = ["config_docs_markdown", "iter_config_keys"]
 
 
 def iter_config_keys() -> Iterator[tuple[str, str, str, str]]:
     """Yield ``(key, type, default, description)`` for every documented key."""
-    sections: list[tuple[str, type[BaseModel]]] = [
-        ("server", ServerConfig),
-        ("admin", AdminConfig),
-        ("pop", PopConfig),
-        ("upstream", UpstreamConfig),
-        ("regions", RegionConfig),
-        ("routes", RouteConfig),
-        ("plugins", PluginsConfig),
-        ("redis", RedisConfig),
-        ("cache", CacheConfig),
-        ("metrics", MetricsConfig),
-        ("tracing", TracingConfig),
-        ("access_log", AccessLogConfig),
-        ("local_model", LocalModelConfig),
-        ("routing", RoutingConfig),
-        ("health", HealthConfig),
-        ("shared_load", SharedLoadConfig),
-        ("geo", GeoConfig),
-        ("admission", AdmissionConfig),
-        ("limits", LimitsConfig),
-    ]
+    # Every section of the config, in its order: [[regions]] and [[routes]] by their entry.
+    sections: list[tuple[str, type[BaseModel]]] = []
+    for section, field in Config.model_fields.items():
+        model = field.annotation
+        if typing.get_origin(model) is list:
+            model = typing.get_args(model)[0]
+        assert isinstance(model, type) and issubclass(model, BaseModel), section
+        sections.append((section, model))
     for section, model in sections:
         for name, field in model.model_fields.items():
             annotation = field.annotation
