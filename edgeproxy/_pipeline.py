@@ -40,6 +40,7 @@ from edgeproxy._stages.fallback import Degraded, FallbackStage
 from edgeproxy._stages.heartbeat import Heartbeat, start_heartbeat
 from edgeproxy._stages.models import ModelList
 from edgeproxy._stages.owners import (
+    RESPONSES_PATH,
     Owners,
     created_id,
     creates_state,
@@ -198,8 +199,10 @@ class Pipeline:
                     if answer is not None:
                         response = answer
                         return response
-                # A request referring to a stored object goes to the region holding it.
-                owner = await self._owner(ctx) if self.owners.enabled else None
+                # A request referring to a stored object goes to the region holding it (the
+                # path tested here: no coroutine for every other request).
+                if self.owners.enabled and RESPONSES_PATH in ctx.path:
+                    owner = await self._owner(ctx)
                 # route: the one ranked plan that failover, hedging and continuation draw on.
                 if "edgeproxy_route" in active:
                     route = await self.obtainer.route(request, ctx, owner=owner)
@@ -234,7 +237,13 @@ class Pipeline:
             # stream: relay chunk by chunk to the client; with the route's continue_on_break,
             # a stream that breaks after tokens were sent goes on at another region.
             upstream = obtained
-            if self.owners.enabled and upstream.status == 200 and creates_state(ctx):
+            if (
+                ctx.facts is not None
+                and ctx.facts.dialect == "responses"
+                and self.owners.enabled
+                and upstream.status == 200
+                and creates_state(ctx)
+            ):
                 await self._remember(upstream)
             plan = route if isinstance(route, RoutePlan) else None
             if plan is not None and plan.affinity is not None:

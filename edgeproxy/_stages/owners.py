@@ -39,11 +39,19 @@ if TYPE_CHECKING:
     from edgeproxy._core.config import StatefulConfig
     from edgeproxy._core.context import RequestContext
 
-__all__ = ["Owners", "StateRef", "created_id", "creates_state", "owner_unavailable", "state_ref"]
+__all__ = [
+    "RESPONSES_PATH",
+    "Owners",
+    "StateRef",
+    "created_id",
+    "creates_state",
+    "owner_unavailable",
+    "state_ref",
+]
 
 logger = logging.getLogger("edgeproxy")
 
-_RESPONSES = "/v1/responses"
+RESPONSES_PATH = "/v1/responses"
 # Seconds nothing waits on a Redis that just failed (writes still go out, unwaited).
 _DOWN_FOR = 5.0
 
@@ -90,9 +98,9 @@ class StateRef:
 def state_ref(ctx: RequestContext) -> StateRef | None:
     """The stored object ``ctx`` refers to, or None (most requests)."""
     path = ctx.path
-    if _RESPONSES not in path:
+    if RESPONSES_PATH not in path:
         return None
-    head, _, rest = path.partition(_RESPONSES)
+    head, _, rest = path.partition(RESPONSES_PATH)
     if rest.startswith("/"):
         # GET/DELETE /v1/responses/{id}, .../input_items, POST .../cancel
         object_id = rest[1:].split("/", 1)[0]
@@ -110,7 +118,7 @@ def state_ref(ctx: RequestContext) -> StateRef | None:
 def creates_state(ctx: RequestContext) -> bool:
     """Whether ``ctx`` asks a region to store what it answers (a Responses request with
     ``store`` not false)."""
-    if ctx.method != "POST" or not ctx.path.endswith(_RESPONSES):
+    if ctx.method != "POST" or not ctx.path.endswith(RESPONSES_PATH):
         return False
     body = ctx.json
     return isinstance(body, dict) and body.get("store") is not False
