@@ -29,7 +29,7 @@ from edgeproxy._local.model import LocalAnswer
 from edgeproxy._obtain import Obtainer
 from edgeproxy._plugins import PluginError, Plugins, hook_answer
 from edgeproxy._protocol.clientip import client_ip_resolver
-from edgeproxy._protocol.endpoints import openai_endpoint
+from edgeproxy._protocol.endpoints import endpoint_has, openai_endpoint
 from edgeproxy._protocol.headers import request_ids
 from edgeproxy._stages.admission import AdmissionStage, Admitted, Overloaded
 from edgeproxy._stages.cache.stage import CacheRecorder, CacheStage, Refresh
@@ -413,7 +413,13 @@ class Pipeline:
         headers = {"X-Edgeproxy-Region": ctx.region or "none", "X-Request-Id": ctx.request_id}
         headers.update(err.headers)
         return error_response(
-            err.status, err.type, err.message, code=err.code, headers=headers, param=err.param
+            err.status,
+            err.type,
+            err.message,
+            code=err.code,
+            headers=headers,
+            param=err.param,
+            anthropic=endpoint_has(ctx.path, "anthropic"),
         )
 
     def _now_idle(self) -> None:

@@ -37,7 +37,9 @@ __all__ = [
     "openai_endpoint",
 ]
 
-Property = Literal["json_body", "usage", "retry_safe", "cacheable", "deterministic", "local"]
+Property = Literal[
+    "json_body", "usage", "retry_safe", "cacheable", "deterministic", "local", "anthropic"
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +62,9 @@ class OpenAIEndpoint:
     """Every request is deterministic (no sampling): cacheable without temperature 0 or a seed."""
     local: bool
     """The local model can answer it."""
+    anthropic: bool = False
+    """Anthropic's API: its clients read errors, and errors ending a stream, in Anthropic's
+    shape (``{"type": "error", "error": {"type", "message"}}``)."""
 
 
 CHAT_COMPLETIONS: Final = OpenAIEndpoint(
@@ -127,6 +132,7 @@ MESSAGES: Final = OpenAIEndpoint(
     cacheable=False,
     deterministic=False,
     local=False,
+    anthropic=True,
 )
 # Counting a Messages request's tokens costs no tokens: passed through, never charged.
 MESSAGES_COUNT_TOKENS: Final = OpenAIEndpoint(
@@ -138,6 +144,7 @@ MESSAGES_COUNT_TOKENS: Final = OpenAIEndpoint(
     cacheable=False,
     deterministic=True,
     local=False,
+    anthropic=True,
 )
 
 ENDPOINTS: Final[tuple[OpenAIEndpoint, ...]] = (

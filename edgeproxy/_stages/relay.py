@@ -19,12 +19,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Protocol
 
 from edgeproxy._core.context import RequestContext, UpstreamReply
-from edgeproxy._core.errors import ProxyError, error_body
+from edgeproxy._core.errors import ProxyError, anthropic_error_body, error_body
 from edgeproxy._core.exchange import Exchange
 from edgeproxy._core.response import StreamResponse
 from edgeproxy._core.types import Headers
 from edgeproxy._local.model import LocalAnswer
 from edgeproxy._plugins import PluginError, Plugins
+from edgeproxy._protocol.endpoints import endpoint_has
 from edgeproxy._protocol.headers import strip_hop_by_hop
 from edgeproxy._protocol.models import ModelRewriter
 from edgeproxy._protocol.usage import UsageTracker
@@ -424,7 +425,7 @@ class StreamStage:
         """
         if _is_sse(resp):
             try:
-                await resp.write(_error_event(status, type, message, code))
+                await resp.write(_error_event(request, status, type, message, code))
             except ConnectionResetError:
                 pass
         resp.force_close()
@@ -438,7 +439,7 @@ class StreamStage:
         resp.force_close()
         if resp.prepared and _is_sse(resp):
             event = _error_event(
-                503, "service_unavailable", "the proxy is shutting down", "shutting_down"
+                request, 503, "service_unavailable", "the proxy is shutting down", "shutting_down"
             )
             await request.cut(event)
         else:
@@ -455,6 +456,12 @@ def _is_sse(resp: StreamResponse) -> bool:
     return resp.headers.get("content-type", "").startswith("text/event-stream")
 
 
-def _error_event(status: int, type: str, message: str, code: str) -> bytes:
-    """An SSE ``error`` event carrying the OpenAI error body."""
-    return b"event: error\ndata: " + error_body(type, message, code=code) + b"\n\n"
+def _error_event(request: Exchange, status: int, type: str, message: str, code: str) -> bytes:
+    """An SSE ``error`` event carrying the error body in the client's API's shape: OpenAI's
+    (its SDK raises ``APIError`` on an ``error`` key), or Anthropic's (its SDK raises its
+    status error on ``event: error``)."""
+    if endpoint_has(request.target.split("?", 1)[0], "anthropic"):
+        body = anthropic_error_body(status, message)
+    else:
+        body = error_body(type, message, code=code)
+    return b"event: error\ndata: " + body + b"\n\n"
