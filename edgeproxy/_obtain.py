@@ -82,15 +82,19 @@ def record(ctx: RequestContext, obtained: Obtained) -> None:
     """Record on ``ctx`` what ``obtained`` says happened to the request: the one writer of
     its region, attempts, hedge, time to headers and degradation (a continuation's legs
     add theirs through :class:`Continuer`)."""
+    if type(obtained) is AttemptResponse:  # the common case first: one test
+        ctx.attempts = obtained.attempts
+        ctx.hedged = obtained.hedged
+        ctx.region = obtained.region.name
+        ctx.upstream_ttfb = obtained.ttfb
+        return
     if isinstance(obtained, Degraded):
         ctx.degraded = obtained.kind
         return
+    assert isinstance(obtained, Failure)
     ctx.attempts = obtained.attempts
     ctx.hedged = obtained.hedged
-    if isinstance(obtained, AttemptResponse):
-        ctx.region = obtained.region.name
-        ctx.upstream_ttfb = obtained.ttfb
-    elif obtained.region is not None:
+    if obtained.region is not None:
         # The region the latest attempt went to: the error answer names it.
         ctx.region = obtained.region
 
