@@ -119,6 +119,28 @@ class BadRequest(Exception):
         self.code = code
 
 
+def joined_text(
+    value: object, text_types: frozenset[str], *, not_list: str, not_object: str
+) -> str | list[Any]:
+    """A message's content as a conversation holds it: its text (a string, or the text of
+    its text parts, joined), or the parts as given when some are not text (an image, a
+    tool result), so that they still change the answer. ``BadRequest`` with ``not_list`` or
+    ``not_object`` (each API words them its own way) for a malformed one."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise BadRequest(not_list)
+    texts: list[str] = []
+    for part in value:
+        if not isinstance(part, dict):
+            raise BadRequest(not_object)
+        text = part.get("text")
+        if part.get("type") not in text_types or not isinstance(text, str):
+            return value
+        texts.append(text)
+    return "".join(texts)
+
+
 def parse_json_object(body: bytes) -> dict[str, Any]:
     try:
         value = orjson.loads(body)

@@ -36,6 +36,7 @@ from edgeproxy.testing._exchange import (
     Exchange,
     Generation,
     Reply,
+    joined_text,
     json_reply,
     set_json,
 )
@@ -86,21 +87,16 @@ class SeenHeaders:
 
 
 def _text(value: object, where: str) -> str | list[Any]:
-    """A message's content as the conversation holds it: the text of its text blocks,
-    or the blocks as given when some are not text (an image, a tool result)."""
-    if isinstance(value, str):
-        return value
-    if not isinstance(value, list):
-        raise BadRequest(f"{where}: Input should be a valid string or list")
-    texts: list[str] = []
-    for block in value:
-        if not isinstance(block, dict):
-            raise BadRequest(f"{where}: content blocks must be objects")
-        text = block.get("text")
-        if block.get("type") != "text" or not isinstance(text, str):
-            return value
-        texts.append(text)
-    return "".join(texts)
+    """A message's content as the conversation holds it (see ``joined_text``)."""
+    return joined_text(
+        value,
+        _TEXT_BLOCKS,
+        not_list=f"{where}: Input should be a valid string or list",
+        not_object=f"{where}: content blocks must be objects",
+    )
+
+
+_TEXT_BLOCKS: Final = frozenset({"text"})
 
 
 def _conversation(request: dict[str, Any]) -> list[Any]:

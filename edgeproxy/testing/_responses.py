@@ -45,6 +45,7 @@ from edgeproxy.testing._exchange import (
     Exchange,
     Generation,
     Reply,
+    joined_text,
     json_reply,
     set_json,
 )
@@ -160,21 +161,13 @@ class ResponseStore:
 
 
 def _text_of(value: object, where: str) -> str | list[Any]:
-    """A message's content as the conversation holds it: its text, or the parts as given
-    when some are not text (an image, say), so that they still change the answer."""
-    if isinstance(value, str):
-        return value
-    if not isinstance(value, list):
-        raise BadRequest(f"'{where}' must be a string or an array of content parts")
-    texts: list[str] = []
-    for part in value:
-        if not isinstance(part, dict):
-            raise BadRequest(f"'{where}' parts must be objects")
-        text = part.get("text")
-        if part.get("type") not in _TEXT_PARTS or not isinstance(text, str):
-            return value
-        texts.append(text)
-    return "".join(texts)
+    """A message's content as the conversation holds it (see ``joined_text``)."""
+    return joined_text(
+        value,
+        _TEXT_PARTS,
+        not_list=f"'{where}' must be a string or an array of content parts",
+        not_object=f"'{where}' parts must be objects",
+    )
 
 
 def _read_input(raw: object) -> tuple[list[Any], list[dict[str, Any]]]:
