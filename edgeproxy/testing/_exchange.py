@@ -64,7 +64,8 @@ class Reply:
     # Called with the prompt tokens the KV model found cached, before the answer
     # starts: answers that report cached tokens in their usage rebuild ``parts``.
     with_cache: Callable[[int], None] | None = None
-    # Called once the answer was written whole (a stateful API stores it then).
+    # Called once nothing but the answer's last part is left to write (a stateful API
+    # stores it then, so that a client holding the whole answer finds it stored).
     on_complete: Callable[[], None] | None = None
 
 
@@ -362,12 +363,17 @@ class Exchange:
                 else:
                     await self.abort()
                 return
-            await self.write(part, more=index < len(parts) - 1)
+            last = index == len(parts) - 1
+            if last and reply.on_complete is not None:
+                # Done before the last part goes out, as a server stores an answer before
+                # its end: a client that has the end may already refer to it.
+                reply.on_complete()
+            await self.write(part, more=not last)
             if lead <= index < tokens_end and reply.generation is not None:
                 self.tokens_sent += 1
         if not parts:
+            if reply.on_complete is not None:
+                reply.on_complete()
             await self.write(b"", more=False)
         if reply.gap_units == 0 and reply.generation is not None:
             self.tokens_sent = reply.generation.completion_tokens  # a JSON answer, sent whole
-        if reply.on_complete is not None:
-            reply.on_complete()

@@ -20,8 +20,10 @@ counts input tokens with the KV model's tokeniser (:mod:`edgeproxy.testing._kv`)
 its cached prefix in ``input_tokens_details.cached_tokens``, and one output
 token per text delta.
 
-A response is stored (unless ``store`` is false) once it was written whole: a
-stream cut by a fault or by its client leaves nothing behind, so chaining to
+A response is stored (unless ``store`` is false) once everything but its last part
+(the JSON body, or the ``response.completed`` event) was written, before that part goes
+out, so that a client holding the whole answer finds it stored: a stream cut by a fault
+or by its client before its end leaves nothing behind, so chaining to
 it gets 404 ``previous_response_not_found``, as on a region that never saw
 it. The store holds ``capacity`` responses, the oldest dropped first, and is
 emptied when the region (re)starts, like a server's in-memory store.
