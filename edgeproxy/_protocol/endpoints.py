@@ -65,6 +65,11 @@ class OpenAIEndpoint:
     anthropic: bool = False
     """Anthropic's API: its clients read errors, and errors ending a stream, in Anthropic's
     shape (``{"type": "error", "error": {"type", "message"}}``)."""
+    commits_at: tuple[bytes, ...] = ()
+    """For an API whose streams open with events sent before the model produced anything
+    (``response.created``, ``message_start``): the bytes of the events that commit a stream
+    to its region (its first content, its end, an error). Until one came, a region that
+    fails is failed over like one that sent nothing. Empty: the first byte commits."""
 
 
 CHAT_COMPLETIONS: Final = OpenAIEndpoint(
@@ -107,6 +112,15 @@ RESPONSES: Final = OpenAIEndpoint(
     cacheable=False,
     deterministic=False,
     local=False,
+    commits_at=(
+        b"_text.delta",  # output_text, reasoning_text, reasoning_summary_text
+        b"response.refusal.delta",
+        b"response.function_call_arguments.delta",
+        b"response.completed",
+        b"response.incomplete",
+        b"response.failed",
+        b"event: error",
+    ),
 )
 # Answers carry no token usage: a moderation is not charged against token limits.
 MODERATIONS: Final = OpenAIEndpoint(
@@ -133,6 +147,7 @@ MESSAGES: Final = OpenAIEndpoint(
     deterministic=False,
     local=False,
     anthropic=True,
+    commits_at=(b"content_block_delta", b"message_stop", b"event: error"),
 )
 # Counting a Messages request's tokens costs no tokens: passed through, never charged.
 MESSAGES_COUNT_TOKENS: Final = OpenAIEndpoint(

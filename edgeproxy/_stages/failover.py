@@ -76,7 +76,7 @@ import orjson
 
 from edgeproxy._core.errors import ProxyError
 from edgeproxy._core.types import Headers
-from edgeproxy._protocol.endpoints import endpoint_suffixes
+from edgeproxy._protocol.endpoints import endpoint_suffixes, openai_endpoint
 from edgeproxy._stages.deadlines import Deadlines
 from edgeproxy._stages.poison import Poison, caller_of
 from edgeproxy._upstream.pool import (
@@ -117,6 +117,8 @@ HEDGE_MIN_SAMPLES = 20
 # A non-streamed LLM answer up to this size is read whole inside its attempt (see
 # _Attempt._read_whole); a larger one streams through and a break in it is final.
 WHOLE_BODY_LIMIT = 8 * 1024 * 1024
+# The opening events of a stream held until one commits it to its region (_until_content).
+HOLD_LIMIT = 64 * 1024
 _NO_BODY = frozenset({204, 304})
 _ids = itertools.count(1)
 
@@ -248,6 +250,10 @@ class _Attempt:
                 else:
                     if not self.sse and ctx.method == "POST" and ctx.path.endswith(LLM_SUFFIXES):
                         await self._read_whole()
+                    elif self.sse:
+                        endpoint_of = openai_endpoint(ctx.path)
+                        if endpoint_of is not None and endpoint_of.commits_at:
+                            await self._until_content(endpoint_of.commits_at)
         except UpstreamError as exc:
             self.error = exc
         except BaseException:
@@ -296,6 +302,25 @@ class _Attempt:
             return True
         self.rejected = failover.poison.failed(ctx, region.name, self.response.status)
         return False
+
+    async def _until_content(self, markers: tuple[bytes, ...]) -> None:
+        """Hold a stream's opening events (``response.created``, ``message_start``) until
+        one that commits it comes (its first content, its end, an error), up to
+        ``HOLD_LIMIT`` bytes: a region that breaks before has sent the client nothing, and
+        the request goes whole to the next region. They go out together, in order."""
+        assert self.iterator is not None and self.first is not None
+        held = [self.first]
+        size = len(self.first)
+        if any(marker in self.first for marker in markers):
+            return
+        async for chunk in self.iterator:
+            held.append(chunk)
+            size += len(chunk)
+            if size > HOLD_LIMIT or any(marker in chunk for marker in markers):
+                break
+        else:
+            self.eof = True
+        self.first = b"".join(held)
 
     def _failed(self, now: float, ctx: RequestContext) -> None:
         region, failover = self.region, self.failover
