@@ -150,3 +150,36 @@ async def test_a_fast_answer_gets_no_heartbeat_and_its_own_headers(
     # A JSON request never gets heartbeats, however slow.
     status, content_type, raw = await raw_stream(proxy.url, {**STREAM, "stream": False})
     assert status == 200 and content_type == "application/json"
+
+
+async def test_a_messages_stream_gets_anthropics_ping_and_the_sdk_reads_through(
+    make_region: RegionFactory, make_proxy: ProxyFactory
+) -> None:
+    import anthropic
+
+    region = await make_region("slow", ttft=0.3, tokens=6)
+    messages_route = {"name": "messages", "path": "/v1/messages", "sse_heartbeat": 0.02}
+    proxy = await make_proxy([region], routes=[messages_route])
+    body = {
+        "model": "m",
+        "max_tokens": 16,
+        "stream": True,
+        "messages": [{"role": "user", "content": "Take your time"}],
+    }
+    received = b""
+    async with aiohttp.ClientSession() as session:
+        async with session.post(proxy.url + "/v1/messages", json=body) as resp:
+            assert resp.status == 200
+            received = await resp.read()
+    ping = b'event: ping\ndata: {"type": "ping"}\n\n'
+    assert received.startswith(ping) and WAITING not in received
+    assert b"event: message_start" in received and received.rstrip().endswith(b'"message_stop"}')
+    client = anthropic.AsyncAnthropic(base_url=proxy.url, api_key="k", max_retries=0)
+    try:
+        async with client.messages.stream(
+            model="m", max_tokens=16, messages=[{"role": "user", "content": "Take your time"}]
+        ) as stream:
+            final = await stream.get_final_message()
+    finally:
+        await client.close()
+    assert final.stop_reason == "end_turn" and final.content

@@ -24,19 +24,31 @@ from typing import TYPE_CHECKING
 
 from edgeproxy._core.exchange import Exchange
 from edgeproxy._core.response import StreamResponse
+from edgeproxy._protocol.endpoints import endpoint_has
 
 if TYPE_CHECKING:
     from edgeproxy._core.context import RequestContext
 
-__all__ = ["HEARTBEAT", "Heartbeat", "start_heartbeat"]
+__all__ = ["ANTHROPIC_HEARTBEAT", "HEARTBEAT", "Heartbeat", "start_heartbeat"]
 
 HEARTBEAT = b": waiting\n\n"
+# Anthropic's own heartbeat, which its clients know (an SSE comment would do for them too).
+ANTHROPIC_HEARTBEAT = b'event: ping\ndata: {"type": "ping"}\n\n'
 
 
 class Heartbeat:
     """The heartbeats of one request, from a task of their own until :meth:`stop`."""
 
-    __slots__ = ("request", "ctx", "interval", "close_connection", "response", "sent", "_task")
+    __slots__ = (
+        "request",
+        "ctx",
+        "interval",
+        "close_connection",
+        "response",
+        "sent",
+        "beat",
+        "_task",
+    )
 
     def __init__(
         self,
@@ -53,6 +65,8 @@ class Heartbeat:
         # The response the first heartbeat started; the stream stage writes the rest.
         self.response: StreamResponse | None = None
         self.sent = 0
+        # The dialect's own form: Anthropic's ping for its API, else an SSE comment.
+        self.beat = ANTHROPIC_HEARTBEAT if endpoint_has(ctx.path, "anthropic") else HEARTBEAT
         self._task: asyncio.Task[None] | None = asyncio.get_running_loop().create_task(
             self._beat(), name="edgeproxy-sse-heartbeat"
         )
@@ -67,9 +81,9 @@ class Heartbeat:
                 if self.response is None:
                     self.response = self._start()
                     await self.response.prepare(self.request)
-                await self.response.write(HEARTBEAT)
+                await self.response.write(self.beat)
                 self.sent += 1
-                self.ctx.bytes_out += len(HEARTBEAT)
+                self.ctx.bytes_out += len(self.beat)
         except ConnectionResetError:
             pass  # the client left: what comes next notices it as well
 
