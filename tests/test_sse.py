@@ -177,7 +177,7 @@ def same(events: list[SSEEvent], whole: list[SSEEvent], stream: bytes) -> None:
 
 
 @given(streams())
-@settings(max_examples=300)
+@settings(max_examples=300, deadline=None)
 def test_every_split_reads_the_same(stream: bytes) -> None:
     whole, tail = read([stream])
     assert b"".join(e.raw for e in whole) + tail == stream
@@ -194,7 +194,7 @@ def test_every_split_reads_the_same(stream: bytes) -> None:
 
 
 @given(streams(), st.lists(st.integers(min_value=0, max_value=200), max_size=8))
-@settings(max_examples=300)
+@settings(max_examples=300, deadline=None)
 def test_any_chunking_reads_the_same(stream: bytes, cuts: list[int]) -> None:
     whole, tail = read([stream])
     points = sorted({min(cut, len(stream)) for cut in cuts})
@@ -212,7 +212,7 @@ def sdk_streams(draw: st.DrawFn) -> bytes:
 
 
 @given(sdk_streams())
-@settings(max_examples=300)
+@settings(max_examples=300, deadline=None)
 def test_the_events_a_client_gets_match_the_openai_sdks_decoder(stream: bytes) -> None:
     ours, _ = read([stream])
     # A client dispatches a block with data or an event name (the spec); we return all.
