@@ -199,14 +199,10 @@ class SSEReader:
             tail = parts.pop()
             for part in parts:
                 if len(part) + 2 > limit:
-                    self._tail = b""
-                    self._plain = True
-                    raise SSEEventTooLarge(len(part) + 2, limit)
+                    raise self._overflow(len(part) + 2, limit)
                 events.append(_event(part, part + b"\n\n", False))
             if len(tail) > limit:
-                self._tail = b""
-                self._plain = True
-                raise SSEEventTooLarge(len(tail), limit)
+                raise self._overflow(len(tail), limit)
             self._tail = tail
             self._plain = not tail
             return events
@@ -230,20 +226,23 @@ class SSEReader:
                     break
                 after = end + 2
             if after - start > limit:
-                self._tail = b""
-                self._plain = True
-                raise SSEEventTooLarge(after - start, limit)
+                raise self._overflow(after - start, limit)
             events.append(_event(buf[pos:end], buf[start:after], cr))
             start = pos = after
             self._lead = 0
         tail = buf[start:] if start else buf
         if len(tail) > limit:
-            self._tail = b""
-            self._plain = True
-            raise SSEEventTooLarge(len(tail), limit)
+            raise self._overflow(len(tail), limit)
         self._tail = tail
         self._plain = not tail
         return events
+
+    def _overflow(self, size: int, limit: int) -> SSEEventTooLarge:
+        """The error for an event of ``size`` bytes over ``limit``; the stream is abandoned,
+        so nothing of it is kept."""
+        self._tail = b""
+        self._plain = True
+        return SSEEventTooLarge(size, limit)
 
     def close(self, *, dispatch: bool = False) -> SSEEvent | None:
         """The end of the stream. With ``dispatch``, the unfinished last event, if any, as
