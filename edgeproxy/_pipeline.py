@@ -93,7 +93,6 @@ class Pipeline:
         self.admission = AdmissionStage(config, poison=self.poison)
         # Where each stored object lives (a Responses API response): its follow-ups go there.
         self.owners = Owners(config.stateful, clock=regions.clock)
-        self.stateful = self.owners.enabled
         self.models = ModelList(config, regions, self.failover)
         self.in_flight = 0
         # While draining, responses close their connection so keep-alive
@@ -202,7 +201,7 @@ class Pipeline:
                         return response
                 # A request referring to a stored object goes to the region holding it (the
                 # path tested here: no coroutine for every other request).
-                if self.stateful and RESPONSES_PATH in ctx.target:
+                if self.owners.enabled and RESPONSES_PATH in ctx.target:
                     owner = await self._owner(ctx)
                 # route: the one ranked plan that failover, hedging and continuation draw on.
                 if "edgeproxy_route" in active:
@@ -239,7 +238,7 @@ class Pipeline:
             # a stream that breaks after tokens were sent goes on at another region.
             upstream = obtained
             if (
-                self.stateful
+                self.owners.enabled
                 and RESPONSES_PATH in ctx.target
                 and upstream.status == 200
                 and creates_state(ctx)
