@@ -29,7 +29,8 @@ from edgeproxy._local.model import LocalAnswer
 from edgeproxy._obtain import Obtainer
 from edgeproxy._plugins import PluginError, Plugins, hook_answer
 from edgeproxy._protocol.clientip import client_ip_resolver
-from edgeproxy._protocol.endpoints import endpoint_has, openai_endpoint
+from edgeproxy._protocol.dialects import dialect_named
+from edgeproxy._protocol.endpoints import dialect_for, openai_endpoint
 from edgeproxy._protocol.headers import request_ids
 from edgeproxy._stages.admission import AdmissionStage, Admitted, Overloaded
 from edgeproxy._stages.cache.stage import CacheRecorder, CacheStage, Refresh
@@ -411,15 +412,9 @@ class Pipeline:
         ctx.error = err.message
         headers = {"X-Edgeproxy-Region": ctx.region or "none", "X-Request-Id": ctx.request_id}
         headers.update(err.headers)
-        return error_response(
-            err.status,
-            err.type,
-            err.message,
-            code=err.code,
-            headers=headers,
-            param=err.param,
-            anthropic=endpoint_has(ctx.path, "anthropic"),
-        )
+        facts = ctx.facts
+        dialect = dialect_named(facts.dialect) if facts is not None else dialect_for(ctx.path)
+        return error_response(err.status, dialect.error_body(err), headers=headers)
 
     def _now_idle(self) -> None:
         waiters, self._idle_waiters = self._idle_waiters, []

@@ -8,7 +8,8 @@ import aiohttp
 import orjson
 import pytest
 
-from edgeproxy._core.errors import anthropic_error_body
+from edgeproxy._core.errors import ProxyError
+from edgeproxy._protocol.dialects import MESSAGES as MESSAGES_DIALECT
 
 from .conftest import ProxyFactory, RegionFactory
 
@@ -22,7 +23,7 @@ BODY = {"model": "fake-llm", "max_tokens": 16, "messages": [{"role": "user", "co
      (503, "overloaded_error"), (504, "api_error"), (404, "not_found_error")],
 )  # fmt: skip
 def test_the_anthropic_error_types_by_status(status: int, kind: str) -> None:
-    body = orjson.loads(anthropic_error_body(status, "why"))
+    body = orjson.loads(MESSAGES_DIALECT.error_body(ProxyError(status, "x", "why")))
     assert body == {"type": "error", "error": {"type": kind, "message": "why"}}
 
 

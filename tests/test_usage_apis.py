@@ -11,6 +11,7 @@ import orjson
 import pytest
 
 from edgeproxy import EdgeProxy
+from edgeproxy._protocol import dialects
 from edgeproxy._protocol.bodies import estimate_prompt_tokens
 from edgeproxy._protocol.endpoints import MESSAGES, MESSAGES_COUNT_TOKENS, openai_endpoint
 from edgeproxy._protocol.usage import UsageTracker
@@ -102,7 +103,7 @@ def feed(tracker: UsageTracker, body: bytes, size: int) -> dict[str, Any] | None
 
 @pytest.mark.parametrize("size", [1, 7, 64, 100_000])
 def test_a_responses_stream_is_counted_from_response_completed(size: int) -> None:
-    usage = feed(UsageTracker(sse=True), RESPONSES_STREAM, size)
+    usage = feed(UsageTracker(sse=True, dialect=dialects.RESPONSES), RESPONSES_STREAM, size)
     assert usage is not None
     assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (
         12,
@@ -114,7 +115,7 @@ def test_a_responses_stream_is_counted_from_response_completed(size: int) -> Non
 
 @pytest.mark.parametrize("size", [1, 7, 64, 100_000])
 def test_a_messages_stream_sums_message_start_and_message_delta(size: int) -> None:
-    usage = feed(UsageTracker(sse=True), MESSAGES_STREAM, size)
+    usage = feed(UsageTracker(sse=True, dialect=dialects.MESSAGES), MESSAGES_STREAM, size)
     assert usage is not None
     # Anthropic counts cache reads and writes apart from input_tokens: the prompt is all three.
     assert usage["prompt_tokens"] == 10 + 3 + 20
@@ -135,8 +136,13 @@ def test_json_answers_of_each_api() -> None:
             "cache_read_input_tokens": 1,
         },
     }
-    for answer, expected in ((chat, (3, 2, 5)), (responses, (5, 6, 11)), (messages, (3, 4, 7))):
-        usage = feed(UsageTracker(sse=False), orjson.dumps(answer), 5)
+    cases = (
+        (chat, dialects.CHAT, (3, 2, 5)),
+        (responses, dialects.RESPONSES, (5, 6, 11)),
+        (messages, dialects.MESSAGES, (3, 4, 7)),
+    )
+    for answer, dialect, expected in cases:
+        usage = feed(UsageTracker(sse=False, dialect=dialect), orjson.dumps(answer), 5)
         assert usage is not None
         assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (
             expected

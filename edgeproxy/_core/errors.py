@@ -8,7 +8,7 @@ import orjson
 
 from edgeproxy._core.response import Response
 
-__all__ = ["ProxyError", "anthropic_error_body", "error_body", "error_response"]
+__all__ = ["ProxyError", "error_body", "error_response"]
 
 
 class ProxyError(Exception):
@@ -45,50 +45,23 @@ def error_body(
     return orjson.dumps({"error": {"message": message, "type": type, "param": param, "code": code}})
 
 
-# Anthropic's error types by status (its clients, Claude Code among them, retry on
-# overloaded_error and rate_limit_error).
-_ANTHROPIC_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    500: "api_error",
-    503: "overloaded_error",
-    529: "overloaded_error",
-}
-
-
-def anthropic_error_body(status: int, message: str) -> bytes:
-    """``{"type": "error", "error": {"type", "message"}}`` as Anthropic's API sends it."""
-    kind = _ANTHROPIC_TYPES.get(status) or (
-        "invalid_request_error" if status < 500 else "api_error"
-    )
-    return orjson.dumps({"type": "error", "error": {"type": kind, "message": message}})
-
-
 def error_response(
     status: int,
-    type: str,
-    message: str,
+    type_or_body: str | bytes,
+    message: str = "",
     *,
     code: str | None = None,
     headers: Mapping[str, str] | None = None,
     param: str | None = None,
-    anthropic: bool = False,
 ) -> Response:
-    """A complete JSON error response, in OpenAI's shape (or Anthropic's, for a request of
-    its API)."""
-    resp = Response(
-        status=status,
-        body=(
-            anthropic_error_body(status, message)
-            if anthropic
-            else error_body(type, message, code=code, param=param)
-        ),
-        content_type="application/json",
+    """A complete JSON error response: OpenAI's shape from ``type`` and ``message``, or a
+    body its API's dialect wrote (bytes)."""
+    body = (
+        type_or_body
+        if isinstance(type_or_body, bytes)
+        else error_body(type_or_body, message, code=code, param=param)
     )
+    resp = Response(status=status, body=body, content_type="application/json")
     if headers:
         resp.headers.update(headers)
     return resp

@@ -18,6 +18,12 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any, Final, Literal
 
+from edgeproxy._protocol.dialects import CHAT, COUNT_TOKENS, OPENAI, Dialect
+from edgeproxy._protocol.dialects import COMPLETIONS as COMPLETIONS_DIALECT
+from edgeproxy._protocol.dialects import EMBEDDINGS as EMBEDDINGS_DIALECT
+from edgeproxy._protocol.dialects import MESSAGES as MESSAGES_DIALECT
+from edgeproxy._protocol.dialects import RESPONSES as RESPONSES_DIALECT
+
 __all__ = [
     "CHAT_COMPLETIONS",
     "COMPLETIONS",
@@ -31,15 +37,14 @@ __all__ = [
     "OpenAIEndpoint",
     "Property",
     "RESPONSES",
+    "dialect_for",
     "endpoint_has",
     "endpoint_paths",
     "endpoint_suffixes",
     "openai_endpoint",
 ]
 
-Property = Literal[
-    "json_body", "usage", "retry_safe", "cacheable", "deterministic", "local", "anthropic"
-]
+Property = Literal["json_body", "usage", "retry_safe", "cacheable", "deterministic", "local"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,14 +67,9 @@ class OpenAIEndpoint:
     """Every request is deterministic (no sampling): cacheable without temperature 0 or a seed."""
     local: bool
     """The local model can answer it."""
-    anthropic: bool = False
-    """Anthropic's API: its clients read errors, and errors ending a stream, in Anthropic's
-    shape (``{"type": "error", "error": {"type", "message"}}``)."""
-    commits_at: tuple[bytes, ...] = ()
-    """For an API whose streams open with events sent before the model produced anything
-    (``response.created``, ``message_start``): the bytes of the events that commit a stream
-    to its region (its first content, its end, an error). Until one came, a region that
-    fails is failed over like one that sent nothing. Empty: the first byte commits."""
+    dialect: Dialect = OPENAI
+    """The API's wire semantics (:mod:`edgeproxy._protocol.dialects`): how its requests,
+    streams and errors read and are written."""
 
 
 CHAT_COMPLETIONS: Final = OpenAIEndpoint(
@@ -81,6 +81,7 @@ CHAT_COMPLETIONS: Final = OpenAIEndpoint(
     cacheable=True,
     deterministic=False,
     local=True,
+    dialect=CHAT,
 )
 COMPLETIONS: Final = OpenAIEndpoint(
     "completions",
@@ -91,6 +92,7 @@ COMPLETIONS: Final = OpenAIEndpoint(
     cacheable=True,
     deterministic=False,
     local=True,
+    dialect=COMPLETIONS_DIALECT,
 )
 EMBEDDINGS: Final = OpenAIEndpoint(
     "embeddings",
@@ -101,6 +103,7 @@ EMBEDDINGS: Final = OpenAIEndpoint(
     cacheable=True,
     deterministic=True,
     local=False,
+    dialect=EMBEDDINGS_DIALECT,
 )
 # Not cacheable: answers may be stored server-side and chained (previous_response_id).
 RESPONSES: Final = OpenAIEndpoint(
@@ -112,15 +115,7 @@ RESPONSES: Final = OpenAIEndpoint(
     cacheable=False,
     deterministic=False,
     local=False,
-    commits_at=(
-        b"_text.delta",  # output_text, reasoning_text, reasoning_summary_text
-        b"response.refusal.delta",
-        b"response.function_call_arguments.delta",
-        b"response.completed",
-        b"response.incomplete",
-        b"response.failed",
-        b"event: error",
-    ),
+    dialect=RESPONSES_DIALECT,
 )
 # Answers carry no token usage: a moderation is not charged against token limits.
 MODERATIONS: Final = OpenAIEndpoint(
@@ -135,8 +130,7 @@ MODERATIONS: Final = OpenAIEndpoint(
 )
 
 # Anthropic's Messages API. Its path is matched whole from /v1 on: the Assistants API's
-# /v1/threads/{id}/messages creates objects, and a retry would create two. Not cacheable
-# yet: the cache's replay speaks chat's events.
+# /v1/threads/{id}/messages creates objects, and a retry would create two.
 MESSAGES: Final = OpenAIEndpoint(
     "messages",
     "/v1/messages",
@@ -146,8 +140,7 @@ MESSAGES: Final = OpenAIEndpoint(
     cacheable=False,
     deterministic=False,
     local=False,
-    anthropic=True,
-    commits_at=(b"content_block_delta", b"message_stop", b"event: error"),
+    dialect=MESSAGES_DIALECT,
 )
 # Counting a Messages request's tokens costs no tokens: passed through, never charged.
 MESSAGES_COUNT_TOKENS: Final = OpenAIEndpoint(
@@ -159,7 +152,7 @@ MESSAGES_COUNT_TOKENS: Final = OpenAIEndpoint(
     cacheable=False,
     deterministic=True,
     local=False,
-    anthropic=True,
+    dialect=COUNT_TOKENS,
 )
 
 ENDPOINTS: Final[tuple[OpenAIEndpoint, ...]] = (
@@ -202,6 +195,14 @@ def openai_endpoint(path: str) -> OpenAIEndpoint | None:
         _KNOWN_PATHS.clear()
     _KNOWN_PATHS[path] = found
     return found
+
+
+def dialect_for(path: str) -> Dialect:
+    """The dialect of the endpoint ``path`` names; OpenAI's conventions for any other path."""
+    endpoint = _KNOWN_PATHS.get(path, _UNKNOWN)
+    if endpoint is _UNKNOWN:
+        endpoint = openai_endpoint(path)
+    return endpoint.dialect if endpoint is not None else OPENAI
 
 
 def endpoint_has(path: str, prop: Property) -> bool:

@@ -76,7 +76,9 @@ import orjson
 
 from edgeproxy._core.errors import ProxyError
 from edgeproxy._core.types import Headers
-from edgeproxy._protocol.endpoints import endpoint_suffixes, openai_endpoint
+from edgeproxy._protocol.dialects import Dialect, dialect_named
+from edgeproxy._protocol.endpoints import endpoint_suffixes
+from edgeproxy._protocol.sse import SSEEventTooLarge, SSEReader
 from edgeproxy._stages.deadlines import Deadlines
 from edgeproxy._stages.poison import Poison, caller_of
 from edgeproxy._upstream.pool import (
@@ -251,9 +253,9 @@ class _Attempt:
                     if not self.sse and ctx.method == "POST" and ctx.path.endswith(LLM_SUFFIXES):
                         await self._read_whole()
                     elif self.sse:
-                        endpoint_of = openai_endpoint(ctx.path)
-                        if endpoint_of is not None and endpoint_of.commits_at:
-                            await self._until_content(endpoint_of.commits_at)
+                        facts = ctx.facts
+                        if facts is not None and facts.dialect is not None:
+                            await self._until_content(dialect_named(facts.dialect))
         except UpstreamError as exc:
             self.error = exc
         except BaseException:
@@ -303,24 +305,31 @@ class _Attempt:
         self.rejected = failover.poison.failed(ctx, region.name, self.response.status)
         return False
 
-    async def _until_content(self, markers: tuple[bytes, ...]) -> None:
-        """Hold a stream's opening events (``response.created``, ``message_start``) until
-        one that commits it comes (its first content, its end, an error), up to
-        ``HOLD_LIMIT`` bytes: a region that breaks before has sent the client nothing, and
-        the request goes whole to the next region. They go out together, in order."""
+    async def _until_content(self, dialect: Dialect) -> None:
+        """Hold a stream's opening events (chat's role delta, ``response.created``,
+        ``message_start``) until one that commits it comes, as its dialect says (its first
+        content, its end, an error), up to ``HOLD_LIMIT`` bytes: a region that breaks before
+        has sent the client nothing, and the request goes whole to the next region. They go
+        out together, in order."""
         assert self.iterator is not None and self.first is not None
+        reader = SSEReader(max_event=HOLD_LIMIT)
+        commits = dialect.commits
         held = [self.first]
         size = len(self.first)
-        if any(marker in self.first for marker in markers):
-            return
-        async for chunk in self.iterator:
-            held.append(chunk)
-            size += len(chunk)
-            if size > HOLD_LIMIT or any(marker in chunk for marker in markers):
-                break
-        else:
-            self.eof = True
-        self.first = b"".join(held)
+        try:
+            if any(commits(event) for event in reader.feed(self.first)):
+                return
+            async for chunk in self.iterator:
+                held.append(chunk)
+                size += len(chunk)
+                if size > HOLD_LIMIT or any(commits(event) for event in reader.feed(chunk)):
+                    break
+            else:
+                self.eof = True
+        except SSEEventTooLarge:
+            pass  # held no further: what came so far goes out as it came
+        finally:
+            self.first = b"".join(held)
 
     def _failed(self, now: float, ctx: RequestContext) -> None:
         region, failover = self.region, self.failover

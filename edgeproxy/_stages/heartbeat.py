@@ -24,16 +24,14 @@ from typing import TYPE_CHECKING
 
 from edgeproxy._core.exchange import Exchange
 from edgeproxy._core.response import StreamResponse
-from edgeproxy._protocol.endpoints import endpoint_has
+from edgeproxy._protocol.endpoints import dialect_for
 
 if TYPE_CHECKING:
     from edgeproxy._core.context import RequestContext
 
-__all__ = ["ANTHROPIC_HEARTBEAT", "HEARTBEAT", "Heartbeat", "start_heartbeat"]
+__all__ = ["Heartbeat", "start_heartbeat"]
 
-HEARTBEAT = b": waiting\n\n"
 # Anthropic's own heartbeat, which its clients know (an SSE comment would do for them too).
-ANTHROPIC_HEARTBEAT = b'event: ping\ndata: {"type": "ping"}\n\n'
 
 
 class Heartbeat:
@@ -66,7 +64,7 @@ class Heartbeat:
         self.response: StreamResponse | None = None
         self.sent = 0
         # The dialect's own form: Anthropic's ping for its API, else an SSE comment.
-        self.beat = ANTHROPIC_HEARTBEAT if endpoint_has(ctx.path, "anthropic") else HEARTBEAT
+        self.beat = dialect_for(ctx.path).heartbeat
         self._task: asyncio.Task[None] | None = asyncio.get_running_loop().create_task(
             self._beat(), name="edgeproxy-sse-heartbeat"
         )

@@ -19,13 +19,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Protocol
 
 from edgeproxy._core.context import RequestContext, UpstreamReply
-from edgeproxy._core.errors import ProxyError, anthropic_error_body, error_body
+from edgeproxy._core.errors import ProxyError
 from edgeproxy._core.exchange import Exchange
 from edgeproxy._core.response import StreamResponse
 from edgeproxy._core.types import Headers
 from edgeproxy._local.model import LocalAnswer
 from edgeproxy._plugins import PluginError, Plugins
-from edgeproxy._protocol.endpoints import endpoint_has
+from edgeproxy._protocol.endpoints import dialect_for
 from edgeproxy._protocol.headers import strip_hop_by_hop
 from edgeproxy._protocol.models import ModelRewriter
 from edgeproxy._protocol.usage import UsageTracker
@@ -457,11 +457,7 @@ def _is_sse(resp: StreamResponse) -> bool:
 
 
 def _error_event(request: Exchange, status: int, type: str, message: str, code: str) -> bytes:
-    """An SSE ``error`` event carrying the error body in the client's API's shape: OpenAI's
-    (its SDK raises ``APIError`` on an ``error`` key), or Anthropic's (its SDK raises its
-    status error on ``event: error``)."""
-    if endpoint_has(request.target.split("?", 1)[0], "anthropic"):
-        body = anthropic_error_body(status, message)
-    else:
-        body = error_body(type, message, code=code)
-    return b"event: error\ndata: " + body + b"\n\n"
+    """The event that ends a broken stream, in the client's API: its SDK raises it as its
+    own error (see each dialect's ``error_event``)."""
+    dialect = dialect_for(request.target.split("?", 1)[0])
+    return dialect.error_event(ProxyError(status, type, message, code=code))
