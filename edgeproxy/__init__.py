@@ -33,6 +33,7 @@ from edgeproxy._core.version import __version__
 from edgeproxy._observability.access_log import AccessLog
 from edgeproxy._plugins import PluginError, PluginLoadError
 from edgeproxy._protocol.clientip import ClientIPResolver
+from edgeproxy._protocol.sse import SSEEvent, SSEEventTooLarge, SSEReader
 from edgeproxy._server.app import EdgeProxy
 from edgeproxy._stages.geo import parse_lat_lon
 from edgeproxy._upstream.pool import (
@@ -72,6 +73,9 @@ __all__ = [
     "Response",
     "RouteConfig",
     "RoutingConfig",
+    "SSEEvent",
+    "SSEEventTooLarge",
+    "SSEReader",
     "ServerConfig",
     "SharedLoadConfig",
     "StatefulConfig",

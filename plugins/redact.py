@@ -61,6 +61,8 @@ from edgeproxy import (
     Exchange,
     RequestContext,
     Response,
+    SSEEventTooLarge,
+    SSEReader,
     UpstreamReply,
     error_response,
     hookimpl,
@@ -94,9 +96,6 @@ _DEFAULT_MAX_BUFFER = 1024 * 1024
 _SETTINGS = frozenset(
     {"patterns", "replacement", "requests", "reject_unreadable", "responses", "logs", "max_buffer"}
 )
-# A blank line ends an SSE event; lines end with CRLF, LF or a lone CR.
-_EOL = rb"(?:\r\n|\r(?!\n)|\n)"
-_EVENT_END = re.compile(_EOL + _EOL)
 _LINE = re.compile(rb"([^\r\n]*)(\r\n|\r|\n|$)")
 _TEXT_TYPES = ("text/", "application/x-ndjson", "application/javascript", "application/xml")
 
@@ -401,29 +400,30 @@ class _WholeBody(_ResponseState):
 
 
 class _SseState(_ResponseState):
-    """Holds back an unfinished SSE event so that it is redacted whole."""
+    """Holds back an unfinished SSE event so that it is redacted whole (the events as
+    edgeproxy's SSE reader frames them: each one's exact bytes, redacted line by line)."""
 
     def __init__(self, redactor: Redactor) -> None:
         self.redactor = redactor
-        self.pending = b""
+        self.reader = SSEReader(max_event=redactor.max_buffer)
 
     def feed(self, chunk: bytes) -> bytes:
-        held = len(self.pending)
-        pending = self.pending + chunk if held else chunk
-        # Only the end of the held part can start an event boundary.
-        cut = -1
-        for match in _EVENT_END.finditer(pending, max(0, held - 3)):
-            cut = match.end()
-        if cut < 0 and len(pending) > self.redactor.max_buffer:
-            # An overlong event: flush its complete lines rather than hold it all.
+        held = self.reader.tail
+        try:
+            events = self.reader.feed(chunk)
+        except SSEEventTooLarge:
+            # An overlong event: flush its lines as they are rather than hold it all; the
+            # rest of it comes to a fresh reader, line by line all the same.
+            pending = held + chunk
             cut = max(pending.rfind(b"\n"), pending.rfind(b"\r", 0, len(pending) - 1)) + 1
             if cut <= 0:
                 cut = len(pending)
-        if cut <= 0:
-            self.pending = pending
+            self.reader = SSEReader(max_event=self.redactor.max_buffer)
+            rest = self.reader.feed(pending[cut:]) if cut < len(pending) else []
+            return self.redactor.sse(pending[:cut] + b"".join(event.raw for event in rest))
+        if not events:
             return b""
-        self.pending = pending[cut:]
-        return self.redactor.sse(pending[:cut])
+        return self.redactor.sse(b"".join(event.raw for event in events))
 
 
 class _LogRecordHook:

@@ -307,7 +307,7 @@ def test_sse_redaction_does_not_depend_on_where_reads_split() -> None:
             state = _SseState(redactor)
             out = state.feed(STREAM[:i]) + state.feed(STREAM[i:j]) + state.feed(STREAM[j:])
             assert out == expected, (i, j)
-            assert state.pending == b""
+            assert state.reader.tail == b""
 
 
 def test_sse_overlong_event_is_flushed_at_line_ends() -> None:
@@ -316,7 +316,7 @@ def test_sse_overlong_event_is_flushed_at_line_ends() -> None:
     line = b"data: " + b"x" * 40 + b" a@b.io\n"
     out = b"".join(state.feed(line) for _ in range(4))  # never a blank line
     assert out == (b"data: " + b"x" * 40 + b" [REDACTED]\n") * 4
-    assert state.pending == b""
+    assert state.reader.tail == b""
     assert state.feed(b"data: y") == b""
     assert state.feed(b"\n\n") == b"data: y\n\n"
 
