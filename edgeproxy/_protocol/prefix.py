@@ -38,7 +38,7 @@ Pure functions and one small dataclass, no I/O.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 import orjson
 
@@ -157,10 +157,13 @@ def prompt_key(
     block_chars: int = 256,
     max_blocks: int = 64,
     session: str | None = None,
+    turns: list[Any] | None = None,
 ) -> PromptKey | None:
     """The chained block hashes of a chat (``chat``) or completions request body.
 
-    ``body`` is the parsed JSON; ``session`` the client's session key, if any.
+    ``body`` is the parsed JSON; ``session`` the client's session key, if any; ``turns``
+    the conversation as chat messages, when the request's dialect writes it otherwise
+    (Messages' ``system``, the Responses API's ``instructions`` and ``input``).
     None when there is nothing to key on: not a JSON object, or a prompt
     shorter than one block and no session.
     """
@@ -175,7 +178,7 @@ def prompt_key(
     limit = (max_blocks - len(blocks)) * block_chars
     if limit > 0:
         if chat:
-            text = _chat_text(body.get("messages"), limit)
+            text = _chat_text(body.get("messages") if turns is None else turns, limit)
         else:
             text = _completion_text(body.get("prompt"), limit)
         end = len(text) // block_chars * block_chars

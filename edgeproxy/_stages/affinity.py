@@ -45,9 +45,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from edgeproxy._protocol.endpoints import CHAT_COMPLETIONS, COMPLETIONS, openai_endpoint
+from edgeproxy._protocol.endpoints import (
+    CHAT_COMPLETIONS,
+    COMPLETIONS,
+    MESSAGES,
+    RESPONSES,
+    openai_endpoint,
+)
 from edgeproxy._protocol.prefix import PromptKey, prompt_key
 
 if TYPE_CHECKING:
@@ -92,14 +98,21 @@ class Affinity:
         if ctx.method != "POST":
             return None
         endpoint = openai_endpoint(ctx.path)
+        if endpoint is None:
+            return None
+        body = ctx.json
+        if not isinstance(body, dict):
+            return None
+        turns: list[Any] | None = None
         if endpoint is CHAT_COMPLETIONS:
             chat = True
         elif endpoint is COMPLETIONS:
             chat = False
+        elif endpoint is RESPONSES or endpoint is MESSAGES:
+            # Their turns written as chat's: the system prompt, then the conversation.
+            chat = True
+            turns = endpoint.dialect.conversation(body)
         else:
-            return None
-        body = ctx.json
-        if not isinstance(body, dict):
             return None
         session = ctx.headers.get(self.session_header) if self.session_header else None
         if not session and self.session_from_user:
@@ -111,6 +124,7 @@ class Affinity:
             block_chars=self.block_chars,
             max_blocks=self.max_blocks,
             session=session or None,
+            turns=turns,
         )
         return None if key is None else AffinityPlan(key)
 

@@ -155,6 +155,13 @@ class Dialect:
             out.extend(messages[:_MAX_ITEMS])
         return out
 
+    def conversation(self, body: dict[str, Any]) -> list[Any]:
+        """The request's turns as chat messages (``{"role", "content"}``), the system prompt
+        first: what the affinity router keys a conversation's KV cache on. Empty for an
+        API without turns."""
+        messages = body.get("messages")
+        return messages[:_MAX_ITEMS] if isinstance(messages, list) else []
+
     def deterministic(self, body: dict[str, Any]) -> bool:
         """Whether the same request gets the same answer: greedy sampling, or a seed."""
         return body.get("temperature") == 0 or body.get("seed") is not None

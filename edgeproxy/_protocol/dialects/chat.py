@@ -90,7 +90,9 @@ class ChatDialect(Dialect):
         if (
             data.find(b'"content"') < 0
             and data.find(b'"tool_calls"') < 0
-            and (data.find(b'"text"') < 0 and data.find(b'"finish_reason"') < 0)
+            and data.find(b'"text"') < 0
+            and data.find(b'"finish_reason"') < 0
+            and data.find(b'"error"') < 0
         ):
             return False
         obj = loads(data)
@@ -134,6 +136,9 @@ class CompletionsDialect(ChatDialect):
         "best_of": (int,),
         "suffix": (str,),
     }
+
+    def conversation(self, body: dict[str, Any]) -> list[Any]:
+        return []  # a prompt, not turns: keyed as text (see edgeproxy._protocol.prefix)
 
     def check(self, body: dict[str, Any]) -> Any:
         err = super().check(body)

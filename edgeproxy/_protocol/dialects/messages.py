@@ -171,6 +171,11 @@ class MessagesDialect(Dialect):
         "thinking": (dict,),
     }
 
+    def conversation(self, body: dict[str, Any]) -> list[Any]:
+        turns = super().conversation(body)
+        system = body.get("system")
+        return [{"role": "system", "content": system}, *turns] if system else turns
+
     def deterministic(self, body: dict[str, Any]) -> bool:
         return body.get("temperature") == 0
 

@@ -56,7 +56,7 @@ def responses_usage(usage: dict[str, Any] | None) -> dict[str, Any] | None:
     completion = usage.get("completion_tokens", 0)
     return {
         "input_tokens": prompt,
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
         "output_tokens": completion,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": prompt + completion,
@@ -175,6 +175,18 @@ class ResponsesDialect(Dialect):
 
     def prompt(self, body: dict[str, Any]) -> list[Any]:
         return [body[key] for key in self.prompt_keys if key in body]
+
+    def conversation(self, body: dict[str, Any]) -> list[Any]:
+        turns: list[Any] = []
+        instructions = body.get("instructions")
+        if instructions:
+            turns.append({"role": "system", "content": instructions})
+        given = body.get("input")
+        if isinstance(given, str):
+            turns.append({"role": "user", "content": given})
+        elif isinstance(given, list):
+            turns.extend(given[:10_000])
+        return turns
 
     def deterministic(self, body: dict[str, Any]) -> bool:
         return body.get("temperature") == 0
