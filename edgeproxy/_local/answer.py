@@ -1,5 +1,5 @@
 """The local model's answer: a response holding its generation slot, written as one JSON
-body or streamed as server-sent events.
+body or streamed as server-sent events, in the request's own API (its dialect's writers).
 """
 
 from __future__ import annotations
@@ -20,19 +20,8 @@ from edgeproxy._local.binding import _Slot
 from edgeproxy._local.generation import _Generation
 from edgeproxy._local.prompt import _Prepared
 from edgeproxy._local.request import GenerationRequest
-from edgeproxy._protocol.openai import (
-    SSE_DONE,
-    AnswerHead,
-    chat_choice,
-    chat_chunk_choice,
-    chunk,
-    completion,
-    completion_id,
-    sse_event,
-    text_choice,
-    usage,
-    usage_chunk,
-)
+from edgeproxy._protocol.dialects import AnswerText, StreamWriter
+from edgeproxy._protocol.openai import usage
 
 if TYPE_CHECKING:
     from edgeproxy._core.context import RequestContext
@@ -149,9 +138,7 @@ class LocalAnswer(StreamResponse):
         assert generation is not None
         model = self.model
         req = self.req
-        head = AnswerHead(
-            completion_id(chat=req.chat), int(time.time()), model.model_name, req.chat
-        )
+        head = self._head()
         prompt_tokens = len(self.plan.tokens)
         model.prompt_tokens_total += prompt_tokens
         try:
@@ -182,17 +169,34 @@ class LocalAnswer(StreamResponse):
         finally:
             generation.cancel()
             model.completion_tokens_total += generation.completion_tokens
-            ctx.usage = self._usage(generation)
+            ctx.usage = self._counted(generation)
         return self
 
+    def _head(self) -> AnswerText:
+        """The answer's id, model and creation time, and the prompt's tokens as its usage so
+        far (what a stream's opening events say)."""
+        return AnswerText(
+            self.req.dialect.answer_id(),
+            self.model.model_name,
+            int(time.time()),
+            usage=usage(len(self.plan.tokens), 0),
+        )
+
     def _usage(self, generation: _Generation) -> dict[str, int]:
+        """The answer's usage in chat's fields, which each dialect writes in its own."""
         return usage(len(self.plan.tokens), generation.completion_tokens)
+
+    def _counted(self, generation: _Generation) -> dict[str, Any]:
+        """The request's usage as a region's answer in its API is counted (its own fields,
+        chat's beside them), for the access log, the metrics and the token limits."""
+        dialect = self.req.dialect
+        return dialect.counted(dialect.own_usage(self._usage(generation)))
 
     def _client_gone(self, request: Exchange) -> bool:
         return request.client_gone()
 
     async def _json(
-        self, request: Exchange, ctx: RequestContext, generation: _Generation, head: AnswerHead
+        self, request: Exchange, ctx: RequestContext, generation: _Generation, head: AnswerText
     ) -> None:
         parts: list[str] = []
         async for text in generation.texts():
@@ -200,13 +204,11 @@ class LocalAnswer(StreamResponse):
             if self._client_gone(request):
                 # Without handler cancellation nobody else notices before the write.
                 raise ConnectionResetError("client disconnected")
-        text = "".join(parts)
-        finish = generation.finish_reason
-        if head.chat:
-            choice = chat_choice(0, text, finish)
-        else:
-            choice = text_choice(0, text, finish)
-        body = orjson.dumps(completion(head, [choice], self._usage(generation)))
+        head.text = "".join(parts)
+        head.finish = generation.finish_reason
+        head.usage = self._usage(generation)
+        head.stop_sequence = self._stop_sequence(generation)
+        body = orjson.dumps(self.req.dialect.answer(head))
         self.content_length = len(body)
         await self.prepare(request)
         ctx.first_byte_at = time.monotonic()
@@ -215,7 +217,7 @@ class LocalAnswer(StreamResponse):
         await self.write_eof()
 
     async def _stream(
-        self, request: Exchange, ctx: RequestContext, generation: _Generation, head: AnswerHead
+        self, request: Exchange, ctx: RequestContext, generation: _Generation, head: AnswerText
     ) -> None:
         ctx.response_is_sse = True
         await self.prepare(request)
@@ -227,27 +229,22 @@ class LocalAnswer(StreamResponse):
                 raise ConnectionResetError("client disconnected")
         await self.write_eof()
 
-    async def _events(self, generation: _Generation, head: AnswerHead) -> AsyncIterator[bytes]:
-        """The answer as SSE events, one per piece of text as the model produces it."""
-
-        def piece(text: str | None, finish: str | None) -> bytes:
-            if head.chat:
-                delta: dict[str, Any] = {} if text is None else {"content": text}
-                choice = chat_chunk_choice(0, delta, finish)
-            else:
-                choice = text_choice(0, text or "", finish)
-            return sse_event(chunk(head, [choice]))
-
-        if head.chat:
-            yield sse_event(
-                chunk(head, [chat_chunk_choice(0, {"role": "assistant", "content": ""})])
-            )
+    async def _events(self, generation: _Generation, head: AnswerText) -> AsyncIterator[bytes]:
+        """The answer as the API's SSE events, one per piece of text as the model produces
+        it, between the stream's opening and closing events."""
+        writer: StreamWriter = self.req.dialect.writer(head, include_usage=self.req.include_usage)
+        opening = writer.open()
+        if opening:
+            yield opening
         async for text in generation.texts():
-            yield piece(text, None)
-        yield piece(None, generation.finish_reason)
-        if self.req.include_usage:
-            yield sse_event(usage_chunk(head, self._usage(generation)))
-        yield SSE_DONE
+            yield writer.piece(text)
+        head.stop_sequence = self._stop_sequence(generation)
+        yield writer.close(generation.finish_reason, self._usage(generation))
+
+    def _stop_sequence(self, generation: _Generation) -> str | None:
+        """The client's stop string that ended the answer (not the chat template's own)."""
+        sequence = generation.stop_sequence
+        return sequence if sequence is not None and sequence in self.req.stop else None
 
     async def events(self, ctx: RequestContext) -> AsyncIterator[bytes]:
         """Generate the streamed answer as SSE event bytes, written by the caller (a
@@ -259,9 +256,7 @@ class LocalAnswer(StreamResponse):
         generation = self._generation
         assert generation is not None
         model = self.model
-        head = AnswerHead(
-            completion_id(chat=self.req.chat), int(time.time()), model.model_name, self.req.chat
-        )
+        head = self._head()
         model.prompt_tokens_total += len(self.plan.tokens)
         try:
             async for data in self._events(generation, head):
@@ -274,3 +269,4 @@ class LocalAnswer(StreamResponse):
         finally:
             generation.cancel()
             model.completion_tokens_total += generation.completion_tokens
+            ctx.usage = self._counted(generation)

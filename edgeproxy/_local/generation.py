@@ -27,6 +27,8 @@ class _Generation:
         self.loop = asyncio.get_running_loop()
         self.completion_tokens = 0
         self.finish_reason = "length"
+        # The stop string that ended the answer, if one did.
+        self.stop_sequence: str | None = None
         self._peeked: list[tuple[str, Any]] = []
 
     def cancel(self) -> None:
@@ -80,8 +82,9 @@ class _Generation:
                 self.completion_tokens += 1
                 pending += decoder.decode(llm.detokenize([token]))
                 if stops:
-                    hit = min((i for s in stops if (i := pending.find(s)) >= 0), default=-1)
-                    if hit >= 0:
+                    found = [(i, s) for s in stops if (i := pending.find(s)) >= 0]
+                    if found:
+                        hit, self.stop_sequence = min(found)
                         if hit:
                             self._emit("text", pending[:hit])
                         pending = ""

@@ -1,4 +1,5 @@
-"""The local model: a llama.cpp GGUF answering OpenAI-style when no region can.
+"""The local model: a llama.cpp GGUF answering when no region can, in the request's own API
+(chat and text completions, the stateless Responses API, Anthropic Messages).
 
 llama-cpp-python (the ``local`` extra) loads the model in a worker thread at
 startup, so the proxy serves at once and readiness reports the model's
@@ -34,7 +35,7 @@ from edgeproxy._local.binding import _log_state, _recent_errors, _Slot, load_con
 from edgeproxy._local.generation import _Generation
 from edgeproxy._local.prompt import prepare_prompt
 from edgeproxy._local.request import GenerationRequest, parse_generation_request
-from edgeproxy._protocol.endpoints import endpoint_has
+from edgeproxy._protocol.endpoints import dialect_for, endpoint_has
 from edgeproxy._protocol.models import ModelMatcher
 
 if TYPE_CHECKING:
@@ -245,8 +246,17 @@ class LocalModel:
     # -- serving --------------------------------------------------------------
 
     def serves(self, method: str, path: str) -> bool:
-        """Whether the model can answer this kind of request at all."""
+        """Whether the model can answer this kind of request at all: a POST to an endpoint
+        the table marks ``local`` (chat and text completions, the Responses API, Messages)."""
         return method == "POST" and endpoint_has(path, "local")
+
+    def stateless(self, path: str, body: object) -> bool:
+        """Whether the request can be answered from itself alone: it refers to no stored
+        state (a Responses request's ``previous_response_id``, ``conversation``, stored
+        prompt, item references, or a background run). The model never answers one that
+        does: it would answer another conversation than the client's. Its answers are
+        stored nowhere (a response says ``store: false``)."""
+        return not isinstance(body, dict) or not dialect_for(path).stateful(body)
 
     def serves_model(self, model: object) -> bool:
         """Whether it may answer for the model a request names (``[local_model] models``)."""

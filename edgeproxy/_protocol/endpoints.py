@@ -106,6 +106,8 @@ EMBEDDINGS: Final = OpenAIEndpoint(
     dialect=EMBEDDINGS_DIALECT,
 )
 # Not cacheable: answers may be stored server-side and chained (previous_response_id).
+# The local model answers only a request that refers to no stored state (the dialect's
+# `stateful`), and stores nothing.
 RESPONSES: Final = OpenAIEndpoint(
     "responses",
     "/responses",
@@ -114,7 +116,7 @@ RESPONSES: Final = OpenAIEndpoint(
     retry_safe=True,
     cacheable=False,
     deterministic=False,
-    local=False,
+    local=True,
     dialect=RESPONSES_DIALECT,
 )
 # Answers carry no token usage: a moderation is not charged against token limits.
@@ -139,7 +141,7 @@ MESSAGES: Final = OpenAIEndpoint(
     retry_safe=True,
     cacheable=False,
     deterministic=False,
-    local=False,
+    local=True,
     dialect=MESSAGES_DIALECT,
 )
 # Counting a Messages request's tokens costs no tokens: passed through, never charged.

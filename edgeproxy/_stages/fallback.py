@@ -218,6 +218,8 @@ class FallbackStage:
             local.enabled
             and local.serves(ctx.method, ctx.path)
             and (local.every_model or local.serves_model(model_from_body(ctx.json)))
+            # Never a request that refers to stored state: the model has none of it.
+            and local.stateless(ctx.path, ctx.json)
         )
 
     def local_may_answer(self, ctx: RequestContext) -> bool:

@@ -29,6 +29,7 @@ __all__ = [
     "StreamWriter",
     "counted_io",
     "number",
+    "text_parts",
     "positive_int",
     "tokens",
 ]
@@ -38,6 +39,9 @@ HEARTBEAT: Final = b": waiting\n\n"
 
 # A request's message list is read this far, for the estimate and the prefix.
 _MAX_ITEMS: Final = 10_000
+
+# Chat's roles, as chat templates know them ("developer" is OpenAI's new name for "system").
+_CHAT_ROLES: Final = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
 
 def number(value: Any) -> bool:
@@ -68,9 +72,11 @@ def counted_io(usage: dict[str, Any], prompt: int) -> dict[str, Any]:
 
 class AnswerText:
     """An answer the proxy writes itself (the cache's replay, the local model's), in any API:
-    its id, model, creation time, text, why it ended and its usage (chat's fields)."""
+    its id, model, creation time, text, why it ended and its usage (chat's fields), and the
+    client's stop sequence that ended it, if one did (for an API that says which: Messages;
+    a stream's writer reads it when it closes)."""
 
-    __slots__ = ("id", "model", "created", "text", "finish", "usage")
+    __slots__ = ("id", "model", "created", "text", "finish", "usage", "stop_sequence")
 
     def __init__(
         self,
@@ -80,6 +86,7 @@ class AnswerText:
         text: str = "",
         finish: str | None = "stop",
         usage: dict[str, Any] | None = None,
+        stop_sequence: str | None = None,
     ) -> None:
         self.id = id
         self.model = model
@@ -87,6 +94,7 @@ class AnswerText:
         self.text = text
         self.finish = finish  # chat's names: "stop", "length", "tool_calls"...
         self.usage = usage
+        self.stop_sequence = stop_sequence
 
 
 class StreamWriter:
@@ -161,6 +169,51 @@ class Dialect:
         API without turns."""
         messages = body.get("messages")
         return messages[:_MAX_ITEMS] if isinstance(messages, list) else []
+
+    def text_turns(self, body: dict[str, Any]) -> list[tuple[str, str]]:
+        """The whole conversation as ``(role, text)`` turns, the system prompt first, for a
+        reader of text only (the local model): roles as chat templates know them
+        (``system``, ``user``, ``assistant``; chat's ``tool`` and ``function`` kept), the
+        text parts of a turn joined by newlines.
+
+        Raises the API's 400 naming the field for a conversation that is not one, or that
+        holds anything but text (images, tool calls...). Chat's: ``messages``."""
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            raise self.invalid("messages must be a list of messages", "messages", "invalid_type")
+        if not messages:
+            raise self.invalid("messages must not be empty", "messages", "empty_messages")
+        turns: list[tuple[str, str]] = []
+        for i, message in enumerate(messages):
+            where = f"messages[{i}]"
+            if not isinstance(message, dict):
+                raise self.invalid(f"{where} must be an object", where, "invalid_type")
+            role = message.get("role")
+            if role not in _CHAT_ROLES:
+                raise self.invalid(
+                    f"{where}.role must be one of {', '.join(sorted(_CHAT_ROLES))}",
+                    f"{where}.role",
+                    "invalid_value",
+                )
+            content = message.get("content")
+            if content is None:
+                text = ""
+            elif isinstance(content, (str, list)):
+                text = text_parts(self, f"{where}.content", content, ("text",), "parts")
+            else:
+                raise self.invalid(
+                    f"{where}.content must be a string or a list of text parts",
+                    f"{where}.content",
+                    "invalid_type",
+                )
+            turns.append(("system" if role == "developer" else str(role), text))
+        return turns
+
+    def stateful(self, body: dict[str, Any]) -> bool:
+        """Whether only a server that keeps the API's state can answer the request (it refers
+        to stored objects, or asks for work it will be asked about later): never one that
+        answers it from the request alone, as the local model does."""
+        return bool(self.state_refs(body))
 
     def deterministic(self, body: dict[str, Any]) -> bool:
         """Whether the same request gets the same answer: greedy sampling, or a seed."""
@@ -300,6 +353,15 @@ class Dialect:
         its own error (OpenAI's raises ``APIError`` for an ``error`` key)."""
         return b"event: error\ndata: " + self.error_body(err) + b"\n\n"
 
+    def answer_id(self) -> str:
+        """A fresh id for an answer the proxy writes in the API (``chatcmpl-...``)."""
+        raise NotImplementedError(f"the proxy writes no answers of {self.name}")
+
+    def own_usage(self, usage: dict[str, Any]) -> dict[str, Any]:
+        """Chat's ``usage`` (``prompt_tokens``, ``completion_tokens``) in the API's own shape,
+        as its answers carry it: what :meth:`counted` reads back."""
+        return usage
+
     def answer(self, text: AnswerText) -> dict[str, Any]:
         """A whole JSON answer of the API that says ``text``."""
         raise NotImplementedError(f"the proxy writes no answers of {self.name}")
@@ -313,6 +375,32 @@ class Dialect:
         """The JSON answer a whole recorded stream amounts to; None if it is not whole or
         not understood."""
         return None
+
+
+def text_parts(
+    dialect: Dialect, where: str, content: str | list[Any], kinds: tuple[str, ...], noun: str
+) -> str:
+    """The text of a turn's ``content``: a string, or a list of parts (``noun``: ``parts``,
+    ``blocks``) of the types ``kinds``, each with a string ``text``, joined by newlines.
+    Raises the API's 400 for any other part: the proxy's own answers read text only."""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind not in kinds:
+            raise dialect.invalid(
+                f"{where}: the proxy's own answers read text only, not {kind!r} {noun}",
+                f"{where}[{j}]",
+                "unsupported_content",
+            )
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise dialect.invalid(
+                f"{where}: a text part needs a string 'text'", f"{where}[{j}].text", "invalid_type"
+            )
+        texts.append(text)
+    return "\n".join(texts)
 
 
 def _kind(value: Any) -> str:

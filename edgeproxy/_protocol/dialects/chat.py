@@ -83,6 +83,9 @@ class ChatDialect(Dialect):
     def include_usage(self, body: dict[str, Any]) -> bool:
         return _include_usage(body)
 
+    def answer_id(self) -> str:
+        return openai.completion_id(chat=True)
+
     def commits(self, event: SSEEvent) -> bool:
         data = event.data
         if event.event is not None or data == b"[DONE]" or not data.startswith(b"{"):
@@ -139,6 +142,12 @@ class CompletionsDialect(ChatDialect):
 
     def conversation(self, body: dict[str, Any]) -> list[Any]:
         return []  # a prompt, not turns: keyed as text (see edgeproxy._protocol.prefix)
+
+    def text_turns(self, body: dict[str, Any]) -> list[tuple[str, str]]:
+        return []  # a prompt, not turns: read by whoever answers it
+
+    def answer_id(self) -> str:
+        return openai.completion_id(chat=False)
 
     def check(self, body: dict[str, Any]) -> Any:
         err = super().check(body)

@@ -25,6 +25,7 @@ from edgeproxy._protocol.dialects._base import (
     StreamWriter,
     counted_io,
     loads,
+    text_parts,
     tokens,
 )
 from edgeproxy._protocol.sse import SSEEvent
@@ -73,6 +74,14 @@ def message_id() -> str:
 
 def _event(name: str, data: dict[str, Any]) -> bytes:
     return b"event: " + name.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+
+
+def _stop(finish: str | None, sequence: str | None) -> tuple[str, str | None]:
+    """A message's ``stop_reason`` and ``stop_sequence``, from chat's finish reason and the
+    client's stop sequence that ended it (if one did)."""
+    if sequence is not None and (finish or "stop") == "stop":
+        return "stop_sequence", sequence
+    return _STOP.get(finish or "stop", "end_turn"), None
 
 
 def messages_usage(usage: dict[str, Any] | None) -> dict[str, Any]:
@@ -127,6 +136,7 @@ class MessagesWriter(StreamWriter):
 
     def close(self, finish: str | None, usage: dict[str, Any] | None) -> bytes:
         final = messages_usage(usage)
+        reason, sequence = _stop(finish, self.answer.stop_sequence)
         return b"".join(
             (
                 _event("content_block_stop", {"type": "content_block_stop", "index": 0}),
@@ -134,10 +144,7 @@ class MessagesWriter(StreamWriter):
                     "message_delta",
                     {
                         "type": "message_delta",
-                        "delta": {
-                            "stop_reason": _STOP.get(finish or "stop", "end_turn"),
-                            "stop_sequence": None,
-                        },
+                        "delta": {"stop_reason": reason, "stop_sequence": sequence},
                         "usage": {"output_tokens": final.get("output_tokens", 0)},
                     },
                 ),
@@ -175,6 +182,44 @@ class MessagesDialect(Dialect):
         turns = super().conversation(body)
         system = body.get("system")
         return [{"role": "system", "content": system}, *turns] if system else turns
+
+    def text_turns(self, body: dict[str, Any]) -> list[tuple[str, str]]:
+        """``system`` (a string or text blocks) as the system prompt, then ``messages``, each
+        ``user`` or ``assistant`` with a string ``content`` or a list of text blocks. Any
+        other block (an image, a document, a tool use or result, thinking) is a 400."""
+        turns: list[tuple[str, str]] = []
+        system = body.get("system")
+        if isinstance(system, (str, list)):
+            text = text_parts(self, "system", system, ("text",), "blocks")
+            if text:
+                turns.append(("system", text))
+        elif system is not None:
+            raise self.invalid(
+                "system must be a string or a list of text blocks", "system", "invalid_type"
+            )
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            raise self.invalid("messages must be a list of messages", "messages", "invalid_type")
+        if not messages:
+            raise self.invalid("messages must not be empty", "messages", "empty_array")
+        for i, message in enumerate(messages):
+            where = f"messages[{i}]"
+            if not isinstance(message, dict):
+                raise self.invalid(f"{where} must be an object", where, "invalid_type")
+            role = message.get("role")
+            if role not in ("user", "assistant"):
+                raise self.invalid(
+                    f"{where}.role must be 'user' or 'assistant'", f"{where}.role", "invalid_value"
+                )
+            content = message.get("content")
+            if not isinstance(content, (str, list)):
+                raise self.invalid(
+                    f"{where}.content must be a string or a list of text blocks",
+                    f"{where}.content",
+                    "invalid_type",
+                )
+            turns.append((role, text_parts(self, f"{where}.content", content, ("text",), "blocks")))
+        return turns
 
     def deterministic(self, body: dict[str, Any]) -> bool:
         return body.get("temperature") == 0
@@ -246,15 +291,22 @@ class MessagesDialect(Dialect):
     def error_event(self, err: ProxyError, *, sequence: int = 0) -> bytes:
         return b"event: error\ndata: " + self.error_body(err) + b"\n\n"
 
+    def answer_id(self) -> str:
+        return message_id()
+
+    def own_usage(self, usage: dict[str, Any]) -> dict[str, Any]:
+        return messages_usage(usage)
+
     def answer(self, text: AnswerText) -> dict[str, Any]:
+        reason, sequence = _stop(text.finish, text.stop_sequence)
         return {
             "id": text.id,
             "type": "message",
             "role": "assistant",
             "model": text.model,
             "content": [{"type": "text", "text": text.text}],
-            "stop_reason": _STOP.get(text.finish or "stop", "end_turn"),
-            "stop_sequence": None,
+            "stop_reason": reason,
+            "stop_sequence": sequence,
             "usage": messages_usage(text.usage),
         }
 
@@ -272,6 +324,7 @@ class MessagesDialect(Dialect):
                 return None
             text.append(block["text"])
         usage = answer.get("usage")
+        sequence = answer.get("stop_sequence")
         return AnswerText(
             str(answer.get("id") or message_id()),
             str(answer.get("model") or ""),
@@ -279,6 +332,7 @@ class MessagesDialect(Dialect):
             "".join(text),
             _FINISH.get(str(answer.get("stop_reason")), "stop"),
             usage if isinstance(usage, dict) else None,
+            sequence if isinstance(sequence, str) else None,
         )
 
     def assemble(self, events: list[SSEEvent]) -> dict[str, Any] | None:

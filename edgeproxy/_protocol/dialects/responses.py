@@ -27,6 +27,7 @@ from edgeproxy._protocol.dialects._base import (
     StreamWriter,
     counted_io,
     loads,
+    text_parts,
     tokens,
 )
 from edgeproxy._protocol.sse import SSEEvent
@@ -34,6 +35,16 @@ from edgeproxy._protocol.sse import SSEEvent
 __all__ = ["RESPONSES", "ResponsesDialect", "ResponsesWriter", "response_id"]
 
 _ENDS: Final = frozenset({"response.completed", "response.incomplete", "response.failed"})
+# The roles of a message item, and the types of its text parts.
+_ROLES: Final = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "assistant": "assistant",
+}
+_TEXT_PARTS: Final = ("input_text", "output_text")
+# Items that say nothing of the conversation's text: a reasoning model's own reasoning.
+_SILENT_ITEMS: Final = frozenset({"reasoning"})
 # Chat's finish reasons as a response's status and why it is incomplete.
 _INCOMPLETE: Final = {"length": "max_output_tokens", "content_filter": "content_filter"}
 
@@ -188,6 +199,70 @@ class ResponsesDialect(Dialect):
             turns.extend(given[:10_000])
         return turns
 
+    def text_turns(self, body: dict[str, Any]) -> list[tuple[str, str]]:
+        """``instructions`` as the system prompt, then ``input``: a string (one user turn) or
+        a list of message items, each with a string ``content`` or a list of
+        ``input_text``/``output_text`` parts. Reasoning items are passed over; any other item
+        (a function call, its output, an image part...) is a 400."""
+        turns: list[tuple[str, str]] = []
+        instructions = body.get("instructions")
+        if isinstance(instructions, str) and instructions:
+            turns.append(("system", instructions))
+        elif instructions is not None and not isinstance(instructions, str):
+            raise self.invalid("instructions must be a string", "instructions", "invalid_type")
+        given = body.get("input")
+        if isinstance(given, str):
+            turns.append(("user", given))
+            return turns
+        if not isinstance(given, list):
+            raise self.invalid("input must be a string or a list of items", "input", "invalid_type")
+        if not given:
+            raise self.invalid("input must not be empty", "input", "empty_array")
+        for i, item in enumerate(given):
+            where = f"input[{i}]"
+            if not isinstance(item, dict):
+                raise self.invalid(f"{where} must be an object", where, "invalid_type")
+            kind = item.get("type", "message")
+            if kind in _SILENT_ITEMS:
+                continue
+            if kind != "message":
+                raise self.invalid(
+                    f"{where}: the proxy's own answers read text only, not {kind!r} items",
+                    where,
+                    "unsupported_content",
+                )
+            named = item.get("role")
+            role = _ROLES.get(named) if isinstance(named, str) else None
+            if role is None:
+                raise self.invalid(
+                    f"{where}.role must be one of {', '.join(sorted(_ROLES))}",
+                    f"{where}.role",
+                    "invalid_value",
+                )
+            content = item.get("content")
+            if not isinstance(content, (str, list)):
+                raise self.invalid(
+                    f"{where}.content must be a string or a list of text parts",
+                    f"{where}.content",
+                    "invalid_type",
+                )
+            turns.append(
+                (role, text_parts(self, f"{where}.content", content, _TEXT_PARTS, "parts"))
+            )
+        return turns
+
+    def stateful(self, body: dict[str, Any]) -> bool:
+        """A stored response or conversation it refers to, a stored prompt template
+        (``prompt``), items referred to by id (``item_reference``), or a background run
+        (polled for later by its id)."""
+        if self.state_refs(body) or body.get("background") is True or body.get("prompt"):
+            return True
+        given = body.get("input")
+        return isinstance(given, list) and any(
+            isinstance(item, dict) and item.get("type") == "item_reference"
+            for item in given[:10_000]
+        )
+
     def deterministic(self, body: dict[str, Any]) -> bool:
         return body.get("temperature") == 0
 
@@ -285,6 +360,12 @@ class ResponsesDialect(Dialect):
             "error": {"type": err.type, "code": code, "message": err.message, "param": err.param},
         }
         return _event("error", data)
+
+    def answer_id(self) -> str:
+        return response_id()
+
+    def own_usage(self, usage: dict[str, Any]) -> dict[str, Any]:
+        return responses_usage(usage) or {}
 
     def response_object(
         self, text: AnswerText, status: str, output: list[Any], usage: Any
