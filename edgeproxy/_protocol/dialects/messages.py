@@ -32,6 +32,7 @@ from edgeproxy._protocol.sse import SSEEvent
 __all__ = [
     "COUNT_TOKENS",
     "MESSAGES",
+    "MessageText",
     "MessagesDialect",
     "MessagesWriter",
     "anthropic_error_type",
@@ -87,8 +88,28 @@ def messages_usage(usage: dict[str, Any] | None) -> dict[str, Any]:
     }
 
 
+class MessageText(AnswerText):
+    """What a message says, with why it stopped in Anthropic's own words (``stop_sequence``
+    is not chat's ``stop``)."""
+
+    __slots__ = ("stop_reason", "stop_sequence")
+
+    def __init__(
+        self, *args: Any, stop_reason: Any = None, stop_sequence: Any = None, **kwargs: Any
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.stop_reason = stop_reason
+        self.stop_sequence = stop_sequence
+
+
 class MessagesWriter(StreamWriter):
     """A message as events: start, one text block, the stop reason and usage, stop."""
+
+    def _stop(self, finish: str | None) -> tuple[Any, Any]:
+        answer = self.answer
+        if isinstance(answer, MessageText) and answer.stop_reason and finish == answer.finish:
+            return answer.stop_reason, answer.stop_sequence
+        return _STOP.get(finish or "stop", "end_turn"), None
 
     def _message(self, usage: dict[str, Any]) -> dict[str, Any]:
         return {
@@ -103,8 +124,9 @@ class MessagesWriter(StreamWriter):
         }
 
     def open(self) -> bytes:
-        usage = messages_usage(self.answer.usage)
-        start = self._message({"input_tokens": usage.get("input_tokens", 0), "output_tokens": 0})
+        # The input side as counted (cache reads and writes included); no output yet.
+        usage = {"input_tokens": 0, **messages_usage(self.answer.usage), "output_tokens": 0}
+        start = self._message(usage)
         return _event("message_start", {"type": "message_start", "message": start}) + _event(
             "content_block_start",
             {
@@ -127,6 +149,7 @@ class MessagesWriter(StreamWriter):
 
     def close(self, finish: str | None, usage: dict[str, Any] | None) -> bytes:
         final = messages_usage(usage)
+        reason, sequence = self._stop(finish)
         return b"".join(
             (
                 _event("content_block_stop", {"type": "content_block_stop", "index": 0}),
@@ -134,10 +157,7 @@ class MessagesWriter(StreamWriter):
                     "message_delta",
                     {
                         "type": "message_delta",
-                        "delta": {
-                            "stop_reason": _STOP.get(finish or "stop", "end_turn"),
-                            "stop_sequence": None,
-                        },
+                        "delta": {"stop_reason": reason, "stop_sequence": sequence},
                         "usage": {"output_tokens": final.get("output_tokens", 0)},
                     },
                 ),
@@ -155,6 +175,7 @@ class MessagesDialect(Dialect):
     continuation: ClassVar[str | None] = "prefill"
     heartbeat = PING
     writer = MessagesWriter
+    unstreamable_as_json = False
     required: ClassVar[tuple[str, ...]] = ("model", "messages", "max_tokens")
     ranges: ClassVar[dict[str, tuple[float, float]]] = {"temperature": (0, 1), "top_p": (0, 1)}
     types: ClassVar[dict[str, tuple[type, ...]]] = {
@@ -178,6 +199,9 @@ class MessagesDialect(Dialect):
 
     def deterministic(self, body: dict[str, Any]) -> bool:
         return body.get("temperature") == 0
+
+    def include_usage(self, body: dict[str, Any]) -> bool:
+        return True  # message_start and message_delta always carry it
 
     def check(self, body: dict[str, Any]) -> ProxyError | None:
         err = super().check(body)
@@ -272,13 +296,16 @@ class MessagesDialect(Dialect):
                 return None
             text.append(block["text"])
         usage = answer.get("usage")
-        return AnswerText(
+        reason = answer.get("stop_reason")
+        return MessageText(
             str(answer.get("id") or message_id()),
             str(answer.get("model") or ""),
             0,
             "".join(text),
-            _FINISH.get(str(answer.get("stop_reason")), "stop"),
+            _FINISH.get(str(reason), "stop"),
             usage if isinstance(usage, dict) else None,
+            stop_reason=reason if isinstance(reason, str) else None,
+            stop_sequence=answer.get("stop_sequence"),
         )
 
     def assemble(self, events: list[SSEEvent]) -> dict[str, Any] | None:
