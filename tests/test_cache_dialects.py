@@ -20,8 +20,9 @@ import pytest
 
 from edgeproxy import EdgeProxy, RequestContext, hookimpl
 from edgeproxy._core.errors import ProxyError
-from edgeproxy._protocol.dialects import CHAT, EMBEDDINGS, MESSAGES, RESPONSES
+from edgeproxy._protocol.dialects import CHAT, EMBEDDINGS, MESSAGES, RESPONSES, AnswerText
 from edgeproxy._protocol.sse import SSEEvent, SSEReader
+from edgeproxy._stages.cache.entry import Entry, replay_parts
 from edgeproxy.testing import FakeRegion
 
 from .conftest import ProxyFactory, RegionFactory, eventually
@@ -347,14 +348,15 @@ async def test_the_system_prompt_and_the_api_key_are_part_of_a_messages_key(
     proxy, region = proxy_and_region
     outcomes: list[str] = []
     asked = 0
-    for api_key, extra in [
+    asks: list[tuple[str, dict[str, Any]]] = [
         ("sk-ant-a", {}),
         ("sk-ant-a", {"system": "be terse"}),
         ("sk-ant-a", {"system": [{"type": "text", "text": "be terse"}]}),
         ("sk-ant-b", {}),
         ("sk-ant-a", {"system": "be terse"}),
         ("sk-ant-a", {}),
-    ]:
+    ]
+    for api_key, extra in asks:
         sdk = anthropic_client(proxy, api_key)
         try:
             _, headers = await message_json(sdk, **extra)
@@ -510,3 +512,108 @@ async def test_followers_of_a_broken_stream_end_with_their_apis_error_event(
             numbers = [orjson.loads(e.data)["sequence_number"] for e in events]
             assert numbers == list(range(len(events)))
     assert cache_status(box[0])["stores"] == 0
+
+
+# -- the conversions, without a proxy ----------------------------------------------------
+
+
+def entry_of(kind: str, body: bytes) -> Entry:
+    return Entry.build(
+        status=200,
+        headers=[("content-type", "text/event-stream" if kind == "sse" else "application/json")],
+        body=body,
+        kind=kind,
+        ttl=60.0,
+        swr=0.0,
+        sie=0.0,
+        delta=0.1,
+        region="r1",
+        now=1000.0,
+    )
+
+
+MESSAGE = {
+    "id": "msg_1",
+    "type": "message",
+    "role": "assistant",
+    "model": "m",
+    "content": [{"type": "text", "text": "one two three"}],
+    "stop_reason": "stop_sequence",
+    "stop_sequence": "four",
+    "usage": {
+        "input_tokens": 5,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 4,
+        "output_tokens": 3,
+    },
+}
+
+
+def test_a_stored_message_streams_and_assembles_back_to_itself() -> None:
+    from anthropic.types import RawMessageStreamEvent
+    from pydantic import TypeAdapter
+
+    parts, sse = replay_parts(
+        entry_of("json", orjson.dumps(MESSAGE)), wants_sse=True, include_usage=False,
+        dialect=MESSAGES,
+    ) or ([], False)  # fmt: skip
+    assert sse and len(parts) == 2 + 3 + 3  # start, block start; a word each; the end
+    adapter: TypeAdapter[Any] = TypeAdapter(RawMessageStreamEvent)
+    parsed = [adapter.validate_json(e.data) for e in read(b"".join(parts))]
+    assert parsed[-2].delta.stop_reason == "stop_sequence"
+    assert parsed[-2].delta.stop_sequence == "four"
+    # The stop sequence, the cache reads and the ids survive the round trip.
+    again = replay_parts(
+        entry_of("sse", b"".join(parts)), wants_sse=False, include_usage=False, dialect=MESSAGES
+    )
+    assert again is not None and orjson.loads(again[0][0]) == MESSAGE
+
+
+def test_a_stored_response_streams_numbered_and_ends_with_itself() -> None:
+    from openai.types.responses import ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    text = AnswerText("resp_1", "m", 7, "one two", "stop", {"prompt_tokens": 2,
+                      "completion_tokens": 2, "total_tokens": 4})  # fmt: skip
+    stored = {**RESPONSES.answer(text), "instructions": "be brief", "temperature": 0.0}
+    parts, sse = replay_parts(
+        entry_of("json", orjson.dumps(stored)), wants_sse=True, include_usage=False,
+        dialect=RESPONSES,
+    ) or ([], False)  # fmt: skip
+    assert sse
+    adapter: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)
+    parsed = [adapter.validate_json(e.data) for e in read(b"".join(parts))]
+    assert [p.sequence_number for p in parsed] == list(range(len(parsed)))
+    assert parsed[0].response.instructions == "be brief"  # the stored response's own fields
+    item_id = stored["output"][0]["id"]
+    assert {p.item_id for p in parsed if hasattr(p, "item_id")} == {item_id}
+    assert orjson.loads(read(b"".join(parts))[-1].data)["response"] == stored
+
+
+def test_an_answer_its_dialect_cannot_stream_is_a_miss_for_a_stream() -> None:
+    tool_use = {
+        **MESSAGE,
+        "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {}}],
+        "stop_reason": "tool_use",
+    }
+    entry = entry_of("json", orjson.dumps(tool_use))
+    assert replay_parts(entry, wants_sse=True, include_usage=False, dialect=MESSAGES) is None
+    # As JSON it is replayed as stored.
+    assert replay_parts(entry, wants_sse=False, include_usage=False, dialect=MESSAGES) == (
+        [entry.body],
+        False,
+    )
+    reasoning = {
+        **RESPONSES.answer(AnswerText("resp_1", "m", 7, "x")),
+        "output": [{"type": "reasoning", "id": "rs_1", "summary": []}],
+    }
+    entry = entry_of("json", orjson.dumps(reasoning))
+    assert replay_parts(entry, wants_sse=True, include_usage=False, dialect=RESPONSES) is None
+    # A recorded stream that did not end (never stored, but not trusted either) is a miss
+    # for JSON.
+    cut = b"".join(MESSAGES.written(AnswerText("msg_1", "m", 0, "a b")))
+    cut = cut[: cut.index(b"event: message_stop")]
+    assert (
+        replay_parts(entry_of("sse", cut), wants_sse=False, include_usage=False, dialect=MESSAGES)
+        is None
+    )

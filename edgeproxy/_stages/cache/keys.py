@@ -25,7 +25,7 @@ import orjson
 
 from edgeproxy._core.config import Config
 from edgeproxy._core.context import RequestContext
-from edgeproxy._protocol.endpoints import dialect_for, endpoint_paths
+from edgeproxy._protocol.endpoints import endpoint_paths, openai_endpoint
 from edgeproxy._protocol.headers import ANSWER_HEADERS, CLIENT_CREDENTIAL_HEADERS
 
 __all__ = [
@@ -117,7 +117,9 @@ def _api(ctx: RequestContext) -> str:
     facts = ctx.facts
     if facts is not None:
         return facts.dialect or ""
-    return dialect_for(ctx.path).name
+    # Before entry (a request shed by admission): the name its facts would have.
+    endpoint = openai_endpoint(ctx.path)
+    return endpoint.name if endpoint is not None else ""
 
 
 def custom_digest(ctx: RequestContext, custom: object) -> str:
