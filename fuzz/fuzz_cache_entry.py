@@ -10,8 +10,8 @@ upstream could have sent (the decoder rarely lets random bytes through).
 Property: ``Entry.decode`` raises only ``BadEntry``, and the same for
 ``bytes``, ``bytearray`` and ``memoryview``. A decoded entry has a kind the
 cache knows, a status from 100 to 599, string headers and finite times, and
-encodes back to an equal entry. Replaying an entry, as a stream or as JSON,
-with or without the usage chunk, gives None (the caller's miss) or the
+encodes back to an equal entry. Replaying an entry as an answer of each API, as a
+stream or as JSON, with or without the usage chunk, gives None (the caller's miss) or the
 parts to send, and its headers for either form are string pairs; its
 freshness arithmetic does not fail.
 """
@@ -23,6 +23,7 @@ import sys
 
 from _harness import check, fuzz
 
+from edgeproxy._protocol.dialects import CHAT, EMBEDDINGS, MESSAGES, OPENAI, RESPONSES
 from edgeproxy._stages.cache.entry import BadEntry, Entry, replay_parts, response_headers
 
 _NOW = 1_700_000_000.0
@@ -55,18 +56,25 @@ def _check_entry(entry: Entry) -> None:
         check(type(entry.should_refresh_early(_NOW, 1.0, rand)) is bool, "xfetch", rand)
 
 
+_FORMS = [
+    (dialect, wants_sse, include_usage)
+    for dialect in (CHAT, RESPONSES, MESSAGES, EMBEDDINGS, OPENAI)
+    for wants_sse in (False, True)
+    for include_usage in (False, True)
+]
+
+
 def _check_replay(entry: Entry) -> None:
-    for wants_sse in (False, True):
-        for include_usage in (False, True):
-            out = replay_parts(entry, wants_sse=wants_sse, include_usage=include_usage)
-            if out is None:
-                continue
-            parts, sse = out
-            check(type(sse) is bool, "replay shape", out)
-            check(all(type(p) is bytes for p in parts), "replay parts", parts)
-            check(sse or len(parts) == 1, "a JSON answer in several parts", parts)
-            headers = response_headers(entry, sse=sse)
-            check(all(type(k) is str and type(v) is str for k, v in headers), "headers", headers)
+    for dialect, wants_sse, include_usage in _FORMS:
+        out = replay_parts(entry, wants_sse=wants_sse, include_usage=include_usage, dialect=dialect)
+        if out is None:
+            continue
+        parts, sse = out
+        check(type(sse) is bool, "replay shape", out)
+        check(all(type(p) is bytes for p in parts), "replay parts", parts)
+        check(sse or len(parts) == 1, "a JSON answer in several parts", parts)
+        headers = response_headers(entry, sse=sse)
+        check(all(type(k) is str and type(v) is str for k, v in headers), "headers", headers)
 
 
 def _built(data: bytes) -> Entry:
@@ -101,5 +109,10 @@ def test_one_input(data: bytes) -> None:
 
 
 if __name__ == "__main__":
-    fuzz(test_one_input, "edgeproxy._stages.cache.entry", "edgeproxy._protocol.openai")
+    fuzz(
+        test_one_input,
+        "edgeproxy._stages.cache.entry",
+        "edgeproxy._protocol.dialects",
+        "edgeproxy._protocol.openai",
+    )
     sys.exit(0)

@@ -8,18 +8,29 @@ from typing import Any
 import orjson
 import pytest
 
-from edgeproxy._stages.cache.entry import (
-    BadEntry,
-    Entry,
-    assemble,
-    explode,
-    is_usage_event,
-    replay_parts,
-    response_headers,
-    split_events,
-)
+from edgeproxy._protocol.dialects import CHAT, COMPLETIONS, EMBEDDINGS
+from edgeproxy._protocol.sse import SSEEvent, SSEReader
+from edgeproxy._stages.cache.entry import BadEntry, Entry, replay_parts, response_headers
 
 from .conftest import FakeClock
+
+
+def read(raw: list[bytes]) -> list[SSEEvent]:
+    return SSEReader().feed(b"".join(raw))
+
+
+def assemble(raw: list[bytes]) -> dict[str, Any] | None:
+    return CHAT.assemble(read(raw))
+
+
+def explode(answer: dict[str, Any], *, include_usage: bool) -> list[bytes] | None:
+    dialect = COMPLETIONS if answer.get("object") == "text_completion" else CHAT
+    return dialect.stream_of(answer, include_usage=include_usage)
+
+
+def is_usage_event(raw: bytes) -> bool:
+    (event,) = read([raw])
+    return CHAT.usage_only(event)
 
 
 def event(payload: Any) -> bytes:
@@ -145,11 +156,15 @@ def test_xfetch_refreshes_earlier_as_expiry_nears() -> None:
     assert entry.should_refresh_early(1005.0, 1.0, 1e-10)  # rare, but possible long before
 
 
-def test_split_events_and_usage_events() -> None:
+def test_a_stream_entry_reads_as_its_events_and_usage_events() -> None:
     body = b"".join(STREAM).replace(b"\n", b"\r\n")
-    events = split_events(body)
-    assert events == STREAM
-    assert [is_usage_event(e) for e in events] == [False] * 4 + [True, False]
+    events = make_entry(body=body).events()
+    # Each event as recorded, byte for byte (CRLF line ends kept).
+    assert [e.raw for e in events] == [e.replace(b"\n", b"\r\n") for e in STREAM]
+    assert [CHAT.usage_only(e) for e in events] == [False] * 4 + [True, False]
+    # An unfinished end (never recorded) is one more event: the parts are the whole body.
+    cut = make_entry(body=b"".join(STREAM) + b"data: {")
+    assert b"".join(e.raw for e in cut.events()) == b"".join(STREAM) + b"data: {"
 
 
 def test_assemble_chat_stream_with_tool_calls_and_two_choices() -> None:
@@ -179,9 +194,13 @@ def test_assemble_chat_stream_with_tool_calls_and_two_choices() -> None:
 
 
 def test_assemble_refuses_what_it_does_not_know() -> None:
-    assert assemble([event({"object": "something.else"})]) is None
-    assert assemble([b"data: [DONE]\n\n"]) is None
-    assert assemble([event({"object": "text_completion", "choices": ["x"]})]) is None
+    done = b"data: [DONE]\n\n"
+    assert assemble([event({"object": "something.else"}), done]) is None
+    assert assemble([done]) is None
+    assert assemble([event({"object": "text_completion", "choices": ["x"]}), done]) is None
+    # A stream without its end, or with an error, is not an answer.
+    assert assemble(STREAM[:-1]) is None
+    assert assemble([*STREAM[:2], event({"error": {"message": "x"}}), done]) is None
 
 
 def test_explode_then_assemble_gives_the_answer_back() -> None:
@@ -209,13 +228,37 @@ def test_explode_then_assemble_gives_the_answer_back() -> None:
     assert explode({"object": "list", "data": []}, include_usage=False) is None
 
 
+def test_the_writer_and_the_chunks_of_several_choices_write_the_same_bytes() -> None:
+    # One choice of text goes through chat's writer; anything more through the chunks of
+    # each choice: both stream a completion the same way.
+    answer = assemble(STREAM)
+    assert answer is not None
+    answer["system_fingerprint"] = "fp_1"
+    written = CHAT.stream_of(answer, include_usage=True)
+    two = {**answer, "choices": [answer["choices"][0], {**answer["choices"][0], "index": 1}]}
+    chunked = CHAT.stream_of(two, include_usage=True)
+    assert written is not None and chunked is not None
+    first_choice = [e for e in chunked if b'"index":1' not in e]
+    assert written == first_choice
+    assert all(b'"system_fingerprint":"fp_1"' in e for e in written[:-1])
+
+
 def test_replay_parts_in_every_direction() -> None:
     sse = make_entry()
-    parts, is_sse = replay_parts(sse, wants_sse=True, include_usage=True) or ([], False)
+    parts, is_sse = replay_parts(sse, wants_sse=True, include_usage=True, dialect=CHAT) or (
+        [],
+        False,
+    )
     assert is_sse and parts == STREAM
-    parts, is_sse = replay_parts(sse, wants_sse=True, include_usage=False) or ([], False)
+    parts, is_sse = replay_parts(sse, wants_sse=True, include_usage=False, dialect=CHAT) or (
+        [],
+        False,
+    )
     assert is_sse and len(parts) == len(STREAM) - 1
-    parts, is_sse = replay_parts(sse, wants_sse=False, include_usage=False) or ([], True)
+    parts, is_sse = replay_parts(sse, wants_sse=False, include_usage=False, dialect=CHAT) or (
+        [],
+        True,
+    )
     assert not is_sse and orjson.loads(parts[0])["choices"][0]["message"]["content"] == (
         "Hello world"
     )
@@ -223,13 +266,25 @@ def test_replay_parts_in_every_direction() -> None:
 
     embedding = b'{"object":"list","data":[{"embedding":[0.1]}]}'
     as_json = make_entry("json", embedding)
-    assert replay_parts(as_json, wants_sse=True, include_usage=False) == ([embedding], False)
+    for dialect in (EMBEDDINGS, CHAT):
+        assert replay_parts(as_json, wants_sse=True, include_usage=False, dialect=dialect) == (
+            [embedding],
+            False,
+        )
     assert (
-        replay_parts(make_entry("json", b"[not json"), wants_sse=True, include_usage=False) is None
+        replay_parts(
+            make_entry("json", b"[not json"), wants_sse=True, include_usage=False, dialect=CHAT
+        )
+        is None
     )
     assert (
-        replay_parts(make_entry("sse", b"data: {}\n\n"), wants_sse=False, include_usage=False)
+        replay_parts(
+            make_entry("sse", b"data: {}\n\n"), wants_sse=False, include_usage=False, dialect=CHAT
+        )
         is None
     )
     raw = make_entry("raw", b"\x00\x01")
-    assert replay_parts(raw, wants_sse=True, include_usage=True) == ([b"\x00\x01"], False)
+    assert replay_parts(raw, wants_sse=True, include_usage=True, dialect=CHAT) == (
+        [b"\x00\x01"],
+        False,
+    )

@@ -176,14 +176,12 @@ def test_the_messages_writer_writes_events_the_anthropic_sdk_validates() -> None
 @pytest.mark.parametrize("dialect", [CHAT, RESPONSES, MESSAGES])
 def test_an_answer_reads_back_as_the_text_it_says(dialect: Dialect) -> None:
     answer = dialect.answer(AnswerText("id-1", "m", 7, "Hello", "length", USAGE))
-    if dialect is CHAT:
-        return  # chat's replay pieces are the cache's (see test_cache_*)
     text = dialect.text_of(answer)
     assert text is not None and (text.text, text.finish) == ("Hello", "length")
     assert dialect.counted(dialect.usage_of(answer) or {})["total_tokens"] == 8
 
 
-@pytest.mark.parametrize("dialect", [RESPONSES, MESSAGES])
+@pytest.mark.parametrize("dialect", [CHAT, COMPLETIONS, RESPONSES, MESSAGES])
 def test_a_recorded_stream_assembles_into_its_json_answer(dialect: Dialect) -> None:
     answer = dialect.assemble(events(written(dialect, ["Hel", "lo"])))
     assert answer is not None

@@ -23,7 +23,9 @@ import orjson
 import pytest
 
 from edgeproxy._core.config import Config, ConfigError, load_config
-from edgeproxy._stages.cache.entry import Entry, assemble, explode, replay_parts
+from edgeproxy._protocol.dialects import CHAT
+from edgeproxy._protocol.sse import SSEReader
+from edgeproxy._stages.cache.entry import Entry, replay_parts
 
 FUZZ = Path(__file__).resolve().parent.parent / "fuzz"
 TARGETS = sorted(p.stem.removeprefix("fuzz_") for p in FUZZ.glob("fuzz_*.py"))
@@ -168,10 +170,10 @@ def test_a_malformed_cached_stream_is_a_miss_for_json(chunks: list[Any]) -> None
     # An upstream's stream, cached, then asked for as JSON: assembling it raised
     # (AttributeError, TypeError) instead of giving up.
     body = _stream(*chunks)
-    assert assemble([e + b"\n\n" for e in body.split(b"\n\n") if e]) is None
+    assert CHAT.assemble(SSEReader().feed(body)) is None
     entry = _entry("sse", body)
-    assert replay_parts(entry, wants_sse=False, include_usage=False) is None
-    replayed = replay_parts(entry, wants_sse=True, include_usage=True)
+    assert replay_parts(entry, wants_sse=False, include_usage=False, dialect=CHAT) is None
+    replayed = replay_parts(entry, wants_sse=True, include_usage=True, dialect=CHAT)
     assert replayed is not None and b"".join(replayed[0]) == body
 
 
@@ -191,9 +193,9 @@ MALFORMED_COMPLETIONS = {
 
 @pytest.mark.parametrize("answer", MALFORMED_COMPLETIONS.values(), ids=MALFORMED_COMPLETIONS.keys())
 def test_a_malformed_cached_completion_is_sent_as_it_is_to_a_stream(answer: Any) -> None:
-    assert explode(answer, include_usage=True) is None
+    assert CHAT.stream_of(answer, include_usage=True) is None
     body = orjson.dumps(answer)
-    assert replay_parts(_entry("json", body), wants_sse=True, include_usage=True) == (
+    assert replay_parts(_entry("json", body), wants_sse=True, include_usage=True, dialect=CHAT) == (
         [body],
         False,
     )

@@ -12,6 +12,7 @@ from edgeproxy._core.config import LocalModelConfig, RouteConfig
 from edgeproxy._local.model import LocalModel
 from edgeproxy._protocol.bodies import is_llm_request, requires_json
 from edgeproxy._protocol.clientip import MAX_HOPS
+from edgeproxy._protocol.dialects import CHAT
 from edgeproxy._protocol.endpoints import (
     CHAT_COMPLETIONS,
     COMPLETIONS,
@@ -38,8 +39,8 @@ from edgeproxy._protocol.openai import (
     usage,
     usage_chunk,
 )
+from edgeproxy._protocol.sse import SSEReader
 from edgeproxy._protocol.usage import UsageTracker
-from edgeproxy._stages.cache.entry import assemble, explode
 from edgeproxy._stages.cache.keys import CACHEABLE_PATHS
 from edgeproxy._stages.failover import LLM_SUFFIXES
 
@@ -102,7 +103,9 @@ def test_each_user_reads_the_table() -> None:
     assert "/v1/moderations".endswith(LLM_SUFFIXES)
     assert not "/v1/files".endswith(LLM_SUFFIXES)
     assert chat in CACHEABLE_PATHS and "/v1/embeddings" in CACHEABLE_PATHS
-    assert "/v1/responses" not in CACHEABLE_PATHS and "/v1/moderations" not in CACHEABLE_PATHS
+    assert "/v1/responses" in CACHEABLE_PATHS and "/v1/messages" in CACHEABLE_PATHS
+    assert "/v1/moderations" not in CACHEABLE_PATHS
+    assert "/v1/messages/count_tokens" not in CACHEABLE_PATHS
     model = LocalModel(LocalModelConfig())
     assert model.serves("POST", chat) and model.serves("POST", "/v1/completions")
     assert not model.serves("POST", "/v1/embeddings") and not model.serves("GET", chat)
@@ -158,7 +161,7 @@ def test_chunks_and_their_sse_framing() -> None:
 
 def test_the_cache_streams_a_stored_answer_with_the_same_builders() -> None:
     answer: dict[str, Any] = completion(HEAD, [chat_choice(0, "Hello world", "stop")], usage(5, 2))
-    events = explode(answer, include_usage=True)
+    events = CHAT.stream_of(answer, include_usage=True)
     assert events is not None
     assert events[0] == sse_event(
         chunk(HEAD, [chat_chunk_choice(0, {"role": "assistant", "content": ""})])
@@ -167,7 +170,7 @@ def test_the_cache_streams_a_stored_answer_with_the_same_builders() -> None:
     assert events[-3] == sse_event(chunk(HEAD, [chat_chunk_choice(0, {}, "stop")]))
     assert events[-2] == sse_event(usage_chunk(HEAD, usage(5, 2)))
     assert events[-1] == SSE_DONE
-    assert assemble(events) == answer
+    assert CHAT.assemble(SSEReader().feed(b"".join(events))) == answer
 
 
 # -- the client-IP resolver ------------------------------------------------------------------

@@ -62,7 +62,8 @@ class OpenAIEndpoint:
     retry_safe: bool
     """A repeated POST only costs compute: when nothing came back, failover may retry it."""
     cacheable: bool
-    """Answers may be cached when the request is deterministic."""
+    """Answers may be cached when the dialect says the request is
+    (:meth:`~edgeproxy._protocol.dialects.Dialect.cacheable`: deterministic, stateless)."""
     deterministic: bool
     """Every request is deterministic (no sampling): cacheable without temperature 0 or a seed."""
     local: bool
@@ -105,16 +106,16 @@ EMBEDDINGS: Final = OpenAIEndpoint(
     local=False,
     dialect=EMBEDDINGS_DIALECT,
 )
-# Not cacheable: answers may be stored server-side and chained (previous_response_id).
-# The local model answers only a request that refers to no stored state (the dialect's
-# `stateful`), and stores nothing.
+# Cacheable only when nothing is stored or referred to (``store: false``, no
+# previous_response_id, no conversation): the dialect says which. The local model answers
+# only a request that refers to no stored state, and stores nothing.
 RESPONSES: Final = OpenAIEndpoint(
     "responses",
     "/responses",
     json_body=True,
     usage=True,
     retry_safe=True,
-    cacheable=False,
+    cacheable=True,
     deterministic=False,
     local=True,
     dialect=RESPONSES_DIALECT,
@@ -139,7 +140,7 @@ MESSAGES: Final = OpenAIEndpoint(
     json_body=True,
     usage=True,
     retry_safe=True,
-    cacheable=False,
+    cacheable=True,
     deterministic=False,
     local=True,
     dialect=MESSAGES_DIALECT,

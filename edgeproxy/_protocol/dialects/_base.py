@@ -15,12 +15,13 @@ share; Responses and Messages override what differs.
 
 from __future__ import annotations
 
+import re
 from typing import Any, ClassVar, Final
 
 import orjson
 
 from edgeproxy._core.errors import ProxyError, error_body
-from edgeproxy._protocol.sse import SSEEvent
+from edgeproxy._protocol.sse import SSEEvent, SSEReader
 
 __all__ = [
     "HEARTBEAT",
@@ -32,6 +33,7 @@ __all__ = [
     "text_parts",
     "positive_int",
     "tokens",
+    "words",
 ]
 
 HEARTBEAT: Final = b": waiting\n\n"
@@ -56,6 +58,15 @@ def positive_int(value: Any) -> bool:
 def tokens(value: Any) -> int:
     """A token count as sent, or 0 for anything that is not one."""
     return value if positive_int(value) else 0
+
+
+_WORDS: Final = re.compile(r"\s*\S+|\s+")
+
+
+def words(text: str) -> list[str]:
+    """Word-sized pieces of ``text`` that join back into it exactly (none for ``""``): how
+    an answer said at once is streamed again."""
+    return _WORDS.findall(text)
 
 
 def counted_io(usage: dict[str, Any], prompt: int) -> dict[str, Any]:
@@ -137,6 +148,10 @@ class Dialect:
     heartbeat: ClassVar[bytes] = HEARTBEAT
     """What a stream waiting for its first token is sent, again and again."""
     writer: ClassVar[type[StreamWriter]] = StreamWriter
+    unstreamable_as_json: ClassVar[bool] = True
+    """A JSON answer that :meth:`stream_of` cannot write as a stream is sent as it is to a
+    client that asked for a stream (embeddings and other objects of OpenAI-style servers);
+    False: the cache asks a region instead, since the API's clients read nothing else."""
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -226,6 +241,22 @@ class Dialect:
     def stores(self, body: dict[str, Any]) -> bool:
         """Whether the region is asked to store what it answers (a new owned object)."""
         return False
+
+    def stateless(self, body: dict[str, Any]) -> bool:
+        """Whether the answer neither is stored by the region nor depends on anything stored:
+        then another client may be given it again."""
+        return not self.stores(body) and not self.state_refs(body)
+
+    def cacheable(self, body: dict[str, Any]) -> bool:
+        """Whether the answer may be kept and given to the same request again: the request
+        is deterministic and stateless."""
+        return self.deterministic(body) and self.stateless(body)
+
+    def include_usage(self, body: dict[str, Any]) -> bool:
+        """Whether a streamed answer is to end with its usage: OpenAI's streams carry it only
+        when ``stream_options.include_usage`` asks (in a chunk of its own)."""
+        options = body.get("stream_options")
+        return isinstance(options, dict) and options.get("include_usage") is True
 
     required: ClassVar[tuple[str, ...]] = ("model",)
     """Fields a request must have."""
@@ -339,6 +370,16 @@ class Dialect:
     def is_end(self, event: SSEEvent) -> bool:
         return event.data == b"[DONE]"
 
+    def usage_only(self, event: SSEEvent) -> bool:
+        """Whether ``event`` carries nothing but the usage a client asks for apart
+        (:meth:`include_usage`): OpenAI's last chunk, with no choices. A replay of a recorded
+        stream leaves it out for a client that did not ask."""
+        data = event.data
+        if data.find(b'"usage"') < 0:
+            return False
+        obj = loads(data)
+        return isinstance(obj, dict) and obj.get("choices") == [] and bool(obj.get("usage"))
+
     def is_error(self, event: SSEEvent) -> bool:
         return event.event == "error" or event.data.startswith(b'{"error"')
 
@@ -375,6 +416,24 @@ class Dialect:
         """The JSON answer a whole recorded stream amounts to; None if it is not whole or
         not understood."""
         return None
+
+    def stream_of(
+        self, answer: dict[str, Any], *, include_usage: bool = False
+    ) -> list[bytes] | None:
+        """A whole JSON answer as the stream that would have carried it, its text a word at a
+        time (what :meth:`text_of` reads, written by :attr:`writer`); None if it cannot be."""
+        text = self.text_of(answer) if self.streams else None
+        return self.written(text, include_usage=include_usage) if text is not None else None
+
+    def written(self, text: AnswerText, *, include_usage: bool = False) -> list[bytes]:
+        """``text`` as its :attr:`writer` streams it, a word at a time: its events, one
+        each, in order."""
+        writer = self.writer(text, include_usage=include_usage)
+        steps = [writer.open()]
+        steps.extend(writer.piece(word) for word in words(text.text))
+        steps.append(writer.close(text.finish, text.usage))
+        reader = SSEReader()
+        return [event.raw for step in steps for event in reader.feed(step)]
 
 
 def text_parts(

@@ -12,15 +12,27 @@ from __future__ import annotations
 from typing import Any, ClassVar, Final
 
 from edgeproxy._protocol import openai
-from edgeproxy._protocol.dialects._base import AnswerText, Dialect, StreamWriter, loads
+from edgeproxy._protocol.dialects._base import AnswerText, Dialect, StreamWriter, loads, words
 from edgeproxy._protocol.sse import SSEEvent
 
-__all__ = ["CHAT", "COMPLETIONS", "ChatDialect", "ChatWriter", "CompletionsDialect"]
+__all__ = [
+    "CHAT",
+    "COMPLETIONS",
+    "ChatDialect",
+    "ChatText",
+    "ChatWriter",
+    "CompletionsDialect",
+]
 
 
-def _include_usage(body: dict[str, Any]) -> bool:
-    options = body.get("stream_options")
-    return isinstance(options, dict) and options.get("include_usage") is True
+class ChatText(AnswerText):
+    """What a completion says, with the ``system_fingerprint`` its chunks repeat."""
+
+    __slots__ = ("system_fingerprint",)
+
+    def __init__(self, *args: Any, system_fingerprint: Any = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.system_fingerprint = system_fingerprint
 
 
 class ChatWriter(StreamWriter):
@@ -30,7 +42,10 @@ class ChatWriter(StreamWriter):
 
     def __init__(self, answer: AnswerText, *, include_usage: bool = False) -> None:
         super().__init__(answer, include_usage=include_usage)
-        self.head = openai.AnswerHead(answer.id, answer.created, answer.model, self.chat)
+        fingerprint = answer.system_fingerprint if isinstance(answer, ChatText) else None
+        self.head = openai.AnswerHead(
+            answer.id, answer.created, answer.model, self.chat, fingerprint
+        )
 
     def open(self) -> bytes:
         if not self.chat:
@@ -65,6 +80,8 @@ class ChatDialect(Dialect):
     """``/v1/chat/completions``."""
 
     name = "chat.completions"
+    chat: ClassVar[bool] = True
+    """Its answers are chat completions (not text completions)."""
     max_tokens_keys: ClassVar[tuple[str, ...]] = ("max_completion_tokens", "max_tokens")
     continuation: ClassVar[str | None] = "continue_final_message"
     writer = ChatWriter
@@ -79,9 +96,6 @@ class ChatDialect(Dialect):
         "presence_penalty": (int, float),
         "frequency_penalty": (int, float),
     }
-
-    def include_usage(self, body: dict[str, Any]) -> bool:
-        return _include_usage(body)
 
     def answer_id(self) -> str:
         return openai.completion_id(chat=True)
@@ -120,11 +134,60 @@ class ChatDialect(Dialect):
         head = openai.AnswerHead(text.id, text.created, text.model, True)
         return openai.completion(head, [openai.chat_choice(0, text.text, text.finish)], text.usage)
 
+    def text_of(self, answer: dict[str, Any]) -> AnswerText | None:
+        # One choice of text alone: tool calls, a refusal or several choices are not text.
+        head = openai.AnswerHead.of(answer)
+        if head is None or head.chat is not self.chat:
+            return None
+        choices = answer.get("choices")
+        if not isinstance(choices, list) or len(choices) != 1:
+            return None
+        choice = choices[0]
+        if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+            return None
+        if head.chat:
+            message = choice.get("message")
+            if (
+                not isinstance(message, dict)
+                or message.get("role", "assistant") != "assistant"
+                or message.get("tool_calls")
+                or message.get("function_call")
+                or message.get("refusal")
+            ):
+                return None
+            text = message.get("content")
+        else:
+            text = choice.get("text")
+        if text is not None and not isinstance(text, str):
+            return None
+        usage = answer.get("usage")
+        return ChatText(
+            head.id,
+            head.model,
+            head.created,
+            text or "",
+            choice.get("finish_reason"),
+            usage if isinstance(usage, dict) else None,
+            system_fingerprint=head.system_fingerprint,
+        )
+
+    def stream_of(
+        self, answer: dict[str, Any], *, include_usage: bool = False
+    ) -> list[bytes] | None:
+        text = self.text_of(answer)
+        if text is not None:
+            return self.written(text, include_usage=include_usage)
+        return _chunks_of(answer, include_usage=include_usage)
+
+    def assemble(self, events: list[SSEEvent]) -> dict[str, Any] | None:
+        return _assemble(events)
+
 
 class CompletionsDialect(ChatDialect):
     """``/v1/completions``: a ``prompt`` instead of messages."""
 
     name = "completions"
+    chat: ClassVar[bool] = False
     max_tokens_keys: ClassVar[tuple[str, ...]] = ("max_tokens",)
     prompt_keys: ClassVar[tuple[str, ...]] = ("prompt",)
     turns: ClassVar[str | None] = None
@@ -158,6 +221,162 @@ class CompletionsDialect(ChatDialect):
     def answer(self, text: AnswerText) -> dict[str, Any]:
         head = openai.AnswerHead(text.id, text.created, text.model, False)
         return openai.completion(head, [openai.text_choice(0, text.text, text.finish)], text.usage)
+
+
+def _is_index(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _assemble(events: list[SSEEvent]) -> dict[str, Any] | None:
+    """The completion a whole chat or text completion stream amounts to: its choices' text,
+    refusals, tool calls and logprobs put together; None for a stream without its
+    ``[DONE]``, with an error, or of anything else."""
+    out: dict[str, Any] | None = None
+    choices: dict[int, dict[str, Any]] = {}
+    tools: dict[int, dict[int, dict[str, Any]]] = {}
+    chat = True
+    ended = False
+    for event in events:
+        if event.data == b"[DONE]":
+            ended = True
+            continue
+        if event.comment or not event.data:
+            continue
+        data = loads(event.data)
+        if not isinstance(data, dict):
+            continue
+        if "error" in data and "choices" not in data:
+            return None
+        if out is None:
+            obj = data.get("object")
+            if obj == openai.CHAT_CHUNK:
+                chat = True
+            elif obj == openai.TEXT_COMPLETION:
+                chat = False
+            else:
+                return None
+            out = {
+                "id": data.get("id"),
+                "object": openai.CHAT_COMPLETION if chat else openai.TEXT_COMPLETION,
+                "created": data.get("created"),
+                "model": data.get("model"),
+            }
+            if data.get("system_fingerprint") is not None:
+                out["system_fingerprint"] = data["system_fingerprint"]
+        if isinstance(data.get("usage"), dict):
+            out["usage"] = data["usage"]
+        chunk_choices = data.get("choices") or []
+        if not isinstance(chunk_choices, list):
+            return None
+        for choice in chunk_choices:
+            # Indexes are integers: they key and sort the choices and tool calls.
+            if not isinstance(choice, dict) or not _is_index(choice.get("index", 0)):
+                return None
+            index = choice.get("index", 0)
+            if chat:
+                cur = choices.setdefault(
+                    index,
+                    {
+                        "index": index,
+                        "message": {"role": "assistant", "content": None},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    },
+                )
+                delta = choice.get("delta") or {}
+                calls = (delta.get("tool_calls") or []) if isinstance(delta, dict) else None
+                if not isinstance(calls, list):
+                    return None
+                message = cur["message"]
+                if delta.get("role"):
+                    message["role"] = delta["role"]
+                for name in ("content", "refusal"):
+                    if isinstance(delta.get(name), str):
+                        message[name] = (message.get(name) or "") + delta[name]
+                for call in calls:
+                    function = (call.get("function") or {}) if isinstance(call, dict) else None
+                    if (
+                        not isinstance(function, dict)
+                        or not _is_index(call.get("index", 0))
+                        or not isinstance(function.get("name") or "", str)
+                        or not isinstance(function.get("arguments") or "", str)
+                    ):
+                        return None
+                    slot = tools.setdefault(index, {}).setdefault(
+                        call.get("index", 0),
+                        {"id": None, "type": "function", "function": {"name": "", "arguments": ""}},
+                    )
+                    if call.get("id"):
+                        slot["id"] = call["id"]
+                    if call.get("type"):
+                        slot["type"] = call["type"]
+                    slot["function"]["name"] += function.get("name") or ""
+                    slot["function"]["arguments"] += function.get("arguments") or ""
+                logprobs = choice.get("logprobs")
+                if isinstance(logprobs, dict) and isinstance(logprobs.get("content"), list):
+                    if cur["logprobs"] is None:
+                        cur["logprobs"] = {"content": []}
+                    cur["logprobs"]["content"].extend(logprobs["content"])
+            else:
+                cur = choices.setdefault(
+                    index, {"index": index, "text": "", "logprobs": None, "finish_reason": None}
+                )
+                if isinstance(choice.get("text"), str):
+                    cur["text"] += choice["text"]
+            if choice.get("finish_reason"):
+                cur["finish_reason"] = choice["finish_reason"]
+    if out is None or not ended:
+        return None
+    for index, calls in tools.items():
+        choices[index]["message"]["tool_calls"] = [calls[i] for i in sorted(calls)]
+    out["choices"] = [choices[i] for i in sorted(choices)]
+    return out
+
+
+def _chunks_of(answer: dict[str, Any], *, include_usage: bool) -> list[bytes] | None:
+    """A completion that is more than one choice of text (tool calls, a refusal, several
+    choices) as the chunks a stream of it would have had, a word of content at a time;
+    None for anything but a completion."""
+    head = openai.AnswerHead.of(answer)
+    if head is None:
+        return None
+    events: list[bytes] = []
+
+    def emit(choice: dict[str, Any]) -> None:
+        events.append(openai.sse_event(openai.chunk(head, [choice])))
+
+    choices = answer.get("choices") or []
+    if not isinstance(choices, list):
+        return None
+    for choice in choices:
+        if not isinstance(choice, dict):
+            return None
+        index = choice.get("index", 0)
+        finish = choice.get("finish_reason")
+        if head.chat:
+            message = choice.get("message") or {}
+            calls = (message.get("tool_calls") or []) if isinstance(message, dict) else None
+            if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
+                return None
+            role = message.get("role", "assistant")
+            emit(openai.chat_chunk_choice(index, {"role": role, "content": ""}))
+            content = message.get("content")
+            if isinstance(content, str):
+                for piece in words(content):
+                    emit(openai.chat_chunk_choice(index, {"content": piece}))
+            for i, call in enumerate(calls):
+                emit(openai.chat_chunk_choice(index, {"tool_calls": [{**call, "index": i}]}))
+            emit(openai.chat_chunk_choice(index, {}, finish))
+        else:
+            text = choice.get("text")
+            if isinstance(text, str):
+                for piece in words(text):
+                    emit(openai.text_choice(index, piece))
+            emit(openai.text_choice(index, "", finish))
+    if include_usage and isinstance(answer.get("usage"), dict):
+        events.append(openai.sse_event(openai.usage_chunk(head, answer["usage"])))
+    events.append(openai.SSE_DONE)
+    return events
 
 
 CHAT: Final = ChatDialect()

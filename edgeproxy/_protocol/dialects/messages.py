@@ -112,8 +112,9 @@ class MessagesWriter(StreamWriter):
         }
 
     def open(self) -> bytes:
-        usage = messages_usage(self.answer.usage)
-        start = self._message({"input_tokens": usage.get("input_tokens", 0), "output_tokens": 0})
+        # The input side as counted (cache reads and writes included); no output yet.
+        usage = {"input_tokens": 0, **messages_usage(self.answer.usage), "output_tokens": 0}
+        start = self._message(usage)
         return _event("message_start", {"type": "message_start", "message": start}) + _event(
             "content_block_start",
             {
@@ -162,6 +163,7 @@ class MessagesDialect(Dialect):
     continuation: ClassVar[str | None] = "prefill"
     heartbeat = PING
     writer = MessagesWriter
+    unstreamable_as_json = False
     required: ClassVar[tuple[str, ...]] = ("model", "messages", "max_tokens")
     ranges: ClassVar[dict[str, tuple[float, float]]] = {"temperature": (0, 1), "top_p": (0, 1)}
     types: ClassVar[dict[str, tuple[type, ...]]] = {
@@ -223,6 +225,9 @@ class MessagesDialect(Dialect):
 
     def deterministic(self, body: dict[str, Any]) -> bool:
         return body.get("temperature") == 0
+
+    def include_usage(self, body: dict[str, Any]) -> bool:
+        return True  # message_start and message_delta always carry it
 
     def check(self, body: dict[str, Any]) -> ProxyError | None:
         err = super().check(body)

@@ -32,7 +32,7 @@ from edgeproxy._protocol.dialects._base import (
 )
 from edgeproxy._protocol.sse import SSEEvent
 
-__all__ = ["RESPONSES", "ResponsesDialect", "ResponsesWriter", "response_id"]
+__all__ = ["RESPONSES", "ResponseText", "ResponsesDialect", "ResponsesWriter", "response_id"]
 
 _ENDS: Final = frozenset({"response.completed", "response.incomplete", "response.failed"})
 # The roles of a message item, and the types of its text parts.
@@ -74,13 +74,31 @@ def responses_usage(usage: dict[str, Any] | None) -> dict[str, Any] | None:
     }
 
 
+class ResponseText(AnswerText):
+    """What a whole response says, with the response itself and its message item's id: a
+    stream written of it ends with that very response, and its events name that item."""
+
+    __slots__ = ("response", "item_id")
+
+    def __init__(
+        self, *args: Any, response: dict[str, Any], item_id: str | None, **kwargs: Any
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.response = response
+        self.item_id = item_id
+
+
 class ResponsesWriter(StreamWriter):
-    """A response as events: created, in progress, one message item of output text, the end."""
+    """A response as events: created, in progress, one message item of output text, the end.
+
+    Each event's ``sequence_number`` is the next from 0; every event names the response's
+    one id and its message item's."""
 
     def __init__(self, answer: AnswerText, *, include_usage: bool = False) -> None:
         super().__init__(answer, include_usage=include_usage)
         self.sequence = 0
-        self.item_id = "msg_" + secrets.token_hex(24)
+        given = answer.item_id if isinstance(answer, ResponseText) else None
+        self.item_id = given or "msg_" + secrets.token_hex(24)
 
     def _next(self, name: str, fields: dict[str, Any]) -> bytes:
         data = {"type": name, "sequence_number": self.sequence, **fields}
@@ -88,7 +106,17 @@ class ResponsesWriter(StreamWriter):
         return _event(name, data)
 
     def _response(self, status: str, output: list[Any], usage: Any) -> dict[str, Any]:
-        return RESPONSES.response_object(self.answer, status, output, usage)
+        answer = self.answer
+        if isinstance(answer, ResponseText):
+            # The response as it was, before it had any output.
+            return {
+                **answer.response,
+                "status": status,
+                "incomplete_details": None,
+                "output": output,
+                "usage": responses_usage(usage),
+            }
+        return RESPONSES.response_object(answer, status, output, usage)
 
     def _item(self, status: str, text: str | None) -> dict[str, Any]:
         content = [] if text is None else [_text_part(text)]
@@ -133,9 +161,15 @@ class ResponsesWriter(StreamWriter):
         where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
         item = self._item("completed", text)
         reason = _INCOMPLETE.get(finish or "")
-        done = self._response("incomplete" if reason else "completed", [item], usage)
-        if reason:
-            done["incomplete_details"] = {"reason": reason}
+        answer = self.answer
+        if isinstance(answer, ResponseText) and text == answer.text and finish == answer.finish:
+            # The stream of a whole response ends with that response, as it was.
+            done = answer.response
+            item = done["output"][0]
+        else:
+            done = self._response("incomplete" if reason else "completed", [item], usage)
+            if reason:
+                done["incomplete_details"] = {"reason": reason}
         return b"".join(
             (
                 self._next("response.output_text.done", {**where, "text": text, "logprobs": []}),
@@ -161,6 +195,7 @@ class ResponsesDialect(Dialect):
     turns: ClassVar[str | None] = "input"
     continuation: ClassVar[str | None] = "reissue"
     writer = ResponsesWriter
+    unstreamable_as_json = False
     required: ClassVar[tuple[str, ...]] = ("model",)
     types: ClassVar[dict[str, tuple[type, ...]]] = {
         "model": (str,),
@@ -280,6 +315,13 @@ class ResponsesDialect(Dialect):
 
     def stores(self, body: dict[str, Any]) -> bool:
         return body.get("store") is not False or bool(body.get("conversation"))
+
+    def cacheable(self, body: dict[str, Any]) -> bool:
+        # A background response is answered as queued, and fetched later: never the same.
+        return super().cacheable(body) and body.get("background") is not True
+
+    def include_usage(self, body: dict[str, Any]) -> bool:
+        return True  # the response at its end always carries it
 
     def check(self, body: dict[str, Any]) -> ProxyError | None:
         err = super().check(body)
@@ -432,13 +474,16 @@ class ResponsesDialect(Dialect):
         reason = details.get("reason") if isinstance(details, dict) else None
         finish = "length" if reason == "max_output_tokens" else "stop"
         usage = answer.get("usage")
-        return AnswerText(
+        item_id = item.get("id")
+        return ResponseText(
             str(answer.get("id") or response_id()),
             str(answer.get("model") or ""),
             created if isinstance(created := answer.get("created_at"), int) else 0,
             "".join(text),
             finish,
             usage if isinstance(usage, dict) else None,
+            response=answer,
+            item_id=item_id if isinstance(item_id, str) and item_id else None,
         )
 
     def assemble(self, events: list[SSEEvent]) -> dict[str, Any] | None:

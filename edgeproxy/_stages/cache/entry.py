@@ -1,34 +1,26 @@
 """A cached answer: what is stored, how it is encoded for Redis, and how it is replayed.
 
 An :class:`Entry` holds one complete 200 answer (a JSON body, a whole SSE
-stream ending in ``[DONE]``, or a cacheable GET body) with its freshness
+stream that ended as its API ends one, or a cacheable GET body) with its freshness
 deadlines. It is replayed in the form the client asked for: a stream as SSE
 events written one by one, a JSON answer as JSON, and across the two the
-answer is converted (a stream assembled into one JSON completion, a JSON
-completion cut into chunks).
+answer is converted by its API's dialect (a stream assembled into its JSON answer,
+a JSON answer written as its stream, in the API's own events).
 """
 
 from __future__ import annotations
 
 import math
-import re
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 import orjson
 
 from edgeproxy._core.response import StreamResponse
-from edgeproxy._protocol.openai import (
-    SSE_DONE,
-    AnswerHead,
-    chat_chunk_choice,
-    chunk,
-    sse_event,
-    text_choice,
-    usage_chunk,
-)
+from edgeproxy._protocol.dialects import Dialect
+from edgeproxy._protocol.sse import SSEEvent, SSEReader
 
 __all__ = ["BadEntry", "Entry", "ReplayResponse", "replay_parts"]
 
@@ -77,7 +69,7 @@ class Entry:
     delta: float
     """Seconds the answer took to compute: XFetch refreshes earlier for slow answers."""
     region: str | None = None
-    _events: list[bytes] | None = field(default=None, repr=False, compare=False)
+    _events: list[SSEEvent] | None = field(default=None, repr=False, compare=False)
     encoded: dict[str, bytes] = field(default_factory=dict, repr=False, compare=False)
     """The answer as sent in a content coding, made on the first hit that asks for it."""
 
@@ -142,10 +134,18 @@ class Entry:
                 return v
         return None
 
-    def events(self) -> list[bytes]:
-        """The SSE events of a stream entry, each with its blank-line terminator."""
+    def events(self) -> list[SSEEvent]:
+        """The SSE events of a stream entry, read once; an unfinished end, which a
+        recorded stream never has, is one more event, so that their ``raw`` bytes are
+        the whole body."""
         if self._events is None:
-            self._events = split_events(self.body)
+            body = self.body
+            reader = SSEReader(max_event=len(body) + 1)
+            events = reader.feed(body)
+            if reader.tail:
+                last = reader.close(dispatch=True)
+                events.append(last if last is not None else SSEEvent(None, b"", reader.tail, True))
+            self._events = events
         return self._events
 
     # -- encoding for Redis ----------------------------------------------
@@ -216,226 +216,29 @@ def _float(value: Any) -> float:
     return float(value)
 
 
-# -- SSE ---------------------------------------------------------------------
-
-
-def split_events(body: bytes) -> list[bytes]:
-    """Cut an SSE body into events, each ending with its blank line."""
-    body = body.replace(b"\r\n", b"\n")
-    return [part + b"\n\n" for part in body.split(b"\n\n") if part.strip()]
-
-
-_DONE_EVENT: Final = re.compile(rb"(?:^|\n)data: ?\[DONE\]\r?\n\r?\n")
-
-
-def stream_complete(tail: bytes) -> bool:
-    """Whether ``tail``, the end of an SSE body, holds the whole ``data: [DONE]`` event."""
-    return _DONE_EVENT.search(tail) is not None
-
-
-def _event_data(event: bytes) -> Any:
-    """The JSON of an event's ``data:`` lines; None for ``[DONE]`` and non-JSON events."""
-    lines = [line[5:].strip() for line in event.split(b"\n") if line.startswith(b"data:")]
-    if not lines:
-        return None
-    data = b"\n".join(lines)
-    if data == b"[DONE]":
-        return None
-    try:
-        return orjson.loads(data)
-    except orjson.JSONDecodeError:
-        return None
-
-
-def is_usage_event(event: bytes) -> bool:
-    """The extra chunk OpenAI sends for ``stream_options.include_usage``: no choices, usage."""
-    if b'"usage"' not in event:
-        return False
-    data = _event_data(event)
-    return isinstance(data, dict) and data.get("choices") == [] and bool(data.get("usage"))
-
-
-# -- conversions between a stream and one JSON answer -------------------------------
-
-
-def assemble(events: Sequence[bytes]) -> dict[str, Any] | None:
-    """Rebuild the non-streamed answer from a chat or text completion stream.
-
-    None when the stream is not something this knows how to assemble.
-    """
-    out: dict[str, Any] | None = None
-    choices: dict[int, dict[str, Any]] = {}
-    tools: dict[int, dict[int, dict[str, Any]]] = {}
-    chat = True
-    for event in events:
-        data = _event_data(event)
-        if not isinstance(data, dict):
-            continue
-        if out is None:
-            obj = data.get("object")
-            if obj == "chat.completion.chunk":
-                chat = True
-            elif obj == "text_completion":
-                chat = False
-            else:
-                return None
-            out = {
-                "id": data.get("id"),
-                "object": "chat.completion" if chat else "text_completion",
-                "created": data.get("created"),
-                "model": data.get("model"),
-            }
-            if data.get("system_fingerprint") is not None:
-                out["system_fingerprint"] = data["system_fingerprint"]
-        if isinstance(data.get("usage"), dict):
-            out["usage"] = data["usage"]
-        chunk_choices = data.get("choices") or []
-        if not isinstance(chunk_choices, list):
-            return None
-        for choice in chunk_choices:
-            # Indexes are integers: they key and sort the choices and tool calls.
-            if not isinstance(choice, dict) or not _is_index(choice.get("index", 0)):
-                return None
-            index = choice.get("index", 0)
-            if chat:
-                cur = choices.setdefault(
-                    index,
-                    {
-                        "index": index,
-                        "message": {"role": "assistant", "content": None},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    },
-                )
-                delta = choice.get("delta") or {}
-                calls = (delta.get("tool_calls") or []) if isinstance(delta, dict) else None
-                if not isinstance(calls, list):
-                    return None
-                message = cur["message"]
-                if delta.get("role"):
-                    message["role"] = delta["role"]
-                for name in ("content", "refusal"):
-                    if isinstance(delta.get(name), str):
-                        message[name] = (message.get(name) or "") + delta[name]
-                for call in calls:
-                    function = (call.get("function") or {}) if isinstance(call, dict) else None
-                    if (
-                        not isinstance(function, dict)
-                        or not _is_index(call.get("index", 0))
-                        or not isinstance(function.get("name") or "", str)
-                        or not isinstance(function.get("arguments") or "", str)
-                    ):
-                        return None
-                    slot = tools.setdefault(index, {}).setdefault(
-                        call.get("index", 0),
-                        {"id": None, "type": "function", "function": {"name": "", "arguments": ""}},
-                    )
-                    if call.get("id"):
-                        slot["id"] = call["id"]
-                    if call.get("type"):
-                        slot["type"] = call["type"]
-                    slot["function"]["name"] += function.get("name") or ""
-                    slot["function"]["arguments"] += function.get("arguments") or ""
-                logprobs = choice.get("logprobs")
-                if isinstance(logprobs, dict) and isinstance(logprobs.get("content"), list):
-                    if cur["logprobs"] is None:
-                        cur["logprobs"] = {"content": []}
-                    cur["logprobs"]["content"].extend(logprobs["content"])
-            else:
-                cur = choices.setdefault(
-                    index, {"index": index, "text": "", "logprobs": None, "finish_reason": None}
-                )
-                if isinstance(choice.get("text"), str):
-                    cur["text"] += choice["text"]
-            if choice.get("finish_reason"):
-                cur["finish_reason"] = choice["finish_reason"]
-    if out is None:
-        return None
-    for index, calls in tools.items():
-        choices[index]["message"]["tool_calls"] = [calls[i] for i in sorted(calls)]
-    out["choices"] = [choices[i] for i in sorted(choices)]
-    return out
-
-
-def _is_index(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-_PIECES = re.compile(r"\s*\S+|\s+")
-
-
-def _pieces(text: str) -> list[str]:
-    """Word-sized pieces of ``text`` that join back into it exactly."""
-    return _PIECES.findall(text) or [text]
-
-
-def explode(answer: dict[str, Any], *, include_usage: bool) -> list[bytes] | None:
-    """Cut a chat or text completion into the SSE events a streamed answer would have had.
-
-    None when ``answer`` is not a completion this knows how to stream.
-    """
-    head = AnswerHead.of(answer)
-    if head is None:
-        return None
-    events: list[bytes] = []
-
-    def emit(choice: dict[str, Any]) -> None:
-        events.append(sse_event(chunk(head, [choice])))
-
-    choices = answer.get("choices") or []
-    if not isinstance(choices, list):
-        return None
-    for choice in choices:
-        if not isinstance(choice, dict):
-            return None
-        index = choice.get("index", 0)
-        finish = choice.get("finish_reason")
-        if head.chat:
-            message = choice.get("message") or {}
-            calls = (message.get("tool_calls") or []) if isinstance(message, dict) else None
-            if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
-                return None
-            role = message.get("role", "assistant")
-            emit(chat_chunk_choice(index, {"role": role, "content": ""}))
-            content = message.get("content")
-            if isinstance(content, str) and content:
-                for piece in _pieces(content):
-                    emit(chat_chunk_choice(index, {"content": piece}))
-            for i, call in enumerate(calls):
-                emit(chat_chunk_choice(index, {"tool_calls": [{**call, "index": i}]}))
-            emit(chat_chunk_choice(index, {}, finish))
-        else:
-            text = choice.get("text")
-            if isinstance(text, str) and text:
-                for piece in _pieces(text):
-                    emit(text_choice(index, piece))
-            emit(text_choice(index, "", finish))
-    if include_usage and isinstance(answer.get("usage"), dict):
-        events.append(sse_event(usage_chunk(head, answer["usage"])))
-    events.append(SSE_DONE)
-    return events
-
-
 # -- replay ------------------------------------------------------------------------
 
 
 def replay_parts(
-    entry: Entry, *, wants_sse: bool, include_usage: bool
+    entry: Entry, *, wants_sse: bool, include_usage: bool, dialect: Dialect
 ) -> tuple[list[bytes], bool] | None:
-    """The body of ``entry`` as the client wants it: (parts, is_sse).
+    """The body of ``entry``, an answer of ``dialect``'s API, as the client wants it:
+    (parts, is_sse).
 
-    A stream asked as a stream comes back event by event (the usage chunk only
-    when asked for), a JSON answer as one part, and across the two the answer
-    is converted. None when a conversion is impossible: the caller treats that
-    as a miss.
+    A stream asked as a stream comes back event by event, as recorded (without the usage
+    the client did not ask for), a JSON answer as one part, and across the two the dialect
+    converts: a stream is assembled into its JSON answer, a JSON answer written as its
+    stream. None when a conversion is impossible: the caller treats that as a miss.
     """
     if entry.kind == "sse":
         events = entry.events()
         if wants_sse:
-            if not include_usage:
-                events = [e for e in events if not is_usage_event(e)]
-            return events, True
-        answer = assemble(events)
+            if include_usage:
+                parts = [event.raw for event in events]
+            else:
+                parts = [event.raw for event in events if not dialect.usage_only(event)]
+            return parts, True
+        answer = dialect.assemble(events)
         if answer is None:
             return None
         return [orjson.dumps(answer)], False
@@ -446,11 +249,14 @@ def replay_parts(
             return None
         if not isinstance(answer, dict):
             return None
-        events_out = explode(answer, include_usage=include_usage)
-        if events_out is None:
-            # Embeddings and other answers have no stream form: send them as they are.
+        stream = dialect.stream_of(answer, include_usage=include_usage)
+        if stream is None:
+            # Embeddings and other answers have no stream form: sent as they are, where
+            # the API's clients read that.
+            if dialect.streams and not dialect.unstreamable_as_json:
+                return None
             return [entry.body], False
-        return events_out, True
+        return stream, True
     return [entry.body], False
 
 

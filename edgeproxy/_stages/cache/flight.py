@@ -14,10 +14,12 @@ from __future__ import annotations
 import asyncio
 from typing import Final
 
-from edgeproxy._core.errors import error_body
+from edgeproxy._core.errors import ProxyError
 from edgeproxy._core.exchange import Exchange
 from edgeproxy._core.response import StreamResponse
-from edgeproxy._stages.cache.entry import Entry, is_usage_event, split_events
+from edgeproxy._protocol.dialects import Dialect
+from edgeproxy._protocol.sse import SSEEventTooLarge, SSEReader
+from edgeproxy._stages.cache.entry import Entry
 
 __all__ = ["Coalescer", "Flight"]
 
@@ -153,49 +155,57 @@ async def stream_live(
     flight: Flight,
     *,
     include_usage: bool,
+    dialect: Dialect,
 ) -> bool:
-    """Write the leader's SSE chunks to a follower as they arrive; false if the leader broke.
+    """Write the leader's SSE events to a follower as they arrive; false if the leader broke.
 
-    ``resp`` is prepared here. Without ``include_usage`` the usage-only chunk
-    is dropped, which needs whole events: chunks are then cut on event
-    boundaries first.
+    ``resp`` is prepared here. The chunks are read as events of ``dialect``'s API, so
+    that each goes whole, as recorded, the usage-only event (OpenAI's include_usage chunk)
+    is left out without ``include_usage``, and a broken leader's stream ends with the
+    API's own error event after the events sent.
     """
     await resp.prepare(request)
     sent = 0
-    carry = b""
+    events_sent = 0
+    reader = SSEReader()
     while True:
         changed = flight.changed()
         while sent < len(flight.chunks):
             chunk = flight.chunks[sent]
             sent += 1
-            if include_usage:
-                await resp.write(chunk)
-                continue
-            data = carry + chunk
-            cut = data.rfind(b"\n\n")
-            if cut < 0:
-                carry = data
-                continue
-            carry = data[cut + 2 :]
-            for event in split_events(data[: cut + 2]):
-                if not is_usage_event(event):
-                    await resp.write(event)
+            try:
+                events = reader.feed(chunk)
+            except SSEEventTooLarge:
+                await abort_stream(request, resp, dialect, events_sent)
+                return False
+            out = []
+            for event in events:
+                if include_usage or not dialect.usage_only(event):
+                    out.append(event.raw)
+                    events_sent += not event.comment
+            if out:
+                await resp.write(b"".join(out))
         if flight.state == DONE:
-            if carry:
-                await resp.write(carry)
+            if reader.tail:
+                await resp.write(reader.tail)
             await resp.write_eof()
             return True
         if flight.state == FAILED:
-            await abort_stream(request, resp)
+            await abort_stream(request, resp, dialect, events_sent)
             return False
         await changed.wait()
 
 
-async def abort_stream(request: Exchange, resp: StreamResponse) -> None:
-    """End a follower's stream like the leader's was: an SSE error event, then no clean end."""
-    event = error_body("upstream_error", "the upstream stream broke", code="upstream_stream_broken")
+async def abort_stream(
+    request: Exchange, resp: StreamResponse, dialect: Dialect, sequence: int = 0
+) -> None:
+    """End a follower's stream like the leader's was: the API's error event (numbered after
+    the ``sequence`` events sent, where its events are), then no clean end."""
+    err = ProxyError(
+        502, "upstream_error", "the upstream stream broke", code="upstream_stream_broken"
+    )
     try:
-        await resp.write(b"event: error\ndata: " + event + b"\n\n")
+        await resp.write(dialect.error_event(err, sequence=sequence))
     except ConnectionResetError:
         pass
     resp.force_close()

@@ -1,16 +1,19 @@
 """Cache keys: who may share an entry, and the digest naming it.
 
 The rule: a key covers everything forwarded to the region that can change the answer,
-and nothing forwarded is ambiguous. So a POST's key covers its target (path and query
-string, as sent: Azure OpenAI picks the API version there), its JSON body with
-non-semantic fields removed and keys in canonical order (bodies naming a key twice are
-refused before this, since parsers disagree on which counts), the request headers that
-select behaviour (:data:`~edgeproxy._protocol.headers.ANSWER_HEADERS` and
-``[cache] vary_headers``, every value of each), and its scope: the tenant, else a hash of
-every credential header the client sent, else ``pub``. When client credentials are
-forwarded, they are in the digest too, so even within a tenant an answer made with one
-key is never served to another. Keys are blake2b digests: raw prompts and credentials
-never appear in a backend's key names.
+and nothing forwarded is ambiguous. So a POST's key covers its API (its dialect: a chat
+and a Messages request never share an entry, whatever the ``edgeproxy_cache_key`` hook
+says), its target (path and query string, as sent: Azure OpenAI picks the API version
+there), its JSON body (Messages' ``system`` and the Responses API's ``instructions``
+included) with non-semantic fields removed and keys in canonical order (bodies naming a
+key twice are refused before this, since parsers disagree on which counts), the request
+headers that select behaviour (:data:`~edgeproxy._protocol.headers.ANSWER_HEADERS`,
+``anthropic-version`` and ``anthropic-beta`` among them, and ``[cache] vary_headers``,
+every value of each), and its scope: the tenant, else a hash of every credential header
+the client sent (``x-api-key``, Anthropic's, among them), else ``pub``. When client
+credentials are forwarded, they are in the digest too, so even within a tenant an answer
+made with one key is never served to another. Keys are blake2b digests: raw prompts and
+credentials never appear in a backend's key names.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import orjson
 
 from edgeproxy._core.config import Config
 from edgeproxy._core.context import RequestContext
-from edgeproxy._protocol.endpoints import endpoint_paths
+from edgeproxy._protocol.endpoints import endpoint_paths, openai_endpoint
 from edgeproxy._protocol.headers import ANSWER_HEADERS, CLIENT_CREDENTIAL_HEADERS
 
 __all__ = [
@@ -30,6 +33,7 @@ __all__ = [
     "NON_SEMANTIC_FIELDS",
     "KeyHeaders",
     "cache_scope",
+    "custom_digest",
     "hash_key",
     "tenant_scope",
 ]
@@ -107,19 +111,30 @@ class KeyHeaders:
         self.names = tuple(sorted(names))
 
 
-def _deterministic_body(body: dict[str, Any]) -> bool:
-    """A request body whose answer is the same every time: a seed, or temperature 0."""
-    if body.get("seed") is not None:
-        return True
-    temperature = body.get("temperature")
-    return temperature is not None and temperature == 0
+def _api(ctx: RequestContext) -> str:
+    """The API a request speaks (its dialect's name, "" for plain HTTP): part of every
+    POST's key, so that no two APIs share an entry, whatever names the digest."""
+    facts = ctx.facts
+    if facts is not None:
+        return facts.dialect or ""
+    # Before entry (a request shed by admission): the name its facts would have.
+    endpoint = openai_endpoint(ctx.path)
+    return endpoint.name if endpoint is not None else ""
+
+
+def custom_digest(ctx: RequestContext, custom: object) -> str:
+    """The digest of the key the ``edgeproxy_cache_key`` hook named, within the request's
+    API: a hook's key for a chat request never names a Messages answer."""
+    return hash_key(f"custom:{_api(ctx)}:{custom}")
 
 
 def _post_digest(ctx: RequestContext, body: dict[str, Any], scope: str, headers: KeyHeaders) -> str:
     semantic = {k: v for k, v in body.items() if k not in NON_SEMANTIC_FIELDS}
     material = orjson.dumps(
         {
-            # The whole target: the query string is forwarded and may pick the API version.
+            # The API, and the whole target: the query string is forwarded and may pick
+            # the API version.
+            "api": _api(ctx),
             "target": ctx.target,
             "body": semantic,
             "headers": _header_values(ctx, headers.names),

@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 
 from edgeproxy._core.context import RequestContext
+from edgeproxy._protocol.dialects import OPENAI, Dialect, dialect_named
+from edgeproxy._protocol.endpoints import dialect_for
 from edgeproxy._protocol.headers import CLIENT_CREDENTIAL_HEADERS
 
 __all__ = ["CachePlan"]
@@ -46,15 +48,23 @@ class CachePlan:
     swr: float
     sie: float
     credentials: bool
+    dialect: Dialect = OPENAI
+    """The request's API: how its answers are recorded, replayed and converted."""
+
+
+def request_dialect(ctx: RequestContext) -> Dialect:
+    """The API ``ctx`` speaks: the one its facts name, once it has entered."""
+    facts = ctx.facts
+    return dialect_named(facts.dialect) if facts is not None else dialect_for(ctx.path)
 
 
 def _plan_for_ctx(ctx: RequestContext, key: str, *, coalesce: bool) -> CachePlan:
     wants_sse = include_usage = fresh_only = credentials = False
+    dialect = request_dialect(ctx)
     body = ctx.json if ctx.method == "POST" else None
     if isinstance(body, dict):
-        wants_sse = body.get("stream") is True
-        options = body.get("stream_options")
-        include_usage = isinstance(options, dict) and options.get("include_usage") is True
+        wants_sse = dialect.streams and dialect.stream(body)
+        include_usage = dialect.include_usage(body)
     headers = ctx.headers
     if "cache-control" in headers:
         request_cc = _directives(headers.getall("cache-control"))
@@ -76,4 +86,5 @@ def _plan_for_ctx(ctx: RequestContext, key: str, *, coalesce: bool) -> CachePlan
         route.stale_while_revalidate,
         route.stale_if_error,
         credentials,
+        dialect,
     )

@@ -9,7 +9,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from edgeproxy._core.context import RequestContext, UpstreamReply
-from edgeproxy._stages.cache.entry import Entry, stream_complete
+from edgeproxy._protocol.sse import SSEEventTooLarge, SSEReader
+from edgeproxy._stages.cache.entry import Entry
 from edgeproxy._stages.cache.flight import Coalescer, Flight
 from edgeproxy._stages.cache.plan import CachePlan
 
@@ -75,7 +76,8 @@ class CacheRecorder:
         "region",
         "windows",
         "expected",
-        "tail",
+        "reader",
+        "ended",
         "started",
         "active",
         "too_large",
@@ -97,10 +99,13 @@ class CacheRecorder:
         self.region: str | None = None
         self.windows: tuple[float, float, float] = (0.0, 0.0, 0.0)
         # The body is complete at `expected` bytes (a JSON answer with a Content-Length) or
-        # once `tail` holds the [DONE] event: the client may hang up before the upstream's
-        # end of body is read, and a complete answer must not be lost to that.
+        # once the stream's last event came, as its dialect ends one (chat's [DONE],
+        # Messages' message_stop...): the client may hang up before the upstream's end of
+        # body is read, and a complete answer must not be lost to that. `reader` reads the
+        # stream's events; None once it cannot be read (then it is never complete).
         self.expected: int | None = None
-        self.tail = b""
+        self.reader: SSEReader | None = None
+        self.ended = False
         self.started = False
         self.active = False
         self.too_large = False
@@ -124,6 +129,7 @@ class CacheRecorder:
             self.expected = int(length)
         if content_type.startswith("text/event-stream"):
             self.kind = "sse"
+            self.reader = SSEReader()
         elif "json" in content_type:
             self.kind = "json"
         windows, reason = self.stage.storable(self.plan, reply.status, reply.headers)
@@ -145,9 +151,11 @@ class CacheRecorder:
         if not self.active or self.finished:
             return
         self.size += len(chunk)
-        if self.kind == "sse":
-            self.tail = (self.tail + chunk)[-64:]
         flight = self.flight
+        if self.reader is not None and (
+            not self.too_large or (flight is not None and flight.shareable)
+        ):
+            self._read(chunk)
         if not self.too_large and self.size > self.stage.config.max_entry_bytes:
             self.too_large = True
             if flight is None or not flight.followers:
@@ -166,8 +174,30 @@ class CacheRecorder:
         if self.expected is not None:
             if self.size >= self.expected:
                 self.finish()
-        elif self.kind == "sse" and stream_complete(self.tail):
+        elif self.ended:
             self.finish()
+
+    def _read(self, chunk: bytes) -> None:
+        """Follow the stream's events: it ends with its dialect's last event, and an
+        error anywhere in it (or an event too large to read) means it never completes."""
+        reader = self.reader
+        assert reader is not None
+        try:
+            events = reader.feed(chunk)
+        except SSEEventTooLarge:
+            self.reader = None
+            self.ended = False
+            return
+        dialect = self.plan.dialect
+        for event in events:
+            if event.comment:
+                continue
+            if dialect.is_error(event):
+                self.reader = None
+                self.ended = False
+                return
+            if dialect.is_end(event):
+                self.ended = True
 
     def finish(self) -> None:
         """The upstream body ended cleanly: store the answer if it is complete."""
@@ -177,8 +207,8 @@ class CacheRecorder:
         if not self.active:
             return
         flight = self.flight
-        # A stream that ended without [DONE] was cut: never stored, never replayed.
-        complete = self.kind != "sse" or stream_complete(self.tail)
+        # A stream that did not end as its API ends one was cut: never stored, never replayed.
+        complete = self.kind != "sse" or self.ended
         reason = "too_large" if self.too_large else "" if complete else "incomplete"
         # Too large to store, but kept in full while followers needed it.
         kept = not self.too_large or (flight is not None and flight.shareable)

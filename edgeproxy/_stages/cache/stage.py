@@ -1,14 +1,19 @@
 """The hot-answer cache stage: what is cacheable, and serving or storing answers.
 
-Cacheable: POSTs to the OpenAI completion and embedding routes whose JSON
-body is deterministic (``temperature`` 0 or a ``seed``; embeddings always),
-any JSON POST on a route configured ``cache = "always"``, and GETs whose
-upstream answer is marked cacheable (``max-age``/``s-maxage``, not private).
-Never: a request with ``Cache-Control: no-store``, a body that is not a JSON
-object, a route configured ``cache = "off"``, an answer other than a
-complete 200 (a stream must end with ``[DONE]``), or one bigger than
-``[cache] max_entry_bytes``. What a key covers, and so who may share an
-entry, is in :mod:`edgeproxy._stages.cache.keys`.
+Cacheable: POSTs to the endpoints the table marks ``cacheable`` whose JSON body its
+API's dialect says is (:meth:`~edgeproxy._protocol.dialects.Dialect.cacheable`):
+deterministic (``temperature`` 0, or a ``seed`` where the API has one; embeddings
+always) and stateless (a Responses request with ``store: false``, no
+``previous_response_id``, no ``conversation``); any stateless JSON POST on a route
+configured ``cache = "always"``; and GETs whose upstream answer is marked cacheable
+(``max-age``/``s-maxage``, not private). Never: a request with
+``Cache-Control: no-store``, a body that is not a JSON object, a route configured
+``cache = "off"``, an answer other than a complete 200 (a stream must end as its API
+ends one: chat's ``[DONE]``, Messages' ``message_stop``, the Responses API's
+``response.completed``, with no error before), or one bigger than
+``[cache] max_entry_bytes``. Answers are replayed in their API's own format, streamed or
+not, whichever form was stored. What a key covers, and so who may share an entry, is in
+:mod:`edgeproxy._stages.cache.keys`.
 
 :class:`CacheStage` is the pipeline's view of it all: :meth:`~CacheStage.lookup`
 answers from the cache (HIT, STALE) or from an identical request in flight
@@ -49,14 +54,19 @@ from edgeproxy._stages.cache.flight import (
 )
 from edgeproxy._stages.cache.keys import (
     KeyHeaders,
-    _deterministic_body,
     _get_digest,
     _post_digest,
     cache_scope,
-    hash_key,
+    custom_digest,
     tenant_scope,
 )
-from edgeproxy._stages.cache.plan import CachePlan, _directives, _plan_for_ctx, _seconds
+from edgeproxy._stages.cache.plan import (
+    CachePlan,
+    _directives,
+    _plan_for_ctx,
+    _seconds,
+    request_dialect,
+)
 from edgeproxy._stages.cache.recorder import CacheRecorder
 from edgeproxy._stages.compression import Compression
 
@@ -204,7 +214,7 @@ class CacheStage:
                 "edgeproxy_cache_key", request=request, ctx=ctx, default_key=digest
             )
             if custom is not None:
-                digest = hash_key("custom:" + str(custom))
+                digest = custom_digest(ctx, custom)
         # The scope stays in front whatever the hook says: entries never cross tenants.
         return f"{scope}:{digest}"
 
@@ -220,8 +230,8 @@ class CacheStage:
             return "get_with_body" if ctx.body else ""
         if method != "POST":
             return "method"
-        # The endpoint looked up once (CACHEABLE_PATHS and _deterministic ask the same): the
-        # one the request's facts name, once it has entered.
+        # The endpoint looked up once (CACHEABLE_PATHS asks the same): the one the
+        # request's facts name, once it has entered.
         facts = ctx.facts
         endpoint = (
             ENDPOINT_NAMED.get(facts.dialect) if facts is not None else openai_endpoint(ctx.path)
@@ -231,11 +241,12 @@ class CacheStage:
         body = ctx.json
         if not isinstance(body, dict):
             return "not_json"
-        if mode != "always":
-            assert endpoint is not None
-            if not endpoint.deterministic and not _deterministic_body(body):
-                return "not_deterministic"
-        return ""
+        # Its API says which requests may share an answer: never one stored by the region or
+        # depending on what is (a Responses chain), not even on a route that caches always.
+        dialect = endpoint.dialect if endpoint is not None else request_dialect(ctx)
+        if mode == "always" or dialect.cacheable(body):
+            return "" if mode != "always" or dialect.stateless(body) else "stateful"
+        return "not_deterministic" if dialect.stateless(body) else "stateful"
 
     def _digest(self, ctx: RequestContext, scope: str) -> str:
         """The key digest of a request :meth:`_bypass_reason` let through."""
@@ -342,7 +353,12 @@ class CacheStage:
         now: float | None = None,
     ) -> StreamResponse | None:
         """``entry`` as the client asked for it (stream or JSON), or None if that is impossible."""
-        converted = replay_parts(entry, wants_sse=plan.wants_sse, include_usage=plan.include_usage)
+        converted = replay_parts(
+            entry,
+            wants_sse=plan.wants_sse,
+            include_usage=plan.include_usage,
+            dialect=plan.dialect,
+        )
         if converted is None:
             return None
         parts, sse = converted
@@ -435,7 +451,13 @@ class CacheStage:
             ctx.response_is_sse = True
             self.stats.outcomes["COALESCED"] += 1
             try:
-                if not await stream_live(request, resp, flight, include_usage=plan.include_usage):
+                if not await stream_live(
+                    request,
+                    resp,
+                    flight,
+                    include_usage=plan.include_usage,
+                    dialect=plan.dialect,
+                ):
                     ctx.error = "the coalesced stream broke upstream"
             except ConnectionResetError:
                 ctx.error = "client disconnected"
