@@ -26,7 +26,7 @@ from edgeproxy._protocol.sse import SSEEvent, SSEReader
 from edgeproxy._stages.continuation import Splice, continuation_body
 from edgeproxy.testing import FakeRegion, answer_text
 
-from .conftest import ProxyFactory, RegionFactory
+from .conftest import ProxyFactory, RegionFactory, eventually
 
 MESSAGES_PATH = "/v1/messages"
 RESPONSES_PATH = "/v1/responses"
@@ -160,6 +160,23 @@ async def test_a_region_set_off_does_not_continue_messages(
     assert sound.requests_by_path.get(MESSAGES_PATH, 0) == 0
 
 
+async def test_a_raced_messages_continuation_is_won_by_the_region_that_brings_text(
+    make_region: RegionFactory, make_proxy: ProxyFactory
+) -> None:
+    broken, sound = await regions(make_region, MESSAGES_PATH)
+    # Ranked before the sound region, it takes the request and never answers.
+    stalled = await make_region("stalled", fault="stall", fault_paths=[MESSAGES_PATH])
+    proxy = await make_proxy(
+        [table(broken, 0), table(stalled, 1), table(sound, 2)],
+        routes=[route(race_continuations=True, deadline=60.0)],
+    )
+    text, final, types = await messages_stream(proxy.url, "async")
+    assert text == EXPECTED and final.content[0].text == EXPECTED
+    assert types.count("message_stop") == 1
+    assert stalled.requests_by_path[MESSAGES_PATH] == 1
+    await eventually(lambda: stalled.in_flight == 0)
+
+
 # -- Responses ------------------------------------------------------------------------------
 
 
@@ -243,6 +260,26 @@ async def test_a_continued_responses_stream_on_the_wire(
     assert done["usage"]["total_tokens"] == (
         done["usage"]["input_tokens"] + done["usage"]["output_tokens"]
     )
+
+
+async def test_a_responses_stream_past_its_continuations_ends_numbered_in_sequence(
+    make_region: RegionFactory, make_proxy: ProxyFactory
+) -> None:
+    broken, sound = await regions(make_region, RESPONSES_PATH)
+    # The continuing region breaks too, later: one continuation allowed, none left for it.
+    sound.behavior = sound.behavior.copy(
+        fault="reset", fault_after_tokens=6, fault_paths=(RESPONSES_PATH,)
+    )
+    proxy = await make_proxy([table(broken, 0), table(sound, 1)], routes=[route()])
+    body = {"model": "m", "input": PROMPT, "stream": True, **DETERMINISTIC}
+    events = [e for e in await raw_events(proxy.url, RESPONSES_PATH, body) if not e.comment]
+    data = [orjson.loads(e.data) for e in events]
+    assert events[-1].event == "error" and data[-1]["code"] == "upstream_stream_broken"
+    # The error event takes the next number of the client's stream.
+    assert [d["sequence_number"] for d in data] == list(range(len(data)))
+    deltas = "".join(d["delta"] for d in data if d["type"] == "response.output_text.delta")
+    assert deltas == answer_text(USER, 6)  # the reissue's first 3 tokens skipped, 3 new
+    assert proxy.pipeline.continuation.snapshot() == {"continued": 1, "limit": 1}
 
 
 @pytest.mark.parametrize(
