@@ -41,6 +41,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from edgeproxy._core.errors import ProxyError
+from edgeproxy._protocol.sse import SSEEventTooLarge, SSEReader
 from edgeproxy._stages.continuation import (
     LOCAL,
     ContinuationStage,
@@ -67,6 +68,7 @@ if TYPE_CHECKING:
     from edgeproxy._core.context import Continuation, RequestContext
     from edgeproxy._core.exchange import Exchange
     from edgeproxy._plugins import Plugins
+    from edgeproxy._protocol.dialects import Dialect
     from edgeproxy._stages.cache.stage import CacheStage
     from edgeproxy._stages.routing import Router
     from edgeproxy._upstream.regions import Region
@@ -419,7 +421,8 @@ class Continuer:
             groups = [regions]
         contenders = [_Contender(_leg_context(ctx, splice, method), group) for group in groups]
         tasks = [
-            asyncio.ensure_future(self._until_token(request, contender)) for contender in contenders
+            asyncio.ensure_future(self._until_token(request, contender, splice.dialect))
+            for contender in contenders
         ]
         won: tuple[AttemptResponse, AsyncIterator[bytes]] | None = None
         try:
@@ -441,10 +444,11 @@ class Continuer:
             outcome.attempts += max(c.attempts for c in contenders) + len(contenders) - 1
 
     async def _until_token(
-        self, request: Exchange | None, contender: _Contender
+        self, request: Exchange | None, contender: _Contender, dialect: Dialect
     ) -> tuple[AttemptResponse, AsyncIterator[bytes]] | None:
-        """One contender of a race: its leg, read up to its first token, the bytes read so
-        far put back in front of the rest. None if it failed before a token."""
+        """One contender of a race: its leg, read up to its first token (as ``dialect``
+        says), the bytes read so far put back in front of the rest. None if it failed
+        before a token."""
         obtained = await self.obtainer.obtain(
             request, contender.ctx, regions=contender.regions, degrade=False
         )
@@ -456,13 +460,14 @@ class Continuer:
             await obtained.aclose()
             return None
         chunks = obtained.aiter_bytes()
+        reader = SSEReader()
         seen: list[bytes] = []
         try:
             async for chunk in chunks:
                 seen.append(chunk)
-                if carries_token(b"".join(seen)):
+                if any(carries_token(event, dialect) for event in reader.feed(chunk)):
                     return obtained, chain(seen, chunks)
-        except UpstreamError:
+        except (UpstreamError, SSEEventTooLarge):
             pass
         except BaseException:
             await obtained.aclose()

@@ -1,34 +1,42 @@
-"""Continuation: a chat stream that breaks after tokens were sent goes on elsewhere.
+"""Continuation: a stream that breaks after tokens were sent goes on elsewhere.
 
-On a route with ``continue_on_break``, the stream stage relays a streamed chat
-completion through a :class:`Splice`: only whole SSE events reach the client,
-and the splice keeps what they carried (the answer's ``id``, ``created`` and
-``model``, the assistant text, whether tool-call deltas or a finish came).
+On a route with ``continue_on_break``, the stream stage relays a streamed answer through a
+:class:`Splice`: only whole SSE events reach the client (read by the one
+:class:`~edgeproxy._protocol.sse.SSEReader`), and the splice keeps what they carried: the
+answer text, whether content that cannot be continued (a tool call, thinking, another
+output item) or the answer's end came, and what the request's dialect's
+:class:`~edgeproxy._protocol.dialects.Seam` keeps of the client's stream (chat's ``id``,
+``created`` and ``model``; the Messages API's text block; the Responses API's response and
+item ids and its sequence numbers). Which requests can be continued, and how, is each
+API's (its dialect's ``continuable``, ``continuation`` and ``continuation_body``):
+
+* chat completions by each region's own method (``[[regions]] continuation``):
+  ``continue_final_message`` (vLLM, SGLang: the conversation plus the partial answer as a
+  final assistant message, with ``"continue_final_message": true`` and
+  ``"add_generation_prompt": false``), ``prefill`` (llama.cpp: the same message, no
+  switches) or ``reissue`` (any server, deterministic requests only: ``temperature`` 0 or
+  a ``seed``: the original request again, its first characters skipped);
+* Anthropic Messages by an assistant prefill on any region not set to ``off``: the
+  conversation plus the partial answer as a final assistant message (its trailing
+  whitespace left out, as Anthropic requires), which the API continues natively;
+* the Responses API by a reissue, on any region not set to ``off``, of a deterministic
+  request (``temperature`` 0) that neither stores nor refers to state (a reissue would
+  store a second response); any other Responses stream is not continued.
+
 When the region breaks mid-stream, :meth:`edgeproxy._obtain.Continuer.next_leg` asks the
-next-best region for the rest, by that region's method
-(``[[regions]] continuation``):
+next-best region for the rest. Candidates come from the router (health, model catalog and
+residency filter them), without the region that broke; each continuation spends one unit
+of the retry budget, and its first byte must come within the route's ``deadline`` from the
+break. The local model is the last rung for chat: it gets the conversation with the
+partial answer as the prefix of its own. The splice then rewrites the new leg into the
+client's stream (its dialect's seam drops the new leg's opening, puts the client's ids on
+its events, holds its end), trims a repeated overlap at the seam, sums the legs' usage
+(the broken legs' counts estimated from what they sent) and writes the one end of the
+client's stream, after an SSE comment ``: edgeproxy continued from=<region> to=<region>``.
 
-* ``continue_final_message`` (vLLM, SGLang): the conversation plus the partial
-  answer as a final assistant message, with ``"continue_final_message": true``
-  and ``"add_generation_prompt": false``;
-* ``prefill`` (llama.cpp): the same message, no switches;
-* ``reissue`` (any server, deterministic requests only: ``temperature`` 0 or a
-  ``seed``): the original request again, its first characters skipped.
-
-Candidates come from the router (health, model catalog and residency filter
-them), without the region that broke; each continuation spends one unit of
-the retry budget, and its first byte must come within the route's
-``deadline`` from the break. The local model is the last rung: it gets the
-conversation with the partial answer as the prefix of its own. The splice
-then rewrites the new leg into the client's stream: the same ``id``,
-``created`` and ``model``, no second ``role`` delta, a repeated overlap
-trimmed at the seam, one ``usage`` summing the legs (the broken legs' counts
-estimated from what they sent) and one ``[DONE]``, after an SSE comment
-``: edgeproxy continued from=<region> to=<region>``.
-
-A stream that breaks inside tool calls, after its finish, or past
-``max_continuations`` is not continued: it ends with an ``error`` event and
-no ``[DONE]``, as without continuation.
+A stream that breaks inside content that cannot be continued, after its end, or past
+``max_continuations`` is not continued: it ends with the API's error event, as without
+continuation.
 """
 
 from __future__ import annotations
@@ -39,12 +47,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import orjson
-
 from edgeproxy._core.context import Continuation
 from edgeproxy._core.errors import ProxyError
-from edgeproxy._protocol.endpoints import CHAT_COMPLETIONS, openai_endpoint
-from edgeproxy._protocol.openai import SSE_DONE, sse_event
+from edgeproxy._protocol.dialects import CHAT, Dialect, Piece, dialect_named
+from edgeproxy._protocol.endpoints import dialect_for
+from edgeproxy._protocol.sse import SSEEvent, SSEEventTooLarge, SSEReader
+from edgeproxy._upstream.pool import UpstreamError
 
 if TYPE_CHECKING:
     from edgeproxy._core.context import RequestContext
@@ -89,49 +97,53 @@ class Leg:
     recorded on the request by :class:`edgeproxy._obtain.Continuer`."""
 
 
-def _deterministic(body: dict[str, Any]) -> bool:
-    return body.get("temperature") == 0 or body.get("seed") is not None
-
-
 class Splice:
-    """What the client was sent of one streamed chat answer, and the seam of each new leg.
+    """What the client was sent of one streamed answer, and the seam of each new leg.
 
-    :meth:`feed` takes a leg's bytes and returns what the client is to get: whole
-    events only (the start of an event waits for its end), the first leg's as
-    they came, later legs' rewritten into the first's stream.
+    :meth:`feed` takes a leg's bytes and returns what the client is to get: whole events
+    only (the start of an event waits for its end), the first leg's as they came, later
+    legs' rewritten into the first's stream by the dialect's seam.
     """
 
-    def __init__(self, body: dict[str, Any]) -> None:
+    def __init__(self, body: dict[str, Any], dialect: Dialect = CHAT) -> None:
         self.body = body
-        options = body.get("stream_options")
-        self.include_usage = isinstance(options, dict) and options.get("include_usage") is True
-        self.deterministic = _deterministic(body)
-        self._buffer = b""
+        self.dialect = dialect
+        self.seam = dialect.seam(body)
+        self.deterministic = dialect.deterministic(body)
+        self._reader = SSEReader()
         self.text = ""
-        self.head: dict[str, Any] | None = None
-        self.tool_calls = False
+        self.other = False  # content that cannot be continued came (a tool call...)
         self.finished = False
         self.leg = 0
-        # Content (or tool-call) deltas of the current leg: its completion tokens, estimated.
+        self.method: str | None = None  # how the current leg continues the answer
+        # Content deltas of the current leg: its completion tokens, estimated.
         self.leg_tokens = 0
         self.broken_tokens = 0  # the same for the legs that broke
         self.continued: list[tuple[str, str]] = []
         self.broken: set[str] = set()  # the regions that broke this answer: never asked again
-        self._usage: dict[str, Any] | None = None
-        self._done = False
+        self._usage: dict[str, Any] | None = None  # the current leg's, in the API's shape
         # The seam: a new leg's first content, held until it is known whether it repeats
-        # the end of the text already sent; `_skip`: characters a reissue repeats whole.
-        self._seam: list[dict[str, Any]] | None = None
-        self._seam_text = ""
+        # the end of the text already sent; `_skip`: characters a reissue repeats whole;
+        # `_lstrip`: the prefill left the text's trailing whitespace out, so the new leg's
+        # leading whitespace is the client's already.
+        self._held: list[Piece] | None = None
+        self._held_text = ""
         self._skip = 0
+        self._lstrip = False
+
+    @property
+    def sequence(self) -> int:
+        """The next sequence number of the client's stream (for the API that numbers its
+        events): the error event that ends it takes it."""
+        return self.seam.sequence
 
     # -- legs -----------------------------------------------------------------------
 
     def broke(self, region: str) -> None:
         """The current leg, from ``region``, broke: what it held back is dropped, never sent."""
         self.broken.add(region)
-        self._buffer = b""
-        self._seam = None
+        self._reader = SSEReader()
+        self._held = None
         self.broken_tokens += self.leg_tokens
         self.leg_tokens = 0
 
@@ -139,55 +151,57 @@ class Splice:
         """A new leg, continuing the answer by ``method``, takes over from here."""
         self.leg += 1
         self.continued.append((from_region, to_region))
+        self.method = method
         self._usage = None
-        self._done = False
+        self._reader = SSEReader()
+        self.seam.start_leg()
         if method == "reissue":
-            self._skip = len(self.text)
+            self._skip, self._held, self._lstrip = len(self.text), None, False
         else:
-            self._seam, self._seam_text = [], ""
+            self._skip, self._held, self._held_text = 0, [], ""
+            self._lstrip = self.dialect.prefilled(self.text) != self.text
 
     # -- the client's bytes ---------------------------------------------------------
 
     def feed(self, chunk: bytes) -> bytes:
-        """The whole events of ``chunk`` (with what came before it) the client is to get."""
-        data = self._buffer + chunk if self._buffer else chunk
-        if b"\r" in data:
-            # SSE allows CRLF and CR line ends; one kind makes the events' ends findable.
-            data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-        end = data.rfind(b"\n\n")
-        if end < 0:
-            self._buffer = data
+        """The whole events of ``chunk`` (with what came before it) the client is to get.
+
+        Raises :class:`UpstreamError` for an event past the reader's bound: the leg is
+        taken as broken."""
+        try:
+            events = self._reader.feed(chunk)
+        except SSEEventTooLarge as exc:
+            raise UpstreamError(str(exc)) from exc
+        if not events:
             return b""
-        complete, self._buffer = data[: end + 2], data[end + 2 :]
         if self.leg == 0:
-            for event in complete.split(b"\n\n")[:-1]:
-                self._record(event)
-            return complete
-        return b"".join(self._rewrite(event) for event in complete.split(b"\n\n")[:-1])
+            first = self.seam.first
+            for event in events:
+                if not event.comment:
+                    self._note(first(event))
+            return events[0].raw if len(events) == 1 else b"".join(e.raw for e in events)
+        return b"".join(self._rewrite(event) for event in events)
 
     def finish(self) -> bytes:
-        """A continued leg ended cleanly: the seam, the mark, the summed usage and [DONE]."""
-        out = [self._flush_seam()] if self._seam is not None else []
+        """A continued leg ended cleanly: the seam, the mark, and the end of the client's
+        stream (the summed usage, the API's last events)."""
+        out = [self._flush()] if self._held is not None else []
         for source, target in self.continued:
             out.append(f": edgeproxy continued from={source} to={target}\n\n".encode())
-        usage = self.usage()
-        if self.include_usage and usage is not None and self.head is not None:
-            chunk = {**self.head, "choices": [], "usage": usage}
-            out.append(sse_event(chunk))
-        if self._done:
-            out.append(SSE_DONE)
+        out.append(self.seam.close(self.usage(), self.text))
         return b"".join(out)
 
     def usage(self) -> dict[str, Any] | None:
-        """The legs' usage summed: the last leg's as reported, the broken legs' estimated
-        (their prompt as the last leg's without the text sent before it, their completion
-        as the deltas they sent)."""
+        """The legs' usage summed, in chat's fields: the last leg's as reported, the broken
+        legs' estimated (their prompt as the last leg's, less the text sent before it for a
+        prefill; their completion as the deltas they sent)."""
         last = self._usage
         if last is None:
             return None
-        prompt = _int(last.get("prompt_tokens"))
-        completion = _int(last.get("completion_tokens"))
-        first_prompt = max(0, prompt - self.broken_tokens)
+        counted = self.dialect.counted(last)
+        prompt = _int(counted.get("prompt_tokens"))
+        completion = _int(counted.get("completion_tokens"))
+        first_prompt = prompt if self.method == "reissue" else max(0, prompt - self.broken_tokens)
         prompt += first_prompt * len(self.continued)
         completion += self.broken_tokens
         return {
@@ -196,92 +210,70 @@ class Splice:
             "total_tokens": prompt + completion,
         }
 
-    def _parse(self, event: bytes) -> Any:
-        for line in event.split(b"\n"):
-            if line.startswith(b"data:"):
-                payload = line[5:].strip()
-                if payload == b"[DONE]":
-                    return payload
-                try:
-                    return orjson.loads(payload)
-                except orjson.JSONDecodeError:
-                    return None
-        return None
+    def _note(self, piece: Piece) -> None:
+        """What an event the client gets adds to the answer so far."""
+        if piece.text:
+            self.text += piece.text
+            self.leg_tokens += 1
+        if piece.other:
+            self.other = True
+            self.leg_tokens += 1
+        if piece.finish:
+            self.finished = True
 
-    def _record(self, event: bytes) -> None:
-        """The first leg's event, as sent: what it tells of the answer so far."""
-        obj = self._parse(event)
-        if not isinstance(obj, dict):
-            return
-        if self.head is None and "id" in obj:
-            self.head = {k: obj[k] for k in ("id", "object", "created", "model") if k in obj}
-            if obj.get("system_fingerprint") is not None:
-                self.head["system_fingerprint"] = obj["system_fingerprint"]
-        self._note(obj)
-
-    def _note(self, obj: dict[str, Any]) -> None:
-        choices = obj.get("choices")
-        if choices:
-            choice = choices[0]
-            delta = choice.get("delta") or {}
-            content = delta.get("content")
-            if content:
-                self.text += content
-                self.leg_tokens += 1
-            if delta.get("tool_calls"):
-                self.tool_calls = True
-                self.leg_tokens += 1
-            if choice.get("finish_reason"):
-                self.finished = True
-        if isinstance(obj.get("usage"), dict):
-            self._usage = obj["usage"]
-
-    def _rewrite(self, event: bytes) -> bytes:
+    def _rewrite(self, event: SSEEvent) -> bytes:
         """A later leg's event, as the client's stream continues."""
-        obj = self._parse(event)
-        if obj == b"[DONE]":
-            self._done = True
+        if event.comment:
+            return event.raw
+        piece = self.seam.later(event)
+        if piece.usage is not None:
+            self._usage = self.dialect.merge_usage(self._usage, piece.usage)
+        kind = piece.kind
+        if kind == "drop":
             return b""
-        if not isinstance(obj, dict):
-            return b"" if obj is None and b"data:" in event else event + b"\n\n"
-        if isinstance(obj.get("usage"), dict):
-            self._usage = obj["usage"]
-        choices = obj.get("choices")
-        if not choices:
-            return b""  # the usage chunk: summed and sent at the end
-        if self.head is not None:
-            obj.update(self.head)
-        obj.pop("usage", None)
-        delta = choices[0].get("delta")
-        if isinstance(delta, dict):
-            delta.pop("role", None)
-            content = delta.get("content")
-            if content and self._skip:
-                cut = min(self._skip, len(content))
-                self._skip -= cut
-                delta["content"] = content = content[cut:]
-            if not content:
-                delta.pop("content", None)
-            if not delta and not choices[0].get("finish_reason"):
+        if kind == "text":
+            return self._text(piece)
+        # Anything else ends the leg's run of text: the seam is settled first.
+        out = self._flush() if self._held is not None else b""
+        if kind == "hold":
+            self._note(piece)
+            return out
+        if kind == "raw":
+            return out + event.raw
+        return out + self._write(piece)
+
+    def _text(self, piece: Piece) -> bytes:
+        text = piece.text
+        if self._skip and text:
+            cut = min(self._skip, len(text))
+            self._skip -= cut
+            text = text[cut:]
+        if self._lstrip and text:
+            text = text.lstrip()
+            self._lstrip = not text
+        piece.text = text
+        if not text and not piece.finish and not piece.other:
+            return b""
+        if self._held is not None:
+            self._held.append(piece)
+            self._held_text += text
+            if not piece.finish and self._may_overlap():
                 return b""
-        if self._seam is not None:
-            self._seam.append(obj)
-            if isinstance(delta, dict):
-                self._seam_text += delta.get("content") or ""
-            if not choices[0].get("finish_reason") and self._may_overlap():
-                return b""
-            return self._flush_seam()
-        self._note(obj)
-        return sse_event(obj)
+            return self._flush()
+        return self._write(piece)
+
+    def _write(self, piece: Piece) -> bytes:
+        self._note(piece)
+        return self.seam.write(piece, self.text)
 
     def _may_overlap(self) -> bool:
         """Whether the new leg's text so far could still be the start of a repeat."""
-        tail, held = self.text[-_SEAM_WINDOW:], self._seam_text
+        tail, held = self.text[-_SEAM_WINDOW:], self._held_text
         return any(len(tail) - i > len(held) and tail.startswith(held, i) for i in range(len(tail)))
 
-    def _flush_seam(self) -> bytes:
+    def _flush(self) -> bytes:
         """The held start of the new leg, its repeat of the text already sent cut off."""
-        held, text, self._seam = self._seam or [], self._seam_text, None
+        held, text, self._held = self._held or [], self._held_text, None
         tail = self.text[-_SEAM_WINDOW:]
         trim = next(
             (
@@ -292,20 +284,14 @@ class Splice:
             0,
         )
         out = []
-        for obj in held:
-            delta = obj["choices"][0].get("delta")
-            if trim and isinstance(delta, dict) and delta.get("content"):
-                content = delta["content"]
-                cut = min(trim, len(content))
+        for piece in held:
+            if trim and piece.text:
+                cut = min(trim, len(piece.text))
                 trim -= cut
-                if content[cut:]:
-                    delta["content"] = content[cut:]
-                else:
-                    del delta["content"]
-                    if not delta and not obj["choices"][0].get("finish_reason"):
-                        continue
-            self._note(obj)
-            out.append(sse_event(obj))
+                piece.text = piece.text[cut:]
+                if not piece.text and not piece.finish and not piece.other:
+                    continue
+            out.append(self._write(piece))
         return b"".join(out)
 
 
@@ -324,19 +310,22 @@ class ContinuationStage:
         self.counts: Counter[tuple[str, str, str, str]] = Counter()
 
     def splice(self, ctx: RequestContext, status: int, content_type: str) -> Splice | None:
-        """A splice for this answer if the route continues it and it can be continued: a
-        streamed chat completion (one choice) answered 200 in SSE."""
+        """A splice for this answer if it can be continued: a stream (200, SSE) of an API
+        that continues, to a request its dialect can continue (one chat choice; a
+        Messages request without extended thinking; a deterministic, stateless Responses
+        request)."""
         body = ctx.json
         if (
             status != 200
             or not content_type.startswith("text/event-stream")
-            or openai_endpoint(ctx.path) is not CHAT_COMPLETIONS
             or not isinstance(body, dict)
-            or not isinstance(body.get("messages"), list)
-            or body.get("n", 1) != 1
         ):
             return None
-        return Splice(body)
+        facts = ctx.facts
+        dialect = dialect_named(facts.dialect) if facts is not None else dialect_for(ctx.path)
+        if dialect.continuation is None or not dialect.continuable(body):
+            return None
+        return Splice(body, dialect)
 
     def count(self, ctx: RequestContext, source: str, target: str, outcome: str) -> Continuation:
         """One continuation attempt's outcome, counted in ``/status``; the record returned
@@ -346,25 +335,30 @@ class ContinuationStage:
 
     def refusal(self, ctx: RequestContext, splice: Splice, broken: str) -> Continuation | None:
         """None when the answer ``broken`` broke may go on: not past ``max_continuations``,
-        nor inside tool calls, after its finish, or before any text; else the counted
-        record of why not."""
+        nor inside content that cannot be continued (tool calls...), after its end, or
+        before any text (blanks only count as none); else the counted record of why not."""
         splice.broke(broken)
+        said = bool(splice.text.strip())
         if (
             len(splice.continued) >= ctx.route.max_continuations
-            or splice.tool_calls
+            or splice.other
             or splice.finished
-            or not splice.text
+            or not said
         ):
-            return self.count(ctx, broken, "none", "limit" if splice.text else "impossible")
+            return self.count(ctx, broken, "none", "limit" if said else "impossible")
         return None
 
     def groups(self, candidates: list[Region], splice: Splice) -> dict[str, list[Region]]:
-        """The candidates able to continue ``splice``, best first, by continuation method;
-        none that broke it already."""
+        """The candidates able to continue ``splice``, best first, by continuation method
+        (the API's, or for chat each region's own); none that broke it already."""
         groups: dict[str, list[Region]] = {}
+        continued_by = splice.dialect.continued_by
         for region in candidates:
-            method = region.config.continuation_method
-            if region.name in splice.broken or method == "off":
+            if region.name in splice.broken:
+                continue
+            config = region.config
+            method = continued_by(config.continuation, config.continuation_method)
+            if method is None:
                 continue
             if method == "reissue" and not splice.deterministic:
                 continue
@@ -390,7 +384,7 @@ class ContinuationStage:
 def _spend_tokens(body: dict[str, Any], splice: Splice) -> None:
     """The client's token limit less what was already sent."""
     sent = splice.broken_tokens
-    for key in ("max_completion_tokens", "max_tokens"):
+    for key in splice.dialect.max_tokens_keys:
         value = body.get(key)
         if isinstance(value, int) and not isinstance(value, bool):
             body[key] = max(1, value - sent)
@@ -405,34 +399,19 @@ def spent_body(splice: Splice) -> dict[str, Any]:
 
 
 def continuation_body(splice: Splice, method: str) -> dict[str, Any]:
-    """The original request plus the partial answer as a final assistant message."""
-    body = dict(splice.body)
-    body["messages"] = [*body["messages"], {"role": "assistant", "content": splice.text}]
-    _spend_tokens(body, splice)
-    if method == "continue_final_message":
-        body["continue_final_message"] = True
-        body["add_generation_prompt"] = False
+    """The request a leg continuing ``splice`` by ``method`` sends, as its API words it
+    (the partial answer as a final assistant message), its token limit less what was
+    already sent; for a reissue, the original request."""
+    body = splice.dialect.continuation_body(splice.body, splice.text, method)
+    if method != "reissue":
+        _spend_tokens(body, splice)
     return body
 
 
-def carries_token(data: bytes) -> bool:
-    """Whether the whole events in ``data`` include a chunk with content or a finish."""
-    for block in data.split(b"\n\n")[:-1]:
-        for line in block.split(b"\n"):
-            if not line.startswith(b"data:"):
-                continue
-            payload = line[5:].strip()
-            if payload == b"[DONE]":
-                return True
-            try:
-                event = orjson.loads(payload)
-            except orjson.JSONDecodeError:
-                continue
-            for choice in event.get("choices") or () if isinstance(event, dict) else ():
-                delta = choice.get("delta") or {}
-                if delta.get("content") or delta.get("tool_calls") or choice.get("finish_reason"):
-                    return True
-    return False
+def carries_token(event: SSEEvent, dialect: Dialect = CHAT) -> bool:
+    """Whether ``event`` of a new leg brings its first token: content or the answer's end
+    as its API says (the dialect's ``commits``), not an error."""
+    return not event.comment and dialect.commits(event) and not dialect.is_error(event)
 
 
 async def chain(first: list[bytes], rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:

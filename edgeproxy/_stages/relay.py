@@ -172,6 +172,7 @@ class StreamStage:
                 "upstream_error",
                 f"region {name} broke the stream",
                 "upstream_stream_broken",
+                sequence=splice.sequence if splice is not None else 0,
             )
             return resp
         except ConnectionResetError:
@@ -245,6 +246,7 @@ class StreamStage:
                 "upstream_error",
                 f"region {ctx.region or name} broke the stream",
                 "upstream_stream_broken",
+                sequence=splice.sequence if splice is not None else 0,
             )
         except ConnectionResetError:
             ctx.error = "client disconnected"
@@ -416,16 +418,19 @@ class StreamStage:
         type: str,
         message: str,
         code: str,
+        *,
+        sequence: int = 0,
     ) -> None:
         """End a response that already started, so the client cannot take it as complete.
 
-        SSE clients get a well-formed ``error`` event first, in the OpenAI error
-        shape with its ``code``; then the connection is closed without the final
-        chunk, which every client reads as a truncated body rather than a clean end.
+        SSE clients get a well-formed ``error`` event first, in the client's API with its
+        ``code`` (numbered ``sequence`` where the API numbers its events); then the
+        connection is closed without the final chunk, which every client reads as a
+        truncated body rather than a clean end.
         """
         if _is_sse(resp):
             try:
-                await resp.write(_error_event(request, status, type, message, code))
+                await resp.write(_error_event(request, status, type, message, code, sequence))
             except ConnectionResetError:
                 pass
         resp.force_close()
@@ -456,8 +461,10 @@ def _is_sse(resp: StreamResponse) -> bool:
     return resp.headers.get("content-type", "").startswith("text/event-stream")
 
 
-def _error_event(request: Exchange, status: int, type: str, message: str, code: str) -> bytes:
+def _error_event(
+    request: Exchange, status: int, type: str, message: str, code: str, sequence: int = 0
+) -> bytes:
     """The event that ends a broken stream, in the client's API: its SDK raises it as its
     own error (see each dialect's ``error_event``)."""
     dialect = dialect_for(request.target.split("?", 1)[0])
-    return dialect.error_event(ProxyError(status, type, message, code=code))
+    return dialect.error_event(ProxyError(status, type, message, code=code), sequence=sequence)

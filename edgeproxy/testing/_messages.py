@@ -13,7 +13,8 @@ A last message from the ``assistant`` is a prefill, which the answer
 continues, as with chat continuations: the answer to the conversation
 without that message, after the prefill's text (``Behavior.continuation_overlap``
 applies), so a partial answer followed by its continuation equals the
-unbroken answer. ``max_tokens`` counts the new tokens only.
+unbroken answer. ``max_tokens`` counts the new tokens only. A prefill that ends with
+whitespace is refused (400), as Anthropic refuses it.
 
 Usage counts input tokens with the KV model's tokeniser
 (:mod:`edgeproxy.testing._kv`), which ``count_tokens`` also answers with: the
@@ -173,6 +174,11 @@ def create(request: dict[str, Any], behavior: Behavior, region_model: str) -> Re
 
     last = convo[-1]
     if last["role"] == "assistant" and isinstance(last["content"], str):
+        if last["content"] != last["content"].rstrip():
+            # As Anthropic refuses it.
+            raise BadRequest(
+                "messages: final assistant content cannot end with trailing whitespace"
+            )
         # The unbroken answer is to the conversation without the prefill.
         answer = list(content.tokens(content.digest(convo[:-1]), behavior.tokens))
         rest = content.continuation(answer, last["content"], behavior.continuation_overlap)

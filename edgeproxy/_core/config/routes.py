@@ -74,9 +74,11 @@ class RouteConfig(Section):
     )
     continue_on_break: bool = Field(
         False,
-        description="Continue a chat completions stream that breaks after tokens were sent on "
-        "the next-best region able to (its continuation method), or the local model, spliced "
-        "into the client's stream; off: the stream ends with an error event.",
+        description="Continue a stream that breaks after tokens were sent on the next-best "
+        "region able to, spliced into the client's stream: chat completions by the region's "
+        "continuation method (or the local model), Anthropic Messages by an assistant "
+        "prefill, deterministic stateless Responses by a reissue; off: the stream ends with "
+        "an error event.",
     )
     max_continuations: int = Field(
         1,

@@ -150,12 +150,13 @@ class RegionConfig(Section):
     )
     continuation: ContinuationMethod = Field(
         "auto",
-        description="How this region continues a stream another region broke (routes' "
+        description="How this region continues a chat stream another region broke (routes' "
         "continue_on_break): 'continue_final_message' (the partial answer as a final assistant "
         "message with vLLM's switches), 'prefill' (the same without them, as llama.cpp "
         "continues), 'reissue' (deterministic requests only: the original request again, the "
         "text already sent skipped), 'off'; 'auto' picks from server (vllm and sglang: "
-        "continue_final_message, llama.cpp: prefill, others: off).",
+        "continue_final_message, llama.cpp: prefill, others: off). Messages and Responses "
+        "streams go on by their API's own method on any region not set to 'off'.",
     )
 
     @field_validator("url")

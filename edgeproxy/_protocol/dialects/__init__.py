@@ -5,7 +5,14 @@ from __future__ import annotations
 
 from typing import Final
 
-from edgeproxy._protocol.dialects._base import AnswerText, Dialect, StreamWriter
+from edgeproxy._protocol.dialects._base import (
+    REGION_METHOD,
+    AnswerText,
+    Dialect,
+    Piece,
+    Seam,
+    StreamWriter,
+)
 from edgeproxy._protocol.dialects.chat import CHAT, COMPLETIONS
 from edgeproxy._protocol.dialects.embeddings import EMBEDDINGS
 from edgeproxy._protocol.dialects.messages import COUNT_TOKENS, MESSAGES
@@ -19,9 +26,12 @@ __all__ = [
     "EMBEDDINGS",
     "MESSAGES",
     "OPENAI",
+    "REGION_METHOD",
     "RESPONSES",
     "AnswerText",
     "Dialect",
+    "Piece",
+    "Seam",
     "StreamWriter",
     "dialect_named",
 ]

@@ -25,9 +25,13 @@ from edgeproxy._protocol.sse import SSEEvent, SSEReader
 
 __all__ = [
     "HEARTBEAT",
+    "REGION_METHOD",
     "AnswerText",
     "Dialect",
+    "Piece",
+    "Seam",
     "StreamWriter",
+    "asks_usage",
     "counted_io",
     "number",
     "text_parts",
@@ -38,6 +42,10 @@ __all__ = [
 
 HEARTBEAT: Final = b": waiting\n\n"
 """An SSE comment: nothing for a client, a sign of life for every proxy on the way."""
+
+REGION_METHOD: Final = "region"
+"""A dialect's :attr:`Dialect.continuation` when each region's own method applies
+(``[[regions]] continuation``): chat's."""
 
 # A request's message list is read this far, for the estimate and the prefix.
 _MAX_ITEMS: Final = 10_000
@@ -53,6 +61,12 @@ def number(value: Any) -> bool:
 
 def positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def asks_usage(body: dict[str, Any]) -> bool:
+    """``stream_options.include_usage``: an OpenAI stream is to end with its usage."""
+    options = body.get("stream_options")
+    return isinstance(options, dict) and options.get("include_usage") is True
 
 
 def tokens(value: Any) -> int:
@@ -129,6 +143,86 @@ class StreamWriter:
         return b""
 
 
+class Piece:
+    """What one event of a stream being continued carries, as its dialect's :class:`Seam`
+    reads it. ``kind`` says what the splice does with a later leg's event:
+
+    * ``drop``: nothing reaches the client (a new leg's opening events, pings, a usage
+      chunk whose counts are summed at the end);
+    * ``text``: a text delta, its :attr:`text` going through the seam (a reissue's repeat
+      skipped, a repeated overlap trimmed), then written by :meth:`Seam.write`;
+    * ``pass``: an event the client gets rewritten into its stream (:meth:`Seam.write`),
+      once the seam before it is settled;
+    * ``raw``: relayed as it came (an error event), once the seam is settled;
+    * ``hold``: the answer's end (a finish, a stop, the final usage), kept by the seam
+      and written once the last leg ended (:meth:`Seam.close`).
+
+    The first leg's events reach the client as they came: only :attr:`text`,
+    :attr:`other` and :attr:`finish` count there.
+    """
+
+    __slots__ = ("kind", "obj", "text", "other", "finish", "usage")
+
+    def __init__(
+        self,
+        kind: str = "drop",
+        obj: Any = None,
+        *,
+        text: str = "",
+        other: bool = False,
+        finish: bool = False,
+        usage: dict[str, Any] | None = None,
+    ) -> None:
+        self.kind = kind
+        self.obj = obj
+        """The event's data, parsed (a later leg's, for :meth:`Seam.write`)."""
+        self.text = text
+        """The answer text the event adds."""
+        self.other = other
+        """Content that cannot be continued: a tool call, thinking, another output item."""
+        self.finish = finish
+        """The answer ended with it (a finish reason, a stop reason, the response done)."""
+        self.usage = usage
+        """The usage it reports, in the API's shape."""
+
+
+class Seam:
+    """One API's view of a streamed answer being continued across legs: what the client's
+    first leg said (its ids, its text block or item), and how each later leg's events are
+    written into the client's stream. One per continued stream; the stage's splice holds
+    the mechanics (framing, the seam's overlap, a reissue's skip, the legs' usage) and asks
+    this for what each event means. The base continues nothing (it reads no event)."""
+
+    sequence: int = 0
+    """The next sequence number of the client's stream, for an API that numbers its events
+    (the error that ends a broken one)."""
+
+    def __init__(self, body: dict[str, Any]) -> None:
+        self.body = body
+
+    def first(self, event: SSEEvent) -> Piece:
+        """The first leg's ``event``, sent to the client as it came: what it carries."""
+        return Piece()
+
+    def start_leg(self) -> None:
+        """A new leg takes over (what the last held of its own is forgotten)."""
+
+    def later(self, event: SSEEvent) -> Piece:
+        """A later leg's ``event``: what it carries and what becomes of it."""
+        return Piece()
+
+    def write(self, piece: Piece, text: str) -> bytes:
+        """A later leg's ``piece`` as the client gets it; ``text``: the whole answer's text
+        so far, this piece's included."""
+        return b""
+
+    def close(self, usage: dict[str, Any] | None, text: str) -> bytes:
+        """The held end of the last leg, written once it ended cleanly: ``usage`` is the
+        legs' sum in chat's fields (None if the last leg reported none), ``text`` the
+        whole answer's."""
+        return b""
+
+
 class Dialect:
     """One API's wire semantics. Instances are stateless singletons, one per API."""
 
@@ -143,8 +237,11 @@ class Dialect:
     prompt_keys: ClassVar[tuple[str, ...]] = ()
     """The body fields that hold the prompt, besides ``messages``."""
     continuation: ClassVar[str | None] = None
-    """How a broken stream of it goes on elsewhere (``[[regions]] continuation``'s method
-    names), or None: it is not continued."""
+    """How a broken stream of it goes on elsewhere: a ``[[regions]] continuation`` method
+    name, :data:`REGION_METHOD` when each region's own method applies, or None: it is not
+    continued."""
+    seam: ClassVar[type[Seam]] = Seam
+    """What reads and rewrites its streams' events across a continuation's legs."""
     heartbeat: ClassVar[bytes] = HEARTBEAT
     """What a stream waiting for its first token is sent, again and again."""
     writer: ClassVar[type[StreamWriter]] = StreamWriter
@@ -255,8 +352,7 @@ class Dialect:
     def include_usage(self, body: dict[str, Any]) -> bool:
         """Whether a streamed answer is to end with its usage: OpenAI's streams carry it only
         when ``stream_options.include_usage`` asks (in a chunk of its own)."""
-        options = body.get("stream_options")
-        return isinstance(options, dict) and options.get("include_usage") is True
+        return asks_usage(body)
 
     required: ClassVar[tuple[str, ...]] = ("model",)
     """Fields a request must have."""
@@ -382,6 +478,35 @@ class Dialect:
 
     def is_error(self, event: SSEEvent) -> bool:
         return event.event == "error" or event.data.startswith(b'{"error"')
+
+    # -- continuation ------------------------------------------------------------------------
+
+    def continuable(self, body: dict[str, Any]) -> bool:
+        """Whether a streamed answer to ``body`` may be continued elsewhere if it breaks: a
+        request of an API that continues, whose answer another leg can go on with."""
+        return self.continuation is not None and self.streams
+
+    def continued_by(self, configured: str, method: str) -> str | None:
+        """How a region continues a stream of this API, given its ``[[regions]]
+        continuation`` as ``configured`` and as ``method`` (``auto`` resolved from its
+        server); None: it does not. The region's method where the API takes it, else the
+        API's own, on any region that is not set to ``off``."""
+        own = self.continuation
+        if own is None or configured == "off":
+            return None
+        if own == REGION_METHOD:
+            return None if method == "off" else method
+        return own
+
+    def prefilled(self, text: str) -> str:
+        """``text`` (a partial answer) as a final assistant message of the API carries it."""
+        return text
+
+    def continuation_body(self, body: dict[str, Any], text: str, method: str) -> dict[str, Any]:
+        """The request a leg continuing the partial answer ``text`` by ``method`` sends
+        (a copy; the token bound is the caller's): the original request again for a
+        reissue."""
+        return dict(body)
 
     # -- what the proxy writes ---------------------------------------------------------------
 

@@ -12,13 +12,24 @@ from __future__ import annotations
 from typing import Any, ClassVar, Final
 
 from edgeproxy._protocol import openai
-from edgeproxy._protocol.dialects._base import AnswerText, Dialect, StreamWriter, loads, words
+from edgeproxy._protocol.dialects._base import (
+    REGION_METHOD,
+    AnswerText,
+    Dialect,
+    Piece,
+    Seam,
+    StreamWriter,
+    asks_usage,
+    loads,
+    words,
+)
 from edgeproxy._protocol.sse import SSEEvent
 
 __all__ = [
     "CHAT",
     "COMPLETIONS",
     "ChatDialect",
+    "ChatSeam",
     "ChatText",
     "ChatWriter",
     "CompletionsDialect",
@@ -76,6 +87,81 @@ class TextWriter(ChatWriter):
     chat = False
 
 
+class ChatSeam(Seam):
+    """A chat completion continued across legs: the first leg's ``id``, ``created``,
+    ``model`` (and ``system_fingerprint``) on every later chunk, no second ``role`` delta,
+    the legs' usage in one last chunk (``stream_options.include_usage``) and one
+    ``[DONE]``."""
+
+    def __init__(self, body: dict[str, Any]) -> None:
+        super().__init__(body)
+        self.include_usage = asks_usage(body)
+        self.head: dict[str, Any] | None = None
+        self.done = False  # the last leg's [DONE] came
+
+    def first(self, event: SSEEvent) -> Piece:
+        obj = loads(event.data) if event.data.startswith(b"{") else None
+        if not isinstance(obj, dict):
+            return Piece()
+        if self.head is None and "id" in obj:
+            self.head = {k: obj[k] for k in ("id", "object", "created", "model") if k in obj}
+            if obj.get("system_fingerprint") is not None:
+                self.head["system_fingerprint"] = obj["system_fingerprint"]
+        return self._read(obj)
+
+    def start_leg(self) -> None:
+        self.done = False
+
+    def later(self, event: SSEEvent) -> Piece:
+        data = event.data
+        if data == b"[DONE]":
+            self.done = True
+            return Piece("hold")
+        obj = loads(data) if data.startswith(b"{") else None
+        if not isinstance(obj, dict):
+            # An event without data passes; data that is no chunk does not.
+            return Piece("drop" if data else "raw")
+        if "error" in obj and not obj.get("choices"):
+            return Piece("raw")  # an in-band error: the client is told
+        return self._read(obj)
+
+    def _read(self, obj: dict[str, Any]) -> Piece:
+        usage = obj.get("usage")
+        usage = usage if isinstance(usage, dict) else None
+        choices = obj.get("choices")
+        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+            return Piece("hold", obj, usage=usage)  # the usage chunk: summed at the end
+        choice = choices[0]
+        delta = choice.get("delta")
+        delta = delta if isinstance(delta, dict) else {}
+        content = delta.get("content")
+        text = content if isinstance(content, str) else ""
+        other = bool(delta.get("tool_calls"))
+        finish = bool(choice.get("finish_reason"))
+        kind = "text" if text else "pass" if other or finish else "drop"
+        return Piece(kind, obj, text=text, other=other, finish=finish, usage=usage)
+
+    def write(self, piece: Piece, text: str) -> bytes:
+        obj = piece.obj
+        if self.head is not None:
+            obj.update(self.head)
+        obj.pop("usage", None)
+        delta = obj["choices"][0].get("delta")
+        if isinstance(delta, dict):
+            delta.pop("role", None)
+            if piece.text:
+                delta["content"] = piece.text
+            else:
+                delta.pop("content", None)
+        return openai.sse_event(obj)
+
+    def close(self, usage: dict[str, Any] | None, text: str) -> bytes:
+        out = b""
+        if self.include_usage and usage is not None and self.head is not None:
+            out += openai.sse_event({**self.head, "choices": [], "usage": usage})
+        return out + openai.SSE_DONE if self.done else out
+
+
 class ChatDialect(Dialect):
     """``/v1/chat/completions``."""
 
@@ -83,7 +169,8 @@ class ChatDialect(Dialect):
     chat: ClassVar[bool] = True
     """Its answers are chat completions (not text completions)."""
     max_tokens_keys: ClassVar[tuple[str, ...]] = ("max_completion_tokens", "max_tokens")
-    continuation: ClassVar[str | None] = "continue_final_message"
+    continuation: ClassVar[str | None] = REGION_METHOD
+    seam = ChatSeam
     writer = ChatWriter
     types: ClassVar[dict[str, tuple[type, ...]]] = {
         **Dialect.types,
@@ -99,6 +186,22 @@ class ChatDialect(Dialect):
 
     def answer_id(self) -> str:
         return openai.completion_id(chat=True)
+
+    def continuable(self, body: dict[str, Any]) -> bool:
+        # One choice, whose text a final assistant message can carry.
+        return isinstance(body.get("messages"), list) and body.get("n", 1) == 1
+
+    def continuation_body(self, body: dict[str, Any], text: str, method: str) -> dict[str, Any]:
+        """The conversation plus the partial answer as a final assistant message; with
+        vLLM's and SGLang's switches for ``continue_final_message``."""
+        out = dict(body)
+        if method == "reissue":
+            return out
+        out["messages"] = [*body["messages"], {"role": "assistant", "content": text}]
+        if method == "continue_final_message":
+            out["continue_final_message"] = True
+            out["add_generation_prompt"] = False
+        return out
 
     def commits(self, event: SSEEvent) -> bool:
         data = event.data

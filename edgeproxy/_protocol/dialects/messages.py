@@ -22,6 +22,8 @@ from edgeproxy._core.errors import ProxyError
 from edgeproxy._protocol.dialects._base import (
     AnswerText,
     Dialect,
+    Piece,
+    Seam,
     StreamWriter,
     counted_io,
     loads,
@@ -34,6 +36,7 @@ __all__ = [
     "COUNT_TOKENS",
     "MESSAGES",
     "MessagesDialect",
+    "MessagesSeam",
     "MessagesWriter",
     "anthropic_error_type",
     "message_id",
@@ -154,6 +157,139 @@ class MessagesWriter(StreamWriter):
         )
 
 
+class MessagesSeam(Seam):
+    """A message continued across legs, by an assistant prefill: the client's one message
+    (its ``message_start`` and text block), into which each later leg's text goes on.
+
+    A later leg's ``message_start``, ``ping``s and the ``content_block_start`` of its first
+    block (the prefilled one) are dropped; its blocks are renumbered after the client's (its
+    first is the client's text block, or the next one when that block was already
+    stopped); its ``message_delta`` is held and written once at the end with the output
+    tokens summed over the legs, then one ``message_stop``.
+    """
+
+    def __init__(self, body: dict[str, Any]) -> None:
+        super().__init__(body)
+        self.index = 0  # the client's text block
+        self.open = False  # ... not stopped yet
+        self.merge = False  # the current leg's first block goes on in the client's
+        self.base = 0  # the current leg's block i is the client's block base + i
+        self.delta: dict[str, Any] | None = None  # the last leg's message_delta
+        self.done = False  # ... and its message_stop
+
+    def first(self, event: SSEEvent) -> Piece:
+        name = event.event
+        if name not in _SEAM_EVENTS:
+            return Piece()
+        obj = loads(event.data)
+        if not isinstance(obj, dict):
+            return Piece()
+        if name == "content_block_start":
+            block = obj.get("content_block")
+            if isinstance(block, dict) and block.get("type") == "text" and not self.open:
+                self.index, self.open = _index(obj), True
+                return Piece(text=str(block.get("text") or ""))
+            return Piece(other=True)
+        if name == "content_block_delta":
+            delta = obj.get("delta")
+            if (
+                isinstance(delta, dict)
+                and delta.get("type") == "text_delta"
+                and self.open
+                and _index(obj) == self.index
+            ):
+                return Piece(text=str(delta.get("text") or ""))
+            return Piece(other=True)
+        if name == "content_block_stop":
+            if _index(obj) == self.index:
+                self.open = False
+            return Piece()
+        return Piece(finish=True)  # message_delta, message_stop: the message ended
+
+    def start_leg(self) -> None:
+        self.merge = self.open
+        self.base = self.index if self.open else self.index + 1
+        self.delta = None
+        self.done = False
+
+    def later(self, event: SSEEvent) -> Piece:
+        name = event.event
+        if name == "error":
+            return Piece("raw")
+        if name not in _SEAM_EVENTS and name != "message_start":
+            return Piece()  # ping, and anything this splice does not know
+        obj = loads(event.data)
+        if not isinstance(obj, dict):
+            return Piece()
+        if name == "message_start":
+            message = obj.get("message")
+            usage = message.get("usage") if isinstance(message, dict) else None
+            return Piece(usage=usage if isinstance(usage, dict) else None)
+        if name == "message_delta":
+            self.delta = obj
+            usage = obj.get("usage")
+            return Piece("hold", obj, finish=True, usage=usage if isinstance(usage, dict) else None)
+        if name == "message_stop":
+            self.done = True
+            return Piece("hold", obj, finish=True)
+        index = _index(obj)
+        obj["index"] = self.base + index
+        if name == "content_block_start":
+            if index == 0 and self.merge:
+                return Piece()  # the prefilled block: the client's goes on
+            block = obj.get("content_block")
+            text = isinstance(block, dict) and block.get("type") == "text"
+            return Piece("pass", obj, other=not text)
+        if name == "content_block_delta":
+            delta = obj.get("delta")
+            if isinstance(delta, dict) and delta.get("type") == "text_delta":
+                return Piece("text", obj, text=str(delta.get("text") or ""))
+            return Piece("pass", obj, other=True)
+        return Piece("pass", obj)  # content_block_stop
+
+    def write(self, piece: Piece, text: str) -> bytes:
+        obj = piece.obj
+        kind = obj.get("type")
+        if kind == "content_block_delta":
+            obj["delta"]["text"] = piece.text
+        elif kind == "content_block_start":
+            block = obj.get("content_block")
+            if isinstance(block, dict) and block.get("type") == "text":
+                self.index, self.open = obj["index"], True
+        elif kind == "content_block_stop" and obj["index"] == self.index:
+            self.open = False
+        return _event(str(kind), obj)
+
+    def close(self, usage: dict[str, Any] | None, text: str) -> bytes:
+        out = b""
+        delta = self.delta
+        if delta is not None:
+            if usage is not None:
+                # The client read the input tokens in its message_start; the output is
+                # every leg's.
+                delta["usage"] = {"output_tokens": usage["completion_tokens"]}
+            out += _event("message_delta", delta)
+        if self.done:
+            out += _event("message_stop", {"type": "message_stop"})
+        return out
+
+
+_SEAM_EVENTS: Final = frozenset(
+    {
+        "content_block_start",
+        "content_block_delta",
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    }
+)
+
+
+def _index(obj: dict[str, Any]) -> int:
+    index = obj.get("index")
+    return index if isinstance(index, int) and not isinstance(index, bool) else 0
+
+
 class MessagesDialect(Dialect):
     """``/v1/messages``."""
 
@@ -161,6 +297,7 @@ class MessagesDialect(Dialect):
     anthropic = True
     prompt_keys: ClassVar[tuple[str, ...]] = ("system",)
     continuation: ClassVar[str | None] = "prefill"
+    seam = MessagesSeam
     heartbeat = PING
     writer = MessagesWriter
     unstreamable_as_json = False
@@ -228,6 +365,40 @@ class MessagesDialect(Dialect):
 
     def include_usage(self, body: dict[str, Any]) -> bool:
         return True  # message_start and message_delta always carry it
+
+    def continuable(self, body: dict[str, Any]) -> bool:
+        # Anthropic refuses an assistant prefill with extended thinking on.
+        thinking = body.get("thinking")
+        return (
+            self.streams
+            and isinstance(body.get("messages"), list)
+            and (not isinstance(thinking, dict) or thinking.get("type") in (None, "disabled"))
+        )
+
+    def prefilled(self, text: str) -> str:
+        # "final assistant content cannot end with trailing whitespace", Anthropic says.
+        return text.rstrip()
+
+    def continuation_body(self, body: dict[str, Any], text: str, method: str) -> dict[str, Any]:
+        """The conversation with the partial answer as an assistant prefill, which the
+        Messages API continues natively: a final assistant message, or the client's own
+        prefill with the answer's text after it."""
+        out = dict(body)
+        messages = list(body["messages"])
+        last = messages[-1] if messages else None
+        if isinstance(last, dict) and last.get("role") == "assistant":
+            content = last.get("content")
+            if isinstance(content, str):
+                content = self.prefilled(content + text)
+            elif isinstance(content, list):
+                content = [*content, {"type": "text", "text": self.prefilled(text)}]
+            else:
+                content = self.prefilled(text)
+            messages[-1] = {**last, "content": content}
+        else:
+            messages.append({"role": "assistant", "content": self.prefilled(text)})
+        out["messages"] = messages
+        return out
 
     def check(self, body: dict[str, Any]) -> ProxyError | None:
         err = super().check(body)
@@ -391,6 +562,7 @@ class CountTokensDialect(MessagesDialect):
 
     name = "messages.count_tokens"
     streams = False
+    continuation: ClassVar[str | None] = None
     required: ClassVar[tuple[str, ...]] = ("model", "messages")
 
 

@@ -24,6 +24,8 @@ from edgeproxy._core.errors import ProxyError
 from edgeproxy._protocol.dialects._base import (
     AnswerText,
     Dialect,
+    Piece,
+    Seam,
     StreamWriter,
     counted_io,
     loads,
@@ -32,7 +34,14 @@ from edgeproxy._protocol.dialects._base import (
 )
 from edgeproxy._protocol.sse import SSEEvent
 
-__all__ = ["RESPONSES", "ResponseText", "ResponsesDialect", "ResponsesWriter", "response_id"]
+__all__ = [
+    "RESPONSES",
+    "ResponseText",
+    "ResponsesDialect",
+    "ResponsesSeam",
+    "ResponsesWriter",
+    "response_id",
+]
 
 _ENDS: Final = frozenset({"response.completed", "response.incomplete", "response.failed"})
 # The roles of a message item, and the types of its text parts.
@@ -45,6 +54,12 @@ _ROLES: Final = {
 _TEXT_PARTS: Final = ("input_text", "output_text")
 # Items that say nothing of the conversation's text: a reasoning model's own reasoning.
 _SILENT_ITEMS: Final = frozenset({"reasoning"})
+# What a new leg of a continued response opens with, which the client had already.
+_OPENING: Final = frozenset({"response.created", "response.queued", "response.in_progress"})
+# The events that close the text of the message item, each sent to the client once.
+_CLOSING: Final = frozenset(
+    {"response.output_text.done", "response.content_part.done", "response.output_item.done"}
+)
 # Chat's finish reasons as a response's status and why it is incomplete.
 _INCOMPLETE: Final = {"length": "max_output_tokens", "content_filter": "content_filter"}
 
@@ -186,6 +201,174 @@ def _text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
+class ResponsesSeam(Seam):
+    """A response continued across legs, by reissuing the request: the client's one
+    response, its id and its message item's, and one run of ``sequence_number`` values.
+
+    A later leg's opening events (``response.created``, ``response.in_progress``, its
+    message item's ``output_item.added`` and ``content_part.added``) are dropped; its text
+    deltas go on in the client's item, renumbered after the client's last event; the events
+    closing the item carry the whole text (once each: a break after one came does not send
+    it twice), and its ``response.completed`` is held and written once at the end, with
+    the first leg's ids, the whole text and the legs' usage summed.
+    """
+
+    def __init__(self, body: dict[str, Any]) -> None:
+        super().__init__(body)
+        self.response: dict[str, Any] = {}  # the client's response: its id, created_at
+        self.item: str | None = None  # the client's message item
+        self.output_index = 0
+        self.content_index = 0
+        self.closed: set[str] = set()  # the closing events the client got
+        self.leg_item: str | None = None  # the current leg's message item
+        self.end: dict[str, Any] | None = None  # the last leg's response.completed
+
+    def _read(self, event: SSEEvent) -> tuple[str, dict[str, Any]] | None:
+        obj = loads(event.data)
+        if not isinstance(obj, dict):
+            return None
+        name = event.event or obj.get("type")
+        return (name, obj) if isinstance(name, str) else None
+
+    def first(self, event: SSEEvent) -> Piece:
+        read = self._read(event)
+        if read is None:
+            return Piece()
+        name, obj = read
+        sequence = obj.get("sequence_number")
+        if isinstance(sequence, int) and not isinstance(sequence, bool):
+            self.sequence = sequence + 1
+        if name == "response.created":
+            response = obj.get("response")
+            if isinstance(response, dict):
+                self.response = {k: response[k] for k in ("id", "created_at") if k in response}
+            return Piece()
+        if name == "response.output_item.added":
+            item = obj.get("item")
+            if isinstance(item, dict) and item.get("type") == "message" and self.item is None:
+                self.item = item.get("id")
+                self.output_index = _int(obj.get("output_index"))
+                return Piece()
+            return Piece(other=True)
+        if name == "response.content_part.added":
+            part = obj.get("part")
+            if isinstance(part, dict) and part.get("type") == "output_text":
+                self.content_index = _int(obj.get("content_index"))
+                return Piece()
+            return Piece(other=True)
+        if name == "response.output_text.delta" and obj.get("item_id") == self.item:
+            return Piece(text=str(obj.get("delta") or ""))
+        if (
+            name in _CLOSING
+            and self.item is not None
+            and obj.get("item_id", _item_id(obj)) == self.item
+        ):
+            self.closed.add(name)
+            return Piece()
+        if name in _ENDS:
+            return Piece(finish=True)
+        return Piece(other=name.endswith(".delta"))
+
+    def start_leg(self) -> None:
+        self.leg_item = None
+        self.end = None
+
+    def later(self, event: SSEEvent) -> Piece:
+        read = self._read(event)
+        if read is None:
+            return Piece()
+        name, obj = read
+        if name in _OPENING:
+            return Piece()
+        if name == "response.output_item.added":
+            item = obj.get("item")
+            if isinstance(item, dict) and item.get("type") == "message" and self.leg_item is None:
+                self.leg_item = item.get("id")
+                return Piece()
+            return Piece("pass", obj, other=True)
+        ours = self.leg_item is not None and obj.get("item_id", _item_id(obj)) == self.leg_item
+        if name == "response.content_part.added" and ours:
+            return Piece()
+        if name == "response.output_text.delta" and ours:
+            return Piece("text", obj, text=str(obj.get("delta") or ""))
+        if name in _CLOSING and ours:
+            return Piece() if name in self.closed else Piece("pass", obj)
+        if name in ("response.completed", "response.incomplete"):
+            self.end = obj
+            response = obj.get("response")
+            usage = response.get("usage") if isinstance(response, dict) else None
+            return Piece("hold", obj, finish=True, usage=usage if isinstance(usage, dict) else None)
+        return Piece("pass", obj, other=name.endswith(".delta"))
+
+    def write(self, piece: Piece, text: str) -> bytes:
+        obj = piece.obj
+        name = str(obj.get("type"))
+        if self.leg_item is not None and obj.get("item_id") == self.leg_item:
+            obj["item_id"] = self.item
+            obj["output_index"] = self.output_index
+            obj["content_index"] = self.content_index
+        if piece.kind == "text":
+            obj["delta"] = piece.text
+        elif name == "response.output_text.done":
+            obj["text"] = text
+        elif name == "response.content_part.done" and isinstance(obj.get("part"), dict):
+            obj["part"]["text"] = text
+        elif name == "response.output_item.done":
+            item = obj.get("item")
+            if isinstance(item, dict) and item.get("id") == self.leg_item:
+                self._as_client_item(item, text)
+                obj["output_index"] = self.output_index
+        elif name == "response.failed" and isinstance(obj.get("response"), dict):
+            obj["response"].update(self.response)
+        if name in _CLOSING:
+            self.closed.add(name)
+        return self._numbered(name, obj)
+
+    def close(self, usage: dict[str, Any] | None, text: str) -> bytes:
+        end = self.end
+        if end is None:
+            return b""
+        response = end.get("response")
+        if isinstance(response, dict):
+            response.update(self.response)
+            for item in response.get("output") or ():
+                if isinstance(item, dict) and item.get("id") == self.leg_item:
+                    self._as_client_item(item, text)
+            if usage is not None:
+                prompt, completion = usage["prompt_tokens"], usage["completion_tokens"]
+                reported = response.get("usage")
+                response["usage"] = {
+                    **(reported if isinstance(reported, dict) else {}),
+                    "input_tokens": prompt,
+                    "output_tokens": completion,
+                    "total_tokens": prompt + completion,
+                }
+        return self._numbered(str(end.get("type")), end)
+
+    def _as_client_item(self, item: dict[str, Any], text: str) -> None:
+        item["id"] = self.item
+        parts = item.get("content")
+        if isinstance(parts, list) and self.content_index < len(parts):
+            part = parts[self.content_index]
+            if isinstance(part, dict) and part.get("type") == "output_text":
+                part["text"] = text
+
+    def _numbered(self, name: str, obj: dict[str, Any]) -> bytes:
+        obj["sequence_number"] = self.sequence
+        self.sequence += 1
+        return _event(name, obj)
+
+
+def _int(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def _item_id(obj: dict[str, Any]) -> Any:
+    """The id of the item an ``output_item`` event carries."""
+    item = obj.get("item")
+    return item.get("id") if isinstance(item, dict) else None
+
+
 class ResponsesDialect(Dialect):
     """``/v1/responses``."""
 
@@ -194,6 +377,7 @@ class ResponsesDialect(Dialect):
     prompt_keys: ClassVar[tuple[str, ...]] = ("instructions", "input")
     turns: ClassVar[str | None] = "input"
     continuation: ClassVar[str | None] = "reissue"
+    seam = ResponsesSeam
     writer = ResponsesWriter
     unstreamable_as_json = False
     required: ClassVar[tuple[str, ...]] = ("model",)
@@ -322,6 +506,16 @@ class ResponsesDialect(Dialect):
 
     def include_usage(self, body: dict[str, Any]) -> bool:
         return True  # the response at its end always carries it
+
+    def continuable(self, body: dict[str, Any]) -> bool:
+        """Only a deterministic request that neither stores nor refers to state: the same
+        request again gives the same answer, and creates no second stored response."""
+        return (
+            self.deterministic(body)
+            and not self.stores(body)
+            and not self.state_refs(body)
+            and body.get("background") is not True
+        )
 
     def check(self, body: dict[str, Any]) -> ProxyError | None:
         err = super().check(body)
