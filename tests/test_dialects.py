@@ -204,6 +204,25 @@ def test_state_refs_and_what_stores() -> None:
         ("conversation", "conv_1")
     ]
     assert CHAT.state_refs({"messages": []}) == [] and not MESSAGES.stores({})
+    assert RESPONSES.stateful and not CHAT.stateful and not MESSAGES.stateful
+
+
+def test_the_404_of_each_state_ref_is_the_apis_own() -> None:
+    previous = RESPONSES.ref_not_found("previous_response_id", "resp_1")
+    assert (previous.status, previous.message, previous.param, previous.code) == (
+        404,
+        "Previous response with id 'resp_1' not found.",
+        "previous_response_id",
+        "previous_response_not_found",
+    )
+    conversation = RESPONSES.ref_not_found("conversation", "conv_1")
+    assert (conversation.status, conversation.message, conversation.param, conversation.code) == (
+        404,
+        "Conversation with id 'conv_1' not found.",
+        None,
+        None,
+    )
+    assert conversation.type == "invalid_request_error"
 
 
 def test_deterministic_and_max_tokens_by_api() -> None:

@@ -129,6 +129,9 @@ class Dialect:
     heartbeat: ClassVar[bytes] = HEARTBEAT
     """What a stream waiting for its first token is sent, again and again."""
     writer: ClassVar[type[StreamWriter]] = StreamWriter
+    stateful: ClassVar[bool] = False
+    """Its requests may refer to objects a server stores, or ask it to store one
+    (:meth:`state_refs`, :meth:`stores`)."""
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -173,6 +176,27 @@ class Dialect:
     def stores(self, body: dict[str, Any]) -> bool:
         """Whether the region is asked to store what it answers (a new owned object)."""
         return False
+
+    def created_id(self, answer: dict[str, Any]) -> str | None:
+        """The id of the object a JSON answer is, for a request that created or stored one
+        (OpenAI's objects all carry theirs as ``id``)."""
+        object_id = answer.get("id")
+        return object_id if isinstance(object_id, str) and object_id else None
+
+    def created_in(self, event: SSEEvent) -> str | None:
+        """The id of the stored object a stream's ``event`` announces, if it does: none
+        by default (the Responses API's ``response.created`` does)."""
+        return None
+
+    def ref_not_found(self, field: str, object_id: str) -> ProxyError:
+        """The API's own 404 for a request whose ``field`` (one :meth:`state_refs` named)
+        refers to ``object_id``, which no server holds."""
+        return ProxyError(
+            404,
+            "invalid_request_error",
+            f"No object found with id '{object_id}'.",
+            param=field,
+        )
 
     required: ClassVar[tuple[str, ...]] = ("model",)
     """Fields a request must have."""

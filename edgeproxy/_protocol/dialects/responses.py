@@ -29,6 +29,7 @@ from edgeproxy._protocol.dialects._base import (
     loads,
     tokens,
 )
+from edgeproxy._protocol.objects import CONVERSATIONS
 from edgeproxy._protocol.sse import SSEEvent
 
 __all__ = ["RESPONSES", "ResponsesDialect", "ResponsesWriter", "response_id"]
@@ -150,6 +151,7 @@ class ResponsesDialect(Dialect):
     turns: ClassVar[str | None] = "input"
     continuation: ClassVar[str | None] = "reissue"
     writer = ResponsesWriter
+    stateful = True
     required: ClassVar[tuple[str, ...]] = ("model",)
     types: ClassVar[dict[str, tuple[type, ...]]] = {
         "model": (str,),
@@ -205,6 +207,28 @@ class ResponsesDialect(Dialect):
 
     def stores(self, body: dict[str, Any]) -> bool:
         return body.get("store") is not False or bool(body.get("conversation"))
+
+    def created_in(self, event: SSEEvent) -> str | None:
+        # The stream's first event, before any token: the stored response's id.
+        if event.event != "response.created":
+            return None
+        obj = loads(event.data)
+        response = obj.get("response") if isinstance(obj, dict) else None
+        return self.created_id(response) if isinstance(response, dict) else None
+
+    def ref_not_found(self, field: str, object_id: str) -> ProxyError:
+        if field == "previous_response_id":
+            return ProxyError(
+                404,
+                "invalid_request_error",
+                f"Previous response with id '{object_id}' not found.",
+                code="previous_response_not_found",
+                param=field,
+            )
+        if field == "conversation":
+            # OpenAI names neither the field nor a code here.
+            return CONVERSATIONS.not_found(object_id)
+        return super().ref_not_found(field, object_id)
 
     def check(self, body: dict[str, Any]) -> ProxyError | None:
         err = super().check(body)
