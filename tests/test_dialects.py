@@ -205,6 +205,25 @@ def test_state_refs_and_what_stores() -> None:
     ]
     assert CHAT.state_refs({"messages": []}) == [] and not MESSAGES.stores({})
     assert RESPONSES.stateful and not CHAT.stateful and not MESSAGES.stateful
+    # Uploaded files in the input, vector stores in file_search: held by a region too.
+    body = {
+        **body,
+        "input": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "input_text", "text": "read this"},
+                    {"type": "input_file", "file_id": "file-1"},
+                ],
+            }
+        ],
+        "tools": [{"type": "file_search", "vector_store_ids": ["vs_1", "vs_2"]}],
+    }
+    assert RESPONSES.state_refs(body) == [("input", "file-1"), ("tools", "vs_1"), ("tools", "vs_2")]
+    assert RESPONSES.ref_not_found("input", "file-1").message == "No such File object: file-1"
+    assert RESPONSES.ref_not_found("tools", "vs_1").message == (
+        "No vector store found with id 'vs_1'."
+    )
 
 
 def test_the_404_of_each_state_ref_is_the_apis_own() -> None:

@@ -137,6 +137,32 @@ async def test_vector_stores_their_files_and_searches(two_pops: Pops) -> None:
     assert misses(regions) == 0
 
 
+async def test_responses_go_to_the_files_and_vector_stores_they_read(two_pops: Pops) -> None:
+    regions, (a, b), _ = two_pops
+    for index in range(4):
+        made = await upload(a, f"notes {index}".encode(), "notes.txt")
+        file_id, owner = made.parse().id, region_of(made)
+        store = (await a.vector_stores.create(file_ids=[file_id])).id
+        part = {"type": "input_file", "file_id": file_id}
+        raw = await b.responses.with_raw_response.create(
+            model="fake-llm",
+            input=[{"role": "user", "content": [{"type": "input_text", "text": "sum up"}, part]}],
+        )
+        assert region_of(raw) == owner
+        raw = await b.responses.with_raw_response.create(
+            model="fake-llm",
+            input="what do the notes say?",
+            tools=[{"type": "file_search", "vector_store_ids": [store]}],
+        )
+        assert region_of(raw) == owner
+        # The answer is the chain's start: its follow-up stays there.
+        follow = await a.responses.with_raw_response.create(
+            model="fake-llm", input="and?", previous_response_id=raw.parse().id
+        )
+        assert region_of(follow) == owner
+    assert misses(regions) == 0
+
+
 async def test_a_file_held_by_another_region_than_the_vector_store_is_the_apis_404(
     two_pops: Pops,
 ) -> None:
@@ -418,6 +444,9 @@ def test_a_stream_announces_the_stored_response_in_its_first_event() -> None:
     )
     assert created_id(RESPONSES_DIALECT, created, sse=True) == "resp_1"
     assert created_id(OPENAI, created, sse=True) is None  # only the Responses API's does
+    # Its type in its data alone, as some servers send it.
+    data_only = b'data: {"type": "response.created", "response": {"id": "resp_2"}}\n\n'
+    assert created_id(RESPONSES_DIALECT, data_only, sse=True) == "resp_2"
     assert (
         created_id(RESPONSES_DIALECT, b"event: response.in_progress\ndata: {}\n\n", sse=True)
         is None

@@ -6,8 +6,8 @@ vLLM's stores all keep it where it was made, and a request for it elsewhere gets
 the region that answers a request creating such an object is remembered as its **owner**
 (:meth:`Owners.remember`), and a request that refers to one (:func:`stateful_request`) is
 routed to the owner alone. What creates an object and what refers to one is the API's
-knowledge, not this module's: the paths and body fields of the stored collections are
-:mod:`edgeproxy._protocol.objects`', and a dialect names what its requests refer to
+knowledge, not this module's: the paths and body fields of the stored collections are in
+:mod:`edgeproxy._protocol.objects`, and a dialect names what its requests refer to
 (``state_refs``: the Responses API's ``previous_response_id`` and ``conversation``) and
 whether they store their answer (``stores``).
 

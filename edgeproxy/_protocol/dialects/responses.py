@@ -2,7 +2,9 @@
 
 A request's prompt is its ``instructions`` and ``input`` (a string or a list of
 items); it refers to stored state through ``previous_response_id`` and
-``conversation``, and asks the region to store its answer unless ``store`` is false.
+``conversation`` (and to uploaded files and vector stores through its input's parts and
+its ``file_search`` tools), and asks the region to store its answer unless ``store`` is
+false.
 
 A stream is named events (``event: response.output_text.delta`` and its ``data``), each
 with a ``sequence_number`` that increases from 0. It opens with ``response.created`` and
@@ -29,12 +31,14 @@ from edgeproxy._protocol.dialects._base import (
     loads,
     tokens,
 )
-from edgeproxy._protocol.objects import CONVERSATIONS
+from edgeproxy._protocol.objects import CONVERSATIONS, FILES, VECTOR_STORES
 from edgeproxy._protocol.sse import SSEEvent
 
 __all__ = ["RESPONSES", "ResponsesDialect", "ResponsesWriter", "response_id"]
 
 _ENDS: Final = frozenset({"response.completed", "response.incomplete", "response.failed"})
+# Input items, their parts and tools read for the stored objects they name.
+_MAX_SCANNED: Final = 1_000
 # Chat's finish reasons as a response's status and why it is incomplete.
 _INCOMPLETE: Final = {"length": "max_output_tokens", "content_filter": "content_filter"}
 
@@ -203,17 +207,38 @@ class ResponsesDialect(Dialect):
             conversation = conversation.get("id")
         if isinstance(conversation, str) and conversation:
             refs.append(("conversation", conversation))
+        # Uploaded files in the input (an input_file's or an input_image's file_id), and the
+        # vector stores file_search reads: the region holding them must answer too.
+        given = body.get("input")
+        if isinstance(given, list):
+            for item in given[:_MAX_SCANNED]:
+                parts = item.get("content") if isinstance(item, dict) else None
+                if not isinstance(parts, list):
+                    continue
+                for part in parts[:_MAX_SCANNED]:
+                    file_id = part.get("file_id") if isinstance(part, dict) else None
+                    if isinstance(file_id, str) and file_id:
+                        refs.append(("input", file_id))
+        tools = body.get("tools")
+        if isinstance(tools, list):
+            for tool in tools[:_MAX_SCANNED]:
+                stores = tool.get("vector_store_ids") if isinstance(tool, dict) else None
+                if isinstance(stores, list):
+                    refs.extend(("tools", s) for s in stores[:_MAX_SCANNED] if isinstance(s, str))
         return refs
 
     def stores(self, body: dict[str, Any]) -> bool:
         return body.get("store") is not False or bool(body.get("conversation"))
 
     def created_in(self, event: SSEEvent) -> str | None:
-        # The stream's first event, before any token: the stored response's id.
-        if event.event != "response.created":
+        # The stream's first event, before any token: the stored response's id. Its type is
+        # in its data too (some servers send no event line).
+        if event.event not in ("response.created", None):
             return None
         obj = loads(event.data)
-        response = obj.get("response") if isinstance(obj, dict) else None
+        if not isinstance(obj, dict) or obj.get("type", event.event) != "response.created":
+            return None
+        response = obj.get("response")
         return self.created_id(response) if isinstance(response, dict) else None
 
     def ref_not_found(self, field: str, object_id: str) -> ProxyError:
@@ -228,6 +253,10 @@ class ResponsesDialect(Dialect):
         if field == "conversation":
             # OpenAI names neither the field nor a code here.
             return CONVERSATIONS.not_found(object_id)
+        if field == "input":
+            return FILES.not_found(object_id)
+        if field == "tools":
+            return VECTOR_STORES.not_found(object_id)
         return super().ref_not_found(field, object_id)
 
     def check(self, body: dict[str, Any]) -> ProxyError | None:
