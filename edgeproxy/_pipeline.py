@@ -41,18 +41,18 @@ from edgeproxy._stages.fallback import Degraded, FallbackStage
 from edgeproxy._stages.heartbeat import Heartbeat, start_heartbeat
 from edgeproxy._stages.models import ModelList
 from edgeproxy._stages.owners import (
-    RESPONSES_PATH,
     Owners,
+    StatefulRequest,
     created_id,
-    creates_state,
     owner_unavailable,
-    state_ref,
+    stateful_request,
 )
 from edgeproxy._stages.poison import Poison
 from edgeproxy._stages.relay import StreamStage
 from edgeproxy._stages.routeplan import RoutePlan
 from edgeproxy._stages.routing import Router
 from edgeproxy._stages.upstream import UpstreamStage
+from edgeproxy._upstream.pool import UpstreamError
 from edgeproxy._upstream.regions import RegionSet
 
 __all__ = ["JSON_BODY_LIMIT", "Pipeline"]
@@ -65,6 +65,8 @@ logger = logging.getLogger("edgeproxy")
 # arrives.
 SMALL_BODY = 64 * 1024
 JSON_BODY_LIMIT = 4 * 1024 * 1024
+# What is read of a JSON answer creating a stored object to find its id (objects are small).
+_CREATED_ANSWER_LIMIT = 1024 * 1024
 
 
 class Pipeline:
@@ -92,7 +94,8 @@ class Pipeline:
         )
         self.stream = StreamStage(plugins, Compression(config))
         self.admission = AdmissionStage(config, poison=self.poison)
-        # Where each stored object lives (a Responses API response): its follow-ups go there.
+        # Where each stored object lives (a stored response, a conversation, a file, a batch,
+        # a vector store): the requests that refer to it go there.
         self.owners = Owners(config.stateful, clock=regions.clock)
         self.models = ModelList(config, regions, self.failover)
         self.in_flight = 0
@@ -176,6 +179,7 @@ class Pipeline:
             shed: ProxyError | None = None
             route: RoutePlan | Failure | None = None  # the regions ranked, or why none
             owner: str | None = None  # the one region holding the request's state
+            state: StatefulRequest | None = None  # the stored objects it refers to or makes
             try:
                 admitted = await self.admission.admit(request, ctx)
             except Overloaded as err:
@@ -200,10 +204,12 @@ class Pipeline:
                     if answer is not None:
                         response = answer
                         return response
-                # A request referring to a stored object goes to the region holding it (the
-                # path tested here: no coroutine for every other request).
-                if self.owners.enabled and RESPONSES_PATH in ctx.target:
-                    owner = await self._owner(ctx)
+                # A request referring to a stored object goes to the region holding it (no
+                # coroutine for the others: most requests have nothing to do with one).
+                if self.owners.enabled:
+                    state = stateful_request(ctx)
+                    if state is not None and state.refs:
+                        owner = await self._owner(state)
                 # route: the one ranked plan that failover, hedging and continuation draw on.
                 if "edgeproxy_route" in active:
                     route = await self.obtainer.route(request, ctx, owner=owner)
@@ -238,13 +244,8 @@ class Pipeline:
             # stream: relay chunk by chunk to the client; with the route's continue_on_break,
             # a stream that breaks after tokens were sent goes on at another region.
             upstream = obtained
-            if (
-                self.owners.enabled
-                and RESPONSES_PATH in ctx.target
-                and upstream.status == 200
-                and creates_state(ctx)
-            ):
-                await self._remember(upstream)
+            if state is not None and state.creates and 200 <= upstream.status < 300:
+                await self._remember(upstream, state)
             plan = route if isinstance(route, RoutePlan) else None
             if plan is not None and plan.affinity is not None:
                 plan.routed(upstream.region)  # its KV cache now holds the prompt
@@ -301,26 +302,52 @@ class Pipeline:
             if not self.in_flight and self._idle_waiters:
                 self._now_idle()
 
-    async def _owner(self, ctx: RequestContext) -> str | None:
-        """The region holding the object ``ctx`` refers to; None when it refers to none.
-        Raises the API's own 404 for an object no region is known to hold."""
-        ref = state_ref(ctx)
-        if ref is None:
-            return None
-        owner = await self.owners.owner(ref.id)
-        if owner is None and len(self.regions.by_name) == 1:
-            return None  # one region: it is the owner, whoever made the object
-        if owner is None or owner not in self.regions.by_name:
-            # Unknown here and in Redis, or its region is gone from the config.
-            self.owners.unknown_total += 1
-            raise ref.not_found()
+    async def _owner(self, state: StatefulRequest) -> str | None:
+        """The region holding the objects a request refers to; None when any may answer
+        it (a single region). Raises the API's own 404 for an object no region is known
+        to hold, or held apart from the others (no region holds them all)."""
+        refs = state.refs
+        owners = self.owners
+        if len(refs) == 1:
+            found = [await owners.owner(refs[0].id)]
+        else:
+            found = await asyncio.gather(*(owners.owner(ref.id) for ref in refs))
+        regions = self.regions.by_name
+        single = len(regions) == 1
+        owner: str | None = None
+        for ref, region in zip(refs, found, strict=True):
+            if region is None or region not in regions:
+                if single:
+                    continue  # one region: it is the owner, whoever made the object
+                # Unknown here and in Redis, or its region is gone from the config.
+                owners.unknown_total += 1
+                raise ref.not_found()
+            if owner is None:
+                owner = region
+            elif region != owner:
+                # The first object's region does not hold this one: it would say so.
+                raise ref.not_found()
         return owner
 
-    async def _remember(self, upstream: AttemptResponse) -> None:
-        """The region that answered a request storing its answer owns what it stored; for a
-        JSON answer, known in Redis before the client has the id."""
+    async def _remember(self, upstream: AttemptResponse, state: StatefulRequest) -> None:
+        """The region that answered a request creating an object owns it; for a JSON
+        answer, known in Redis before the client has the id."""
         attempt = upstream.attempt
-        object_id = created_id(attempt.first or b"", attempt.sse)
+        first = attempt.first or b""
+        object_id = created_id(state.dialect, first, attempt.sse)
+        if object_id is None and not attempt.sse and not attempt.eof:
+            # Only an LLM endpoint's JSON answer is held whole: read on until the id is in.
+            try:
+                first = await upstream.read_more(_CREATED_ANSWER_LIMIT)
+            except UpstreamError as exc:
+                logger.warning("region %s broke its answer: %s", upstream.region.name, exc)
+                raise ProxyError(
+                    502,
+                    "upstream_error",
+                    "the region broke its answer",
+                    code="upstream_stream_broken",
+                ) from None
+            object_id = created_id(state.dialect, first, attempt.sse)
         if object_id is None:
             return
         write = self.owners.remember(object_id, upstream.region.name)

@@ -202,6 +202,44 @@ def test_state_refs_and_what_stores() -> None:
         ("conversation", "conv_1")
     ]
     assert CHAT.state_refs({"messages": []}) == [] and not MESSAGES.stores({})
+    assert RESPONSES.keeps_state and not CHAT.keeps_state and not MESSAGES.keeps_state
+    # Uploaded files in the input, vector stores in file_search: held by a region too.
+    body = {
+        **body,
+        "input": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "input_text", "text": "read this"},
+                    {"type": "input_file", "file_id": "file-1"},
+                ],
+            }
+        ],
+        "tools": [{"type": "file_search", "vector_store_ids": ["vs_1", "vs_2"]}],
+    }
+    assert RESPONSES.state_refs(body) == [("input", "file-1"), ("tools", "vs_1"), ("tools", "vs_2")]
+    assert RESPONSES.ref_not_found("input", "file-1").message == "No such File object: file-1"
+    assert RESPONSES.ref_not_found("tools", "vs_1").message == (
+        "No vector store found with id 'vs_1'."
+    )
+
+
+def test_the_404_of_each_state_ref_is_the_apis_own() -> None:
+    previous = RESPONSES.ref_not_found("previous_response_id", "resp_1")
+    assert (previous.status, previous.message, previous.param, previous.code) == (
+        404,
+        "Previous response with id 'resp_1' not found.",
+        "previous_response_id",
+        "previous_response_not_found",
+    )
+    conversation = RESPONSES.ref_not_found("conversation", "conv_1")
+    assert (conversation.status, conversation.message, conversation.param, conversation.code) == (
+        404,
+        "Conversation with id 'conv_1' not found.",
+        None,
+        None,
+    )
+    assert conversation.type == "invalid_request_error"
 
 
 def test_deterministic_and_max_tokens_by_api() -> None:

@@ -440,6 +440,33 @@ class AttemptResponse:
             raise
         attempt.body_done()
 
+    async def read_more(self, limit: int) -> bytes:
+        """The body's beginning, read on until it holds ``limit`` bytes or ended, and kept
+        to be relayed as it came: what a stage must see of a non-streamed answer before it
+        goes out. Raises the :class:`UpstreamError` of a body that broke meanwhile (counted
+        against the region)."""
+        attempt = self.attempt
+        first = attempt.first
+        if first is None or attempt.iterator is None or attempt.eof:
+            return first or b""
+        parts = [first]
+        size = len(first)
+        try:
+            while size < limit:
+                try:
+                    chunk = await anext(attempt.iterator)
+                except StopAsyncIteration:
+                    attempt.eof = True
+                    break
+                parts.append(chunk)
+                size += len(chunk)
+        except UpstreamError as exc:
+            attempt.broke(exc)
+            raise
+        finally:
+            attempt.first = b"".join(parts)
+        return attempt.first
+
     async def aclose(self) -> None:
         await self.attempt.discard()
 

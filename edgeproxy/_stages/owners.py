@@ -1,21 +1,26 @@
 """Which region holds each stored object: stateful requests go to their state.
 
-A Responses API response stored by a region (``store`` not false) exists in that region
-only: OpenAI, Azure OpenAI and vLLM's response store all keep it where it was made. A
-follow-up elsewhere gets 404 ``previous_response_not_found``. So the region that answers
-a request creating such an object is remembered as its **owner** (:meth:`Owners.remember`),
-and a request that refers to one (:func:`state_ref`: ``previous_response_id`` in the body,
-``/v1/responses/{id}`` and what is under it) is routed to the owner alone.
+An object a region stores exists in that region only: a Responses API response (``store``
+not false), a conversation, a file, a batch, a vector store. OpenAI, Azure OpenAI and
+vLLM's stores all keep it where it was made, and a request for it elsewhere gets 404. So
+the region that answers a request creating such an object is remembered as its **owner**
+(:meth:`Owners.remember`), and a request that refers to one (:func:`stateful_request`) is
+routed to the owner alone. What creates an object and what refers to one is the API's
+knowledge, not this module's: the paths and body fields of the stored collections are in
+:mod:`edgeproxy._protocol.objects`, and a dialect names what its requests refer to
+(``state_refs``: the Responses API's ``previous_response_id`` and ``conversation``) and
+whether they store their answer (``stores``).
 
 The map lives in each process's memory, and in Redis when ``[stateful]`` has one, so that
 every PoP and worker sharing that Redis knows every owner: a map from id to region, rather
 than the region written into the ids the client sees, because ids are opaque to the
-clients and to the SDKs that check them, and nothing of a region's name or address should
-reach a client. The Redis write of a JSON answer's id is waited for (at most
-``redis_timeout``) before the answer goes out, as a client may send its follow-up through
-another PoP at once; a stream's goes out at ``response.created`` and has the whole answer's
-time to land. A read that Redis does not answer within ``redis_timeout`` is answered from
-memory. With Redis down, a process knows the owners of the objects made through it.
+clients and to the SDKs that check them, objects quote each other's ids (a batch its input
+file, a vector store its files), and nothing of a region's name or address should reach a
+client. The Redis write of a JSON answer's id is waited for (at most ``redis_timeout``)
+before the answer goes out, as a client may send its follow-up through another PoP at
+once; a stream's goes out at ``response.created`` and has the whole answer's time to land.
+A read that Redis does not answer within ``redis_timeout`` is answered from memory. With
+Redis down, a process knows the owners of the objects made through it.
 
 A request whose object no process knows gets the API's own 404; one whose owner is
 unavailable gets 503 with ``Retry-After`` (never another region, which would answer 404).
@@ -33,6 +38,10 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from edgeproxy._core.errors import ProxyError
+from edgeproxy._protocol.dialects import Dialect, dialect_named
+from edgeproxy._protocol.endpoints import dialect_for
+from edgeproxy._protocol.objects import object_path
+from edgeproxy._protocol.sse import SSEEventTooLarge, SSEReader
 from edgeproxy._stages.redisclient import RedisClient, make_client
 
 if TYPE_CHECKING:
@@ -40,18 +49,16 @@ if TYPE_CHECKING:
     from edgeproxy._core.context import RequestContext
 
 __all__ = [
-    "RESPONSES_PATH",
     "Owners",
     "StateRef",
+    "StatefulRequest",
     "created_id",
-    "creates_state",
     "owner_unavailable",
-    "state_ref",
+    "stateful_request",
 ]
 
 logger = logging.getLogger("edgeproxy")
 
-RESPONSES_PATH = "/v1/responses"
 # Seconds nothing waits on a Redis that just failed (writes still go out, unwaited).
 _DOWN_FOR = 5.0
 
@@ -69,80 +76,86 @@ def owner_unavailable(retry_after: int) -> ProxyError:
 
 
 class StateRef:
-    """A request's reference to a stored object: its id, and where the reference is."""
+    """A request's reference to a stored object: its id, and the API's 404 for it."""
 
-    __slots__ = ("id", "param")
+    __slots__ = ("id", "_missing")
 
-    def __init__(self, object_id: str, param: str | None) -> None:
+    def __init__(self, object_id: str, missing: Callable[[str], ProxyError]) -> None:
         self.id = object_id
-        self.param = param  # the body field that names it; None: the path does
+        self._missing = missing
 
     def not_found(self) -> ProxyError:
         """The API's own 404 for an object no region is known to hold."""
-        if self.param == "previous_response_id":
-            return ProxyError(
-                404,
-                "invalid_request_error",
-                f"Previous response with id '{self.id}' not found.",
-                code="previous_response_not_found",
-                param=self.param,
-            )
-        return ProxyError(
-            404,
-            "invalid_request_error",
-            f"Response with id '{self.id}' not found.",
-            code="response_not_found",
-        )
+        return self._missing(self.id)
 
 
-def state_ref(ctx: RequestContext) -> StateRef | None:
-    """The stored object ``ctx`` refers to, or None (most requests)."""
+class StatefulRequest:
+    """What a request has to do with stored objects: those it refers to, in the order the
+    API reads them, whether its answer creates one, and the dialect that reads its id."""
+
+    __slots__ = ("refs", "creates", "dialect")
+
+    def __init__(self, refs: list[StateRef], creates: bool, dialect: Dialect) -> None:
+        self.refs = refs
+        self.creates = creates
+        self.dialect = dialect
+
+
+def stateful_request(ctx: RequestContext) -> StatefulRequest | None:
+    """What ``ctx`` has to do with stored objects; None for most requests (nothing)."""
     path = ctx.path
-    if RESPONSES_PATH not in path:
+    target = object_path(path)
+    facts = ctx.facts
+    dialect = dialect_named(facts.dialect) if facts is not None else dialect_for(path)
+    if target is None and not dialect.keeps_state:
         return None
-    head, _, rest = path.partition(RESPONSES_PATH)
-    if rest.startswith("/"):
-        # GET/DELETE /v1/responses/{id}, .../input_items, POST .../cancel
-        object_id = rest[1:].split("/", 1)[0]
-        return StateRef(object_id, None) if object_id else None
-    if rest or ctx.method != "POST":
-        return None
-    body = ctx.json
+    refs: list[StateRef] = []
+    creates = False
+    if target is not None and target.object_id is not None:
+        # /v1/files/{id}/content, /v1/conversations/{id}/items...: whatever the method.
+        refs.append(StateRef(target.object_id, target.kind.not_found))
+    post = ctx.method == "POST"
+    # A body that is not JSON (a file's multipart upload) is not parsed: ctx.json is None.
+    body = ctx.json if post else None
     if isinstance(body, dict):
-        previous = body.get("previous_response_id")
-        if isinstance(previous, str) and previous:
-            return StateRef(previous, "previous_response_id")
-    return None
+        if dialect.keeps_state:
+            for field, object_id in dialect.state_refs(body):
+                refs.append(StateRef(object_id, _field_missing(dialect.ref_not_found, field)))
+            creates = dialect.stores(body)
+        elif target is not None:
+            for _, object_id, kind in target.kind.body_refs(body):
+                refs.append(StateRef(object_id, kind.not_found))
+    if post and target is not None and target.object_id is None and target.kind.creates:
+        creates = True  # POST /v1/files, /v1/batches...: the answer's id is the new object's
+    if not refs and not creates:
+        return None
+    return StatefulRequest(refs, creates, dialect)
 
 
-def creates_state(ctx: RequestContext) -> bool:
-    """Whether ``ctx`` asks a region to store what it answers (a Responses request with
-    ``store`` not false)."""
-    if ctx.method != "POST" or not ctx.path.endswith(RESPONSES_PATH):
-        return False
-    body = ctx.json
-    return isinstance(body, dict) and body.get("store") is not False
+def _field_missing(
+    not_found: Callable[[str, str], ProxyError], field: str
+) -> Callable[[str], ProxyError]:
+    return lambda object_id: not_found(field, object_id)
 
 
-def created_id(first: bytes, sse: bool) -> str | None:
-    """The id of the response a region made, from its JSON answer or from the first event
-    of its stream (``response.created``)."""
+def created_id(dialect: Dialect, first: bytes, sse: bool) -> str | None:
+    """The id of the object a region made, as ``dialect`` reads it: from its JSON answer
+    (held whole, or its beginning), or from the events its stream opens with."""
     if sse:
-        for line in first.split(b"\n"):
-            if line.startswith(b"data:") and b'"response.created"' in line:
-                first = line[5:]
-                break
-        else:
+        try:
+            events = SSEReader().feed(first)
+        except SSEEventTooLarge:
             return None
+        for event in events:
+            object_id = dialect.created_in(event)
+            if object_id is not None:
+                return object_id
+        return None
     try:
         answer = orjson.loads(first)
     except orjson.JSONDecodeError:
         return None
-    if not isinstance(answer, dict):
-        return None
-    inner = answer.get("response") if sse else answer
-    object_id = inner.get("id") if isinstance(inner, dict) else None
-    return object_id if isinstance(object_id, str) and object_id else None
+    return dialect.created_id(answer) if isinstance(answer, dict) else None
 
 
 class Owners:

@@ -19,6 +19,7 @@ from urllib.parse import parse_qs
 
 from edgeproxy.testing import _content as content
 from edgeproxy.testing import _messages as messages
+from edgeproxy.testing import _objects
 from edgeproxy.testing import _responses as responses
 from edgeproxy.testing._behavior import Behavior
 from edgeproxy.testing._exchange import (
@@ -47,13 +48,16 @@ def route(
     metrics: Callable[[], Reply],
     store: responses.ResponseStore,
     seen: messages.SeenHeaders,
+    objects: _objects.ObjectStore,
 ) -> Reply:
     path, method = ex.path, ex.method
     if path == "/v1/responses":
         _require_method(method, "POST")
-        return responses.create(parse_json_object(body), behavior, region_model, store)
+        return responses.create(parse_json_object(body), behavior, region_model, store, objects)
     if path.startswith("/v1/responses/"):
         return responses.route(ex, store)
+    if any(path == c or path.startswith(c + "/") for c in _objects.COLLECTIONS):
+        return _objects.route(ex, body, objects)
     if path in ("/v1/messages", "/v1/messages/count_tokens"):
         seen.record(ex)
         _require_method(method, "POST")

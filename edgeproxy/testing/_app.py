@@ -55,6 +55,7 @@ from edgeproxy.testing._load import (
     spoiled_orca_header,
 )
 from edgeproxy.testing._messages import SeenHeaders
+from edgeproxy.testing._objects import ObjectStore
 from edgeproxy.testing._responses import DEFAULT_CAPACITY, ResponseStore
 
 _CONNECTIONS_PRUNE_AT: Final = 512
@@ -132,6 +133,14 @@ class Counters:
     response_lookup_misses_total: int = 0
     """Those that did not (answered 404)."""
 
+    # Conversations, files, batches and vector stores (see edgeproxy.testing._objects).
+    objects_stored: int = 0
+    """Objects of the four kinds stored now (a gauge)."""
+    object_lookups_total: int = 0
+    """Requests naming one of them (by path, or a body's file ids) that found it."""
+    object_lookup_misses_total: int = 0
+    """Those that did not (answered the API's 404)."""
+
     @property
     def kv_hit_rate(self) -> float:
         """``cached_tokens_total / prompt_tokens_total`` (0.0 before any prompt)."""
@@ -172,6 +181,9 @@ class Counters:
             "previous_response_misses_total": self.previous_response_misses_total,
             "response_lookups_total": self.response_lookups_total,
             "response_lookup_misses_total": self.response_lookup_misses_total,
+            "objects_stored": self.objects_stored,
+            "object_lookups_total": self.object_lookups_total,
+            "object_lookup_misses_total": self.object_lookup_misses_total,
         }
 
 
@@ -266,6 +278,7 @@ class RegionApp:
         self._modelled_ttft = 0.0
         # The stateful APIs: stored responses, the Anthropic headers last seen.
         self.responses = ResponseStore(responses_capacity)
+        self.objects = ObjectStore()  # conversations, files, batches, vector stores
         self.seen = SeenHeaders()
 
     @property
@@ -289,6 +302,7 @@ class RegionApp:
             self._waiting.clear()
             self._kv_held = 0
         self.responses.clear()  # an in-memory store, as vLLM's
+        self.objects.clear()
 
     @property
     def stopping(self) -> bool:
@@ -330,6 +344,7 @@ class RegionApp:
 
     def counters(self) -> Counters:
         store = self.responses.counters()
+        objects = self.objects.counters()
         with self._lock:
             return Counters(
                 requests_total=self._requests_total,
@@ -362,6 +377,9 @@ class RegionApp:
                 previous_response_misses_total=store.previous_misses_total,
                 response_lookups_total=store.lookups_total,
                 response_lookup_misses_total=store.lookup_misses_total,
+                objects_stored=objects.stored,
+                object_lookups_total=objects.lookups_total,
+                object_lookup_misses_total=objects.lookup_misses_total,
             )
 
     def reset_counters(self) -> None:
@@ -385,6 +403,7 @@ class RegionApp:
             self._modelled_ttft = 0.0
             self._kv.evicted_total = 0
         self.responses.reset_counters()
+        self.objects.reset_counters()
 
     def clear_kv_cache(self) -> None:
         """Empty the prefix cache (blocks held by running requests stay held)."""
@@ -595,6 +614,7 @@ class RegionApp:
                         metrics=self._metrics_reply,
                         store=self.responses,
                         seen=self.seen,
+                        objects=self.objects,
                     )
                 )
             except BadRequest as exc:

@@ -37,7 +37,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, Protocol
 from urllib.parse import parse_qs
 
 from edgeproxy.testing import _content as content
@@ -59,6 +59,19 @@ DEFAULT_CAPACITY: Final = 10_000
 _MESSAGE_ROLES: Final = frozenset({"user", "assistant", "system", "developer"})
 _TEXT_PARTS: Final = frozenset({"input_text", "output_text", "text"})
 _SSE_HEADERS: Final = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+
+
+class Conversations(Protocol):
+    """The region's conversations, as a Responses request uses them (its
+    :class:`~edgeproxy.testing._objects.ObjectStore`)."""
+
+    def conversation_messages(self, conversation_id: str) -> list[Any]:
+        """The conversation's items as chat messages; the API's 404 if it is not here."""
+        ...
+
+    def add_to_conversation(
+        self, conversation_id: str, messages: list[Any], items: list[dict[str, Any]]
+    ) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,7 +185,7 @@ def _text_of(value: object, where: str) -> str | list[Any]:
     )
 
 
-def _read_input(raw: object) -> tuple[list[Any], list[dict[str, Any]]]:
+def read_input(raw: object) -> tuple[list[Any], list[dict[str, Any]]]:
     """The input as conversation messages, and as input items with ids."""
     if isinstance(raw, str):
         raw = [{"role": "user", "content": raw}]
@@ -352,12 +365,16 @@ class _Answer:
 
 
 def create(
-    request: dict[str, Any], behavior: Behavior, region_model: str, store: ResponseStore
+    request: dict[str, Any],
+    behavior: Behavior,
+    region_model: str,
+    store: ResponseStore,
+    objects: Conversations | None = None,
 ) -> Reply:
-    """``POST /v1/responses``."""
+    """``POST /v1/responses``; ``conversation`` is looked up in ``objects``."""
     if "input" not in request:
         raise BadRequest("'input' is required", param="input")
-    messages, items = _read_input(request["input"])
+    messages, items = read_input(request["input"])
     instructions = _optional(request, "instructions", str)
     stream = _optional(request, "stream", bool) or False
     keep = _optional(request, "store", bool) is not False
@@ -376,6 +393,20 @@ def create(
                 code="previous_response_not_found",
             )
         history = previous.history
+    conversation_id = request.get("conversation")
+    if isinstance(conversation_id, dict):
+        conversation_id = conversation_id.get("id")
+    if conversation_id is not None:
+        if not isinstance(conversation_id, str) or not conversation_id:
+            raise BadRequest("'conversation' must be an id or an object with one")
+        if previous_id is not None:
+            raise BadRequest(
+                "Mutually exclusive parameters: Ensure you are only providing one of: "
+                "'previous_response_id' or 'conversation'."
+            )
+        if objects is None:
+            raise BadRequest(f"Conversation with id '{conversation_id}' not found.", status=404)
+        history = tuple(objects.conversation_messages(conversation_id))
     model = request.get("model")
     model = model if isinstance(model, str) and model else region_model
 
@@ -394,10 +425,15 @@ def create(
     )
 
     def on_complete() -> None:
-        if keep:
-            said = {"role": "assistant", "content": "".join(words)}
+        said = {"role": "assistant", "content": "".join(words)}
+        if keep or conversation_id is not None:
             stored = StoredResponse(answer.final, (*history, *messages, said), tuple(items))
             store.put(stored)
+        if conversation_id is not None and objects is not None:
+            # The conversation goes on with this input and this answer.
+            objects.add_to_conversation(
+                conversation_id, [*messages, said], [*items, answer.item(done=True)]
+            )
 
     headers = [
         (b"x-fake-conversation-messages", str(len(convo)).encode()),

@@ -88,6 +88,9 @@ class FakeRegion:
     ``POST /v1/embeddings``, the Responses API (``POST /v1/responses``,
     ``GET``/``DELETE /v1/responses/{id}``, ``GET /v1/responses/{id}/input_items``,
     ``POST /v1/responses/{id}/cancel``; see :mod:`edgeproxy.testing._responses`),
+    conversations, files, batches and vector stores (``/v1/conversations``, ``/v1/files``,
+    ``/v1/batches``, ``/v1/vector_stores`` and what is under them; see
+    :mod:`edgeproxy.testing._objects`),
     Anthropic's Messages API (``POST /v1/messages``,
     ``POST /v1/messages/count_tokens``; see :mod:`edgeproxy.testing._messages`),
     ``GET /v1/models``, ``GET /healthz``,
@@ -101,7 +104,9 @@ class FakeRegion:
     delete them; another region answers 404 ``previous_response_not_found``.
     The store is emptied when the region (re)starts. :attr:`responses` shows
     it, :meth:`clear_responses` (or ``POST /_control/clear-responses``)
-    empties it, and :meth:`counters` counts its hits and misses.
+    empties it, and :meth:`counters` counts its hits and misses. So are its
+    conversations, files, batches and vector stores: each exists in the region that
+    made it, another answers the API's 404 (:attr:`objects` shows them).
     :attr:`anthropic_version` and :attr:`anthropic_beta` are the last such
     headers a Messages request carried.
 
@@ -334,6 +339,12 @@ class FakeRegion:
     def clear_responses(self) -> None:
         """Forget every stored response, as a restarted server would."""
         self._app.responses.clear()
+
+    @property
+    def objects(self) -> dict[str, dict[str, dict[str, Any]]]:
+        """The stored conversations, files, batches and vector stores, by kind
+        (``conversations``, ``files``, ``batches``, ``vector_stores``) and id (a snapshot)."""
+        return self._app.objects.snapshot()
 
     @property
     def anthropic_version(self) -> str | None:

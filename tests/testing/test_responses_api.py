@@ -180,14 +180,15 @@ async def test_another_region_does_not_know_the_chain(
 async def test_retrieve_input_items_cancel_and_delete(
     region: FakeRegion, client: openai.AsyncOpenAI, http: httpx.AsyncClient
 ) -> None:
+    conversation = (await client.conversations.create()).id
     first = await client.responses.create(
         model="m",
         input=[{"role": "user", "content": "one"}, {"role": "user", "content": "two"}],
-        conversation="conv_1",
+        conversation=conversation,
     )
     got = await client.responses.retrieve(first.id)
     assert got == first
-    assert got.conversation is not None and got.conversation.id == "conv_1"
+    assert got.conversation is not None and got.conversation.id == conversation
     items = await client.responses.input_items.list(first.id)
     texts = [item.content[0].text for item in items.data]  # type: ignore[union-attr]
     assert texts == ["two", "one"]  # newest first, as OpenAI lists them

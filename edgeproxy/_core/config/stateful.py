@@ -29,9 +29,11 @@ class StatefulConfig(Section):
     """Stateful requests go to the region that holds their state.
 
     A region that answers a request creating a stored object (a Responses API response
-    with ``store`` not false) is remembered as its owner: in this process, and in Redis
-    when one is set, so that every PoP and worker sends the object's follow-ups
-    (``previous_response_id``, ``GET``/``DELETE /v1/responses/{id}``...) to that region.
+    with ``store`` not false, a conversation, a file, a batch, a vector store) is
+    remembered as its owner: in this process, and in Redis when one is set, so that every
+    PoP and worker sends the requests that refer to the object (``previous_response_id``,
+    ``conversation``, ``/v1/files/{id}/content``, a batch's ``input_file_id``...) to that
+    region.
     """
 
     enabled: bool = Field(

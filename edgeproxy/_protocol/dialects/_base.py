@@ -250,6 +250,10 @@ class Dialect:
     client that asked for a stream (embeddings and other objects of OpenAI-style servers);
     False: the cache asks a region instead, since the API's clients read nothing else."""
 
+    keeps_state: ClassVar[bool] = False
+    """Its requests may refer to objects a server stores, or ask it to store one
+    (:meth:`state_refs`, :meth:`stores`)."""
+
     # -- requests ----------------------------------------------------------------------------
 
     def model(self, body: dict[str, Any]) -> str | None:
@@ -342,7 +346,7 @@ class Dialect:
     def stateless(self, body: dict[str, Any]) -> bool:
         """Whether the answer neither is stored by the region nor depends on anything stored:
         then another client may be given it again."""
-        return not self.stores(body) and not self.state_refs(body)
+        return not self.stores(body) and not self.stateful(body)
 
     def cacheable(self, body: dict[str, Any]) -> bool:
         """Whether the answer may be kept and given to the same request again: the request
@@ -353,6 +357,27 @@ class Dialect:
         """Whether a streamed answer is to end with its usage: OpenAI's streams carry it only
         when ``stream_options.include_usage`` asks (in a chunk of its own)."""
         return asks_usage(body)
+
+    def created_id(self, answer: dict[str, Any]) -> str | None:
+        """The id of the object a JSON answer is, for a request that created or stored one
+        (OpenAI's objects all carry theirs as ``id``)."""
+        object_id = answer.get("id")
+        return object_id if isinstance(object_id, str) and object_id else None
+
+    def created_in(self, event: SSEEvent) -> str | None:
+        """The id of the stored object a stream's ``event`` announces, if it does: none
+        by default (the Responses API's ``response.created`` does)."""
+        return None
+
+    def ref_not_found(self, field: str, object_id: str) -> ProxyError:
+        """The API's own 404 for a request whose ``field`` (one :meth:`state_refs` named)
+        refers to ``object_id``, which no server holds."""
+        return ProxyError(
+            404,
+            "invalid_request_error",
+            f"No object found with id '{object_id}'.",
+            param=field,
+        )
 
     required: ClassVar[tuple[str, ...]] = ("model",)
     """Fields a request must have."""

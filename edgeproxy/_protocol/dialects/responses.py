@@ -2,7 +2,9 @@
 
 A request's prompt is its ``instructions`` and ``input`` (a string or a list of
 items); it refers to stored state through ``previous_response_id`` and
-``conversation``, and asks the region to store its answer unless ``store`` is false.
+``conversation`` (and to uploaded files and vector stores through its input's parts and
+its ``file_search`` tools), and asks the region to store its answer unless ``store`` is
+false.
 
 A stream is named events (``event: response.output_text.delta`` and its ``data``), each
 with a ``sequence_number`` that increases from 0. It opens with ``response.created`` and
@@ -32,6 +34,7 @@ from edgeproxy._protocol.dialects._base import (
     text_parts,
     tokens,
 )
+from edgeproxy._protocol.objects import CONVERSATIONS, FILES, VECTOR_STORES
 from edgeproxy._protocol.sse import SSEEvent
 
 __all__ = [
@@ -60,6 +63,9 @@ _OPENING: Final = frozenset({"response.created", "response.queued", "response.in
 _CLOSING: Final = frozenset(
     {"response.output_text.done", "response.content_part.done", "response.output_item.done"}
 )
+
+# Input items, their parts and tools read for the stored objects they name.
+_MAX_SCANNED: Final = 1_000
 # Chat's finish reasons as a response's status and why it is incomplete.
 _INCOMPLETE: Final = {"length": "max_output_tokens", "content_filter": "content_filter"}
 
@@ -380,6 +386,8 @@ class ResponsesDialect(Dialect):
     seam = ResponsesSeam
     writer = ResponsesWriter
     unstreamable_as_json = False
+
+    keeps_state = True
     required: ClassVar[tuple[str, ...]] = ("model",)
     types: ClassVar[dict[str, tuple[type, ...]]] = {
         "model": (str,),
@@ -495,14 +503,28 @@ class ResponsesDialect(Dialect):
             conversation = conversation.get("id")
         if isinstance(conversation, str) and conversation:
             refs.append(("conversation", conversation))
+        # Uploaded files in the input (an input_file's or an input_image's file_id), and the
+        # vector stores file_search reads: the region holding them must answer too.
+        given = body.get("input")
+        if isinstance(given, list):
+            for item in given[:_MAX_SCANNED]:
+                parts = item.get("content") if isinstance(item, dict) else None
+                if not isinstance(parts, list):
+                    continue
+                for part in parts[:_MAX_SCANNED]:
+                    file_id = part.get("file_id") if isinstance(part, dict) else None
+                    if isinstance(file_id, str) and file_id:
+                        refs.append(("input", file_id))
+        tools = body.get("tools")
+        if isinstance(tools, list):
+            for tool in tools[:_MAX_SCANNED]:
+                stores = tool.get("vector_store_ids") if isinstance(tool, dict) else None
+                if isinstance(stores, list):
+                    refs.extend(("tools", s) for s in stores[:_MAX_SCANNED] if isinstance(s, str))
         return refs
 
     def stores(self, body: dict[str, Any]) -> bool:
         return body.get("store") is not False or bool(body.get("conversation"))
-
-    def cacheable(self, body: dict[str, Any]) -> bool:
-        # A background response is answered as queued, and fetched later: never the same.
-        return super().cacheable(body) and body.get("background") is not True
 
     def include_usage(self, body: dict[str, Any]) -> bool:
         return True  # the response at its end always carries it
@@ -510,12 +532,36 @@ class ResponsesDialect(Dialect):
     def continuable(self, body: dict[str, Any]) -> bool:
         """Only a deterministic request that neither stores nor refers to state: the same
         request again gives the same answer, and creates no second stored response."""
-        return (
-            self.deterministic(body)
-            and not self.stores(body)
-            and not self.state_refs(body)
-            and body.get("background") is not True
-        )
+        return self.deterministic(body) and self.stateless(body)
+
+    def created_in(self, event: SSEEvent) -> str | None:
+        # The stream's first event, before any token: the stored response's id. Its type is
+        # in its data too (some servers send no event line).
+        if event.event not in ("response.created", None):
+            return None
+        obj = loads(event.data)
+        if not isinstance(obj, dict) or obj.get("type", event.event) != "response.created":
+            return None
+        response = obj.get("response")
+        return self.created_id(response) if isinstance(response, dict) else None
+
+    def ref_not_found(self, field: str, object_id: str) -> ProxyError:
+        if field == "previous_response_id":
+            return ProxyError(
+                404,
+                "invalid_request_error",
+                f"Previous response with id '{object_id}' not found.",
+                code="previous_response_not_found",
+                param=field,
+            )
+        if field == "conversation":
+            # OpenAI names neither the field nor a code here.
+            return CONVERSATIONS.not_found(object_id)
+        if field == "input":
+            return FILES.not_found(object_id)
+        if field == "tools":
+            return VECTOR_STORES.not_found(object_id)
+        return super().ref_not_found(field, object_id)
 
     def check(self, body: dict[str, Any]) -> ProxyError | None:
         err = super().check(body)
