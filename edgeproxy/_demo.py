@@ -51,6 +51,8 @@ async def run_demo(args: argparse.Namespace) -> int:
     fakes = [
         FakeRegion(
             name=spec["name"],
+            # The model the requests below name: the proxy learns it from /v1/models.
+            model="demo",
             behavior=Behavior(
                 ttft=args.ttft * float(spec["ttft_factor"]),
                 inter_token_delay=args.inter_token_delay,

@@ -25,8 +25,8 @@ async def make_region() -> AsyncIterator[RegionFactory]:
     """Start fake regional clusters (real hypercorn, h2c + HTTP/1.1); all stopped afterwards."""
     started: list[FakeRegion] = []
 
-    async def factory(name: str = "r1", **behavior: Any) -> FakeRegion:
-        region = FakeRegion(name=name, behavior=Behavior(**behavior))
+    async def factory(name: str = "r1", model: str = "fake-llm", **behavior: Any) -> FakeRegion:
+        region = FakeRegion(name=name, model=model, behavior=Behavior(**behavior))
         await region.start()
         started.append(region)
         return region
@@ -46,7 +46,15 @@ def proxy_config(regions: list[dict[str, Any]], **sections: dict[str, Any]) -> d
         # against the region, as Envoy counts them. The tests of the caller rule
         # (test_caller_blame.py) set [health] min_failing_callers themselves.
         "health": {"min_failing_callers": 1},
-        "regions": regions,
+        # A fake region answers any model but lists one, and a test counts the requests its
+        # regions get: the regions' catalogs are learnt where a test says so
+        # (test_model_catalog.py), with learn_models or models_refresh.
+        "regions": [
+            r
+            if r.get("models") or r.keys() & {"learn_models", "models_refresh"}
+            else {**r, "learn_models": False}
+            for r in regions
+        ],
     }
     for name, values in sections.items():
         data.setdefault(name, {}).update(values)

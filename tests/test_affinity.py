@@ -606,6 +606,6 @@ async def test_a_session_sticks_to_its_region(
     assert sum(r["affinity"]["hits_total"] for r in regions.values()) == 24
     # Short prompts with no session have no key: nothing recorded, nothing counted.
     async with aiohttp.ClientSession() as client:
-        await post(client, proxy, {"messages": [{"role": "user", "content": "hi"}]})
+        await post(client, proxy, {"model": "m", "messages": [{"role": "user", "content": "hi"}]})
     again = await status(proxy)
     assert sum(r["affinity"]["requests_total"] for r in again.values()) == 32

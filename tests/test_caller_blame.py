@@ -33,8 +33,9 @@ from .conftest import FakeClock, ProxyFactory, RegionFactory, proxy_config
 
 CHAT = "/v1/chat/completions"
 GOOD = {"model": "fake-llm", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-# What one client sends: a body every region answers with 500 (as llama.cpp's server does).
-BAD = {"model": "fake-llm", "messages": "bad"}
+# What one client sends: a body every region answers with 500 (as llama.cpp's server does),
+# though nothing in it is what the edge refuses for every server (its fault_body marks it).
+BAD = {"model": "fake-llm", "messages": [{"role": "user", "content": "bad"}]}
 MARK = '"bad"'
 # The PoP is in Singapore (conftest): near is there, far is in Sao Paulo, 16,000 km away.
 NEAR = {"lat": 1.29, "lon": 103.85}
@@ -412,11 +413,12 @@ class TestLlamaCpp:
     pytestmark = needs_llama_server
 
     async def test_a_bad_body_flood_moves_no_one(self, llama_proxy: EdgeProxy) -> None:
-        """llama-cpp-python's OpenAI server answers ``"messages": "bad"`` with 500 (its
-        validation error, as several servers do): one client's flood of them leaves every
-        other tenant on the near region."""
+        """llama-cpp-python's OpenAI server answers a message of no role it knows with 500
+        (its validation error, as several servers do; the edge leaves message shapes to the
+        servers): one client's flood of them leaves every other tenant on the near region."""
         proxy, flood = llama_proxy, 30
         good = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        bogus = {"model": "m", "messages": [{"role": "bogus", "content": "hi"}]}
         served: Counter[str] = Counter()
         async with aiohttp.ClientSession() as client:
             for _ in range(5):
@@ -424,7 +426,7 @@ class TestLlamaCpp:
                 assert status == 200
                 served[region] += 1
             for _ in range(flood):
-                status, region, _, _ = await post(client, proxy, {"messages": "bad"}, "mallory")
+                status, region, _, _ = await post(client, proxy, bogus, "mallory")
                 assert status == 500 and region == "near"
             for i in range(10):
                 status, region, _, _ = await post(client, proxy, good, f"tenant{i % 3}")

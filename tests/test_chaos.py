@@ -589,6 +589,8 @@ read_timeout = 60.0
 [[regions]]
 name = "{region.name}"
 url = "{region.url}"
+# The region counts the requests it holds; one asking for its models would be one more.
+learn_models = false
 """
     )
     return path

@@ -63,7 +63,8 @@ def test_the_command_starts_without_httpx() -> None:
 
 
 async def test_sigterm_drains_in_flight_stream(tmp_path: Path, make_region: RegionFactory) -> None:
-    region = await make_region("ap-1", inter_token_delay=0.1, tokens=15)
+    # Serving the model asked for: a serve learns the region's from its /v1/models.
+    region = await make_region("ap-1", model="m", inter_token_delay=0.1, tokens=15)
     port, admin_port = free_port(), free_port()
     config = tmp_path / "edge.toml"
     config.write_text(

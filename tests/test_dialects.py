@@ -64,14 +64,24 @@ BAD = [
     (CHAT, {"model": "m", "messages": [{}], "max_tokens": -1}, "max_tokens", "invalid_value"),
     (CHAT, {"model": "m", "messages": "bad"}, "messages", "invalid_type"),
     (CHAT, {"model": 3, "messages": [{}]}, "model", "invalid_type"),
-    (COMPLETIONS, {"model": "m", "prompt": ""}, "prompt", None),
+    (CHAT, {"model": "m", "messages": [{}], "n": 0}, "n", "invalid_value"),
+    (CHAT, {"model": "m", "messages": [{}], "max_completion_tokens": 2.5}, "max_completion_tokens",
+     "invalid_type"),
+    (CHAT, {"model": "", "messages": [{}]}, "model", "invalid_value"),
+    (COMPLETIONS, {"model": "m", "prompt": []}, "prompt", None),
+    (COMPLETIONS, {"model": "m", "prompt": "x", "max_tokens": -1}, "max_tokens", None),
+    (EMBEDDINGS, {"model": "m", "input": "x", "dimensions": 0}, "dimensions", None),
     (EMBEDDINGS, {"model": "m", "input": []}, "input", None),
     (RESPONSES, {"model": "m", "input": []}, "input", None),
     (RESPONSES, {"model": "m"}, "input", None),
+    (RESPONSES, {"input": "x"}, "model", None),
+    (RESPONSES, {"model": "m", "input": "x", "top_p": 1.5}, "top_p", None),
     (RESPONSES, {"model": "m", "input": "x", "max_output_tokens": 0}, "max_output_tokens", None),
     (MESSAGES, {"model": "m", "messages": [{}]}, "max_tokens", None),
     (MESSAGES, {"model": "m", "max_tokens": 5, "messages": [{}], "temperature": 1.5},
      "temperature", None),
+    (MESSAGES, {"model": "m", "max_tokens": 5, "messages": [{}], "top_k": -1}, "top_k", None),
+    (MESSAGES, {"model": "m", "max_tokens": 0, "messages": [{}]}, "max_tokens", None),
 ]  # fmt: skip
 
 
@@ -93,6 +103,15 @@ GOOD = [
     (RESPONSES, {"model": "m", "input": "x", "temperature": 2}),
     (RESPONSES, {"model": "m", "previous_response_id": "resp_1", "input": "y"}),
     (MESSAGES, {"model": "m", "max_tokens": 5, "messages": [{}], "system": "s", "top_k": 3}),
+    # JSON has one kind of number: an integer may come as 5.0.
+    (CHAT, {"model": "m", "messages": [{}], "max_tokens": 5.0, "n": 1.0, "seed": 7.0}),
+    # Scoring a prompt: no token generated.
+    (COMPLETIONS, {"model": "m", "prompt": "x", "max_tokens": 0, "echo": True}),
+    (COMPLETIONS, {"model": "m", "prompt": ""}),
+    # A stored prompt names the model and the input; a follow-up needs no new input.
+    (RESPONSES, {"prompt": {"id": "pmpt_1"}}),
+    (RESPONSES, {"model": "m", "previous_response_id": "resp_1", "input": []}),
+    (RESPONSES, {"model": "m", "conversation": "conv_1"}),
     # Unknown fields are a server's business, not the edge's.
     (CHAT, {"model": "m", "messages": [{}], "chat_template_kwargs": {"x": 1}}),
 ]

@@ -23,6 +23,8 @@ from edgeproxy import (
 from .conftest import RegionFactory, eventually, proxy_config
 
 CHAT = "/v1/chat/completions"
+# The fake regions serve (and list in their /v1/models, from which a proxy learns it) the
+# model the requests name.
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
 
 
@@ -59,7 +61,7 @@ async def hello(request: web.Request) -> web.Response:
 async def test_mounted_as_sub_app(
     make_region: RegionFactory, host_runners: list[web.AppRunner]
 ) -> None:
-    region = await make_region("ap-1")
+    region = await make_region("ap-1", model="m")
     proxy = EdgeProxy(code_config(region.url))
     parent = web.Application()
     parent.router.add_get("/hello", hello)
@@ -90,7 +92,7 @@ async def test_mounted_as_sub_app(
 async def test_middleware_forwards_matching_routes(
     make_region: RegionFactory, host_runners: list[web.AppRunner]
 ) -> None:
-    region = await make_region("ap-1")
+    region = await make_region("ap-1", model="m")
     proxy = EdgeProxy(code_config(region.url))
     app = web.Application(middlewares=[proxy.middleware("/v1/", "/ai/", strip_prefix=False)])
     app.router.add_get("/hello", hello)
@@ -111,7 +113,7 @@ async def test_middleware_forwards_matching_routes(
 async def test_forward_from_a_handler(
     make_region: RegionFactory, host_runners: list[web.AppRunner]
 ) -> None:
-    region = await make_region("ap-1")
+    region = await make_region("ap-1", model="m")
     proxy = EdgeProxy(code_config(region.url))
 
     async def gateway(request: web.Request) -> web.StreamResponse:
@@ -136,7 +138,7 @@ async def test_forward_from_a_handler(
 
 
 async def test_start_and_stop_from_python(make_region: RegionFactory) -> None:
-    region = await make_region("ap-1")
+    region = await make_region("ap-1", model="m")
     proxy = EdgeProxy(code_config(region.url))
     await proxy.start()
     try:
@@ -173,7 +175,7 @@ class Plugin:
 async def test_plugin_loaded_from_a_file_path_with_settings(
     make_region: RegionFactory, tmp_path: Path
 ) -> None:
-    region = await make_region("ap-1")
+    region = await make_region("ap-1", model="m")
     path = tmp_path / "hdr_plugin.py"
     path.write_text(PLUGIN_SOURCE)
     config = Config.from_mapping(
@@ -252,7 +254,7 @@ async def test_entry_point_plugin_from_an_installed_distribution(
         )
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    region = await make_region("ap-1")
+    region = await make_region("ap-1", model="m")
     config = code_config(region.url).model_copy(
         update={"plugins": PluginsConfig(settings={"ep_demo": {"header": "X-From-Entry-Point"}})}
     )

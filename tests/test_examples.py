@@ -22,6 +22,8 @@ EXAMPLES = Path(__file__).parent.parent / "examples"
 CHAT = "/v1/chat/completions"
 
 
+# The model the examples' requests name, and their fake regions serve (and list in their
+# /v1/models, from which the proxy learns it).
 def chat(model: str = "small") -> dict[str, object]:
     return {"model": model, "messages": [{"role": "user", "content": "hello"}]}
 
@@ -52,7 +54,7 @@ async def test_sidecar_three_regions(
     make_region: RegionFactory, make_proxy: ProxyFactory, tmp_path: Path
 ) -> None:
     names = ["ap-southeast-1", "ap-northeast-1", "us-west-2"]
-    regions = {name: (await make_region(name)).url for name in names}
+    regions = {name: (await make_region(name, model="small")).url for name in names}
     config = load_config(EXAMPLES / "sidecar.toml", environ=env_for(regions))
     proxy = await make_proxy(config=config)
     async with aiohttp.ClientSession() as client:
@@ -70,7 +72,7 @@ async def test_sidecar_three_regions(
 async def test_gateway_embedding(
     make_region: RegionFactory,
 ) -> None:
-    region = await make_region("primary")
+    region = await make_region("primary", model="small")
     gateway = import_path(EXAMPLES / "gateway.py")
     app, proxy = gateway.build_app(region.url)
     runner = web.AppRunner(app)
@@ -97,7 +99,7 @@ async def test_gateway_embedding(
 
 
 async def test_fastapi_gateway(make_region: RegionFactory) -> None:
-    region = await make_region("primary", tokens=5)
+    region = await make_region("primary", model="small", tokens=5)
     gateway = import_path(EXAMPLES / "fastapi_gateway.py")
     app, proxy = gateway.build_app(region.url)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
@@ -121,10 +123,14 @@ async def test_fastapi_gateway(make_region: RegionFactory) -> None:
 
 
 async def test_tenant_policy_plugin(make_region: RegionFactory, make_proxy: ProxyFactory) -> None:
-    region = await make_region("ap-southeast-1")
-    config = load_config(
-        EXAMPLES / "tenant_policy.toml", environ=env_for({"ap-southeast-1": region.url})
-    )
+    region = await make_region("ap-southeast-1", model="small")
+    # The fake region lists one model but answers both the tenants ask for: the catalog is
+    # not learnt, the plugin alone decides.
+    environ = {
+        **env_for({"ap-southeast-1": region.url}),
+        "EDGEPROXY_REGIONS__AP_SOUTHEAST_1__LEARN_MODELS": "false",
+    }
+    config = load_config(EXAMPLES / "tenant_policy.toml", environ=environ)
     proxy = await make_proxy(config=config)
     before = region.requests_total
     async with aiohttp.ClientSession() as client:
@@ -147,8 +153,8 @@ async def test_tenant_policy_plugin(make_region: RegionFactory, make_proxy: Prox
 async def test_multi_pop_shares_usage_through_redis(
     make_region: RegionFactory, make_proxy: ProxyFactory, redis_server: str, redis_prefix: str
 ) -> None:
-    ap = await make_region("ap-southeast-1")
-    eu = await make_region("eu-central-1")
+    ap = await make_region("ap-southeast-1", model="small")
+    eu = await make_region("eu-central-1", model="small")
     env = env_for({"ap-southeast-1": ap.url, "eu-central-1": eu.url})
     pops = []
     for name in ("edge-sin", "edge-fra"):

@@ -192,7 +192,7 @@ async def test_the_ladder_is_ordered_per_route(
     # fallback = []: the route's clients get the upstream error, model or not.
     async with aiohttp.ClientSession() as client:
         async with client.post(
-            proxy.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}
+            proxy.url + "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2}
         ) as resp:
             assert resp.status == 502
             assert "X-Edgeproxy-Degraded" not in resp.headers

@@ -419,7 +419,8 @@ class ProxyThread:
             {
                 "server": {"host": "127.0.0.1", "port": 0},
                 "admin": {"enabled": False},
-                "regions": [{"name": "r1", "url": self.region.url}],
+                # The fake region answers any model: fuzzed bodies reach it, not a 404.
+                "regions": [{"name": "r1", "url": self.region.url, "learn_models": False}],
                 # Short timeouts: incomplete requests end in a quick 408.
                 "limits": {"header_timeout": 0.3, "body_timeout": 0.3, "max_body_size": 4096},
             },

@@ -40,6 +40,8 @@ from .conftest import (
 from .test_cli import free_port
 
 CHAT = "/v1/chat/completions"
+# The fake regions serve (and list in their /v1/models, from which a proxy learns it) the
+# model the requests name.
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
 H2C = {"http2": True, "h2c": True}
 
@@ -77,7 +79,7 @@ async def test_ten_sse_streams_share_one_connection(
 ) -> None:
     """A page's ten chats stream at once over one HTTP/2 connection (HTTP/1.1 would need
     ten connections, and a browser opens six)."""
-    region = await make_region("ap-1", tokens=40, inter_token_delay=0.05)
+    region = await make_region("ap-1", model="m", tokens=40, inter_token_delay=0.05)
     proxy = await make_proxy([region], server=H2C)
     first_events = 0
     all_started = asyncio.Event()
@@ -111,7 +113,7 @@ async def test_ten_sse_streams_share_one_connection(
 async def test_http1_and_json_on_the_same_listener(
     make_region: RegionFactory, make_proxy: ProxyFactory
 ) -> None:
-    region = await make_region("ap-1")
+    region = await make_region("ap-1", model="m")
     proxy = await make_proxy([region], server=H2C)
     async with aiohttp.ClientSession() as client:
         async with client.post(proxy.url + CHAT, json=BODY) as resp:
@@ -132,7 +134,7 @@ async def test_tls_offers_h2_by_alpn(
 ) -> None:
     ca = trustme.CA()
     cert_path, key_path = write_pair(ca, tmp_path)
-    region = await make_region("ap-1", tokens=4)
+    region = await make_region("ap-1", model="m", tokens=4)
     proxy = await make_proxy(
         [region], server={"http2": True, "tls_cert": cert_path, "tls_key": key_path}
     )
@@ -154,7 +156,9 @@ async def test_reset_mid_stream_resets_the_stream(
 ) -> None:
     """An answer cut upstream: its error event, then RST_STREAM (not a clean end); the
     connection serves the next request."""
-    region = await make_region("ap-1", fault="reset", fault_after_tokens=2, inter_token_delay=0.01)
+    region = await make_region(
+        "ap-1", model="m", fault="reset", fault_after_tokens=2, inter_token_delay=0.01
+    )
     proxy = await make_proxy([region], server=H2C)
     raw = ""
     async with httpx.AsyncClient(http1=False, http2=True) as client:
@@ -171,7 +175,7 @@ async def test_reset_mid_stream_resets_the_stream(
 async def test_client_disconnect_cancels_upstream(
     make_region: RegionFactory, make_proxy: ProxyFactory
 ) -> None:
-    region = await make_region("ap-1", inter_token_delay=0.2, tokens=200)
+    region = await make_region("ap-1", model="m", inter_token_delay=0.2, tokens=200)
     proxy = await make_proxy([region], server=H2C)
     async with httpx.AsyncClient(http1=False, http2=True) as client:
         async with client.stream("POST", proxy.url + CHAT, json={**BODY, "stream": True}) as r:
@@ -274,7 +278,7 @@ async def good_client_served(url: str) -> None:
 async def h2_proxy(
     make_region: RegionFactory, make_proxy: ProxyFactory
 ) -> AsyncIterator[EdgeProxy]:
-    region = await make_region("ap-1", ttft=0.05)
+    region = await make_region("ap-1", model="m", ttft=0.05)
     yield await make_proxy(
         [region],
         server=H2C,
@@ -389,7 +393,7 @@ async def test_stalled_body_gets_408_and_is_counted(
 ) -> None:
     """The body bounds of [limits] hold on the HTTP/2 listener too, and /status counts
     what they refused beside the listener's other limits."""
-    region = await make_region("ap-1")
+    region = await make_region("ap-1", model="m")
     proxy = await make_proxy([region], server=H2C, limits={"body_timeout": 0.5})
     client = await RawH2.open(proxy.url)
     client.conn.send_headers(1, client.request_headers(1))
@@ -431,7 +435,7 @@ async def test_a_half_closed_http1_client_gets_its_whole_answer(
     # The request whole, then FIN (shutdown(SHUT_WR)), as curl --http1.1 and some load
     # balancers send it. The keep-alive timeout is long: the close that ends the read must
     # be the half-close's, once the answer is out.
-    region = await make_region("ap-1", ttft=0.05)
+    region = await make_region("ap-1", model="m", ttft=0.05)
     proxy = await make_proxy([region], server=H2C, limits={"keepalive_timeout": 60.0})
     host, port = proxy.url.removeprefix("http://").split(":")
     reader, writer = await asyncio.open_connection(host, int(port))
@@ -455,7 +459,7 @@ async def test_a_client_that_half_closes_while_its_stream_runs_gets_all_of_it(
     make_region: RegionFactory, make_proxy: ProxyFactory
 ) -> None:
     # The FIN comes on a read of its own, once the answer has started.
-    region = await make_region("ap-1", tokens=20, inter_token_delay=0.05)
+    region = await make_region("ap-1", model="m", tokens=20, inter_token_delay=0.05)
     proxy = await make_proxy([region], server=H2C, limits={"keepalive_timeout": 60.0})
     host, port = proxy.url.removeprefix("http://").split(":")
     reader, writer = await asyncio.open_connection(host, int(port))
@@ -509,7 +513,7 @@ def assert_refused_503(answer: bytes) -> None:
 
 
 async def test_connection_caps_hold(make_region: RegionFactory, make_proxy: ProxyFactory) -> None:
-    region = await make_region("ap-1")
+    region = await make_region("ap-1", model="m")
     proxy = await make_proxy(
         [region], server=H2C, limits={"max_connections": 2, "max_connections_per_ip": 0}
     )
@@ -536,7 +540,7 @@ async def test_a_connection_the_client_closes_idle_is_released_at_once(
     # Not at the keep-alive timeout: until released it counts under the caps.
     ca = trustme.CA()
     cert_path, key_path = write_pair(ca, tmp_path)
-    region = await make_region("ap-1")
+    region = await make_region("ap-1", model="m")
     server: dict[str, Any] = (
         {"http2": True, "tls_cert": cert_path, "tls_key": key_path} if tls else H2C
     )
@@ -558,7 +562,7 @@ async def test_a_refused_tls_connection_is_answered_in_its_protocol(
 ) -> None:
     ca = trustme.CA()
     cert_path, key_path = write_pair(ca, tmp_path)
-    region = await make_region("ap-1")
+    region = await make_region("ap-1", model="m")
     proxy = await make_proxy(
         [region],
         server={"http2": True, "tls_cert": cert_path, "tls_key": key_path},
@@ -617,7 +621,7 @@ async def test_serve_streams_ten_over_one_connection(
 ) -> None:
     """``edgeproxy serve --http2 --h2c`` as a real process: ten SSE streams at once from one
     client on one HTTP/2 connection (counted by the admin /status), then a clean drain."""
-    region = await make_region("ap-1", tokens=30, inter_token_delay=0.05)
+    region = await make_region("ap-1", model="m", tokens=30, inter_token_delay=0.05)
     port, admin_port = free_port(), free_port()
     config = tmp_path / "edge.toml"
     config.write_text(
@@ -672,7 +676,7 @@ async def test_serve_streams_ten_over_one_connection(
 async def test_start_up_warns_that_the_listener_is_not_for_untrusted_clients_yet(
     make_region: RegionFactory, make_proxy: ProxyFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
-    region = await make_region("ap-1")
+    region = await make_region("ap-1", model="m")
     with caplog.at_level(logging.WARNING, logger="edgeproxy"):
         await make_proxy([region], server=H2C)
     warned = [r.getMessage() for r in caplog.records if "untrusted clients" in r.getMessage()]

@@ -285,15 +285,16 @@ async def test_an_unknown_model_is_a_404_before_any_upstream_work(
     status, _, answer = await post(client, proxy.url, chat(["m1"]))
     assert status == 400
     assert orjson.loads(answer)["error"] == {
-        "message": "Invalid type for 'model': expected a string.",
+        "message": "Invalid type for 'model': expected a string, but got an array.",
         "type": "invalid_request_error",
         "param": "model",
         "code": "invalid_type",
     }
-    # A request naming no model may go to any region: it answers as it would.
+    # A request naming no model is refused at the edge, as every OpenAI server refuses it.
     status, _, answer = await post(client, proxy.url, {"messages": chat("x")["messages"]})
-    assert status == 200
-    assert chats(r1) + chats(r2) == 1
+    assert status == 400
+    assert orjson.loads(answer)["error"]["code"] == "missing_required_parameter"
+    assert chats(r1) + chats(r2) == 0
 
 
 # -- aliases -----------------------------------------------------------------------------

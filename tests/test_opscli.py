@@ -395,7 +395,8 @@ async def supervisor(config: Path) -> AsyncIterator[tuple[str, str]]:
 async def test_status_shows_workers_and_reload_applies_or_refuses(
     tmp_path: Path, make_region: RegionFactory, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    region = await make_region("ap-1")
+    # Serving the model asked for: a serve learns the region's from its /v1/models.
+    region = await make_region("ap-1", model="m")
     config = tmp_path / "edge.toml"
     write_config(config, region.url)
     async with supervisor(config) as (url, admin):

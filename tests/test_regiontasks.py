@@ -31,3 +31,19 @@ async def test_one_named_task_per_region_runs_its_work_again_until_closed() -> N
     await tasks.close()
     assert not [t for t in asyncio.all_tasks() if t.get_name().startswith("probe:")]
     assert "c" not in runs
+
+
+async def test_each_region_may_have_its_own_interval_and_wait_before_its_first_run() -> None:
+    runs: Counter[str] = Counter()
+
+    async def work(region: Named) -> None:
+        runs[region.name] += 1
+
+    # "slow" waits an hour before its first run (its work was done by whoever started it);
+    # "fast" runs again and again meanwhile.
+    intervals = {"fast": 0.0, "slow": 3600.0}
+    tasks = RegionTasks("refresh", work, lambda r: intervals[r.name], wait_first=True)
+    tasks.start([Named("fast"), Named("slow")])
+    await eventually(lambda: runs["fast"] >= 3)
+    assert runs["slow"] == 0
+    await tasks.close()

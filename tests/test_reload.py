@@ -225,7 +225,8 @@ def write_config(path: Path, port: int, admin_port: int, region: tuple[str, str]
 async def test_sighup_and_post_reload_reload_a_running_serve(
     tmp_path: Path, make_region: RegionFactory
 ) -> None:
-    first, second = await make_region("ap-1"), await make_region("ap-2")
+    # Serving the model asked for: a serve learns each region's from its /v1/models.
+    first, second = await make_region("ap-1", model="m"), await make_region("ap-2", model="m")
     port, admin_port = free_port(), free_port()
     config = tmp_path / "edge.toml"
     write_config(config, port, admin_port, ("ap-1", first.url))

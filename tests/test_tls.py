@@ -21,6 +21,8 @@ from .conftest import ProxyFactory, RegionFactory, proxy_config, spawn_serve, wr
 from .test_cli import free_port
 
 CHAT = "/v1/chat/completions"
+# The fake regions serve (and list in their /v1/models, from which a proxy learns it) the
+# model the requests name.
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
 
 
@@ -47,7 +49,7 @@ async def post(url: str, context: ssl.SSLContext) -> int:
 async def test_the_client_verifies_the_proxy_over_tls_1_2_and_later(
     tmp_path: Path, ca: trustme.CA, make_region: RegionFactory, make_proxy: ProxyFactory
 ) -> None:
-    region = await make_region("ap-1")
+    region = await make_region("ap-1", model="m")
     cert, key = write_pair(ca, tmp_path)
     proxy = await make_proxy([region], server={"tls_cert": cert, "tls_key": key})
     assert proxy.url.startswith("https://127.0.0.1:")
@@ -77,7 +79,7 @@ async def test_the_client_verifies_the_proxy_over_tls_1_2_and_later(
 async def test_mutual_tls_refuses_a_client_without_a_certificate(
     tmp_path: Path, ca: trustme.CA, make_region: RegionFactory, make_proxy: ProxyFactory
 ) -> None:
-    region = await make_region("ap-1")
+    region = await make_region("ap-1", model="m")
     cert, key = write_pair(ca, tmp_path)
     client_ca = trustme.CA()
     ca_path = tmp_path / "clients.pem"
@@ -100,7 +102,7 @@ async def test_mutual_tls_refuses_a_client_without_a_certificate(
 async def test_a_certificate_reloads_in_place_and_a_bad_one_is_refused(
     tmp_path: Path, ca: trustme.CA, make_region: RegionFactory, make_proxy: ProxyFactory
 ) -> None:
-    region = await make_region("ap-1")
+    region = await make_region("ap-1", model="m")
     cert, key = write_pair(ca, tmp_path)
     proxy = await make_proxy([region], server={"tls_cert": cert, "tls_key": key})
     assert await post(proxy.url, client_context(ca)) == 200
@@ -122,7 +124,7 @@ async def test_a_certificate_reloads_in_place_and_a_bad_one_is_refused(
 async def test_sighup_reloads_the_certificate_of_a_running_serve(
     tmp_path: Path, ca: trustme.CA, make_region: RegionFactory
 ) -> None:
-    region = await make_region("ap-1")
+    region = await make_region("ap-1", model="m")
     cert, key = write_pair(ca, tmp_path)
     port, admin_port = free_port(), free_port()
     config = tmp_path / "edge.toml"
@@ -217,7 +219,7 @@ def test_tls_and_exposure_settings_are_checked_at_load(
 async def test_the_admin_token_guards_all_but_the_probes(
     tmp_path: Path, ca: trustme.CA, make_region: RegionFactory, make_proxy: ProxyFactory
 ) -> None:
-    region = await make_region("ap-1")
+    region = await make_region("ap-1", model="m")
     cert, key = write_pair(ca, tmp_path)
     os.environ["EDGEPROXY_TEST_ADMIN_TOKEN"] = "s3cret"
     try:

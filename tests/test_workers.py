@@ -25,6 +25,8 @@ from edgeproxy._server.supervisor import Supervisor
 from .conftest import RegionFactory, proxy_config, spawn_serve, write_pair
 
 CHAT = "/v1/chat/completions"
+# The fake regions serve (and list in their /v1/models, from which a proxy learns it) the
+# model the requests name.
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
 STREAM = {**BODY, "stream": True}
 
@@ -115,7 +117,7 @@ async def post_new_connection(url: str) -> int:
 async def test_two_workers_share_the_port_and_the_admin_port_sums_them(
     tmp_path: Path, make_region: RegionFactory
 ) -> None:
-    region = await make_region("ap-1")
+    region = await make_region("ap-1", model="m")
     config = tmp_path / "edge.toml"
     write_config(config, [("ap-1", region.url)])
     async with supervise(config) as run:
@@ -167,7 +169,7 @@ async def test_two_workers_share_the_port_and_the_admin_port_sums_them(
 async def test_a_killed_worker_is_restarted_and_the_other_one_serves_on(
     tmp_path: Path, make_region: RegionFactory
 ) -> None:
-    region = await make_region("ap-1")
+    region = await make_region("ap-1", model="m")
     config = tmp_path / "edge.toml"
     write_config(config, [("ap-1", region.url)])
     async with supervise(config) as run:
@@ -210,7 +212,7 @@ async def test_a_killed_worker_is_restarted_and_the_other_one_serves_on(
 async def test_sigterm_drains_every_worker_with_a_stream_in_flight(
     tmp_path: Path, make_region: RegionFactory
 ) -> None:
-    region = await make_region("ap-1", inter_token_delay=0.1, tokens=15)
+    region = await make_region("ap-1", model="m", inter_token_delay=0.1, tokens=15)
     config = tmp_path / "edge.toml"
     write_config(config, [("ap-1", region.url)])
     async with supervise(config) as run:
@@ -230,8 +232,8 @@ async def test_reload_under_load_swaps_regions_and_refuses_a_bad_config(
 ) -> None:
     # Its stream lasts about 8 s: still running while new workers start, even on a loaded
     # machine, so that it finishes on a draining worker.
-    old_region = await make_region("old", inter_token_delay=0.05, tokens=160)
-    new_region = await make_region("new", ttft=0.2)
+    old_region = await make_region("old", model="m", inter_token_delay=0.05, tokens=160)
+    new_region = await make_region("new", model="m", ttft=0.2)
     config = tmp_path / "edge.toml"
     route = '[[routes]]\nname = "completions"\npath = "/v1/completions"\ndeadline = {}\n'
     write_config(config, [("old", old_region.url)], extra=route.format(30.0))
@@ -322,7 +324,7 @@ def test_auto_is_one_worker_per_usable_core() -> None:
 async def test_workers_speak_tls_and_the_supervisors_admin_port_needs_its_token(
     tmp_path: Path, make_region: RegionFactory
 ) -> None:
-    region = await make_region("ap-1")
+    region = await make_region("ap-1", model="m")
     ca = trustme.CA()
     write_pair(ca, tmp_path)
     config = tmp_path / "edge.toml"

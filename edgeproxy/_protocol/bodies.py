@@ -10,7 +10,8 @@ from edgeproxy._core.config import LimitsConfig, RouteConfig
 from edgeproxy._core.errors import ProxyError
 from edgeproxy._core.exchange import Exchange
 from edgeproxy._core.strictjson import duplicate_key
-from edgeproxy._protocol.endpoints import endpoint_has
+from edgeproxy._protocol.dialects import OPENAI
+from edgeproxy._protocol.endpoints import dialect_for, endpoint_has
 
 __all__ = [
     "BodyDeadline",
@@ -18,6 +19,7 @@ __all__ = [
     "BodyTooLarge",
     "body_bound_due",
     "body_bound_passed",
+    "body_error",
     "check_json_content_type",
     "estimate_prompt_tokens",
     "is_llm_request",
@@ -210,6 +212,17 @@ def parse_json_object(body: bytes | None) -> dict[str, Any]:
             param=duplicated[:_ECHO_LIMIT],
         )
     return value
+
+
+def body_error(path: str, body: dict[str, Any]) -> ProxyError | None:
+    """The 400 every server of the API ``path`` names would answer ``body`` with (a field of
+    the wrong type, a missing model, an empty conversation, a parameter out of its range:
+    its dialect's :meth:`~edgeproxy._protocol.dialects.Dialect.check`); None for a body
+    some server may take, or a path of no API the proxy knows."""
+    dialect = dialect_for(path)
+    if dialect is OPENAI:
+        return None
+    return dialect.check(body)
 
 
 def _json_kind(value: Any) -> str:

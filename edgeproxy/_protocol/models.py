@@ -1,7 +1,9 @@
-"""Model names: matching a request's model against a list, and renaming it in answers.
+"""Model names: matching a request's model against a list, renaming it in answers, and
+reading a server's list of models.
 
 :class:`ModelMatcher` answers "is this model in the list" with a set lookup
 for the exact names and compiled ``fnmatch`` globs for the others.
+:func:`parse_model_list` reads a ``GET /v1/models`` answer.
 :class:`ModelRewriter` renames the model in a region's answer, JSON or SSE,
 as it streams: a byte-level replace of the ``"model":"<name>"`` member (with
 or without a space after the colon), safe across chunk boundaries.
@@ -12,12 +14,63 @@ from __future__ import annotations
 import fnmatch
 import re
 from collections.abc import AsyncIterator, Iterable
+from typing import Any, Final
 
 import orjson
 
 from edgeproxy._core.config.models import is_model_glob
 
-__all__ = ["ModelMatcher", "ModelRewriter", "model_from_body"]
+__all__ = [
+    "MAX_MODEL_LIST_BYTES",
+    "ModelListError",
+    "ModelMatcher",
+    "ModelRewriter",
+    "model_from_body",
+    "parse_model_list",
+]
+
+MAX_MODEL_LIST_BYTES: Final = 4 * 1024 * 1024
+"""A ``/v1/models`` answer larger than this is not read."""
+# Models read from one list at most.
+_MAX_MODELS: Final = 10_000
+
+
+class ModelListError(ValueError):
+    """A ``/v1/models`` answer that is no list of models."""
+
+
+def parse_model_list(body: bytes) -> list[dict[str, Any]]:
+    """The models of a ``GET /v1/models`` answer in OpenAI's list shape
+    (``{"data": [{"id": ...}, ...]}``): each entry with a non-empty string ``id``, and its
+    ``created``, ``owned_by`` and ``max_model_len`` (vLLM's context window) kept when
+    well-typed. Entries that are not models are skipped; raises :class:`ModelListError`
+    for an answer that is no list."""
+    try:
+        value = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        raise ModelListError("its answer is not JSON") from None
+    data = value.get("data") if isinstance(value, dict) else None
+    if not isinstance(data, list):
+        raise ModelListError("its answer has no list of models")
+    models: list[dict[str, Any]] = []
+    for item in data[:_MAX_MODELS]:
+        if not isinstance(item, dict):
+            continue
+        model = item.get("id")
+        if not isinstance(model, str) or not model:
+            continue
+        found: dict[str, Any] = {"id": model}
+        created = item.get("created")
+        if isinstance(created, int) and not isinstance(created, bool):
+            found["created"] = created
+        owned_by = item.get("owned_by")
+        if isinstance(owned_by, str):
+            found["owned_by"] = owned_by
+        window = item.get("max_model_len")
+        if isinstance(window, int) and not isinstance(window, bool) and window > 0:
+            found["max_model_len"] = window
+        models.append(found)
+    return models
 
 
 def model_from_body(body: object) -> object:

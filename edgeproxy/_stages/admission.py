@@ -3,8 +3,10 @@
 :meth:`AdmissionStage.admit` runs right after the ``request_received`` hook,
 before any cache, routing or upstream work:
 
-1. the JSON body of LLM routes is validated (400) and its prompt tokens
-   estimated;
+1. the JSON body of LLM routes is validated (400): a JSON object, then, on a route
+   with ``check_bodies``, what every server of its API would refuse (its dialect's
+   ``check``), so that such a request never reaches, nor counts against, a region; its
+   prompt tokens are estimated;
 2. the rate limits of the request's API key or tenant and client IP are
    charged (429 with ``Retry-After`` and ``RateLimit-*``);
 3. the request takes a slot under the global and per-route in-flight caps.
@@ -34,6 +36,7 @@ from edgeproxy._core.config import Config, RouteConfig
 from edgeproxy._core.errors import ProxyError
 from edgeproxy._core.exchange import Exchange
 from edgeproxy._protocol.bodies import (
+    body_error,
     estimate_prompt_tokens,
     is_llm_request,
     read_json_body,
@@ -166,6 +169,10 @@ class AdmissionStage:
         if requires_json(ctx.method, ctx.path, route):
             try:
                 body = await read_json_body(request, ctx, self.max_body_size)
+                if route.check_bodies and ctx.method == "POST":
+                    refused = body_error(ctx.path, body)
+                    if refused is not None:
+                        raise refused
             except ProxyError:
                 self.invalid_total += 1
                 raise

@@ -1,13 +1,16 @@
 """The model catalog: which regions serve a request's model, and ``GET /v1/models``.
 
 ``[[regions]] models`` lists the models a region serves (exact names or
-``fnmatch`` globs; none listed: every model) and ``model_aliases`` maps a
-client's model name to the region's own. :class:`ModelCatalog` answers, for
-the router, which regions serve the model a request names; the answer is
-cached per model name. :class:`ModelList` is the proxy's own answer to
-``GET /v1/models`` (and ``GET /v1/models/{id}``) once any region lists models
-or aliases: the configured names, merged with the lists fetched from the
-regions that list none.
+``fnmatch`` globs); a region that lists none learns them from its own
+``GET /v1/models`` (``learn_models``, :mod:`edgeproxy._upstream.catalog`), and
+serves every model until its list is known, or always with ``learn_models =
+false``. ``model_aliases`` maps a client's model name to the region's own.
+:class:`ModelCatalog` answers, for the router, which regions serve the model a
+request names; the answer is cached per model name until a learnt list changes.
+:class:`ModelList` is the proxy's own answer to ``GET /v1/models`` (and
+``GET /v1/models/{id}``) once any region lists models or aliases: the configured
+names, merged with the learnt lists, or those fetched from the regions that list
+none and whose list is not known.
 """
 
 from __future__ import annotations
@@ -28,12 +31,19 @@ from edgeproxy._core.response import Response
 from edgeproxy._plugins import PluginError
 from edgeproxy._protocol.endpoints import endpoint_has
 from edgeproxy._protocol.headers import request_id, trace_context
-from edgeproxy._protocol.models import ModelMatcher, model_from_body
+from edgeproxy._protocol.models import (
+    MAX_MODEL_LIST_BYTES,
+    ModelListError,
+    ModelMatcher,
+    model_from_body,
+    parse_model_list,
+)
 from edgeproxy._stages.failover import Failover, Failure
 from edgeproxy._upstream.pool import UpstreamError
 
 if TYPE_CHECKING:
     from edgeproxy._core.config import Config, RegionConfig
+    from edgeproxy._upstream.catalog import ModelLearner
     from edgeproxy._upstream.regions import Region, RegionSet
 
 __all__ = ["ModelCatalog", "ModelError", "ModelList", "model_not_found"]
@@ -45,9 +55,6 @@ logger = logging.getLogger("edgeproxy")
 _CACHE_SIZE = 1024
 # A model name echoed in an error message is cut to this length.
 _ECHO_LIMIT = 256
-# A region's /v1/models answer larger than this, or with more models, is not read.
-_LIST_BYTES = 4 * 1024 * 1024
-_LIST_MODELS = 10_000
 _MODELS_PATH = "/v1/models"
 
 
@@ -69,35 +76,57 @@ def model_not_found(model: str) -> ModelError:
 
 
 class ModelCatalog:
-    """Which regions serve a model, from ``[[regions]] models`` and ``model_aliases``.
+    """Which regions serve a model, from ``[[regions]] models`` and ``model_aliases``, and
+    for the regions that learn their models, from what their own ``/v1/models`` said
+    (``learner``, :class:`~edgeproxy._upstream.catalog.ModelLearner`).
 
-    ``active``: some region lists models or aliases, so the router looks up
-    each LLM request's model (and sets ``ctx.model``); ``restricts``: some
-    region lists models, so a model may be served by only some regions, or
-    by none (404).
+    ``active``: some region lists models or aliases, or learns its models, so the router
+    looks up each LLM request's model (and sets ``ctx.model``); ``restricts``: some region
+    lists or learns models, so a model may be served by only some regions, or by none
+    (404). A learning region whose list is not known yet serves every model: a model is
+    served by none only once every such list is known.
     """
 
-    def __init__(self, regions: list[RegionConfig]) -> None:
-        # Per region: its name, a matcher of its models (None: every model), its aliases.
+    def __init__(self, regions: list[RegionConfig], learner: ModelLearner | None = None) -> None:
+        learned = {r.name: r.learned for r in learner.regions} if learner is not None else {}
+        # Per region: its name, a matcher of its models (None: every model, or what it
+        # learns), its aliases, what it learnt of its models (None: it does not learn).
         self._regions = tuple(
-            (r.name, ModelMatcher(r.models) if r.models else None, frozenset(r.model_aliases))
+            (
+                r.name,
+                ModelMatcher(r.models) if r.models else None,
+                frozenset(r.model_aliases),
+                learned.get(r.name),
+            )
             for r in regions
         )
-        self.restricts = any(r.models for r in regions)
+        self._learner = learner if learned else None
+        self.restricts = any(r.models for r in regions) or bool(learned)
         self.active = self.restricts or any(r.model_aliases for r in regions)
         # Model name -> the names of the regions serving it; None when every region does.
+        # Forgotten whenever a learnt list changes (the learner's version).
         self._served: dict[str, frozenset[str] | None] = {}
+        self._version = 0
 
     def serving(self, model: str) -> frozenset[str] | None:
         """The names of the regions that serve ``model`` (maybe none); None: every region."""
+        learner = self._learner
+        if learner is not None and learner.version != self._version:
+            self._served.clear()
+            self._version = learner.version
         try:
             return self._served[model]
         except KeyError:
             pass
         names = frozenset(
             name
-            for name, matcher, aliases in self._regions
-            if matcher is None or model in aliases or matcher.matches(model)
+            for name, matcher, aliases, learned in self._regions
+            if model in aliases
+            or (
+                matcher.matches(model)
+                if matcher is not None
+                else learned is None or learned.serves(model)
+            )
         )
         served = None if len(names) == len(self._regions) else names
         if len(self._served) >= _CACHE_SIZE:
@@ -201,7 +230,8 @@ class ModelList:
         health = self.regions.health
         every = self.regions.regions
         up = [r for r in every if health.available(r, now)]
-        fetch = [r for r in up if r.name not in self._listed]
+        # A region whose own list the learner knows needs no fetch of it here.
+        fetch = [r for r in up if r.name not in self._listed and not r.learned.known]
         if fetch and time.monotonic() >= self._fresh_until:
             async with self._lock:
                 # Whoever waited for the lock finds the lists fresh.
@@ -240,7 +270,7 @@ class ModelList:
                         raise _NoList(f"it answered {upstream.status}")
                     async for chunk in upstream.aiter_bytes():
                         body += chunk
-                        if len(body) > _LIST_BYTES:
+                        if len(body) > MAX_MODEL_LIST_BYTES:
                             raise _NoList("its list is too large")
                 finally:
                     await upstream.aclose()
@@ -276,6 +306,9 @@ class ModelList:
             if listed is not None:
                 for model in listed:
                     add(model, region.name)
+            elif region.learned.known:
+                for found in region.learned.models.values():
+                    add(found["id"], region.name, dict(found))
             else:
                 for found in self._fetched.get(region.name, ()):
                     add(found["id"], region.name, found)
@@ -291,28 +324,7 @@ class _NoList(Exception):
 
 
 def _parse_list(body: bytes) -> list[dict[str, Any]]:
-    """The models of an OpenAI list answer: each with a string ``id``, ``created`` and
-    ``owned_by`` kept when well-typed."""
     try:
-        value = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        raise _NoList("its answer is not JSON") from None
-    data = value.get("data") if isinstance(value, dict) else None
-    if not isinstance(data, list):
-        raise _NoList("its answer has no list of models")
-    models: list[dict[str, Any]] = []
-    for item in data[:_LIST_MODELS]:
-        if not isinstance(item, dict):
-            continue
-        model = item.get("id")
-        if not isinstance(model, str) or not model:
-            continue
-        found: dict[str, Any] = {"id": model}
-        created = item.get("created")
-        if isinstance(created, int) and not isinstance(created, bool):
-            found["created"] = created
-        owned_by = item.get("owned_by")
-        if isinstance(owned_by, str):
-            found["owned_by"] = owned_by
-        models.append(found)
-    return models
+        return parse_model_list(body)
+    except ModelListError as exc:
+        raise _NoList(str(exc)) from None

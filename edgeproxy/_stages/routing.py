@@ -79,7 +79,7 @@ class Router:
         self.from_client = routing.prior_from == "client"
         self.geo = GeoResolver(config.geo)
         self.residency = Residency(config.geo, config.regions)
-        self.models = ModelCatalog(config.regions)
+        self.models = ModelCatalog(config.regions, regions.learner)
         self.affinity = Affinity(routing) if routing.prefix_affinity else None
         self.scorer = Scorer(config, regions)
         # The score and its parts, as /status, the tests and plugins have read them here.

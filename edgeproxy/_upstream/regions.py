@@ -6,8 +6,10 @@ and priority tier, and what the proxy has learnt about it: a peak-EWMA of its
 latency, a window of recent times to first byte (for hedging), the requests
 in flight and those still waiting for their first byte, its
 :class:`~edgeproxy._upstream.health.RegionHealth`, the load it reports itself
-(:class:`~edgeproxy._upstream.reported.ReportedLoad`) and the prompt prefixes
-recently routed to it (:class:`~edgeproxy._upstream.affinity.PrefixIndex`).
+(:class:`~edgeproxy._upstream.reported.ReportedLoad`), the prompt prefixes
+recently routed to it (:class:`~edgeproxy._upstream.affinity.PrefixIndex`) and the
+models its own ``/v1/models`` says it serves
+(:class:`~edgeproxy._upstream.catalog.LearnedModels`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 
 from edgeproxy._core.config import Config, RegionConfig
 from edgeproxy._upstream.affinity import PrefixIndex
+from edgeproxy._upstream.catalog import LearnedModels, ModelLearner
 from edgeproxy._upstream.endpoint import Endpoint
 from edgeproxy._upstream.factory import make_pool
 from edgeproxy._upstream.health import Health, RegionHealth
@@ -147,6 +150,8 @@ class Region:
         # Prompt blocks recently routed here (prefix affinity), and the requests with a
         # prompt key it answered: all of them, and those affinity sent (a prefix matched).
         self.prefix_index = prefix_index or PrefixIndex(32768, 300.0)
+        # The models it serves by its own /v1/models, when it lists none in the config.
+        self.learned = LearnedModels(config.learns_models)
         self.affinity_requests_total = 0
         self.affinity_hits_total = 0
         self.affinity_balanced_total = 0
@@ -375,6 +380,10 @@ class RegionSet:
             timeout=routing.load_scrape_timeout,
             clock=lambda: self.clock(),
         )
+        # The regions' own model lists, asked at open and refreshed in the background.
+        self.learner = ModelLearner(
+            self.regions, timeout=routing.models_fetch_timeout, clock=lambda: self.clock()
+        )
         self.warmed = False
         self._tasks: set[asyncio.Task[None]] = set()
         self._closing = False
@@ -391,15 +400,17 @@ class RegionSet:
         return self.warmed and any(r.up for r in self.regions)
 
     async def open(self) -> None:
-        """Warm every pool concurrently, then start the health checks.
+        """Warm every pool concurrently, ask the regions that learn their models for their
+        lists, then start the health checks and the background refreshes.
 
         An unreachable region is a warning, not a failure: it is retried in the
-        background until it answers.
+        background until it answers (and serves every model until its list comes).
         """
         await asyncio.gather(*(self._warm(e) for r in self.regions for e in r.endpoints))
         self.warmed = True
         self.health.start()
         self.scraper.start()
+        await self.learner.open()
 
     async def _warm(self, endpoint: Endpoint) -> None:
         try:
@@ -433,6 +444,7 @@ class RegionSet:
         self._closing = True
         await self.health.close()
         await self.scraper.close()
+        await self.learner.close()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -452,5 +464,6 @@ class RegionSet:
             data["reported_load"] = region.reported.snapshot(
                 now, self.config.routing.load_report_max_age
             )
+            data["models"] = region.learned.snapshot(now)
             out.append(data)
         return out

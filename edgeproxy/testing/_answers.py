@@ -45,6 +45,7 @@ def route(
     behavior: Behavior,
     *,
     region_model: str,
+    max_model_len: int = 4096,
     metrics: Callable[[], Reply],
     store: responses.ResponseStore,
     seen: messages.SeenHeaders,
@@ -73,10 +74,17 @@ def route(
         return _completion(request, behavior, region_model, chat=path == "/v1/chat/completions")
     if path == "/v1/models":
         _require_method(method, "GET", "HEAD")
+        # As vLLM lists them: with each model's context window.
         models = {
             "object": "list",
             "data": [
-                {"id": region_model, "object": "model", "created": 0, "owned_by": "edgeproxy"}
+                {
+                    "id": region_model,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "edgeproxy",
+                    "max_model_len": max_model_len,
+                }
             ],
         }
         return json_reply(200, models)

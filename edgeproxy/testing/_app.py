@@ -223,6 +223,7 @@ class RegionApp:
         behavior: Behavior,
         *,
         model: str,
+        max_model_len: int = 4096,
         http1_only: bool = False,
         seed: int | None = None,
         kv_capacity_blocks: int = 0,
@@ -237,6 +238,7 @@ class RegionApp:
         self.name = name
         self.behavior = behavior
         self.model = model
+        self.max_model_len = max_model_len
         self.http1_only = http1_only
         self.kv_block_size = kv_block_size
         self.max_running = max_running
@@ -611,6 +613,7 @@ class RegionApp:
                         body,
                         behavior,
                         region_model=self.model,
+                        max_model_len=self.max_model_len,
                         metrics=self._metrics_reply,
                         store=self.responses,
                         seen=self.seen,
@@ -791,6 +794,7 @@ class RegionApp:
         return {
             "name": self.name,
             "model": self.model,
+            "max_model_len": self.max_model_len,
             "llm": {
                 "kv_capacity_blocks": self._kv.capacity,
                 "kv_block_size": self.kv_block_size,

@@ -170,7 +170,9 @@ class FakeRegion:
         port: Port to listen on; 0 picks a free one, kept across restarts.
         behavior: Initial behaviour; a default :class:`Behavior` if omitted.
         model: Model id listed by ``/v1/models`` and answered when a request
-            names none.
+            names none; :attr:`model` changes it while the region serves.
+        max_model_len: The context window ``/v1/models`` gives the model (as vLLM's
+            ``max_model_len``).
         certfile: PEM certificate chain; enables TLS together with ``keyfile``.
         keyfile: PEM private key.
         http1_only: Refuse HTTP/2: TLS offers only ``http/1.1``, and cleartext
@@ -207,6 +209,7 @@ class FakeRegion:
         behavior: Behavior | None = None,
         *,
         model: str = "fake-llm",
+        max_model_len: int = 4096,
         certfile: str | None = None,
         keyfile: str | None = None,
         http1_only: bool = False,
@@ -235,6 +238,7 @@ class FakeRegion:
             metrics_flavor,
         )
         _check_count("responses_capacity", responses_capacity, 1)
+        _check_count("max_model_len", max_model_len, 1)
         self.name = name
         self.host = host
         self._port = port
@@ -248,6 +252,7 @@ class FakeRegion:
             name,
             behavior or Behavior(),
             model=model,
+            max_model_len=max_model_len,
             http1_only=http1_only,
             seed=seed,
             kv_capacity_blocks=kv_capacity_blocks,
@@ -290,6 +295,18 @@ class FakeRegion:
         return self._thread is not None and self._thread.is_alive()
 
     # -- behaviour and counters ------------------------------------------
+
+    @property
+    def model(self) -> str:
+        """The model the region serves: listed by ``/v1/models``, named in answers to
+        requests that name none. Assign it to serve another from the next request on."""
+        return self._app.model
+
+    @model.setter
+    def model(self, value: str) -> None:
+        if not isinstance(value, str) or not value:
+            raise TypeError(f"model must be a non-empty string, not {value!r}")
+        self._app.model = value
 
     @property
     def behavior(self) -> Behavior:

@@ -157,6 +157,13 @@ class RouteConfig(Section):
         "means yes for POSTs to OpenAI LLM endpoints (chat/completions, completions, "
         "embeddings, responses).",
     )
+    check_bodies: bool = Field(
+        True,
+        description="Refuse with a 400 in the API's error shape, before any region is asked, "
+        "an LLM request every server of its API would refuse: a field of the wrong JSON type, "
+        "no model, an empty conversation, temperature or top_p out of the API's range, a "
+        "token bound below 1; off: such requests go to the regions, as any other.",
+    )
 
     @field_validator("path")
     @classmethod

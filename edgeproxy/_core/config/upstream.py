@@ -69,6 +69,10 @@ class UpstreamConfig(Section):
     )
 
 
+# Seconds between two fetches of a learning region's /v1/models, unless it says.
+_MODELS_REFRESH = 60.0
+
+
 class RegionConfig(Section):
     """One regional cluster."""
 
@@ -114,6 +118,22 @@ class RegionConfig(Section):
         description='Client model name -> the region\'s own name, e.g. {"gpt-4o-mini" = '
         '"meta-llama/Llama-3.1-8B-Instruct"}: the region is sent its name, the client '
         "sees its own in the answer. A key counts as a model the region serves.",
+    )
+    learn_models: bool | None = Field(
+        None,
+        description="Learn the models the region serves from its own GET /v1/models (OpenAI's "
+        "list; vLLM's max_model_len kept): asked at start, then every models_refresh "
+        "seconds. Until its list is known (or while its fetches fail from the start) the "
+        "region serves every model; a model no region serves, once every list is known, gets "
+        "404 model_not_found. Unset: true when models is empty; true with models listed is "
+        "an error.",
+    )
+    models_refresh: float | None = Field(
+        None,
+        gt=0,
+        allow_inf_nan=False,
+        description="Seconds between two fetches of the region's GET /v1/models, when it "
+        "learns its models (learn_models). Unset: 60.",
     )
     api_key: str | None = Field(
         None,
@@ -200,6 +220,41 @@ class RegionConfig(Section):
     def _check_model_aliases(cls, value: dict[str, str], info: ValidationInfo) -> dict[str, str]:
         # `models` is validated first (it is declared first); absent if it was invalid.
         return check_model_aliases(value, info.data.get("models"))
+
+    @field_validator("learn_models")
+    @classmethod
+    def _check_learn_models(cls, value: bool | None, info: ValidationInfo) -> bool | None:
+        # `models` is validated first (it is declared first); absent if it was invalid.
+        if value is True and info.data.get("models"):
+            raise ValueError(
+                "is true while models lists names: a region lists its models or learns them"
+            )
+        return value
+
+    @field_validator("models_refresh")
+    @classmethod
+    def _check_models_refresh(cls, value: float | None, info: ValidationInfo) -> float | None:
+        # Set for a region that does not learn, it would do nothing.
+        if value is not None and (
+            info.data.get("learn_models") is False or info.data.get("models")
+        ):
+            raise ValueError(
+                "is set but the region does not learn its models "
+                "(learn_models = false, or models listed)"
+            )
+        return value
+
+    @property
+    def models_refresh_interval(self) -> float:
+        """Seconds between two fetches of the region's models: ``models_refresh``, 60 when
+        unset."""
+        return _MODELS_REFRESH if self.models_refresh is None else self.models_refresh
+
+    @property
+    def learns_models(self) -> bool:
+        """Whether the region's models are learnt from its /v1/models: ``learn_models``,
+        unset meaning yes when it lists none."""
+        return not self.models if self.learn_models is None else self.learn_models
 
     @field_validator("continuation")
     @classmethod

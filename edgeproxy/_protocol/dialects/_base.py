@@ -268,6 +268,8 @@ class Dialect:
             value = body.get(key)
             if isinstance(value, int) and not isinstance(value, bool):
                 return value
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
         return None
 
     def prompt(self, body: dict[str, Any]) -> list[Any]:
@@ -385,6 +387,10 @@ class Dialect:
     """The field that holds the conversation: a list that must not be empty."""
     ranges: ClassVar[dict[str, tuple[float, float]]] = {"temperature": (0, 2), "top_p": (0, 1)}
     """Numbers and the range any server accepts them in."""
+    minimums: ClassVar[dict[str, int]] = {}
+    """Integers and the least value any server accepts (besides the token bounds)."""
+    min_tokens: ClassVar[int] = 1
+    """The least value of a token bound (``max_tokens_keys``)."""
     types: ClassVar[dict[str, tuple[type, ...]]] = {
         "model": (str,),
         "stream": (bool,),
@@ -397,36 +403,45 @@ class Dialect:
         "metadata": (dict,),
         "tools": (list,),
     }
-    """The JSON types a field may have (None is always allowed, as "not given")."""
+    """The JSON types a field may have (None is always allowed, as "not given"). JSON has
+    one kind of number: an integer may be written ``5.0``, as some encoders do."""
+
+    def requires(self, body: dict[str, Any]) -> tuple[str, ...]:
+        """The fields this request must have: :attr:`required`, unless something else in
+        it stands for them."""
+        return self.required
+
+    def needs_turns(self, body: dict[str, Any]) -> bool:
+        """Whether this request must bring its conversation in :attr:`turns` (not empty)."""
+        return True
 
     def check(self, body: dict[str, Any]) -> ProxyError | None:
         """The first field any server of the API would refuse, as its 400; None if none.
 
         Only what every server refuses: a field of the wrong JSON type, a missing model, an
-        empty conversation, a sampling parameter out of its range, a token bound below 1.
-        What a server may accept (an unknown field, a model it serves) is left to it.
+        empty conversation, a sampling parameter out of its range, a token bound below its
+        least. What a server may accept (an unknown field, a model it serves, the shape of
+        a message) is left to it.
         """
-        for key in self.required:
+        for key in self.requires(body):
             if body.get(key) is None:
                 return self.invalid(
                     f"Missing required parameter: '{key}'.", key, "missing_required_parameter"
                 )
         for key, kinds in self.types.items():
             value = body.get(key)
-            if value is None:
-                continue
-            if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+            if value is not None and not _of_kind(value, kinds):
                 return self.invalid(
                     f"Invalid type for '{key}': expected {_kinds(kinds)}, but got {_kind(value)}.",
                     key,
                     "invalid_type",
                 )
-        if isinstance(body.get("model"), str) and not body["model"]:
+        if body.get("model") == "":
             return self.invalid("'model' must not be empty.", "model", "invalid_value")
         turns = self.turns
         if turns is not None:
             value = body.get(turns)
-            if value is not None and not value:
+            if value is not None and not value and self.needs_turns(body):
                 return self.invalid(
                     f"'{turns}' must not be empty: send at least one.", turns, "empty_array"
                 )
@@ -447,19 +462,29 @@ class Dialect:
                     "invalid_value",
                 )
         for key in self.max_tokens_keys:
-            value = body.get(key)
-            if value is None:
-                continue
-            if not isinstance(value, int) or isinstance(value, bool):
-                return self.invalid(
-                    f"Invalid type for '{key}': expected an integer, but got {_kind(value)}.",
-                    key,
-                    "invalid_type",
-                )
-            if value < 1:
-                return self.invalid(
-                    f"'{key}' must be at least 1; got {value}.", key, "invalid_value"
-                )
+            err = self._at_least(body, key, self.min_tokens)
+            if err is not None:
+                return err
+        for key, least in self.minimums.items():
+            err = self._at_least(body, key, least)
+            if err is not None:
+                return err
+        return None
+
+    def _at_least(self, body: dict[str, Any], key: str, least: int) -> ProxyError | None:
+        value = body.get(key)
+        if value is None:
+            return None
+        if not _of_kind(value, (int,)):
+            return self.invalid(
+                f"Invalid type for '{key}': expected an integer, but got {_kind(value)}.",
+                key,
+                "invalid_type",
+            )
+        if value < least:
+            return self.invalid(
+                f"'{key}' must be at least {least}; got {value:g}.", key, "invalid_value"
+            )
         return None
 
     def invalid(self, message: str, param: str, code: str) -> ProxyError:
@@ -610,6 +635,16 @@ def text_parts(
             )
         texts.append(text)
     return "\n".join(texts)
+
+
+def _of_kind(value: Any, kinds: tuple[type, ...]) -> bool:
+    """Whether ``value`` has one of the JSON types ``kinds`` (a bool is no number; an
+    integral float is an integer)."""
+    if isinstance(value, bool):
+        return bool in kinds
+    if isinstance(value, kinds):
+        return True
+    return int in kinds and isinstance(value, float) and value.is_integer()
 
 
 def _kind(value: Any) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Final
 
+from edgeproxy._core.errors import ProxyError
 from edgeproxy._protocol import openai
 from edgeproxy._protocol.dialects._base import (
     REGION_METHOD,
@@ -172,6 +173,7 @@ class ChatDialect(Dialect):
     continuation: ClassVar[str | None] = REGION_METHOD
     seam = ChatSeam
     writer = ChatWriter
+    minimums: ClassVar[dict[str, int]] = {"n": 1}
     types: ClassVar[dict[str, tuple[type, ...]]] = {
         **Dialect.types,
         "max_completion_tokens": (int,),
@@ -296,6 +298,9 @@ class CompletionsDialect(ChatDialect):
     turns: ClassVar[str | None] = None
     continuation: ClassVar[str | None] = None
     writer = TextWriter
+    # ``max_tokens: 0`` with ``echo`` scores a prompt without generating: OpenAI's legacy
+    # completions and the servers that copy them take it.
+    min_tokens: ClassVar[int] = 0
     types: ClassVar[dict[str, tuple[type, ...]]] = {
         **Dialect.types,
         "prompt": (str, list),
@@ -315,9 +320,11 @@ class CompletionsDialect(ChatDialect):
     def answer_id(self) -> str:
         return openai.completion_id(chat=False)
 
-    def check(self, body: dict[str, Any]) -> Any:
+    def check(self, body: dict[str, Any]) -> ProxyError | None:
         err = super().check(body)
-        if err is None and body.get("prompt") in ("", []):
+        # An empty list is no prompt at all; an empty string is one (the model starts a
+        # document from nothing), which OpenAI's completions take.
+        if err is None and body.get("prompt") == []:
             return self.invalid("'prompt' must not be empty.", "prompt", "empty_array")
         return err
 

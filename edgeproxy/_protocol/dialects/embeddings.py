@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Final
 
+from edgeproxy._core.errors import ProxyError
 from edgeproxy._protocol.dialects._base import Dialect
 
 __all__ = ["EMBEDDINGS", "EmbeddingsDialect"]
@@ -17,6 +18,8 @@ class EmbeddingsDialect(Dialect):
     turns: ClassVar[str | None] = None
     prompt_keys: ClassVar[tuple[str, ...]] = ("input",)
     ranges: ClassVar[dict[str, tuple[float, float]]] = {}
+    max_tokens_keys: ClassVar[tuple[str, ...]] = ()
+    minimums: ClassVar[dict[str, int]] = {"dimensions": 1}
     types: ClassVar[dict[str, tuple[type, ...]]] = {
         "model": (str,),
         "input": (str, list),
@@ -28,7 +31,7 @@ class EmbeddingsDialect(Dialect):
     def deterministic(self, body: dict[str, Any]) -> bool:
         return True
 
-    def check(self, body: dict[str, Any]) -> Any:
+    def check(self, body: dict[str, Any]) -> ProxyError | None:
         err = super().check(body)
         if err is None:
             if body.get("input") is None:

@@ -303,6 +303,7 @@ class MessagesDialect(Dialect):
     unstreamable_as_json = False
     required: ClassVar[tuple[str, ...]] = ("model", "messages", "max_tokens")
     ranges: ClassVar[dict[str, tuple[float, float]]] = {"temperature": (0, 1), "top_p": (0, 1)}
+    minimums: ClassVar[dict[str, int]] = {"top_k": 0}
     types: ClassVar[dict[str, tuple[type, ...]]] = {
         "model": (str,),
         "messages": (list,),
@@ -399,19 +400,6 @@ class MessagesDialect(Dialect):
             messages.append({"role": "assistant", "content": self.prefilled(text)})
         out["messages"] = messages
         return out
-
-    def check(self, body: dict[str, Any]) -> ProxyError | None:
-        err = super().check(body)
-        if err is None:
-            top_k = body.get("top_k")
-            if isinstance(top_k, int) and top_k < 0:
-                return self.invalid(
-                    f"top_k: must be 0 or more; got {top_k}.", "top_k", "invalid_value"
-                )
-        return err
-
-    def invalid(self, message: str, param: str, code: str) -> ProxyError:
-        return ProxyError(400, "invalid_request_error", message, code=code, param=param)
 
     # -- streams -----------------------------------------------------------------------------
 

@@ -409,6 +409,7 @@ class ResponsesDialect(Dialect):
         "truncation": (str,),
         "include": (list,),
         "user": (str,),
+        "prompt": (dict,),
     }
 
     def prompt(self, body: dict[str, Any]) -> list[Any]:
@@ -563,29 +564,33 @@ class ResponsesDialect(Dialect):
             return VECTOR_STORES.not_found(object_id)
         return super().ref_not_found(field, object_id)
 
+    def requires(self, body: dict[str, Any]) -> tuple[str, ...]:
+        # A stored prompt (``prompt``) may name the model.
+        return () if body.get("prompt") is not None else self.required
+
+    def needs_turns(self, body: dict[str, Any]) -> bool:
+        # A follow-up of a stored response or conversation, or a stored prompt, has a
+        # conversation already: its input may be left out, or empty.
+        return not (
+            body.get("previous_response_id") or body.get("conversation") or body.get("prompt")
+        )
+
     def check(self, body: dict[str, Any]) -> ProxyError | None:
         err = super().check(body)
-        if (
-            err is None
-            and body.get("input") is None
-            and not body.get("previous_response_id")
-            and not body.get("conversation")
-        ):
+        if err is not None:
+            return err
+        if body.get("input") is None and self.needs_turns(body):
             return self.invalid(
                 "Missing required parameter: 'input'.", "input", "missing_required_parameter"
             )
         conversation = body.get("conversation")
-        if (
-            err is None
-            and isinstance(conversation, dict)
-            and not isinstance(conversation.get("id"), str)
-        ):
+        if isinstance(conversation, dict) and not isinstance(conversation.get("id"), str):
             return self.invalid(
                 "Invalid type for 'conversation.id': expected a string.",
                 "conversation",
                 "invalid_type",
             )
-        return err
+        return None
 
     # -- streams -----------------------------------------------------------------------------
 
