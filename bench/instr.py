@@ -7,8 +7,8 @@ requests go uninstrumented, then instrumentation is switched on (``callgrind_con
 -i on``), a fixed number of requests is sent, instrumentation goes off, the counters
 are dumped, and the total is divided by the request count. Only the proxy process is
 counted; the upstream and the client run outside valgrind. A target whose process
-serves both a JSON answer and a streamed one is measured for each in turn (one
-warm-up, then one counted phase, each), so the two rows share a process.
+serves a JSON answer and streamed ones is measured for each in turn (one warm-up, then
+one counted phase, each), so its rows share a process.
 
 The upstream is nginx with canned answers when nginx is installed (``--skip-nginx``
 turns it off), else the fake region of ``edgeproxy.testing``; the output says which.
@@ -23,24 +23,48 @@ Pacing matters: a proxy under callgrind runs 30 to 100 times slower, and events 
 pile up in a socket are read several at a time, which would hide the per-event cost.
 ``client reads per event`` in the table checks it (about 1 means one event per read).
 
-Targets (``--only``), each one process:
+Two more streams, of the same ``--events`` tokens, are the other APIs' (``_api_streams``):
+``POST /v1/responses`` gets a Responses API stream (``response.created``, ``in_progress``,
+``output_item.added``, ``content_part.added``, a ``response.output_text.delta`` per token
+with its ``sequence_number``, the ``done`` events and ``response.completed`` with usage)
+and ``POST /v1/messages`` an Anthropic Messages stream (``message_start``,
+``content_block_start``, ``ping``, a ``content_block_delta`` per token,
+``content_block_stop``, ``message_delta`` with usage, ``message_stop``); nginx serves
+each at its path, paced the same way. To be one write each, a stream's events are padded
+(JSON whitespace) to the length of its longest event that does not repeat the whole
+answer: 782 bytes for Responses (its ``response.created``), 344 for Messages (its
+``message_start``), against 236 and 125 for a bare delta. The Responses API's four events
+that repeat the whole answer take a few writes each (about 1.05 reads per event). The
+padding costs edgeproxy's stream reading about 3.4 k instructions per Responses event
+and 1.5 k per Messages event (measured on its usage reader alone under callgrind).
+
+Targets (``--only``), each one process, and what each is asked:
 
 * ``reference``: ``bench/reference_proxy.py``, a bare aiohttp server + client pool
-  (rows ``reference`` and ``reference sse``);
+  (rows ``reference``, ``reference sse``, ``reference responses sse`` and
+  ``reference messages sse``);
 * ``nginx``: nginx as a plain ``proxy_pass`` reverse proxy with an HTTP/1.1 keep-alive
   upstream pool, run as one process (``daemon off; master_process off;``) so callgrind
-  sees all of it (rows ``nginx`` and ``nginx sse``; needs nginx);
-* ``h1``: edgeproxy, HTTP/1.1 upstream, cache off (rows ``h1`` and ``h1 sse``);
-* ``h2c``: edgeproxy, h2c upstream, cache off (rows ``h2c`` and ``h2c sse``);
-* ``hit``: edgeproxy, memory cache hit (deterministic body);
+  sees all of it (rows ``nginx``, ``nginx sse`` and the two others; needs nginx);
+* ``h1``: edgeproxy, HTTP/1.1 upstream, cache off (rows ``h1``, ``h1 sse``,
+  ``h1 responses sse``, ``h1 messages sse``);
+* ``h2c``: edgeproxy, h2c upstream, cache off (rows ``h2c``, ``h2c sse`` and the two
+  others);
+* ``hit``: edgeproxy, memory cache hit (deterministic body; JSON only);
 * ``litellm``: the LiteLLM proxy (``litellm --num_workers 1``) from the venv given by
   ``--litellm-venv`` (``pip install 'litellm[proxy]'`` there), with its defaults
   (rows ``litellm`` and ``litellm sse``); skipped, with the reason, without it.
 
-``x reference`` divides a JSON row by ``reference`` and a streamed row by
-``reference sse``. ``per SSE event`` is the streamed row's instructions over the events
-the client saw; ``marginal per event`` takes the same process's JSON request off first,
-so it is what one more event costs.
+``--only`` also takes what to ask: ``json`` (the JSON request), ``sse`` (the chat
+stream), ``responses`` and ``messages`` (the other APIs' streams); all of them when none
+is named, and all targets when no target is named. ``--only h1 responses`` is one
+process and one stream; ``--only sse responses messages`` the three streams everywhere.
+
+``x reference`` divides a row by the reference row of the same request (``reference``,
+``reference sse``, ``reference responses sse``...). ``per SSE event`` is the streamed
+row's instructions over the events the client saw; ``marginal per event`` takes the same
+process's JSON request off first, so it is what one more event costs (chat streams only:
+the run has no JSON request of the other APIs).
 
 ``--tree DIR`` runs edgeproxy from another checkout as well (``before`` rows), so a
 change can be measured against the code before it in the same run::
@@ -48,7 +72,12 @@ change can be measured against the code before it in the same run::
     git worktree add /tmp/before HEAD~5
     python bench/instr.py --tree /tmp/before --count 300
 
-``--quick`` (60 requests after 60 warm-up, 12 streamed after 6) is the CI smoke run.
+A tree whose endpoint table (asked in its own interpreter) does not know ``/v1/responses``
+or ``/v1/messages`` would relay that stream as plain bytes, which is another measurement:
+its row for that stream says ``skipped`` and why, and nothing is sent there.
+
+``--quick`` (60 requests after 60 warm-up, 12 streamed after 6, about 2.5 minutes with
+the three streams) is the CI smoke run.
 ``--wallclock`` runs ``bench_proxy.py --only throughput`` (with ``--quick`` when given)
 right after the count, in the same run: its wall-clock table goes under the instruction
 table in ``instr.md``. ``bench/instr_profile.py`` breaks one request down by component.
@@ -84,6 +113,14 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import _util as u  # noqa: E402
+from _api_streams import (  # noqa: E402
+    MESSAGES_HEADERS,
+    ApiStream,
+    messages_request,
+    messages_stream,
+    responses_request,
+    responses_stream,
+)
 
 ROOT = HERE.parent
 RESULTS = HERE / "results"
@@ -92,6 +129,12 @@ PATH = "/v1/chat/completions"
 BYPASS = b'{"model":"m","messages":[{"role":"user","content":"hello there"}],"temperature":1}'
 HIT = b'{"model":"m","messages":[{"role":"user","content":"hello there"}],"temperature":0}'
 SSE_HEADER = "X-Bench-SSE"
+TARGETS = ("reference", "nginx", "h1", "h2c", "hit", "litellm")
+# What each target is asked, by --only name: the JSON request and the three streams.
+KINDS = ("json", "sse", "responses", "messages")
+# The streams of the other APIs: their row suffix and their path.
+API_ROWS = {"responses": "responses sse", "messages": "messages sse"}
+API_PATHS = {"responses": "/v1/responses", "messages": "/v1/messages"}
 
 
 def stream_body(events: int, model: str = "m") -> bytes:
@@ -150,14 +193,44 @@ def sse_pad(head_len: int, body: bytes) -> bytes:
 
 
 def nginx_origin_conf(
-    h1: int, h2: int, root: Path, *, pace_ms: float, json_body: str, max_streams: int = 128
+    h1: int,
+    h2: int,
+    root: Path,
+    *,
+    pace_ms: float,
+    json_body: str,
+    max_streams: int = 128,
+    apis: tuple[ApiStream, ...] = (),
 ) -> str:
     """The canned upstream: JSON from ``return 200``, and with the SSE header (or under
-    ``/sse/``) ``sse-h1.txt`` / ``sse-h2.txt`` paced to one event per write."""
-    rate = max(1, round(EVENT_LEN * 1000 / pace_ms))
+    ``/sse/``) ``sse-h1.txt`` / ``sse-h2.txt`` paced to one event per write; each stream
+    of ``apis`` (always streamed) at its path, from ``<kind>-h1.txt`` / ``<kind>-h2.txt``
+    paced the same way in writes of its own event length."""
     quoted = "'" + json_body.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
-    def server(port: int, listen_opts: str, sse_file: str) -> str:
+    def paced(location: str, unit: int, file: str) -> str:
+        rate = max(1, round(unit * 1000 / pace_ms))
+        return f"""
+        location {location} {{
+            root {root};
+            types {{ }}
+            default_type text/event-stream;
+            etag off;
+            limit_rate {rate};
+            sendfile off;
+            sendfile_max_chunk {unit};
+            postpone_output 0;
+            try_files /{file} =404;
+            error_page 405 =200 {location};
+        }}"""
+
+    def server(port: int, listen_opts: str, proto: str) -> str:
+        api_locations = "".join(
+            f"""
+        location = {api.path} {{ rewrite ^ {api.location} last; }}"""
+            + paced(api.location, api.unit, f"{api.kind}-{proto}.txt")
+            for api in apis
+        )
         return f"""
     server {{
         listen {LOOPBACK}:{port}{listen_opts} backlog=4096;
@@ -165,19 +238,7 @@ def nginx_origin_conf(
             if ($http_x_bench_sse) {{ rewrite ^ /sse/ last; }}
             default_type application/json;
             return 200 {quoted};
-        }}
-        location /sse/ {{
-            root {root};
-            types {{ }}
-            default_type text/event-stream;
-            etag off;
-            limit_rate {rate};
-            sendfile off;
-            sendfile_max_chunk {EVENT_LEN};
-            postpone_output 0;
-            try_files /{sse_file} =404;
-            error_page 405 =200 /sse/;
-        }}
+        }}{paced("/sse/", EVENT_LEN, f"sse-{proto}.txt")}{api_locations}
     }}"""
 
     nofile = raise_nofile()
@@ -194,15 +255,15 @@ http {{
     keepalive_timeout 300s;
     send_timeout 300s;
     http2_max_concurrent_streams {max_streams};
-    {server(h1, "", "sse-h1.txt")}
-    {server(h2, " http2", "sse-h2.txt")}
+    {server(h1, "", "h1")}
+    {server(h2, " http2", "h2")}
 }}
 """
 
 
-def response_head_len(port: int, headers: dict[str, str]) -> int:
+def response_head_len(port: int, headers: dict[str, str], path: str = PATH) -> int:
     """Bytes of the head nginx sends before a streamed answer on ``port`` (HTTP/1.1)."""
-    lines = [f"POST {PATH} HTTP/1.1", "Host: bench", "Content-Length: 2"]
+    lines = [f"POST {path} HTTP/1.1", "Host: bench", "Content-Length: 2"]
     lines += [f"{k}: {v}" for k, v in headers.items()]
     raw = ("\r\n".join(lines) + "\r\n\r\n{}").encode()
     with socket.create_connection((LOOPBACK, port), 5) as s:
@@ -227,6 +288,11 @@ class Origin:
     describe: str
 
 
+def api_streams(tokens: int) -> tuple[ApiStream, ...]:
+    """The Responses and Messages streams nginx serves, ``tokens`` deltas each."""
+    return (responses_stream(tokens), messages_stream(tokens))
+
+
 @contextlib.contextmanager
 def nginx_origin(
     nginx: str, tokens: int, pace_ms: float, *, max_streams: int = 128, keep: bool = False
@@ -235,20 +301,39 @@ def nginx_origin(
     work = Path(tempfile.mkdtemp(prefix="instr-origin-"))
     work.chmod(0o755)  # nginx's worker runs as another user when started as root
     body = sse_answer(tokens)
-    (work / "html").mkdir()
-    (work / "html" / "sse-h1.txt").write_bytes(body)
-    (work / "html" / "sse-h2.txt").write_bytes(body)
+    apis = api_streams(tokens)
+    html = work / "html"
+    html.mkdir()
+    (html / "sse-h1.txt").write_bytes(body)
+    (html / "sse-h2.txt").write_bytes(body)
+    for api in apis:
+        (html / f"{api.kind}-h1.txt").write_bytes(api.body())
+        (html / f"{api.kind}-h2.txt").write_bytes(api.body())
     h1, h2 = free_port(), free_port()
     conf = nginx_origin_conf(
-        h1, h2, work / "html", pace_ms=pace_ms, json_body=u.UPSTREAM_JSON, max_streams=max_streams
+        h1,
+        h2,
+        html,
+        pace_ms=pace_ms,
+        json_body=u.UPSTREAM_JSON,
+        max_streams=max_streams,
+        apis=apis,
     )
     svc = u.nginx_service("nginx-origin", nginx, work, conf, []).start()
     try:
         if not wait_port(h1, 10) or not wait_port(h2, 10):
             raise RuntimeError(f"the nginx upstream did not start:\n{svc.log_tail()}")
         pad = sse_pad(response_head_len(h1, {SSE_HEADER: "1"}), body)
-        (work / "html" / "sse-h1.txt").write_bytes(pad + body)
+        (html / "sse-h1.txt").write_bytes(pad + body)
+        for api in apis:
+            # Over HTTP/1.1 the head shares the first write: the first event evens it up.
+            plain = api.body()
+            head = response_head_len(h1, {}, api.path)
+            (html / f"{api.kind}-h1.txt").write_bytes(api.body_h1(head, len(plain)))
         version = u.tool_version([nginx, "-v"]).replace("nginx version: ", "")
+        streams = "; ".join(
+            f"{api.path}: {api.count} events padded to {api.unit} bytes" for api in apis
+        )
         yield Origin(
             "nginx",
             f"http://{LOOPBACK}:{h1}",
@@ -256,7 +341,8 @@ def nginx_origin(
             f"http://{LOOPBACK}:{h1}/sse",
             f"{version} with canned answers (JSON: `return 200`; SSE: a static file of "
             f"{tokens} chunks + finish, usage and [DONE], one event per write every "
-            f"{pace_ms:g} ms)",
+            f"{pace_ms:g} ms; {streams}, one per write, those repeating the whole answer "
+            f"in several)",
         )
     finally:
         svc.stop()
@@ -293,7 +379,8 @@ def fake_origin(tokens: int, pace_ms: float, reason: str) -> Iterator[Origin]:
             url,
             url,
             f"the fake region (python -m edgeproxy.testing, {pace_ms:g} ms between tokens), "
-            f"because {reason}; its JSON answers vary in length",
+            f"because {reason}; its JSON answers vary in length, and its Responses and "
+            f"Messages streams write their opening and closing events together",
         )
     finally:
         proc.terminate()
@@ -309,6 +396,9 @@ class Phase:
     body: bytes
     sse: bool
     headers: dict[str, str] = field(default_factory=dict)
+    kind: str = ""  # the --only name: json, sse, responses, messages
+    path: str = PATH
+    skip: str = ""  # why this phase is not run (its row says so)
 
 
 @dataclass
@@ -334,10 +424,12 @@ class Row:
     events: int = 0
     reads: int = 0
     seconds: float = 0.0
+    kind: str = ""  # json, sse, responses, messages ("" where the caller does not say)
+    skipped: str = ""  # not measured, and why
 
     @property
     def per_request(self) -> float:
-        return self.instructions / self.requests
+        return self.instructions / self.requests if self.requests else float("nan")
 
     @property
     def per_event(self) -> float:
@@ -364,13 +456,13 @@ def wait_port(port: int, timeout: float, proc: subprocess.Popen[bytes] | None = 
 
 
 async def drive(
-    port: int, count: int, body: bytes, conc: int, headers: dict[str, str]
+    port: int, count: int, body: bytes, conc: int, headers: dict[str, str], path: str = PATH
 ) -> tuple[int, int, int]:
     """Send ``count`` POSTs, ``conc`` at a time; returns (failed, SSE events, body reads)."""
     headers = {"content-type": "application/json", **headers}
     failed = events = reads = 0
     sem = asyncio.Semaphore(conc)
-    url = f"http://{LOOPBACK}:{port}{PATH}"
+    url = f"http://{LOOPBACK}:{port}{path}"
     timeout = aiohttp.ClientTimeout(total=300)
     connector = aiohttp.TCPConnector(limit=conc)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
@@ -429,7 +521,16 @@ def dump_instructions(pid: int, work: Path) -> int:
     raise RuntimeError(f"callgrind wrote no dump into {work}")
 
 
+def skipped_row(target: Target, phase: Phase) -> Row:
+    return Row(phase.row, target.name, target.tree, 0, 0, 0, kind=phase.kind, skipped=phase.skip)
+
+
 def measure(target: Target, args: argparse.Namespace) -> list[Row]:
+    if all(phase.skip for phase in target.phases):
+        skipped = [skipped_row(target, phase) for phase in target.phases]
+        for row in skipped:
+            print(_line(row), flush=True)
+        return skipped
     work = Path(tempfile.mkdtemp(prefix=f"instr-{target.name}-"))
     proc = callgrind(target.cmd, target.env, work)
     rows: list[Row] = []
@@ -438,6 +539,10 @@ def measure(target: Target, args: argparse.Namespace) -> list[Row]:
             tail = (work / "valgrind.log").read_text(errors="replace")[-2000:]
             raise RuntimeError(f"{target.name}: port {target.port} never opened:\n{tail}")
         for phase in target.phases:
+            if phase.skip:
+                rows.append(skipped_row(target, phase))
+                print(_line(rows[-1]), flush=True)
+                continue
             headers = dict(phase.headers)
             if target.auth:
                 headers["Authorization"] = f"Bearer {target.auth}"
@@ -445,11 +550,11 @@ def measure(target: Target, args: argparse.Namespace) -> list[Row]:
                 count, warmup, conc = args.sse_count, args.sse_warmup, args.sse_concurrency
             else:
                 count, warmup, conc = args.count, args.warmup, args.concurrency
-            asyncio.run(drive(target.port, warmup, phase.body, conc, headers))
+            asyncio.run(drive(target.port, warmup, phase.body, conc, headers, phase.path))
             control(proc.pid, "-i", "on")
             start = time.monotonic()
             failed, events, reads = asyncio.run(
-                drive(target.port, count, phase.body, conc, headers)
+                drive(target.port, count, phase.body, conc, headers, phase.path)
             )
             seconds = time.monotonic() - start
             control(proc.pid, "-i", "off")
@@ -464,6 +569,7 @@ def measure(target: Target, args: argparse.Namespace) -> list[Row]:
                 events if phase.sse else 0,
                 reads if phase.sse else 0,
                 round(seconds, 2),
+                kind=phase.kind,
             )
             rows.append(row)
             print(_line(row), flush=True)
@@ -538,23 +644,102 @@ def litellm_target(
     env = dict(os.environ, LITELLM_LOCAL_MODEL_COST_MAP="True", LITELLM_LOG="ERROR")
     env.pop("PYTHONPATH", None)
     phases = [
-        Phase("litellm", BYPASS, False),
-        Phase("litellm sse", stream_body(args.events, "s"), True),
+        Phase("litellm", BYPASS, False, kind="json"),
+        Phase("litellm sse", stream_body(args.events, "s"), True, kind="sse"),
     ]
+    phases = [p for p in phases if p.kind in args.kinds]
     return Target("litellm", "-", cmd, env, port, phases, args.litellm_wait, auth=key)
+
+
+# Asked in a tree's own interpreter: which API paths its endpoint table knows.
+_PROBE = """
+import json, sys
+try:
+    from edgeproxy._protocol.endpoints import openai_endpoint
+except ImportError as exc:
+    print(json.dumps({"error": str(exc)}))
+else:
+    print(json.dumps({p: openai_endpoint(p) is not None for p in sys.argv[1:]}))
+"""
+
+
+def missing_apis(tree: Path, kinds: list[str]) -> dict[str, str]:
+    """The API streams among ``kinds`` that ``tree``'s edgeproxy has no endpoint for, each
+    with the reason its rows give: such a tree would relay them as plain bytes, which is
+    not the same measurement, so they are skipped there."""
+    paths = [API_PATHS[k] for k in kinds if k in API_PATHS]
+    if not paths:
+        return {}
+    proc = subprocess.run(
+        [sys.executable, "-c", _PROBE, *paths],
+        env=dict(os.environ, PYTHONPATH=str(tree)),
+        cwd=tree,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    try:
+        known = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        why = f"skipped: edgeproxy there does not import ({last})"
+        return {k: why for k in kinds if k in API_PATHS}
+    if "error" in known:
+        # Older than the endpoint table: nothing there to say it knows these APIs.
+        return {
+            k: f"skipped: no endpoint table there to know {API_PATHS[k]} ({known['error']})"
+            for k in kinds
+            if k in API_PATHS
+        }
+    return {
+        kind: f"skipped: the endpoint table there has no {path}"
+        for kind, path in API_PATHS.items()
+        if path in paths and not known.get(path)
+    }
+
+
+def phases_for(
+    name: str,
+    kinds: list[str],
+    args: argparse.Namespace,
+    sse_headers: dict[str, str],
+    *,
+    json_body: bytes = BYPASS,
+    missing: dict[str, str] | None = None,
+) -> list[Phase]:
+    """A target's phases for the selected ``kinds``, in the table's order."""
+    missing = missing or {}
+    phases = []
+    for kind in KINDS:
+        if kind not in kinds:
+            continue
+        if kind == "json":
+            phases.append(Phase(name, json_body, False, kind=kind))
+        elif kind == "sse":
+            phases.append(Phase(f"{name} sse", stream_body(args.events), True, sse_headers, kind))
+        else:
+            body, headers = (
+                (responses_request(args.events), {})
+                if kind == "responses"
+                else (messages_request(args.events), dict(MESSAGES_HEADERS))
+            )
+            row = f"{name} {API_ROWS[kind]}"
+            path, skip = API_PATHS[kind], missing.get(kind, "")
+            phases.append(Phase(row, body, True, headers, kind, path, skip))
+    return phases
 
 
 def targets(origin: Origin, args: argparse.Namespace, work: Path) -> Iterator[Target | str]:
     """Each target to measure, or a line saying why one is skipped."""
     sse = {SSE_HEADER: "1"} if origin.kind == "nginx" else {}
-    json_sse = [Phase("{} sse", stream_body(args.events), True, sse)]
-    if "reference" in args.only:
+    kinds: list[str] = args.kinds
+    if "reference" in args.targets:
         port = free_port()
         cmd = [sys.executable, str(HERE / "reference_proxy.py"), "--port", str(port)]
         cmd += ["--upstream", origin.h1]
-        phases = [Phase("reference", BYPASS, False)] + _named(json_sse, "reference")
+        phases = phases_for("reference", kinds, args, sse)
         yield Target("reference", "-", cmd, dict(os.environ), port, phases, args.wait)
-    if "nginx" in args.only:
+    if "nginx" in args.targets:
         nginx = None if args.skip_nginx else u.nginx_binary()
         if nginx is None:
             why = "--skip-nginx given" if args.skip_nginx else "nginx is not installed"
@@ -568,17 +753,29 @@ def targets(origin: Origin, args: argparse.Namespace, work: Path) -> Iterator[Ta
             conf.write_text(u.nginx_proxy_conf(port, upstream_port, 100))
             cmd = [nginx, "-p", str(prefix), "-c", str(conf), "-e", str(prefix / "error.log")]
             cmd += ["-g", "daemon off; master_process off;"]
-            phases = [Phase("nginx", BYPASS, False)] + _named(json_sse, "nginx")
+            phases = phases_for("nginx", kinds, args, sse)
             yield Target("nginx", "-", cmd, dict(os.environ), port, phases, args.wait)
     trees = [("now", ROOT)] + ([("before", Path(args.tree).resolve())] if args.tree else [])
     for tree_name, tree in trees:
         env = dict(os.environ, PYTHONPATH=str(tree))
+        missing = missing_apis(tree, kinds) if {"h1", "h2c"} & set(args.targets) else {}
+        for kind, why in missing.items():
+            print(f"{tree_name} ({tree}): {API_PATHS[kind]} {why}", flush=True)
         for name, http2, cache, phases in (
-            ("h1", False, False, [Phase("h1", BYPASS, False)] + _named(json_sse, "h1")),
-            ("h2c", True, False, [Phase("h2c", BYPASS, False)] + _named(json_sse, "h2c")),
-            ("hit", False, True, [Phase("hit", HIT, False)]),
+            ("h1", False, False, phases_for("h1", kinds, args, sse, missing=missing)),
+            ("h2c", True, False, phases_for("h2c", kinds, args, sse, missing=missing)),
+            (
+                "hit",
+                False,
+                True,
+                phases_for("hit", [k for k in kinds if k == "json"], args, sse, json_body=HIT),
+            ),
         ):
-            if name not in args.only:
+            if name not in args.targets:
+                continue
+            if not phases:
+                if name in args.only and tree_name == "now":
+                    yield f"{name}: skipped (asked JSON requests only; no json in --only)"
                 continue
             port = free_port()
             conf = work / f"edge-{tree_name}-{name}.toml"
@@ -586,15 +783,11 @@ def targets(origin: Origin, args: argparse.Namespace, work: Path) -> Iterator[Ta
             conf.write_text(proxy_toml(port, url, http2=http2, cache=cache))
             cmd = [sys.executable, "-m", "edgeproxy", "serve", "--config", str(conf)]
             yield Target(name, tree_name, cmd, env, port, phases, args.wait)
-    if "litellm" in args.only:
+    if "litellm" in args.targets and {"json", "sse"} & set(kinds):
         if not args.litellm_venv:
             yield "litellm: skipped (no --litellm-venv PATH given)"
         else:
             yield litellm_target(Path(args.litellm_venv), origin, args, work)
-
-
-def _named(phases: list[Phase], name: str) -> list[Phase]:
-    return [Phase(p.row.format(name), p.body, p.sse, p.headers) for p in phases]
 
 
 @contextlib.contextmanager
@@ -636,19 +829,39 @@ def run(args: argparse.Namespace) -> tuple[list[Row], list[str], Origin]:
 
 
 def _ref_for(row: Row, rows: list[Row]) -> Row | None:
+    """The reference row of the same kind of request (JSON, or the same API's stream)."""
+    if row.skipped:
+        return None
+    if row.kind:
+        found = (r for r in rows if r.process == "reference" and r.kind == row.kind)
+        return next((r for r in found if not r.skipped), None)
     want = "reference sse" if row.events else "reference"
     return next((r for r in rows if r.name == want), None)
 
 
 def _json_twin(row: Row, rows: list[Row]) -> Row | None:
+    """The same process's JSON request, for a chat stream's marginal cost per event (the
+    other APIs' streams have no JSON request of their own API in the run)."""
+    if row.kind not in ("sse", ""):
+        return None
     return next(
-        (r for r in rows if r.process == row.process and r.tree == row.tree and not r.events),
+        (
+            r
+            for r in rows
+            if r.process == row.process
+            and r.tree == row.tree
+            and not r.events
+            and not r.skipped
+            and r.kind in ("json", "")
+        ),
         None,
     )
 
 
 def _line(row: Row) -> str:
-    text = f"{row.name:14} {row.tree:7} {row.per_request / 1000:10,.0f} k/req"
+    if row.skipped:
+        return f"{row.name:18} {row.tree:7} {row.skipped}"
+    text = f"{row.name:18} {row.tree:7} {row.per_request / 1000:10,.0f} k/req"
     if row.events:
         text += f"  {row.per_event / 1000:,.1f} k/event"
     return text + f"  ({row.failed} failed, {row.seconds:g} s)"
@@ -661,6 +874,9 @@ def table(rows: list[Row]) -> str:
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
+        if r.skipped:
+            lines.append(f"| {r.name} | {r.tree} | {r.skipped} | - | - | - | - | - |")
+            continue
         ref = _ref_for(r, rows)
         ratio = f"{r.per_request / ref.per_request:.2f}" if ref else "-"
         per_event = marginal = reads = "-"
@@ -697,9 +913,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only",
         nargs="+",
-        default=["reference", "nginx", "h1", "h2c", "hit", "litellm"],
-        choices=["reference", "nginx", "h1", "h2c", "hit", "litellm"],
-        help="targets to run",
+        default=[],
+        choices=[*TARGETS, *KINDS],
+        metavar="NAME",
+        help=f"targets ({', '.join(TARGETS)}; all when none is named) and requests "
+        f"({', '.join(KINDS)}: the JSON request, the chat, Responses and Messages streams; "
+        "all when none is named)",
     )
     parser.add_argument("--skip-nginx", action="store_true", help="no nginx, even if installed")
     parser.add_argument("--litellm-venv", help="a venv with litellm[proxy]: adds its rows")
@@ -714,6 +933,10 @@ def main(argv: list[str] | None = None) -> int:
         help="then bench_proxy.py's throughput table (--quick with --quick), in the same run",
     )
     args = parser.parse_args(argv)
+    if args.tree and not (Path(args.tree) / "edgeproxy").is_dir():
+        parser.error(f"--tree {args.tree}: no edgeproxy package there")
+    args.targets = [t for t in TARGETS if t in args.only] or list(TARGETS)
+    args.kinds = [k for k in KINDS if k in args.only] or list(KINDS)
     # A SIGTERM (CI's timeout) unwinds, so that the servers this started are stopped.
     signal.signal(signal.SIGTERM, _exit_on_signal)
     quick = args.quick
@@ -745,7 +968,7 @@ def main(argv: list[str] | None = None) -> int:
         "upstream_detail": origin.describe,
         "skipped": skipped,
         "settings": {k: v for k, v in vars(args).items() if k != "keep"},
-        "rows": [asdict(r) | {"per_request": r.per_request} for r in rows],
+        "rows": [asdict(r) | {"per_request": None if r.skipped else r.per_request} for r in rows],
     }
     (RESULTS / "instr.json").write_text(json.dumps(data, indent=2) + "\n")
     failed = any(r.failed for r in rows)
@@ -769,7 +992,7 @@ def wallclock(args: argparse.Namespace, rows: list[Row]) -> int:
     ratios = ["| target | instructions x reference |", "| --- | --- |"]
     ref = next((r for r in rows if r.name == "reference"), None)
     for r in rows:
-        if ref and not r.events and r.tree == "now":
+        if ref and not r.events and not r.skipped and r.tree == "now":
             ratios.append(f"| {r.name} | {r.per_request / ref.per_request:.2f} |")
     text = (
         "\n\n## Wall-clock, same run (bench_proxy.py --only throughput)\n\n"
