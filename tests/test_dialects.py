@@ -284,3 +284,9 @@ def test_the_system_prompt_is_part_of_the_affinity_key_of_every_api() -> None:
     # The same conversation, whichever API carries it, keys the same KV cache.
     chat = {"model": "m", "messages": [{"role": "user", "content": long}]}
     assert key(CHAT, chat) == key(RESPONSES, responses) == same
+
+
+@pytest.mark.parametrize("dialect", [CHAT, RESPONSES, MESSAGES])
+def test_a_keep_alive_comment_commits_no_stream(dialect: Dialect) -> None:
+    (comment,) = events(b": keepalive\n\n")
+    assert not dialect.commits(comment)

@@ -206,6 +206,8 @@ class ChatDialect(Dialect):
         return out
 
     def commits(self, event: SSEEvent) -> bool:
+        if event.comment:
+            return False  # a keep-alive comment is no content
         data = event.data
         if event.event is not None or data == b"[DONE]" or not data.startswith(b"{"):
             return True

@@ -596,6 +596,8 @@ class ResponsesDialect(Dialect):
 
     def commits(self, event: SSEEvent) -> bool:
         name = event.event
+        if event.comment:
+            return False  # a keep-alive comment is no content
         if name is None:
             # No event line: the type is in the data (some servers send it only there).
             obj = loads(event.data)
