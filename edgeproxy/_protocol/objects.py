@@ -124,8 +124,25 @@ class ObjectPath:
     """What follows the id: ``""``, ``content``, ``items/msg_1``."""
 
 
+# Paths already known to name no stored object (an LLM endpoint's, asked every request).
+# Bounded, since paths come from clients: emptied when full.
+_NONE: set[str] = set()
+_NONE_MAX = 1024
+
+
 def object_path(path: str) -> ObjectPath | None:
     """Where ``path`` (without its query) is among the stored objects, or None."""
+    if path in _NONE:
+        return None
+    found = _object_path(path)
+    if found is None:
+        if len(_NONE) >= _NONE_MAX:
+            _NONE.clear()
+        _NONE.add(path)
+    return found
+
+
+def _object_path(path: str) -> ObjectPath | None:
     if "/v1/" not in path:
         return None
     match = _PATH.search(path)

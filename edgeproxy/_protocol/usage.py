@@ -69,6 +69,10 @@ class UsageTracker:
                 else:
                     self._buf += chunk
             return
+        if not reader.tail and chunk.endswith(b"\n\n") and chunk.find(b'"usage"') < 0:
+            # Whole events, none with usage (all but a stream's last): nothing to read, and
+            # the reader, which holds nothing, would hold nothing after them either.
+            return
         try:
             events = reader.feed(chunk)
         except SSEEventTooLarge:

@@ -428,14 +428,16 @@ class Dialect:
                 return self.invalid(
                     f"Missing required parameter: '{key}'.", key, "missing_required_parameter"
                 )
-        for key, kinds in self.types.items():
-            value = body.get(key)
-            if value is not None and not _of_kind(value, kinds):
-                return self.invalid(
-                    f"Invalid type for '{key}': expected {_kinds(kinds)}, but got {_kind(value)}.",
-                    key,
-                    "invalid_type",
-                )
+        # One pass over the fields the body has (a few), not over every rule (dozens).
+        rules = _RULES.get(type(self))
+        if rules is None:
+            rules = _RULES[type(self)] = self._rules()
+        for key, value in body.items():
+            rule = rules.get(key)
+            if rule is not None and value is not None:
+                err = self._field(key, value, rule)
+                if err is not None:
+                    return err
         if body.get("model") == "":
             return self.invalid("'model' must not be empty.", "model", "invalid_value")
         turns = self.turns
@@ -445,30 +447,43 @@ class Dialect:
                 return self.invalid(
                     f"'{turns}' must not be empty: send at least one.", turns, "empty_array"
                 )
-        for key, (low, high) in self.ranges.items():
-            value = body.get(key)
-            if value is None:
-                continue
+        return None
+
+    def _rules(self) -> dict[str, _Rule]:
+        """Each checked field's JSON types, range and least value, in one table."""
+        rules: dict[str, _Rule] = {}
+        least = {**dict.fromkeys(self.max_tokens_keys, self.min_tokens), **self.minimums}
+        for key in {*self.types, *self.ranges, *least}:
+            kinds = self.types.get(key)
+            if key in least and kinds is None:
+                kinds = (int,)
+            rules[key] = (kinds, self.ranges.get(key), least.get(key))
+        return rules
+
+    def _field(self, key: str, value: Any, rule: _Rule) -> ProxyError | None:
+        kinds, bounds, least = rule
+        if kinds is not None and type(value) not in kinds and not _of_kind(value, kinds):
+            return self.invalid(
+                f"Invalid type for '{key}': expected {_kinds(kinds)}, but got {_kind(value)}.",
+                key,
+                "invalid_type",
+            )
+        if bounds is not None:
             if not number(value):
                 return self.invalid(
                     f"Invalid type for '{key}': expected a number, but got {_kind(value)}.",
                     key,
                     "invalid_type",
                 )
+            low, high = bounds
             if not low <= value <= high:
                 return self.invalid(
                     f"'{key}' must be between {low:g} and {high:g}; got {value!r}.",
                     key,
                     "invalid_value",
                 )
-        for key in self.max_tokens_keys:
-            err = self._at_least(body, key, self.min_tokens)
-            if err is not None:
-                return err
-        for key, least in self.minimums.items():
-            err = self._at_least(body, key, least)
-            if err is not None:
-                return err
+        if least is not None and not (type(value) is int and value >= least):
+            return self._at_least({key: value}, key, least)
         return None
 
     def _at_least(self, body: dict[str, Any], key: str, least: int) -> ProxyError | None:
@@ -635,6 +650,11 @@ def text_parts(
             )
         texts.append(text)
     return "\n".join(texts)
+
+
+# A field's rule: its JSON types, its range, its least value (each None: not checked).
+_Rule = tuple[tuple[type, ...] | None, tuple[float, float] | None, int | None]
+_RULES: dict[type, dict[str, _Rule]] = {}
 
 
 def _of_kind(value: Any, kinds: tuple[type, ...]) -> bool:

@@ -246,7 +246,12 @@ class CacheStage:
         dialect = endpoint.dialect if endpoint is not None else request_dialect(ctx)
         if mode == "always" or dialect.cacheable(body):
             return "" if mode != "always" or dialect.stateless(body) else "stateful"
-        return "not_deterministic" if dialect.stateless(body) else "stateful"
+        # Chat's and the others' requests keep no state: not asked twice for the reason.
+        return (
+            "stateful"
+            if dialect.keeps_state and not dialect.stateless(body)
+            else ("not_deterministic")
+        )
 
     def _digest(self, ctx: RequestContext, scope: str) -> str:
         """The key digest of a request :meth:`_bypass_reason` let through."""
