@@ -32,13 +32,13 @@ from edgeproxy._plugins import PluginError
 from edgeproxy._protocol.endpoints import endpoint_has
 from edgeproxy._protocol.headers import request_id, trace_context
 from edgeproxy._protocol.models import (
-    MAX_MODEL_LIST_BYTES,
     ModelListError,
     ModelMatcher,
     model_from_body,
     parse_model_list,
 )
 from edgeproxy._stages.failover import Failover, Failure
+from edgeproxy._upstream.catalog import NoModelList, read_model_list
 from edgeproxy._upstream.pool import UpstreamError
 
 if TYPE_CHECKING:
@@ -259,23 +259,14 @@ class ModelList:
             route=self.config.route_for("GET", _MODELS_PATH),
             body_read=True,
         )
-        body = bytearray()
         try:
             async with asyncio.timeout(self.timeout):
                 upstream = await self.failover.send(None, ctx, [region])
                 if isinstance(upstream, Failure):
                     raise upstream.error  # nothing is left running (no keep_late)
-                try:
-                    if upstream.status != 200:
-                        raise _NoList(f"it answered {upstream.status}")
-                    async for chunk in upstream.aiter_bytes():
-                        body += chunk
-                        if len(body) > MAX_MODEL_LIST_BYTES:
-                            raise _NoList("its list is too large")
-                finally:
-                    await upstream.aclose()
-            return _parse_list(bytes(body))
-        except (_NoList, ProxyError, UpstreamError, PluginError, TimeoutError) as exc:
+                body = await read_model_list(upstream)
+            return _parse_list(body)
+        except (_NoList, NoModelList, ProxyError, UpstreamError, PluginError, TimeoutError) as exc:
             reason = "it timed out" if isinstance(exc, TimeoutError) else str(exc)
             logger.warning("GET /v1/models: region %s gave no list: %s", region.name, reason)
             return None

@@ -214,17 +214,7 @@ class ModelLearner:
         resp = await endpoint.pool.request(
             "GET", endpoint.base_path + MODELS_PATH, headers, None, authority=endpoint.authority
         )
-        body = bytearray()
-        try:
-            if resp.status != 200:
-                raise _NoList(f"it answered {resp.status}")
-            async for chunk in resp.aiter_bytes():
-                body += chunk
-                if len(body) > MAX_MODEL_LIST_BYTES:
-                    raise _NoList("its list is too large")
-        finally:
-            await resp.aclose()
-        return bytes(body)
+        return await read_model_list(resp)
 
 
 def _refresh_interval(region: LearningRegion) -> float:
@@ -233,3 +223,23 @@ def _refresh_interval(region: LearningRegion) -> float:
 
 class _NoList(Exception):
     """A region's /v1/models answer that is no list of models."""
+
+
+async def read_model_list(resp: Any) -> bytes:
+    """The body of a region's ``/v1/models`` answer (``resp``: any upstream response, with
+    ``status``, ``aiter_bytes`` and ``aclose``), at most ``MAX_MODEL_LIST_BYTES``; raises
+    :class:`NoModelList` for an answer that is not 200 or too large. Closes ``resp``."""
+    body = bytearray()
+    try:
+        if resp.status != 200:
+            raise _NoList(f"it answered {resp.status}")
+        async for chunk in resp.aiter_bytes():
+            body += chunk
+            if len(body) > MAX_MODEL_LIST_BYTES:
+                raise _NoList("its list is too large")
+    finally:
+        await resp.aclose()
+    return bytes(body)
+
+
+NoModelList = _NoList

@@ -514,9 +514,18 @@ class Dialect:
         OpenAI-style streams' first event is already content."""
         return True
 
+    usage_inside: ClassVar[str | None] = None
+    """The member of a stream's events whose object carries the usage, when the event itself
+    does not (the Responses API's ``response``, Messages' ``message``)."""
+
     def usage_of(self, obj: dict[str, Any]) -> dict[str, Any] | None:
         """The ``usage`` an event or a JSON answer of this API carries, as sent."""
         usage = obj.get("usage")
+        if isinstance(usage, dict):
+            return usage
+        inside = self.usage_inside
+        holder = obj.get(inside) if inside is not None else None
+        usage = holder.get("usage") if isinstance(holder, dict) else None
         return usage if isinstance(usage, dict) else None
 
     def counted(self, usage: dict[str, Any]) -> dict[str, Any]:

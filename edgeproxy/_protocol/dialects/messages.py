@@ -299,6 +299,7 @@ class MessagesDialect(Dialect):
     continuation: ClassVar[str | None] = "prefill"
     seam = MessagesSeam
     heartbeat = PING
+    usage_inside: ClassVar[str | None] = "message"
     writer = MessagesWriter
     unstreamable_as_json = False
     required: ClassVar[tuple[str, ...]] = ("model", "messages", "max_tokens")
@@ -408,17 +409,6 @@ class MessagesDialect(Dialect):
         if name is None:
             return not event.comment
         return name in _COMMITS
-
-    def usage_of(self, obj: dict[str, Any]) -> dict[str, Any] | None:
-        usage = obj.get("usage")
-        if isinstance(usage, dict):
-            return usage
-        message = obj.get("message")
-        if isinstance(message, dict):
-            usage = message.get("usage")
-            if isinstance(usage, dict):
-                return usage
-        return None
 
     def counted(self, usage: dict[str, Any]) -> dict[str, Any]:
         # Anthropic counts cache reads and writes apart from input_tokens.

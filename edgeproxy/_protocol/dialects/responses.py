@@ -384,6 +384,7 @@ class ResponsesDialect(Dialect):
     turns: ClassVar[str | None] = "input"
     continuation: ClassVar[str | None] = "reissue"
     seam = ResponsesSeam
+    usage_inside: ClassVar[str | None] = "response"
     writer = ResponsesWriter
     unstreamable_as_json = False
 
@@ -610,17 +611,6 @@ class ResponsesDialect(Dialect):
             or name in _ENDS
             or name == "error"
         )
-
-    def usage_of(self, obj: dict[str, Any]) -> dict[str, Any] | None:
-        usage = obj.get("usage")
-        if isinstance(usage, dict):
-            return usage
-        response = obj.get("response")
-        if isinstance(response, dict):
-            usage = response.get("usage")
-            if isinstance(usage, dict):
-                return usage
-        return None
 
     def counted(self, usage: dict[str, Any]) -> dict[str, Any]:
         # input_tokens includes the cached ones (input_tokens_details.cached_tokens).
