@@ -103,6 +103,8 @@ class ModelCatalog:
         self._learner = learner if learned else None
         self.restricts = any(r.models for r in regions) or bool(learned)
         self.active = self.restricts or any(r.model_aliases for r in regions)
+        # Nothing configured, only learnt: until a list is learnt, there is nothing to ask.
+        self._learnt_only = not any(r.models or r.model_aliases for r in regions)
         # Model name -> the names of the regions serving it; None when every region does.
         # Forgotten whenever a learnt list changes (the learner's version).
         self._served: dict[str, frozenset[str] | None] = {}
@@ -142,6 +144,8 @@ class ModelCatalog:
         ``ctx.model``. Raises :class:`ModelError`: 400 when ``model`` is not a
         string, 404 ``model_not_found`` when no region serves it.
         """
+        if self._learnt_only and (self._learner is None or not self._learner.version):
+            return None
         if ctx.method != "POST" or not endpoint_has(ctx.path, "json_body"):
             return None
         model = model_from_body(ctx.json)

@@ -428,16 +428,22 @@ class Dialect:
                 return self.invalid(
                     f"Missing required parameter: '{key}'.", key, "missing_required_parameter"
                 )
-        # One pass over the fields the body has (a few), not over every rule (dozens).
+        # One pass over the fields the body has (a few), not over every rule (dozens); a
+        # field of a plain type and nothing more to check is passed at once.
         rules = _RULES.get(type(self))
         if rules is None:
             rules = _RULES[type(self)] = self._rules()
         for key, value in body.items():
             rule = rules.get(key)
-            if rule is not None and value is not None:
-                err = self._field(key, value, rule)
-                if err is not None:
-                    return err
+            if rule is None or value is None:
+                continue
+            kinds, bounds, least, plain = rule
+            if type(value) in plain:
+                if least is None or (type(value) is int and value >= least):
+                    continue
+            err = self._field(key, value, (kinds, bounds, least))
+            if err is not None:
+                return err
         if body.get("model") == "":
             return self.invalid("'model' must not be empty.", "model", "invalid_value")
         turns = self.turns
@@ -449,15 +455,18 @@ class Dialect:
                 )
         return None
 
-    def _rules(self) -> dict[str, _Rule]:
+    def _rules(self) -> dict[str, _Rules]:
         """Each checked field's JSON types, range and least value, in one table."""
-        rules: dict[str, _Rule] = {}
+        rules: dict[str, _Rules] = {}
         least = {**dict.fromkeys(self.max_tokens_keys, self.min_tokens), **self.minimums}
         for key in {*self.types, *self.ranges, *least}:
             kinds = self.types.get(key)
             if key in least and kinds is None:
                 kinds = (int,)
-            rules[key] = (kinds, self.ranges.get(key), least.get(key))
+            bounds = self.ranges.get(key)
+            # The types that need no closer look: any of the field's, unless it has a range.
+            plain = frozenset(kinds) if kinds is not None and bounds is None else frozenset()
+            rules[key] = (kinds, bounds, least.get(key), plain)
         return rules
 
     def _field(self, key: str, value: Any, rule: _Rule) -> ProxyError | None:
@@ -663,7 +672,9 @@ def text_parts(
 
 # A field's rule: its JSON types, its range, its least value (each None: not checked).
 _Rule = tuple[tuple[type, ...] | None, tuple[float, float] | None, int | None]
-_RULES: dict[type, dict[str, _Rule]] = {}
+# With the set of types that need no closer look.
+_Rules = tuple[tuple[type, ...] | None, tuple[float, float] | None, int | None, frozenset[type]]
+_RULES: dict[type, dict[str, _Rules]] = {}
 
 
 def _of_kind(value: Any, kinds: tuple[type, ...]) -> bool:
