@@ -295,6 +295,17 @@ class Connection(asyncio.Protocol):
                 h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: 2**16,
             },
         )
+        # What the region may take before its SETTINGS say otherwise: RFC 9113's defaults
+        # (§6.5.2), not jh2's (a 6 MiB window, a 64 KiB header table), which would let a
+        # body overrun a region whose SETTINGS leave INITIAL_WINDOW_SIZE out, and have it
+        # answer FLOW_CONTROL_ERROR.
+        self.h2.remote_settings = h2.settings.Settings(
+            client=False,
+            initial_values={
+                h2.settings.SettingCodes.HEADER_TABLE_SIZE: 4096,
+                h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 65535,
+            },
+        )
         self.transport: asyncio.Transport | None = None
         self.streams: dict[int, Stream] = {}
         self.send_blocked: set[Stream] = set()
