@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _util as u  # noqa: E402
 
 HIT_BODY = (
-    '{"model":"bench","temperature":0,"messages":[{"role":"system","content":"You are terse."},'
+    '{"model":"fake-llm","temperature":0,"messages":[{"role":"system","content":"You are terse."},'
     '{"role":"user","content":"Say hello."}],"max_tokens":16}'
 )
 BYPASS_BODY = HIT_BODY.replace('"temperature":0', '"temperature":0.7')
@@ -51,7 +51,7 @@ counter = 0
 request = function()
   counter = counter + 1
   local body = string.format(
-    '{"model":"bench","temperature":0,"messages":[{"role":"user","content":"%s %d"}],'
+    '{"model":"fake-llm","temperature":0,"messages":[{"role":"user","content":"%s %d"}],'
     .. '"max_tokens":16}', "{nonce}", counter)
   return wrk.format("POST", nil, nil, body)
 end
@@ -234,7 +234,7 @@ async def stampede(n: int) -> list[dict[str, Any]]:
                 await proxy.start()
                 region.reset_counters()
                 body = {
-                    "model": "m",
+                    "model": "fake-llm",
                     "temperature": 0,
                     "stream": stream,
                     "messages": [{"role": "user", "content": f"stampede {coalesce} {stream}"}],

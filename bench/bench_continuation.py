@@ -315,7 +315,7 @@ async def one_stream(
     session: aiohttp.ClientSession, url: str, messages: list[dict[str, str]], tokens: int
 ) -> Stream:
     body = {
-        "model": "bench",
+        "model": "fake-llm",
         "messages": messages,
         "max_tokens": tokens,
         "temperature": 0.7,

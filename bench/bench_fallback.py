@@ -115,7 +115,7 @@ n_gpu_layers = {args.n_gpu_layers}
 
 def request_body(max_tokens: int, stream: bool = True) -> dict[str, Any]:
     body: dict[str, Any] = {
-        "model": "bench",
+        "model": "fake-llm",
         "messages": [{"role": "user", "content": "Say hello to the edge."}],
         "max_tokens": max_tokens,
     }

@@ -52,7 +52,7 @@ import _util as u  # noqa: E402
 PYTHON = sys.executable
 PROXIES = ("round-robin", "edgeproxy", "edgeproxy+hedge")
 BODY = json.dumps(
-    {"model": "bench", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8}
+    {"model": "fake-llm", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8}
 ).encode()
 # name, ttft (s), lat, lon: the PoP is in Frankfurt; eu-central is nearest and fastest.
 REGIONS = (

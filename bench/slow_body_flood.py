@@ -39,7 +39,7 @@ import _util as u  # noqa: E402
 
 SLOW_ADDRESS = "127.0.0.2"
 GOOD_ADDRESS = "127.0.0.1"
-BODY = json.dumps({"model": "bench", "messages": [{"role": "user", "content": "Say hello."}]})
+BODY = json.dumps({"model": "fake-llm", "messages": [{"role": "user", "content": "Say hello."}]})
 SLOW_LENGTH = 100_000
 
 

@@ -169,6 +169,9 @@ class Region:
             f"{self.args.itd:g}",
             "--tokens",
             "16",
+            # The model the soak asks for: the proxy learns each region's catalog.
+            "--model",
+            "soak",
         ]
         log = self.work / f"region-{self.name}-{self.starts}.log"
         self.starts += 1
