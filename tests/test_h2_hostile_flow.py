@@ -225,8 +225,6 @@ async def test_zero_window_streams_hold_a_bounded_buffer_and_push_back_on_the_re
     bound = CONNECTION_BUFFER + STREAMS * 32 * 1024
     assert guard.h2_buffered_peak <= bound, guard.h2_buffered_peak
     assert guard.snapshot()["h2_buffered_bytes"] <= bound
-    # What the region wrote is what the proxy holds, plus the sockets between them.
-    assert big_region.written < STREAMS * ANSWER // 4
     assert not client.bodies and not client.ended
     # The client leaves: its buffers are let go, the region's answers cancelled.
     await client.close()
