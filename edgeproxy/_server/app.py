@@ -537,15 +537,18 @@ class EdgeProxy:
         ssl_context = self.tls.context if self.tls is not None else None
         if server.http2:
             logger.warning(
-                "server.http2: the HTTP/2 listener must not face untrusted clients yet: a "
-                "client that never opens its flow-control window can make it buffer whole "
-                "answers, and one malformed request ends every stream of its connection; "
-                "keep it behind a trusted front (see docs/frontends.md)"
+                "server.http2: the HTTP/2 listener must not face untrusted clients yet: one "
+                "malformed request ends every stream of its connection; keep it behind a "
+                "trusted front (see docs/frontends.md)"
             )
             # hypercorn serves the ASGI front end; the proxy opens here, not in a lifespan.
             await self.open()
             self._h2 = Http2Listener(
-                self.asgi, self.guard, ssl_context=ssl_context, grace=server.grace_period
+                self.asgi,
+                self.guard,
+                ssl_context=ssl_context,
+                grace=server.grace_period,
+                send_stall_timeout=server.h2_send_stall_timeout,
             )
             try:
                 await self._h2.start(

@@ -19,7 +19,14 @@ top, with the limits of ``[limits]``:
   each at most 16 KiB), header lists over ``max_headers`` x ``max_header_size`` by the
   SETTINGS it advertises;
 * an answer aborted mid-stream resets its stream (RST_STREAM) once what was written
-  before it has gone out; hypercorn alone would leave the stream open.
+  before it has gone out; hypercorn alone would leave the stream open;
+* what a stream's answer may hold in the listener while its client does not take it
+  (flow control) is bounded, per stream and per connection: the application's send then
+  waits, so the proxy stops reading the region, as over HTTP/1.1; a stream whose client
+  takes nothing for ``h2_send_stall_timeout`` is reset (hypercorn 0.18 alone buffers
+  whole answers for a client that keeps its window shut);
+* a connection the client closed or reset gives up its place under the caps, and its
+  socket, at once, not after ``keepalive_timeout``.
 
 Body size, stall, rate and deadline are bounded by the ASGI front end, as on any server.
 """
@@ -27,6 +34,7 @@ Body size, stall, rate and deadline are bounded by the ASGI front end, as on any
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import ssl
@@ -45,8 +53,9 @@ from hypercorn.app_wrappers import ASGIWrapper
 from hypercorn.asyncio.tcp_server import TCPServer
 from hypercorn.asyncio.worker_context import WorkerContext
 from hypercorn.config import Config as HyperConfig
-from hypercorn.events import Closed, Event, RawData
-from hypercorn.protocol.h2 import H2Protocol
+from hypercorn.events import Closed, Event, RawData, Updated
+from hypercorn.protocol.events import StreamClosed
+from hypercorn.protocol.h2 import BufferCompleteError, H2Protocol, StreamBuffer
 from hypercorn.protocol.h11 import H11Protocol
 
 from edgeproxy._core.config import LimitsConfig
@@ -61,6 +70,12 @@ _CALM = h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
 _CONTROL_WINDOW = 10.0
 _MAX_RECV = 2**16
 _ASGI = Callable[[Scope, Receive, Send], Awaitable[None]]
+# What an answer may hold in the listener while its client does not take it: per stream,
+# per connection, and what any stream may hold even when its connection is at its cap (two
+# frames: a stream that is read is never held up by others that are not).
+STREAM_BUFFER = 256 * 1024
+CONNECTION_BUFFER = 1024 * 1024
+_STREAM_FLOOR = 2 * 2**14
 
 
 class _HyperConfig(HyperConfig):
@@ -166,13 +181,179 @@ def _guard_h2(protocol: H2Protocol, guard: ConnectionGuard) -> None:
     conn.receive_data = receive_data  # type: ignore[method-assign]  # this connection only
 
 
+class _Flow(dict[int, StreamBuffer]):
+    """One HTTP/2 connection's answer buffers (hypercorn's ``stream_buffers``, each stream's
+    replaced by a :class:`_Buffer` as hypercorn adds it), what they hold in all, and the
+    sends waiting for room."""
+
+    def __init__(self, protocol: H2Protocol, guard: ConnectionGuard, stall_timeout: float) -> None:
+        super().__init__()
+        self.protocol = protocol
+        self.guard = guard
+        self.stall_timeout = stall_timeout
+        self.held = 0
+        self.loop = asyncio.get_running_loop()
+        self._waiters: set[asyncio.Future[None]] = set()
+
+    def __setitem__(self, stream_id: int, buffer: StreamBuffer) -> None:
+        super().__setitem__(stream_id, _Buffer(self, stream_id))
+
+    def __delitem__(self, stream_id: int) -> None:
+        buffer = self[stream_id]
+        super().__delitem__(stream_id)
+        if isinstance(buffer, _Buffer):
+            buffer.discard()
+
+    def room(self, held: int) -> int:
+        """How many more bytes a stream holding ``held`` may buffer now."""
+        return max(_STREAM_FLOOR - held, min(STREAM_BUFFER - held, CONNECTION_BUFFER - self.held))
+
+    def added(self, size: int) -> None:
+        self.held += size
+        guard = self.guard
+        guard.h2_buffered += size
+        guard.h2_buffered_peak = max(guard.h2_buffered_peak, guard.h2_buffered)
+
+    def taken(self, size: int) -> None:
+        """``size`` bytes left a buffer (sent, or dropped): the sends waiting look again."""
+        self.held -= size
+        self.guard.h2_buffered -= size
+        self.wake()
+
+    def wake(self) -> None:
+        waiters, self._waiters = self._waiters, set()
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def wait(self, timeout: float) -> None:
+        """Until some buffer of the connection changes, or ``timeout`` seconds."""
+        waiter = self.loop.create_future()
+        self._waiters.add(waiter)
+        try:
+            async with asyncio.timeout(timeout):
+                await waiter
+        except TimeoutError:
+            pass
+        finally:
+            self._waiters.discard(waiter)
+
+    def close(self) -> None:
+        """The connection ended: every buffer lets go of what it held."""
+        for buffer in list(self.values()):
+            if isinstance(buffer, _Buffer):
+                buffer.discard()
+        self.wake()
+
+
+class _Buffer(StreamBuffer):
+    """One stream's answer on its way out, bounded (hypercorn's un-pauses its writer
+    whenever a send takes less than half its mark, which a closed window always does, and
+    so buffers whole answers). A send waits while the stream holds what :meth:`_Flow.room`
+    allows; one whose client has taken nothing of it for the stall timeout resets it."""
+
+    def __init__(self, flow: _Flow, stream_id: int) -> None:
+        super().__init__(flow.protocol.context.event_class)
+        self.flow = flow
+        self.stream_id = stream_id
+        self.closed = False
+        self.taken_at = flow.loop.time()
+
+    async def push(self, data: bytes) -> None:
+        if self._complete:
+            raise BufferCompleteError()
+        view = memoryview(data)
+        since: float | None = None
+        while view and not self.closed:
+            room = self.flow.room(len(self.buffer))
+            if room > 0:
+                piece = view[:room]
+                self.buffer += piece
+                self.flow.added(len(piece))
+                view = view[room:]
+            else:
+                since = self.flow.loop.time() if since is None else since
+                await self._wait(since)
+
+    async def pop(self, max_length: int) -> bytes:
+        length = min(len(self.buffer), max_length)
+        if length <= 0:
+            return b""
+        data = bytes(self.buffer[:length])
+        del self.buffer[:length]
+        self.taken_at = self.flow.loop.time()
+        self.flow.taken(length)
+        return data
+
+    async def drain(self) -> None:
+        since = self.flow.loop.time()
+        while self.buffer and not self.closed:
+            await self._wait(since)
+
+    async def close(self) -> None:
+        self._complete = True
+        self.discard()
+
+    def discard(self) -> None:
+        """Drop what is held, and let the sends waiting go (as hypercorn's close does)."""
+        self.closed = True
+        size = len(self.buffer)
+        self.buffer = bytearray()
+        if size:
+            self.flow.taken(size)
+        else:
+            self.flow.wake()
+
+    async def _wait(self, since: float) -> None:
+        """Wait for room, from ``since``; past the stall timeout without a byte taken by the
+        client, reset the stream and raise ``ConnectionResetError`` (ASGI's send on a
+        stream that is gone)."""
+        flow = self.flow
+        deadline = max(since, self.taken_at) + flow.stall_timeout
+        left = deadline - flow.loop.time()
+        if left > 0:
+            await flow.wait(left)
+            return
+        await self._stalled()
+        raise ConnectionResetError("the client took nothing of its answer (stalled stream)")
+
+    async def _stalled(self) -> None:
+        flow = self.flow
+        protocol = flow.protocol
+        stream_id = self.stream_id
+        flow.guard.h2_send_stalls += 1
+        logger.info(
+            "HTTP/2 client %s took nothing of stream %d for %ss; resetting it",
+            protocol.client,
+            stream_id,
+            flow.stall_timeout,
+        )
+        self.discard()
+        try:
+            protocol.connection.reset_stream(stream_id, h2.errors.ErrorCodes.CANCEL)
+        except h2.exceptions.ProtocolError:
+            pass  # closed already
+        else:
+            # The RST_STREAM goes out without holding up this send (the socket may be full).
+            protocol.task_group.spawn(protocol._flush)
+        # hypercorn's sender finds the stream closed and forgets its buffer; the request
+        # hears http.disconnect; the connection may go idle.
+        with contextlib.suppress(KeyError):  # priority's MissingStreamError
+            protocol.priority.unblock(stream_id)
+        await protocol.has_data.set()
+        await protocol.stream_send(StreamClosed(stream_id=stream_id))
+
+
 class _Connection(TCPServer):
     """hypercorn's connection, with the head deadline and the HTTP/2 guard."""
 
-    def __init__(self, listener: Http2Listener, *args: Any) -> None:
+    def __init__(self, listener: Http2Listener, release: Callable[[], None], *args: Any) -> None:
         super().__init__(*args)
         self._listener = listener
+        self._release = release
         self._guarded = False
+        self._gone = False  # the client closed or reset the connection
+        self.flow: _Flow | None = None  # HTTP/2: the answers' buffers
         self._half_closed = False  # the client ended its side after a request whole
         # What cancels the HTTP/1.1 request waiting in admission's queue, while it waits.
         self._leave: Callable[[], None] | None = None
@@ -188,12 +369,25 @@ class _Connection(TCPServer):
         """As for a client that closed: hypercorn closes the stream (nothing is answered)
         and the connection, then ``leave`` cancels the request it still ran, if any."""
         await self.protocol.handle(Closed())
-        # hypercorn's keep-alive timer would hold the connection (its task, its place under
-        # the caps) until keep_alive_timeout although the client is gone: the read side
-        # ended, and nothing but the requests still running may keep it.
+        # hypercorn's keep-alive timer would hold the connection (its task, its socket, its
+        # place under the caps) until keep_alive_timeout although the client is gone, and
+        # each request ending restarts it: the read side ended, so the socket closes and
+        # the place is given back now; the requests still running are told, and end.
+        self.let_go()
         await self.idle_task.stop()
         if leave is not None:
             leave()
+
+    def let_go(self) -> None:
+        """The client is gone: close the socket (nothing more is written to it), drop
+        what the answers held, give back the place under the caps."""
+        if self._gone:
+            return
+        self._gone = True
+        self.writer.close()
+        if self.flow is not None:
+            self.flow.close()
+        self._release()
 
     async def protocol_send(self, event: Event) -> None:
         # hypercorn sends the server's SETTINGS the moment a connection turns HTTP/2 (by
@@ -202,8 +396,15 @@ class _Connection(TCPServer):
         if not self._guarded:
             inner = self.protocol.protocol
             if isinstance(inner, H2Protocol):
-                _guard_h2(inner, self._listener.guard)
+                listener = self._listener
+                _guard_h2(inner, listener.guard)
+                # Before any stream: each gets a bounded buffer.
+                self.flow = _Flow(inner, listener.guard, listener.send_stall_timeout)
+                inner.stream_buffers = self.flow
                 self._guarded = True
+        if self._gone and isinstance(event, RawData | Updated):
+            # Nothing to write to a client gone, and no keep-alive timer to restart.
+            return
         await super().protocol_send(event)
 
     async def _read_data(self) -> None:
@@ -312,8 +513,10 @@ class Http2Listener:
         *,
         ssl_context: ssl.SSLContext | None,
         grace: float,
+        send_stall_timeout: float = 60.0,
     ) -> None:
         self.guard = guard
+        self.send_stall_timeout = send_stall_timeout
         self._app = ASGIWrapper(self._with_reset(app))  # type: ignore[arg-type]
         self._ssl = ssl_context
         self._config = _hyper_config(guard.limits, grace, guard.server_header)
@@ -351,23 +554,35 @@ class Http2Listener:
         task = asyncio.current_task()
         assert task is not None
         self._connections[task] = writer
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                guard.release(ip)
+
+        connection = _Connection(
+            self,
+            release,
+            self._app,
+            asyncio.get_running_loop(),
+            self._config,
+            self._context,
+            {},
+            reader,
+            writer,
+        )
         try:
-            await _Connection(
-                self,
-                self._app,
-                asyncio.get_running_loop(),
-                self._config,
-                self._context,
-                {},
-                reader,
-                writer,
-            )
+            await connection
         except asyncio.CancelledError:
             # Cut by close(): the connection's own task, which nothing awaits.
             pass
         finally:
             self._connections.pop(task, None)
-            guard.release(ip)
+            if connection.flow is not None:
+                connection.flow.close()
+            release()
 
     def _with_reset(self, app: _ASGI) -> _ASGI:
         """``app`` with the ``edgeproxy.reset`` extension on HTTP/2 requests, and each
@@ -409,7 +624,10 @@ class Http2Listener:
         # What was written before the abort (an SSE error event) goes out first.
         buffer = protocol.stream_buffers.get(stream_id)
         if buffer is not None and len(buffer.buffer) > 0:
-            await buffer.drain()
+            try:
+                await buffer.drain()
+            except ConnectionResetError:
+                return  # its client took nothing: reset already
         try:
             protocol.connection.reset_stream(stream_id, h2.errors.ErrorCodes.INTERNAL_ERROR)
         except h2.exceptions.ProtocolError:

@@ -180,6 +180,12 @@ class ConnectionGuard:
         self.h2_rapid_resets = 0
         self.h2_control_floods = 0
         self.h2_protocol_errors = 0
+        # HTTP/2 streams reset because their client took nothing of the answer for
+        # server.h2_send_stall_timeout; bytes of answers the HTTP/2 listener holds for
+        # clients that have not taken them (now, and the most at once).
+        self.h2_send_stalls = 0
+        self.h2_buffered = 0
+        self.h2_buffered_peak = 0
         # The listener drains (bodies get a short rate grace) / cut what was left.
         self.draining = False
         self.shutting_down = False
@@ -282,6 +288,8 @@ class ConnectionGuard:
             "h2_rapid_resets": self.h2_rapid_resets,
             "h2_control_floods": self.h2_control_floods,
             "h2_protocol_errors": self.h2_protocol_errors,
+            "h2_send_stalls": self.h2_send_stalls,
+            "h2_buffered_bytes": self.h2_buffered,
         }
 
 

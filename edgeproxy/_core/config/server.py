@@ -107,6 +107,16 @@ class ServerConfig(Section):
         "Upgrade: h2c) beside HTTP/1.1, for clients that know the proxy speaks it (browsers "
         "speak HTTP/2 over TLS only).",
     )
+    h2_send_stall_timeout: float = Field(
+        60.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="HTTP/2 listener: seconds a stream's answer may wait with its client "
+        "taking none of it (a flow-control window kept shut); then the stream is reset "
+        "(RST_STREAM CANCEL), its request cancelled, and counted as h2_send_stalls. Until "
+        "then the listener holds at most 256 KiB of the answer (1 MiB per connection) and "
+        "stops reading the region.",
+    )
 
     compression: bool = Field(
         True,
