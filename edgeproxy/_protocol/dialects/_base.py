@@ -32,6 +32,7 @@ __all__ = [
     "Seam",
     "StreamWriter",
     "asks_usage",
+    "named_event",
     "counted_io",
     "number",
     "text_parts",
@@ -61,6 +62,12 @@ def number(value: Any) -> bool:
 
 def positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def named_event(name: str, data: dict[str, Any]) -> bytes:
+    """One server-sent event with an ``event:`` name and a JSON ``data:`` line, as the
+    Responses API and Messages write every event."""
+    return b"event: " + name.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
 
 
 def asks_usage(body: dict[str, Any]) -> bool:

@@ -27,6 +27,7 @@ from edgeproxy._protocol.dialects._base import (
     StreamWriter,
     counted_io,
     loads,
+    named_event,
     text_parts,
     tokens,
 )
@@ -75,10 +76,6 @@ def message_id() -> str:
     return "msg_" + secrets.token_hex(12)
 
 
-def _event(name: str, data: dict[str, Any]) -> bytes:
-    return b"event: " + name.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
-
-
 def _stop(finish: str | None, sequence: str | None) -> tuple[str, str | None]:
     """A message's ``stop_reason`` and ``stop_sequence``, from chat's finish reason and the
     client's stop sequence that ended it (if one did)."""
@@ -118,7 +115,9 @@ class MessagesWriter(StreamWriter):
         # The input side as counted (cache reads and writes included); no output yet.
         usage = {"input_tokens": 0, **messages_usage(self.answer.usage), "output_tokens": 0}
         start = self._message(usage)
-        return _event("message_start", {"type": "message_start", "message": start}) + _event(
+        return named_event(
+            "message_start", {"type": "message_start", "message": start}
+        ) + named_event(
             "content_block_start",
             {
                 "type": "content_block_start",
@@ -129,7 +128,7 @@ class MessagesWriter(StreamWriter):
 
     def piece(self, text: str) -> bytes:
         self.text.append(text)
-        return _event(
+        return named_event(
             "content_block_delta",
             {
                 "type": "content_block_delta",
@@ -143,8 +142,8 @@ class MessagesWriter(StreamWriter):
         reason, sequence = _stop(finish, self.answer.stop_sequence)
         return b"".join(
             (
-                _event("content_block_stop", {"type": "content_block_stop", "index": 0}),
-                _event(
+                named_event("content_block_stop", {"type": "content_block_stop", "index": 0}),
+                named_event(
                     "message_delta",
                     {
                         "type": "message_delta",
@@ -152,7 +151,7 @@ class MessagesWriter(StreamWriter):
                         "usage": {"output_tokens": final.get("output_tokens", 0)},
                     },
                 ),
-                _event("message_stop", {"type": "message_stop"}),
+                named_event("message_stop", {"type": "message_stop"}),
             )
         )
 
@@ -258,7 +257,7 @@ class MessagesSeam(Seam):
                 self.index, self.open = obj["index"], True
         elif kind == "content_block_stop" and obj["index"] == self.index:
             self.open = False
-        return _event(str(kind), obj)
+        return named_event(str(kind), obj)
 
     def close(self, usage: dict[str, Any] | None, text: str) -> bytes:
         out = b""
@@ -268,9 +267,9 @@ class MessagesSeam(Seam):
                 # The client read the input tokens in its message_start; the output is
                 # every leg's.
                 delta["usage"] = {"output_tokens": usage["completion_tokens"]}
-            out += _event("message_delta", delta)
+            out += named_event("message_delta", delta)
         if self.done:
-            out += _event("message_stop", {"type": "message_stop"})
+            out += named_event("message_stop", {"type": "message_stop"})
         return out
 
 
@@ -441,9 +440,6 @@ class MessagesDialect(Dialect):
                 "error": {"type": anthropic_error_type(err.status), "message": err.message},
             }
         )
-
-    def error_event(self, err: ProxyError, *, sequence: int = 0) -> bytes:
-        return b"event: error\ndata: " + self.error_body(err) + b"\n\n"
 
     def answer_id(self) -> str:
         return message_id()

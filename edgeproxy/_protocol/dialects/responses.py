@@ -20,8 +20,6 @@ from __future__ import annotations
 import secrets
 from typing import Any, ClassVar, Final
 
-import orjson
-
 from edgeproxy._core.errors import ProxyError
 from edgeproxy._protocol.dialects._base import (
     AnswerText,
@@ -31,6 +29,7 @@ from edgeproxy._protocol.dialects._base import (
     StreamWriter,
     counted_io,
     loads,
+    named_event,
     text_parts,
     tokens,
 )
@@ -72,10 +71,6 @@ _INCOMPLETE: Final = {"length": "max_output_tokens", "content_filter": "content_
 
 def response_id() -> str:
     return "resp_" + secrets.token_hex(24)
-
-
-def _event(name: str, data: dict[str, Any]) -> bytes:
-    return b"event: " + name.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
 
 
 def responses_usage(usage: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -124,7 +119,7 @@ class ResponsesWriter(StreamWriter):
     def _next(self, name: str, fields: dict[str, Any]) -> bytes:
         data = {"type": name, "sequence_number": self.sequence, **fields}
         self.sequence += 1
-        return _event(name, data)
+        return named_event(name, data)
 
     def _response(self, status: str, output: list[Any], usage: Any) -> dict[str, Any]:
         answer = self.answer
@@ -362,7 +357,7 @@ class ResponsesSeam(Seam):
     def _numbered(self, name: str, obj: dict[str, Any]) -> bytes:
         obj["sequence_number"] = self.sequence
         self.sequence += 1
-        return _event(name, obj)
+        return named_event(name, obj)
 
 
 def _int(value: Any) -> int:
@@ -638,7 +633,7 @@ class ResponsesDialect(Dialect):
             "sequence_number": sequence,
             "error": {"type": err.type, "code": code, "message": err.message, "param": err.param},
         }
-        return _event("error", data)
+        return named_event("error", data)
 
     def answer_id(self) -> str:
         return response_id()
