@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import openai
 import pytest
 import trustme
 from aiohttp import web
@@ -328,3 +329,30 @@ async def custom_region() -> AsyncIterator[CustomRegion]:
     yield factory
     for runner in runners:
         await runner.cleanup()
+
+
+# Three equally near regions behind two PoPs sharing one Redis (the stateful tests).
+Pops = tuple[list[FakeRegion], list[openai.AsyncOpenAI], list[EdgeProxy]]
+
+
+def tables(regions: list[FakeRegion]) -> list[dict[str, Any]]:
+    # Equally near: without the owner rule, follow-ups would spread over all three.
+    return [{"name": r.name, "url": r.url, "lat": 1.3, "lon": 103.8} for r in regions]
+
+
+@pytest.fixture
+async def two_pops(
+    make_region: RegionFactory, make_proxy: ProxyFactory, redis_server: str, redis_prefix: str
+) -> AsyncIterator[Pops]:
+    regions = [await make_region(f"r{i}", tokens=3) for i in range(3)]
+    stateful = {"redis_url": redis_server, "redis_prefix": redis_prefix + "owner:"}
+    pops = [await make_proxy(tables(regions), stateful=stateful) for _ in range(2)]
+    clients = [
+        openai.AsyncOpenAI(base_url=pop.url + "/v1", api_key="sk-test", max_retries=0)
+        for pop in pops
+    ]
+    try:
+        yield regions, clients, pops
+    finally:
+        for client in clients:
+            await client.close()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator
 from typing import Any
 
 import openai
@@ -19,35 +18,10 @@ import pytest
 from edgeproxy import EdgeProxy
 from edgeproxy.testing import FakeRegion
 
-from .conftest import ProxyFactory, RegionFactory
-
 CHAINS = 200
 TURNS = 3
 # Chains in flight at once: enough to mix the PoPs' traffic, few enough for two cores.
 CONCURRENCY = 8
-
-
-def tables(regions: list[FakeRegion]) -> list[dict[str, Any]]:
-    # Equally near: without the owner rule, follow-ups would spread over all three.
-    return [{"name": r.name, "url": r.url, "lat": 1.3, "lon": 103.8} for r in regions]
-
-
-@pytest.fixture
-async def two_pops(
-    make_region: RegionFactory, make_proxy: ProxyFactory, redis_server: str, redis_prefix: str
-) -> AsyncIterator[tuple[list[FakeRegion], list[openai.AsyncOpenAI], list[EdgeProxy]]]:
-    regions = [await make_region(f"r{i}", tokens=3) for i in range(3)]
-    stateful = {"redis_url": redis_server, "redis_prefix": redis_prefix + "owner:"}
-    pops = [await make_proxy(tables(regions), stateful=stateful) for _ in range(2)]
-    clients = [
-        openai.AsyncOpenAI(base_url=pop.url + "/v1", api_key="sk-test", max_retries=0)
-        for pop in pops
-    ]
-    try:
-        yield regions, clients, pops
-    finally:
-        for client in clients:
-            await client.close()
 
 
 async def turn(

@@ -13,7 +13,6 @@ import openai
 import pytest
 from multidict import CIMultiDict
 
-from edgeproxy import EdgeProxy
 from edgeproxy._core.config import RouteConfig
 from edgeproxy._core.context import RequestContext, start_context
 from edgeproxy._protocol.dialects import OPENAI
@@ -25,32 +24,7 @@ from edgeproxy._stages.owners import created_id, stateful_request
 from edgeproxy._upstream.pool import UpstreamError
 from edgeproxy.testing import FakeRegion
 
-from .conftest import ProxyFactory, RegionFactory
-
-Pops = tuple[list[FakeRegion], list[openai.AsyncOpenAI], list[EdgeProxy]]
-
-
-def tables(regions: list[FakeRegion]) -> list[dict[str, Any]]:
-    # Equally near: without the owner rule, requests would spread over all three.
-    return [{"name": r.name, "url": r.url, "lat": 1.3, "lon": 103.8} for r in regions]
-
-
-@pytest.fixture
-async def two_pops(
-    make_region: RegionFactory, make_proxy: ProxyFactory, redis_server: str, redis_prefix: str
-) -> AsyncIterator[Pops]:
-    regions = [await make_region(f"r{i}", tokens=3) for i in range(3)]
-    stateful = {"redis_url": redis_server, "redis_prefix": redis_prefix + "owner:"}
-    pops = [await make_proxy(tables(regions), stateful=stateful) for _ in range(2)]
-    clients = [
-        openai.AsyncOpenAI(base_url=pop.url + "/v1", api_key="sk-test", max_retries=0)
-        for pop in pops
-    ]
-    try:
-        yield regions, clients, pops
-    finally:
-        for client in clients:
-            await client.close()
+from .conftest import Pops, ProxyFactory, RegionFactory
 
 
 def region_of(raw: Any) -> str:
