@@ -30,7 +30,7 @@ import uvloop
 from aiohttp import web
 
 from edgeproxy import Config, EdgeProxy
-from edgeproxy._server.h2listener import CONNECTION_BUFFER
+from edgeproxy._server.h2server import CONNECTION_BUFFER
 
 from .conftest import CustomRegion, ProxyFactory, eventually, proxy_config
 

@@ -33,7 +33,7 @@ from edgeproxy._server.generation import (
     open_generation,
     restart_errors,
 )
-from edgeproxy._server.h2listener import Http2Listener
+from edgeproxy._server.h2server import H2Site
 from edgeproxy._server.listener import (
     ConnectionGuard,
     GuardedSite,
@@ -130,7 +130,7 @@ class EdgeProxy:
         self.last_reload: dict[str, Any] | None = None
         self._runner: web.AppRunner | None = None
         # The HTTP/2 client listener (server.http2), in place of _runner's.
-        self._h2: Http2Listener | None = None
+        self._h2: H2Site | None = None
         self._admin_runner: web.AppRunner | None = None
         self.draining = False
         # Bodies are streamed or buffered by the pipeline itself, up to its own limit.
@@ -535,40 +535,31 @@ class EdgeProxy:
                 "admin", admin_config.tls_cert, admin_config.tls_key, base_dir=base_dir
             )
         ssl_context = self.tls.context if self.tls is not None else None
+        self._runner = web.AppRunner(
+            self.app,
+            handler_cancellation=True,
+            access_log=None,
+            # What aiohttp waits for handlers at cleanup, twice: none is left by then
+            # (stop() cuts them at the end of the grace period), so this only bounds a
+            # handler that ignores its cancellation.
+            shutdown_timeout=_STRAGGLER_TIMEOUT,
+        )
+        await self._runner.setup()
+        site: GuardedSite
         if server.http2:
-            logger.warning(
-                "server.http2: the HTTP/2 listener must not face untrusted clients yet: one "
-                "malformed request ends every stream of its connection; keep it behind a "
-                "trusted front (see docs/frontends.md)"
-            )
-            # hypercorn serves the ASGI front end; the proxy opens here, not in a lifespan.
-            await self.open()
-            self._h2 = Http2Listener(
-                self.asgi,
-                self.guard,
-                ssl_context=ssl_context,
-                grace=server.grace_period,
+            # HTTP/2 and HTTP/1.1 on one port; HTTP/1.1 connections go to the same handler.
+            site = self._h2 = H2Site(
+                self._runner,
+                server.host,
+                server.port,
+                guard=self.guard,
+                proxy=self,
                 send_stall_timeout=server.h2_send_stall_timeout,
+                backlog=server.backlog,
+                reuse_port=server.reuse_port,
+                ssl_context=ssl_context,
             )
-            try:
-                await self._h2.start(
-                    server.host, server.port, backlog=server.backlog, reuse_port=server.reuse_port
-                )
-            except BaseException:
-                self._h2 = None
-                await self.close()
-                raise
         else:
-            self._runner = web.AppRunner(
-                self.app,
-                handler_cancellation=True,
-                access_log=None,
-                # What aiohttp waits for handlers at cleanup, twice: none is left by then
-                # (stop() cuts them at the end of the grace period), so this only bounds a
-                # handler that ignores its cancellation.
-                shutdown_timeout=_STRAGGLER_TIMEOUT,
-            )
-            await self._runner.setup()
             site = GuardedSite(
                 self._runner,
                 server.host,
@@ -578,7 +569,7 @@ class EdgeProxy:
                 reuse_port=server.reuse_port,
                 ssl_context=ssl_context,
             )
-            await site.start()
+        await site.start()
         if admin_socket is not None or self.config.admin.enabled:
             self._admin_runner = AdminRunner(self.admin_app, server_header=self._server_header)
             await self._admin_runner.setup()
@@ -598,8 +589,6 @@ class EdgeProxy:
     @property
     def url(self) -> str:
         """The proxy listener's base URL, with the real port when port 0 was asked."""
-        if self._h2 is not None:
-            return _address_url(self._h2.addresses, tls=self.tls is not None)
         return _runner_url(self._runner, tls=self.tls is not None)
 
     @property
@@ -632,12 +621,9 @@ class EdgeProxy:
         for retiring in self._retiring.generations():
             retiring.pipeline.draining = True
         drained = True
-        if self._runner is not None or self._h2 is not None:
-            if self._runner is not None:
-                for site in list(self._runner.sites):
-                    await site.stop()
-            if self._h2 is not None:
-                await self._h2.stop_accepting()
+        if self._runner is not None:
+            for site in list(self._runner.sites):
+                await site.stop()
             self.guard.start_draining()
             if pipeline is not None:
                 # The generations a reload retired drain within the same grace period.
@@ -654,22 +640,16 @@ class EdgeProxy:
                     for retiring in self._retiring.generations():
                         retiring.pipeline.stream.shutting_down = True
                     self.guard.cut_requests()
-                    if self._h2 is not None:
-                        self._h2.cut_requests()
                     # Cancelled, they only let go of what they hold (upstream streams).
                     if not await pipeline.wait_idle(_STRAGGLER_TIMEOUT):
                         logger.warning(
                             "%d requests still running after being cut", pipeline.in_flight
                         )
-            if self._runner is not None:
-                await self._runner.cleanup()
-                self._runner = None
             if self._h2 is not None:
-                h2, self._h2 = self._h2, None
-                try:
-                    await h2.close()
-                finally:
-                    await self.close()
+                self._h2.close_connections()
+                self._h2 = None
+            await self._runner.cleanup()
+            self._runner = None
         if self._admin_runner is not None:
             await self._admin_runner.cleanup()
             self._admin_runner = None

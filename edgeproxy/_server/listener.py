@@ -44,7 +44,7 @@ import socket
 import ssl
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
-from typing import Any
+from typing import Any, Protocol
 
 from aiohttp import web
 from aiohttp.http_exceptions import BadStatusLine, LineTooLong
@@ -157,6 +157,15 @@ def limits_middleware(limits: LimitsConfig, server: str = "edgeproxy") -> Middle
 # -- connections -----------------------------------------------------------------
 
 
+class Drainable(Protocol):
+    """A connection the guard tells when the proxy drains, and cuts at its end (an
+    HTTP/1.1 handler, an HTTP/2 connection)."""
+
+    def check_body(self) -> None: ...
+
+    def cancel_request(self) -> bool: ...
+
+
 class ConnectionGuard:
     """The limits and counters shared by every connection of one listener, and the Server
     header of its answers (``""``: none)."""
@@ -167,7 +176,7 @@ class ConnectionGuard:
         self.open = 0
         # Open connections by client address, and the connections themselves.
         self.per_ip: dict[str, int] = {}
-        self.connections: set[EdgeRequestHandler] = set()
+        self.connections: set[Drainable] = set()
         self.refused = 0
         self.refused_per_ip = 0
         self.header_timeouts = 0
@@ -180,6 +189,10 @@ class ConnectionGuard:
         self.h2_rapid_resets = 0
         self.h2_control_floods = 0
         self.h2_protocol_errors = 0
+        # HTTP/2 streams reset alone: malformed requests (PROTOCOL_ERROR), and streams past
+        # h2_max_concurrent_streams (REFUSED_STREAM).
+        self.h2_stream_errors = 0
+        self.h2_refused_streams = 0
         # HTTP/2 streams reset because their client took nothing of the answer for
         # server.h2_send_stall_timeout; bytes of answers the HTTP/2 listener holds for
         # clients that have not taken them (now, and the most at once).
@@ -288,6 +301,8 @@ class ConnectionGuard:
             "h2_rapid_resets": self.h2_rapid_resets,
             "h2_control_floods": self.h2_control_floods,
             "h2_protocol_errors": self.h2_protocol_errors,
+            "h2_stream_errors": self.h2_stream_errors,
+            "h2_refused_streams": self.h2_refused_streams,
             "h2_send_stalls": self.h2_send_stalls,
             "h2_buffered_bytes": self.h2_buffered,
         }
@@ -801,10 +816,22 @@ class EdgeRequestHandler(web.RequestHandler):
         return resp
 
 
+def _not_started() -> EdgeRequestHandler:
+    raise RuntimeError("the site has not started")
+
+
 class GuardedSite(web.BaseSite):
     """A TCP site serving :class:`EdgeRequestHandler` connections under one guard."""
 
-    __slots__ = ("_host", "_port", "_guard", "_reuse_port", "_ssl")
+    __slots__ = (
+        "_guard",
+        "_host",
+        "_port",
+        "_reuse_port",
+        "_ssl",
+        "handler_factory",
+        "handshake_timeout",
+    )
 
     def __init__(
         self,
@@ -824,6 +851,9 @@ class GuardedSite(web.BaseSite):
         self._guard = guard
         self._reuse_port = reuse_port
         self._ssl = ssl_context
+        # asyncio's default (60 s) unless a subclass bounds the TLS handshake.
+        self.handshake_timeout: float | None = None
+        self.handler_factory: Callable[[], EdgeRequestHandler] = _not_started
 
     @property
     def name(self) -> str:
@@ -843,12 +873,18 @@ class GuardedSite(web.BaseSite):
         def factory() -> EdgeRequestHandler:
             return EdgeRequestHandler(server, loop=loop, guard=guard, **kwargs)
 
+        self.handler_factory = factory
         self._server = await loop.create_server(
-            factory,
+            self.protocol_factory(),
             self._host,
             self._port,
             backlog=self._backlog,
             reuse_address=True,
             reuse_port=self._reuse_port or None,
             ssl=self._ssl,
+            ssl_handshake_timeout=self.handshake_timeout if self._ssl is not None else None,
         )
+
+    def protocol_factory(self) -> Callable[[], asyncio.Protocol]:
+        """What makes the protocol of each connection accepted: the HTTP/1.1 handler."""
+        return self.handler_factory

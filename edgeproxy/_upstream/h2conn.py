@@ -17,7 +17,7 @@
   done here, per stream (:func:`_parse_fields`, :class:`_H2Stream`).
 * h2 remembers how each of the last 65,536 closed streams closed (about 7 MB
   per long-lived connection); only streams closed by RST_STREAM are kept, and
-  only the last :data:`_RESET_STREAMS_KEPT` of them (:class:`_ResetStreams`).
+  only the last :data:`RESET_STREAMS_KEPT` of them (:class:`ResetStreams`).
 
 This is the only module that imports the HTTP/2 protocol engine (``h2`` and
 ``hpack``): replacing the engine touches the imports here and nothing else.
@@ -65,7 +65,9 @@ __all__ = [
     "ConnectionPool",
     "H2Response",
     "NeverIndexedHeaderTuple",
+    "RESET_STREAMS_KEPT",
     "RefusedStream",
+    "ResetStreams",
     "Stream",
     "timeout_waiter",
 ]
@@ -83,7 +85,7 @@ _REFUSED: Final = h2.errors.ErrorCodes.REFUSED_STREAM
 # Streams closed by RST_STREAM whose closing h2 remembers, so that frames the
 # peer sent before it saw the reset stay stream errors. Ten times the usual
 # SETTINGS_MAX_CONCURRENT_STREAMS: far more resets than fit in one round trip.
-_RESET_STREAMS_KEPT: Final = 1024
+RESET_STREAMS_KEPT: Final = 1024
 _RESET_BY: Final = frozenset(
     {h2.stream.StreamClosedBy.SEND_RST_STREAM, h2.stream.StreamClosedBy.RECV_RST_STREAM}
 )
@@ -140,7 +142,7 @@ class _DrainingStateMachine(h2.connection.H2ConnectionStateMachine):
     }
 
 
-class _ResetStreams(h2.utilities.SizeLimitDict):
+class ResetStreams(h2.utilities.SizeLimitDict):
     """h2's table of closed streams, keeping only the last streams closed by RST_STREAM.
 
     h2 consults it for frames on a stream it no longer tracks: on a stream
@@ -234,7 +236,7 @@ class _H2Connection(h2.connection.H2Connection):
     def __init__(self, config: h2.config.H2Configuration) -> None:
         super().__init__(config)
         self.state_machine = _DrainingStateMachine()
-        self._closed_streams = _ResetStreams(size_limit=_RESET_STREAMS_KEPT)
+        self._closed_streams = ResetStreams(size_limit=RESET_STREAMS_KEPT)
 
     def _begin_new_stream(
         self, stream_id: int, allowed_ids: h2.connection.AllowedStreamIDs

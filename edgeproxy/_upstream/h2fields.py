@@ -14,7 +14,10 @@ from edgeproxy._core.types import Headers
 from edgeproxy._upstream.h2stream import Stream
 
 __all__ = [
+    "FRAME_HEADER",
     "Malformed",
+    "field_name",
+    "field_value",
     "header_frames",
     "parse_fields",
     "request_method",
@@ -48,7 +51,7 @@ def _bad_value(value: bytes) -> bool:
 
 
 # The 9-byte frame header (RFC 9113 §4.1): length (24 bits), type, flags, stream id.
-_FRAME_HEADER: Final = struct.Struct(">BHBBL")
+FRAME_HEADER: Final = struct.Struct(">BHBBL")
 _HEADERS: Final = 0x1
 _CONTINUATION: Final = 0x9
 _END_STREAM: Final = 0x1
@@ -63,12 +66,12 @@ def header_frames(stream_id: int, block: bytes, end_stream: bool, max_frame: int
     if len(first) == len(block):
         flags |= _END_HEADERS
     size = len(first)
-    out = [_FRAME_HEADER.pack(size >> 16, size & 0xFFFF, _HEADERS, flags, stream_id), first]
+    out = [FRAME_HEADER.pack(size >> 16, size & 0xFFFF, _HEADERS, flags, stream_id), first]
     for start in range(max_frame, len(block), max_frame):
         part = block[start : start + max_frame]
         flags = _END_HEADERS if start + max_frame >= len(block) else 0
         size = len(part)
-        out.append(_FRAME_HEADER.pack(size >> 16, size & 0xFFFF, _CONTINUATION, flags, stream_id))
+        out.append(FRAME_HEADER.pack(size >> 16, size & 0xFFFF, _CONTINUATION, flags, stream_id))
         out.append(part)
     return b"".join(out)
 
@@ -92,11 +95,35 @@ def request_method(headers: list[tuple[str, str]]) -> str:
 
 
 class Malformed(Exception):
-    """A response header block that RFC 9113 (§8.1.1, §8.2, §8.3.2) calls malformed."""
+    """A header block that RFC 9113 (§8.1.1, §8.2, §8.3) calls malformed."""
 
 
 def _show(name: bytes) -> str:
     return repr(name if len(name) <= 40 else name[:40] + b"...")
+
+
+def field_name(name: bytes) -> str:
+    """A regular field's name, decoded; raises :class:`Malformed` for one RFC 9113 §8.2
+    forbids (empty, upper case, a control or non-ASCII byte, a colon). Requests and
+    responses share the rule."""
+    text = _GOOD_NAMES.get(name)
+    if text is None:
+        if not name or _BAD_NAME.search(name):
+            raise Malformed(f"invalid field name {_show(name)}")
+        text = name.decode("latin-1")
+        if len(_GOOD_NAMES) >= _GOOD_NAMES_MAX:
+            _GOOD_NAMES.clear()
+        _GOOD_NAMES[name] = text
+    return text
+
+
+def field_value(name: bytes, value: bytes) -> None:
+    """Raises :class:`Malformed` for a value RFC 9113 §8.2.1 forbids, or a field that is
+    connection-specific (§8.2.2: ``te`` other than ``trailers`` included)."""
+    if _bad_value(value):
+        raise Malformed(f"invalid value in field {_show(name)}")
+    if name in _CONNECTION_SPECIFIC or (name == b"te" and value.lower() != b"trailers"):
+        raise Malformed(f"connection-specific field {_show(name)}")
 
 
 def parse_fields(raw: Iterable[Any], *, trailers: bool) -> tuple[int, Headers, int | None]:
@@ -124,18 +151,8 @@ def parse_fields(raw: Iterable[Any], *, trailers: bool) -> tuple[int, Headers, i
             status_value = value
             continue
         seen_regular = True
-        text = _GOOD_NAMES.get(name)
-        if text is None:
-            if not name or _BAD_NAME.search(name):
-                raise Malformed(f"invalid field name {_show(name)}")
-            text = name.decode("latin-1")
-            if len(_GOOD_NAMES) >= _GOOD_NAMES_MAX:
-                _GOOD_NAMES.clear()
-            _GOOD_NAMES[name] = text
-        if _bad_value(value):
-            raise Malformed(f"invalid value in field {_show(name)}")
-        if name in _CONNECTION_SPECIFIC or (name == b"te" and value.lower() != b"trailers"):
-            raise Malformed(f"connection-specific field {_show(name)}")
+        text = field_name(name)
+        field_value(name, value)
         if name == b"content-length":
             if not value.isdigit():
                 raise Malformed(f"invalid content-length {_show(value)}")

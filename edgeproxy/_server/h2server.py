@@ -1,0 +1,1416 @@
+"""The HTTP/2 client listener (``server.http2``): jh2 reads and writes the frames, the
+pipeline serves each stream, and HTTP/1.1 on the same port is the default listener's.
+
+One listening socket serves both protocols. A connection is told apart at once: over TLS
+by ALPN; in cleartext (``server.h2c``) by its first bytes, the HTTP/2 preface (prior
+knowledge) or an HTTP/1.1 request asking ``Upgrade: h2c``. Every other connection is
+handed, with the bytes read so far, to the aiohttp handler of the default listener
+(:class:`~edgeproxy._server.listener.EdgeRequestHandler`): HTTP/1.1 here is the same code,
+with the same head checks, JSON errors, 505 and limits.
+
+An HTTP/2 connection (:class:`H2Connection`) runs jh2's state machine; each request stream
+becomes an :class:`H2Exchange`, served by the pipeline in a task of its own, cancelled
+when its client resets the stream or leaves. On top of jh2, with the limits of
+``[limits]``:
+
+* **stream errors stay stream errors** (RFC 9113 §8.1.1): a malformed request (a bad field
+  name or value, a connection-specific field, pseudo-headers out of order or missing, a
+  ``content-length`` its DATA does not match, trailers that do not end the stream) gets
+  RST_STREAM ``PROTOCOL_ERROR`` on its own stream, counted as ``h2_stream_errors``; jh2's
+  own checks, which end the connection, are off;
+* **the stream cap**: ``h2_max_concurrent_streams`` is advertised, and a stream past it gets
+  RST_STREAM ``REFUSED_STREAM`` (safe to retry), counted as ``h2_refused_streams``;
+* **abuse by cost**: streams the client cancels before their answer ends, and streams the
+  proxy refuses before any region sees them (malformed, over the cap, answered with the
+  proxy's own error), each cost one; past ``h2_max_premature_resets`` (the count halves
+  every 30 seconds), GOAWAY ``ENHANCE_YOUR_CALM`` (rapid reset, CVE-2023-44487), however
+  many cheap requests the connection also sends;
+* **floods**: PING, SETTINGS, PRIORITY, unknown frames and empty DATA frames share
+  ``h2_max_control_frames`` per 10 seconds; WINDOW_UPDATE frames get that many plus four
+  per DATA frame the proxy sent in the window (a client reading a long answer sends one
+  per few frames): past either, GOAWAY ``ENHANCE_YOUR_CALM``;
+* **flow control pushes back**: an answer the client does not take waits in a bounded
+  buffer (256 KiB per stream, 1 MiB per connection, each stream 32 KiB at least), then the
+  pipeline's write waits and the proxy stops reading the region; a stream whose client
+  takes nothing for ``server.h2_send_stall_timeout`` is reset (``CANCEL``), counted as
+  ``h2_send_stalls``; a socket the client does not read stops every stream's writes;
+* **the head deadline**: a header block must be whole within ``header_timeout`` once its
+  first frame came;
+* **idle**: a connection with no stream for ``keepalive_timeout`` gets GOAWAY and closes;
+  one the client closed or reset frees its place under the caps at once.
+
+Request bodies are bounded as on every front end (size, stall, rate, deadline). A
+request's receive window (64 KiB) is given back as the pipeline reads its body, so an
+upload pushes back too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextlib
+import email.utils
+import functools
+import logging
+import ssl
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Final, Protocol, cast
+
+import jh2.config
+import jh2.connection
+import jh2.errors
+import jh2.events
+import jh2.exceptions
+import jh2.settings
+import jh2.stream
+from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from edgeproxy._core.errors import ProxyError
+from edgeproxy._core.exchange import Exchange, TlsInfo, Writer
+from edgeproxy._core.response import Response, StreamResponse
+from edgeproxy._protocol.bodies import (
+    BodyTimeout,
+    BodyTooLarge,
+    body_bound_due,
+    body_bound_passed,
+)
+from edgeproxy._server.headchecks import check_head, own_answer
+from edgeproxy._server.listener import ConnectionGuard, GuardedSite
+from edgeproxy._upstream.h2conn import RESET_STREAMS_KEPT, ResetStreams
+from edgeproxy._upstream.h2fields import (
+    FRAME_HEADER,
+    Malformed,
+    field_name,
+    field_value,
+    header_frames,
+)
+
+__all__ = [
+    "CONNECTION_BUFFER",
+    "PREFACE",
+    "STREAM_BUFFER",
+    "H2Connection",
+    "H2Exchange",
+    "H2Site",
+    "Served",
+]
+
+logger = logging.getLogger("edgeproxy")
+
+PREFACE: Final = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+# What an answer may hold in the listener while its client does not take it: per stream,
+# per connection, and what any stream may hold even when its connection is at its cap (two
+# frames: a stream that is read is never held up by others that are not).
+STREAM_BUFFER: Final = 256 * 1024
+CONNECTION_BUFFER: Final = 1024 * 1024
+_STREAM_FLOOR: Final = 2 * 2**14
+_CONTROL_WINDOW: Final = 10.0
+# The rapid-reset count halves every this many seconds: a long-lived browser connection
+# whose user closes chats now and then never reaches the limit; a burst does.
+_RESET_HALF_LIFE: Final = 30.0
+_WINDOW_UPDATES_PER_DATA: Final = 4
+# A request's receive window; the connection's is this for every stream it may have
+# open, so that one request whose body is not read never holds up the others'.
+_STREAM_WINDOW: Final = 65535
+_DEFAULT_WINDOW: Final = 65535
+_CALM: Final = jh2.errors.ErrorCodes.ENHANCE_YOUR_CALM
+_PROTOCOL_ERROR: Final = jh2.errors.ErrorCodes.PROTOCOL_ERROR
+_REFUSED: Final = jh2.errors.ErrorCodes.REFUSED_STREAM
+_CANCEL: Final = jh2.errors.ErrorCodes.CANCEL
+_INTERNAL: Final = jh2.errors.ErrorCodes.INTERNAL_ERROR
+_NO_ERROR: Final = jh2.errors.ErrorCodes.NO_ERROR
+_SEND_HEADERS: Final = jh2.connection.ConnectionInputs.SEND_HEADERS
+_STREAM_SEND_HEADERS: Final = jh2.stream.StreamInputs.SEND_HEADERS
+_STREAM_SEND_END_STREAM: Final = jh2.stream.StreamInputs.SEND_END_STREAM
+_SEND_DATA: Final = jh2.connection.ConnectionInputs.SEND_DATA
+_STREAM_SEND_DATA: Final = jh2.stream.StreamInputs.SEND_DATA
+_RECV_HEADERS: Final = jh2.stream.StreamInputs.RECV_HEADERS
+_COMPILED_HPACK: Final = bool(jh2.connection.ALTERNATIVE_HPACK)
+_NO_BODY_METHODS: Final = frozenset({"GET", "HEAD", "OPTIONS", "DELETE", "TRACE"})
+_PSEUDO: Final = frozenset({b":method", b":scheme", b":authority", b":path"})
+# Response fields HTTP/2 does not carry (RFC 9113 §8.2.2).
+_CONNECTION_HEADERS: Final = frozenset(
+    {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "upgrade"}
+)
+_UPGRADE_DROPPED: Final = frozenset(
+    {b"connection", b"keep-alive", b"proxy-connection", b"upgrade", b"http2-settings", b"host"}
+)
+_SWITCHING: Final = (
+    b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: h2c\r\n\r\n"
+)
+# How long an answer cut at shutdown may wait for the client to take its last event.
+_CUT_WAIT: Final = 0.5
+
+
+class Served(Protocol):
+    """What the listener needs of the proxy it serves (``EdgeProxy`` is one): whether it is
+    open, and the pipeline's entry."""
+
+    @property
+    def is_open(self) -> bool: ...
+
+    async def serve_exchange(self, exchange: Exchange) -> StreamResponse: ...
+
+
+# -- jh2, with per-stream errors ----------------------------------------------------------
+
+
+class _MalformedRequest(jh2.events.Event):
+    """A header block jh2 would end the connection for; this stream alone is reset."""
+
+    def __init__(self, stream_id: int, reason: str) -> None:
+        self.stream_id = stream_id
+        self.reason = reason
+
+
+class _H2Stream(jh2.stream.H2Stream):
+    """A jh2 stream whose malformed requests are stream errors (RFC 9113 §8.1.1);
+    ``content-length`` is checked by :class:`H2Connection`, per stream."""
+
+    def receive_headers(
+        self, headers: Any, end_stream: bool, header_encoding: Any
+    ) -> tuple[list[Any], list[jh2.events.Event]]:
+        headers = list(headers)
+        machine = self.state_machine
+        reason = ""
+        if machine.headers_received:
+            if not end_stream:
+                reason = "trailers did not end the stream"
+        elif headers and headers[0][0] == b":status":
+            # jh2 would take it for an informational response: a connection error.
+            reason = "a response pseudo-header in a request"
+        if not reason:
+            return cast(
+                "tuple[list[Any], list[jh2.events.Event]]",
+                super().receive_headers(headers, end_stream, header_encoding),
+            )
+        if not machine.headers_received:
+            machine.process_input(_RECV_HEADERS)  # open, so that it can be reset
+        return [], [_MalformedRequest(self.stream_id, reason)]
+
+    def _initialize_content_length(self, headers: Any) -> None:
+        self._expected_content_length = None
+
+
+class _H2Conn(jh2.connection.H2Connection):
+    """jh2's server connection: streams of :class:`_H2Stream`, closed ones forgotten as
+    they end, and no cap on open streams of its own (the listener refuses a stream past
+    its cap with REFUSED_STREAM; jh2 would end the connection)."""
+
+    def __init__(self, config: jh2.config.H2Configuration) -> None:
+        super().__init__(config)
+        self._closed_streams = ResetStreams(size_limit=RESET_STREAMS_KEPT)
+
+    @property
+    def open_inbound_streams(self) -> int:
+        return 0
+
+    def _begin_new_stream(self, stream_id: int, allowed_ids: Any) -> Any:
+        stream = super()._begin_new_stream(stream_id, allowed_ids)
+        stream.__class__ = _H2Stream
+        return stream
+
+    def forget(self, stream_id: int) -> None:
+        """A closed stream leaves the table (jh2 sweeps it only when counting streams)."""
+        stream = self.streams.get(stream_id)
+        if stream is not None and stream.closed:
+            del self.streams[stream_id]
+            self._closed_streams[stream_id] = stream.closed_by
+
+
+# -- the request fields ---------------------------------------------------------------------
+
+
+def _request_fields(
+    raw: list[tuple[bytes, bytes]],
+) -> tuple[str, str, str, CIMultiDictProxy[str], int | None]:
+    """A request header block checked as RFC 9113 §8.2 and §8.3.1 ask: its method, scheme,
+    target, fields (``:authority`` as ``Host``, cookies joined) and content-length.
+    Raises :class:`Malformed`."""
+    pseudo: dict[bytes, bytes] = {}
+    fields: CIMultiDict[str] = CIMultiDict()
+    cookies: list[str] = []
+    length: int | None = None
+    regular = False
+    for name, value in raw:
+        if name[:1] == b":":
+            if regular:
+                raise Malformed(f"pseudo-header {name!r} after a regular field")
+            if name not in _PSEUDO:
+                raise Malformed(f"pseudo-header {name[:40]!r} is not a request's")
+            if name in pseudo:
+                raise Malformed(f"more than one {name.decode()}")
+            pseudo[name] = value
+            continue
+        regular = True
+        text = field_name(name)
+        field_value(name, value)
+        decoded = value.decode("utf-8", "surrogateescape")
+        if name == b"content-length":
+            if not value.isdigit():
+                raise Malformed("invalid content-length")
+            if length is not None and int(value) != length:
+                raise Malformed("conflicting content-length fields")
+            length = int(value)
+            if "content-length" in fields:
+                continue
+        elif name == b"cookie":
+            cookies.append(decoded)  # RFC 9113 §8.2.3: one field again, joined
+            continue
+        fields.add(text, decoded)
+    method = pseudo.get(b":method")
+    if not method:
+        raise Malformed("no :method")
+    authority = pseudo.get(b":authority")
+    for value in pseudo.values():
+        field_value(b":", value)
+    if method == b"CONNECT":
+        if b":scheme" in pseudo or b":path" in pseudo or not authority:
+            raise Malformed("a CONNECT request has :authority alone")
+        target = authority.decode("latin-1")
+    else:
+        path = pseudo.get(b":path")
+        if not path or b":scheme" not in pseudo:
+            raise Malformed("no :scheme or :path")
+        target = path.decode("latin-1")
+    if authority is not None:
+        host = fields.get("host")
+        text = authority.decode("utf-8", "surrogateescape")
+        if host is not None and host != text:
+            raise Malformed(":authority and host differ")
+        if host is None:
+            fields["Host"] = text
+    if cookies:
+        fields["Cookie"] = "; ".join(cookies)
+    return (
+        method.decode("latin-1"),
+        pseudo.get(b":scheme", b"").decode("latin-1"),
+        target,
+        CIMultiDictProxy(fields),
+        length,
+    )
+
+
+@functools.lru_cache(maxsize=4)
+def _date(second: int) -> bytes:
+    return email.utils.formatdate(second, usegmt=True).encode()
+
+
+# -- one request stream ---------------------------------------------------------------------
+
+
+class H2Exchange(Exchange):
+    """One HTTP/2 request stream as the pipeline's exchange: the body as it arrives
+    (bounded), the answer framed here, held within the stream's and the connection's
+    buffer while the client's window is shut."""
+
+    __slots__ = (
+        "_active",
+        "_body",
+        "_conn",
+        "_ended",
+        "_head",
+        "_more",
+        "_read_started",
+        "_received",
+        "_reset_after",
+        "_task",
+        "_waiter",
+        "answered",
+        "end_requested",
+        "expected",
+        "gone",
+        "id",
+        "out",
+        "started",
+        "taken_at",
+        "unacked",
+    )
+
+    def __init__(
+        self,
+        conn: H2Connection,
+        stream_id: int,
+        method: str,
+        target: str,
+        scheme: str,
+        headers: CIMultiDictProxy[str],
+        length: int | None,
+        ended: bool,
+    ) -> None:
+        self._conn = conn
+        self.id = stream_id
+        self.native = None
+        self.method = method
+        self.target = target
+        self.headers = headers
+        self.client = conn.ip or None
+        self.scheme = "https" if conn.tls is not None else (scheme or "http")
+        self.version = "2"
+        self.host = headers.get("Host", "")
+        self.tls = conn.tls
+        self.expected = length
+        self.content_length = length if length is not None else (0 if ended else None)
+        self.body_exists = not ended and (
+            bool(length) if length is not None else method not in _NO_BODY_METHODS
+        )
+        self._more = not ended
+        self._body: deque[bytes] = deque()
+        self._received = 0
+        self._read_started = False
+        self._active = 0.0
+        self._waiter: asyncio.Future[None] | None = None
+        self._task: asyncio.Task[Any] | None = None
+        self._head: bytes = b""  # the answer's HEADERS, sent with its first DATA
+        self._ended = False  # END_STREAM sent
+        self._reset_after = False  # reset once what is held has gone out
+        self.unacked = 0  # request bytes read by the pipeline, not yet given back
+        self.out = bytearray()  # the answer's bytes waiting for the client's window
+        self.end_requested = False
+        self.started = False
+        self.answered = False  # the answer ended (END_STREAM or reset by the proxy)
+        self.gone = False
+        self.taken_at = conn.loop.time()
+
+    # -- the request body ----------------------------------------------------------
+
+    def body_chunk(self, data: bytes, flow: int, ended: bool) -> str | None:
+        """DATA for this request, as it arrives; what is wrong with it, if anything."""
+        self._received += len(data)
+        expected = self.expected
+        if expected is not None and (
+            self._received > expected or (ended and self._received != expected)
+        ):
+            return f"{self._received} bytes of DATA for a content-length of {expected}"
+        if data:
+            self._body.append(data)
+        if flow:
+            self.unacked += flow
+        if ended:
+            self._more = False
+        self._wake()
+        return None
+
+    def body_ended(self) -> str | None:
+        expected = self.expected
+        if expected is not None and self._received != expected:
+            return f"{self._received} bytes of DATA for a content-length of {expected}"
+        self._more = False
+        self._wake()
+        return None
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def read(self) -> bytes:
+        parts = []
+        while chunk := await self.read_chunk():
+            parts.append(chunk)
+        return b"".join(parts)
+
+    async def read_chunk(self) -> bytes:
+        self._read_started = True
+        conn = self._conn
+        limits = conn.guard.limits
+        taken = 0
+        while True:
+            if self.gone:
+                raise ConnectionResetError("the client reset the stream")
+            body = self._body
+            if body:
+                chunk = body.popleft()
+                taken = len(chunk)
+                break
+            if not self._more:
+                return b""
+            await self._next_chunk()
+        limit = limits.max_body_size
+        if limit and self._received > limit:
+            too_large = BodyTooLarge(limit)
+            conn.guard.count_body_error(too_large)
+            raise too_large
+        if self.unacked:
+            conn.acknowledge(self.id, self.unacked if not body else taken)
+            self.unacked = 0 if not body else self.unacked - taken
+        return chunk
+
+    async def _next_chunk(self) -> None:
+        """Until more of the body comes, within its bounds (the time spent here is all
+        that counts: time the proxy did not read is not the client's)."""
+        guard = self._conn.guard
+        limits = guard.limits
+        grace = min(limits.body_rate_grace, 1.0) if guard.draining else limits.body_rate_grace
+        received = self._received
+        wait = body_bound_due(
+            limits, stalled=0.0, active=self._active, received=received, rate_grace=grace
+        )
+        loop = self._conn.loop
+        waiter = self._waiter = loop.create_future()
+        started = loop.time()
+        try:
+            async with asyncio.timeout(wait):
+                await waiter
+        except TimeoutError:
+            stalled = loop.time() - started
+            active = self._active + stalled
+            error = body_bound_passed(
+                limits, stalled=stalled, active=active, received=received, rate_grace=grace
+            )
+            error = error or BodyTimeout(limits.body_timeout)
+            guard.count_body_error(error)
+            raise error from None
+        finally:
+            self._waiter = None
+            self._active += loop.time() - started
+
+    def client_gone(self) -> bool:
+        return self.gone
+
+    # -- the answer -----------------------------------------------------------------
+
+    async def start(
+        self, status: int, headers: CIMultiDict[str], length: int | None, close: bool
+    ) -> Writer:
+        if self.gone:
+            raise ConnectionResetError("the client reset the stream")
+        conn = self._conn
+        fields = [(b":status", str(status).encode(), False)]
+        for name, value in headers.items():
+            lowered = name.lower()
+            if lowered not in _CONNECTION_HEADERS:
+                fields.append((lowered.encode("latin-1"), value.encode("utf-8"), False))
+        if length is not None and "Content-Length" not in headers:
+            fields.append((b"content-length", str(length).encode(), False))
+        if "Date" not in headers:
+            fields.append((b"date", _date(int(time.time())), False))
+        if conn.server_header and "Server" not in headers:
+            fields.append((b"server", conn.server_header, False))
+        self.started = True
+        if status >= 400 and headers.get("X-Edgeproxy-Region") == "none":
+            # Refused before any region saw it: as costly to the proxy as a reset.
+            conn.cheap_refusal()
+        self._head = conn.encode_head(self.id, fields)
+        if length is None:
+            # A stream: its head goes now, not with its first event.
+            conn.send_head(self, end=False)
+        return self.write
+
+    async def write(self, data: bytes) -> None:
+        if self.gone:
+            raise ConnectionResetError("the client reset the stream")
+        conn = self._conn
+        if self._head:
+            conn.send_head(self, end=False)
+        while data:
+            room = conn.room(self) - len(self.out)
+            if room >= len(data):
+                conn.send_body(self, data)
+                return
+            if room > 0:
+                conn.send_body(self, data[:room])
+                data = data[room:]
+            # Held to its bound: what is left waits for the client to take some.
+            await conn.wait_room(self)
+
+    async def end(self, data: bytes = b"") -> None:
+        if self.gone:
+            raise ConnectionResetError("the client reset the stream")
+        conn = self._conn
+        if self._head and not data:
+            conn.send_head(self, end=True)
+            return
+        if data:
+            await self.write(data)
+        elif self._head:
+            conn.send_head(self, end=False)
+        self.end_requested = True
+        conn.send_body(self, b"")
+        if not self.answered:
+            await conn.wait_sent(self)
+
+    def abort(self) -> None:
+        self._conn.reset_when_sent(self)
+
+    async def cut(self, data: bytes) -> None:
+        if not self.gone and self.started:
+            with contextlib.suppress(TimeoutError, ConnectionResetError):
+                async with asyncio.timeout(_CUT_WAIT):
+                    await self.write(data)
+        self.abort()
+
+
+# -- one HTTP/2 connection ------------------------------------------------------------------
+
+
+class H2Connection(asyncio.Protocol):
+    """One client connection speaking HTTP/2: jh2's state, its streams, its counters."""
+
+    def __init__(
+        self,
+        site: H2Site,
+        transport: asyncio.Transport,
+        ip: str,
+        release: Callable[[], None],
+    ) -> None:
+        self.site = site
+        self.guard = guard = site.guard
+        limits = guard.limits
+        self.loop = asyncio.get_running_loop()
+        self.transport = transport
+        self.ip = ip
+        self._release = release
+        self.server_header = guard.server_header.encode("ascii") if guard.server_header else b""
+        ssl_object = transport.get_extra_info("ssl_object")
+        self.tls = (
+            TlsInfo(ssl_object.version(), "h2", ssl_object.server_hostname)
+            if ssl_object is not None
+            else None
+        )
+        config = jh2.config.H2Configuration(
+            client_side=False,
+            header_encoding=None,
+            validate_outbound_headers=False,
+            normalize_outbound_headers=False,
+            # Checked per stream here: jh2 would end the connection for each.
+            validate_inbound_headers=False,
+            normalize_inbound_headers=False,
+        )
+        h2 = self.h2 = _H2Conn(config)
+        self.max_streams = limits.h2_max_concurrent_streams
+        h2.local_settings = jh2.settings.Settings(
+            client=False,
+            initial_values={
+                jh2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: self.max_streams,
+                jh2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: limits.max_headers
+                * limits.max_header_size,
+                jh2.settings.SettingCodes.INITIAL_WINDOW_SIZE: _STREAM_WINDOW,
+                jh2.settings.SettingCodes.ENABLE_CONNECT_PROTOCOL: 0,
+            },
+        )
+        # RFC 9113's defaults until the client's SETTINGS say otherwise (jh2's own are
+        # larger, which would let an answer overrun a client that leaves them out).
+        h2.remote_settings = jh2.settings.Settings(
+            client=True,
+            initial_values={
+                jh2.settings.SettingCodes.HEADER_TABLE_SIZE: 4096,
+                jh2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 65535,
+            },
+        )
+        self.streams: dict[int, H2Exchange] = {}
+        self.tasks: set[asyncio.Task[Any]] = set()
+        self.blocked: set[H2Exchange] = set()  # answers waiting for a window or the socket
+        self.held = 0  # answer bytes held for this connection's clients
+        self._room_waiters: set[asyncio.Future[None]] = set()
+        self.writable = True
+        self.closing = False
+        self.draining = False
+        now = self.loop.time()
+        self._window_start = now
+        self._controls = 0
+        self._window_updates = 0
+        self._data_sent = 0
+        self._cost = 0.0
+        self._cost_at = now
+        self._head_since: float | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._idle_since: float | None = now
+        self.last_stream = 0
+
+    # -- the start --------------------------------------------------------------------
+
+    def begin(self, data: bytes, upgrade: tuple[bytes, list[tuple[bytes, bytes]]] | None) -> None:
+        """Take the connection over, with the bytes read so far; ``upgrade``: the
+        ``HTTP2-Settings`` and header block of an HTTP/1.1 request that upgraded it."""
+        self.guard.connections.add(self)
+        h2 = self.h2
+        try:
+            if upgrade is None:
+                h2.initiate_connection()
+            else:
+                self.transport.write(_SWITCHING)
+                h2.initiate_upgrade_connection(upgrade[0])
+        except jh2.exceptions.ProtocolError:
+            self.guard.h2_protocol_errors += 1
+            self.close()
+            return
+        h2.increment_flow_control_window(self.max_streams * _STREAM_WINDOW - _DEFAULT_WINDOW)
+        self.flush()
+        self._arm()
+        if upgrade is not None:
+            self._request(1, upgrade[1], ended=True)
+        if data:
+            self.data_received(data)
+
+    # -- asyncio.Protocol -----------------------------------------------------------------
+
+    def data_received(self, data: bytes) -> None:
+        if self.closing:
+            return
+        h2 = self.h2
+        try:
+            events = h2.receive_data(data)
+        except jh2.exceptions.ProtocolError as exc:
+            self.guard.h2_protocol_errors += 1
+            logger.info("HTTP/2 client %s broke the protocol: %s; closing", self.ip, exc)
+            self.close()  # jh2 queued its GOAWAY
+            return
+        for event in events:
+            self._handle(event)
+            if self.closing:
+                return
+        if events:
+            self._check_abuse()
+        if not self.closing:
+            self._partial_head()
+            self.flush()
+
+    def eof_received(self) -> bool | None:
+        return None  # the client is gone: connection_lost does the rest
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.closing = True
+        self.guard.connections.discard(self)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        for stream in list(self.streams.values()):
+            self._gone(stream)
+        self.held = 0
+        self._wake_all()
+        self._release()
+
+    def pause_writing(self) -> None:
+        self.writable = False
+
+    def resume_writing(self) -> None:
+        self.writable = True
+        self._push_blocked()
+
+    # -- events -----------------------------------------------------------------------------
+
+    def _handle(self, event: jh2.events.Event) -> None:
+        kind = type(event)
+        if kind is jh2.events.DataReceived:
+            stream = self.streams.get(event.stream_id)
+            if stream is None:
+                self.h2.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+                return
+            if not event.data:
+                self._controls += 1  # an empty DATA frame: free to send, counted
+            problem = stream.body_chunk(
+                event.data, event.flow_controlled_length, event.stream_ended is not None
+            )
+            if problem is not None:
+                self._malformed(event.stream_id, problem, event.flow_controlled_length)
+        elif kind is jh2.events.RequestReceived:
+            self._request(event.stream_id, event.headers, ended=event.stream_ended is not None)
+            if event.priority_updated is not None:
+                self._controls += 1
+        elif kind is jh2.events.StreamEnded:
+            stream = self.streams.get(event.stream_id)
+            if stream is not None:
+                problem = stream.body_ended()
+                if problem is not None:
+                    self._malformed(event.stream_id, problem, 0)
+        elif kind is jh2.events.WindowUpdated:
+            self._window_updates += 1
+            if event.stream_id == 0:
+                self._push_blocked()
+            else:
+                stream = self.streams.get(event.stream_id)
+                if stream is not None and stream.out:
+                    self._push(stream)
+        elif kind is jh2.events.StreamReset:
+            stream = self.streams.get(event.stream_id)
+            if stream is not None:
+                if not stream.answered:
+                    self._spend()  # cancelled before its answer ended
+                self._gone(stream)
+        elif kind is _MalformedRequest:
+            self._malformed(event.stream_id, event.reason, 0)
+        elif kind is jh2.events.TrailersReceived:
+            stream = self.streams.get(event.stream_id)
+            if stream is not None:
+                problem = None
+                try:
+                    for name, value in event.headers:
+                        if name[:1] == b":":
+                            raise Malformed("a pseudo-header in trailers")
+                        field_name(name)
+                        field_value(name, value)
+                except Malformed as exc:
+                    problem = str(exc)
+                problem = problem or stream.body_ended()
+                if problem is not None:
+                    self._malformed(event.stream_id, problem, 0)
+        elif kind is jh2.events.RemoteSettingsChanged:
+            self._controls += 1
+            self._push_blocked()  # a larger initial window opens every stream's
+        elif kind in (
+            jh2.events.PingReceived,
+            jh2.events.PriorityUpdated,
+            jh2.events.UnknownFrameReceived,
+        ):
+            self._controls += 1
+        elif kind is jh2.events.ConnectionTerminated:
+            # The client is leaving: what it started is cancelled; the socket closes.
+            self.close()
+
+    def _request(self, stream_id: int, raw: Any, *, ended: bool) -> None:
+        self._head_since = None
+        self.last_stream = stream_id
+        if self.draining:
+            self._refuse(stream_id, _REFUSED)
+            return
+        if len(self.streams) >= self.max_streams:
+            self.guard.h2_refused_streams += 1
+            self._refuse(stream_id, _REFUSED)
+            return
+        try:
+            method, scheme, target, headers, length = _request_fields(raw)
+        except Malformed as exc:
+            self._malformed(stream_id, str(exc), 0)
+            return
+        stream = H2Exchange(self, stream_id, method, target, scheme, headers, length, ended)
+        if ended and length:
+            self._malformed(stream_id, f"no DATA for a content-length of {length}", 0)
+            return
+        self.streams[stream_id] = stream
+        self._idle_since = None
+        task = self.loop.create_task(self.site.serve(stream))
+        stream._task = task
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    def _refuse(self, stream_id: int, code: int) -> None:
+        with contextlib.suppress(jh2.exceptions.ProtocolError):
+            self.h2.reset_stream(stream_id, code)
+        self.h2.forget(stream_id)
+        self._spend()
+
+    def _malformed(self, stream_id: int, reason: str, flow: int) -> None:
+        """A malformed request (RFC 9113 §8.1.1): its stream alone is reset."""
+        self.guard.h2_stream_errors += 1
+        logger.debug("HTTP/2 client %s: stream %d malformed: %s", self.ip, stream_id, reason)
+        stream = self.streams.get(stream_id)
+        if flow:
+            # Counted against the connection's window, never to be read.
+            self.h2.acknowledge_received_data(flow, stream_id)
+        if stream is not None:
+            stream.answered = True
+            self._gone(stream)
+        self._refuse(stream_id, _PROTOCOL_ERROR)
+
+    def _gone(self, stream: H2Exchange) -> None:
+        """The stream ended for its client (reset, or the connection gone): its request is
+        cancelled, what it held dropped."""
+        stream.gone = True
+        self._drop(stream)
+        stream._wake()
+        task = stream._task
+        if task is not None and not task.done():
+            task.cancel()
+
+    def _drop(self, stream: H2Exchange) -> None:
+        if self.streams.pop(stream.id, None) is None:
+            return
+        if stream.out:
+            self._taken(len(stream.out))
+            stream.out = bytearray()
+        self.blocked.discard(stream)
+        if stream.unacked:
+            with contextlib.suppress(jh2.exceptions.ProtocolError):
+                self.h2.acknowledge_received_data(stream.unacked, stream.id)
+            stream.unacked = 0
+        self.h2.forget(stream.id)
+        if not self.streams:
+            self._idle_since = self.loop.time()
+            if self.draining:
+                self.close()
+
+    # -- abuse ------------------------------------------------------------------------------
+
+    def _spend(self) -> None:
+        """One stream the proxy refused, or the client cancelled, before its answer ended."""
+        now = self.loop.time()
+        self._cost = self._cost * 0.5 ** ((now - self._cost_at) / _RESET_HALF_LIFE) + 1
+        self._cost_at = now
+
+    def cheap_refusal(self) -> None:
+        self._spend()
+        self._check_abuse()
+
+    def _check_abuse(self) -> None:
+        limits = self.guard.limits
+        if self._cost > limits.h2_max_premature_resets:
+            self.guard.h2_rapid_resets += 1
+            self._abuse("too many streams cancelled or refused before their answer (rapid reset)")
+            return
+        now = self.loop.time()
+        if now - self._window_start >= _CONTROL_WINDOW:
+            self._window_start = now
+            self._controls = self._window_updates = self._data_sent = 0
+            return
+        budget = limits.h2_max_control_frames
+        if self._controls > budget or (
+            self._window_updates > budget + _WINDOW_UPDATES_PER_DATA * self._data_sent
+        ):
+            self.guard.h2_control_floods += 1
+            self._abuse("too many control, WINDOW_UPDATE, empty or unknown frames")
+
+    def _abuse(self, reason: str) -> None:
+        logger.warning("HTTP/2 client %s: %s; closing", self.ip, reason)
+        with contextlib.suppress(jh2.exceptions.ProtocolError):
+            self.h2.close_connection(error_code=_CALM, last_stream_id=self.last_stream)
+        self.close()
+
+    # -- the answers --------------------------------------------------------------------------
+
+    def encode_head(self, stream_id: int, fields: list[tuple[bytes, bytes, bool]]) -> bytes:
+        """The answer's header block, framed (and jh2's state moved on as it would)."""
+        h2 = self.h2
+        stream = h2.streams.get(stream_id)
+        if stream is None or not _COMPILED_HPACK:
+            return b""
+        return cast(bytes, h2.encoder.encode(fields))
+
+    def send_head(self, stream: H2Exchange, *, end: bool) -> None:
+        block, stream._head = stream._head, b""
+        h2 = self.h2
+        h2stream = h2.streams.get(stream.id)
+        if h2stream is None:
+            return
+        h2.state_machine.process_input(_SEND_HEADERS)
+        h2stream.state_machine.process_input(_STREAM_SEND_HEADERS)
+        if end:
+            h2stream.state_machine.process_input(_STREAM_SEND_END_STREAM)
+            self._finished(stream)
+        h2._data_to_send += header_frames(stream.id, block, end, h2.max_outbound_frame_size)
+        self.flush()
+        if end:
+            self._drop(stream)
+
+    def send_body(self, stream: H2Exchange, data: bytes) -> None:
+        """Queue ``data`` of ``stream``'s answer and send what the windows allow."""
+        if data:
+            stream.out += data
+            self.held += len(data)
+            guard = self.guard
+            guard.h2_buffered += len(data)
+            if guard.h2_buffered > guard.h2_buffered_peak:
+                guard.h2_buffered_peak = guard.h2_buffered
+        self._push(stream)
+
+    def _push(self, stream: H2Exchange) -> None:
+        """Send as much of ``stream``'s answer as the windows and the socket allow."""
+        if not self.writable or stream.gone or stream.answered:
+            if stream.out or stream.end_requested:
+                self.blocked.add(stream)
+            return
+        h2 = self.h2
+        h2stream = h2.streams.get(stream.id)
+        if h2stream is None:
+            return
+        out = stream.out
+        size = len(out)
+        sent = 0
+        frame = h2.max_outbound_frame_size
+        buffer = h2._data_to_send
+        while sent < size:
+            window = min(h2stream.outbound_flow_control_window, h2.outbound_flow_control_window)
+            if window <= 0:
+                break
+            piece = min(window, frame, size - sent)
+            last = stream.end_requested and sent + piece == size
+            h2.state_machine.process_input(_SEND_DATA)
+            h2stream.state_machine.process_input(_STREAM_SEND_DATA)
+            if last:
+                h2stream.state_machine.process_input(_STREAM_SEND_END_STREAM)
+            h2stream.outbound_flow_control_window -= piece
+            h2.outbound_flow_control_window -= piece
+            buffer += FRAME_HEADER.pack(piece >> 16, piece & 0xFFFF, 0, 1 if last else 0, stream.id)
+            buffer += out[sent : sent + piece]
+            sent += piece
+            self._data_sent += 1
+        if sent:
+            del out[:sent]
+            stream.taken_at = self.loop.time()
+            self._taken(sent)
+        if not out and stream.end_requested and not stream.answered:
+            if not sent:  # nothing left to carry END_STREAM: an empty DATA frame does
+                h2.state_machine.process_input(_SEND_DATA)
+                h2stream.state_machine.process_input(_STREAM_SEND_DATA)
+                h2stream.state_machine.process_input(_STREAM_SEND_END_STREAM)
+                buffer += FRAME_HEADER.pack(0, 0, 0, 1, stream.id)
+            self._finished(stream)
+        if out or (stream.end_requested and not stream.answered):
+            self.blocked.add(stream)
+        else:
+            self.blocked.discard(stream)
+        self.flush()
+        if stream.answered:
+            self._drop(stream)
+        elif stream._reset_after and not out:
+            self._reset(stream, _INTERNAL)
+
+    def _finished(self, stream: H2Exchange) -> None:
+        stream.answered = True
+        stream._ended = True
+        self._wake_all()
+
+    def _push_blocked(self) -> None:
+        for stream in list(self.blocked):
+            self._push(stream)
+
+    def _taken(self, size: int) -> None:
+        self.held -= size
+        self.guard.h2_buffered -= size
+        self._wake_all()
+
+    def _wake_all(self) -> None:
+        waiters, self._room_waiters = self._room_waiters, set()
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def room(self, stream: H2Exchange) -> int:
+        """How much of its answer ``stream`` may hold now."""
+        held = len(stream.out)
+        return max(_STREAM_FLOOR, min(STREAM_BUFFER, CONNECTION_BUFFER - self.held + held))
+
+    async def wait_room(self, stream: H2Exchange) -> None:
+        """Until ``stream`` may hold more (:meth:`room`); past the stall timeout with
+        nothing taken by its client, the stream is reset."""
+        while len(stream.out) >= self.room(stream) and not stream.gone:
+            await self._wait(stream)
+        if stream.gone:
+            raise ConnectionResetError("the client reset the stream")
+
+    async def wait_sent(self, stream: H2Exchange) -> None:
+        """Until the whole answer has gone out (its END_STREAM with it)."""
+        while not stream.answered and not stream.gone:
+            await self._wait(stream)
+        if stream.gone and not stream._ended:
+            raise ConnectionResetError("the client reset the stream")
+
+    async def _wait(self, stream: H2Exchange) -> None:
+        left = stream.taken_at + self.site.send_stall_timeout - self.loop.time()
+        if left <= 0:
+            self.guard.h2_send_stalls += 1
+            logger.info(
+                "HTTP/2 client %s took nothing of stream %d for %ss; resetting it",
+                self.ip,
+                stream.id,
+                self.site.send_stall_timeout,
+            )
+            self._reset(stream, _CANCEL)
+            raise ConnectionResetError("the client took nothing of its answer (stalled stream)")
+        waiter = self.loop.create_future()
+        self._room_waiters.add(waiter)
+        try:
+            async with asyncio.timeout(left):
+                await waiter
+        except TimeoutError:
+            pass
+        finally:
+            self._room_waiters.discard(waiter)
+
+    def reset_when_sent(self, stream: H2Exchange) -> None:
+        """End ``stream``'s answer so that it cannot look complete: RST_STREAM once what
+        was written before (an SSE error event) has gone out."""
+        if stream.gone or stream.answered:
+            return
+        if stream._head:
+            self.send_head(stream, end=False)
+        if stream.out:
+            stream._reset_after = True
+        else:
+            self._reset(stream, _INTERNAL)
+
+    def _reset(self, stream: H2Exchange, code: int) -> None:
+        with contextlib.suppress(jh2.exceptions.ProtocolError):
+            self.h2.reset_stream(stream.id, code)
+        stream.answered = True
+        self._gone(stream)
+        self.flush()
+
+    def acknowledge(self, stream_id: int, size: int) -> None:
+        """The pipeline read ``size`` bytes of the request: its client may send more."""
+        if self.closing:
+            return
+        with contextlib.suppress(jh2.exceptions.ProtocolError):
+            self.h2.acknowledge_received_data(size, stream_id)
+        self.flush()
+
+    def flush(self) -> None:
+        data = self.h2.data_to_send()
+        if data and not self.transport.is_closing():
+            self.transport.write(data)
+
+    # -- timers ---------------------------------------------------------------------------
+
+    def _partial_head(self) -> None:
+        """Whether a header block is waiting for its CONTINUATION frames (the head
+        deadline runs), or part of a frame is there with no stream open."""
+        buffer = self.h2.incoming_buffer
+        partial = bool(getattr(buffer, "_headers_buffer", None)) or (
+            bool(getattr(buffer, "data", None)) and not self.streams
+        )
+        if partial:
+            if self._head_since is None:
+                self._head_since = self.loop.time()
+        else:
+            self._head_since = None
+
+    def _arm(self) -> None:
+        self._timer = self.loop.call_later(1.0, self._tick)
+
+    def _tick(self) -> None:
+        """Once a second: the head deadline and the idle timeout."""
+        self._timer = None
+        if self.closing:
+            return
+        limits = self.guard.limits
+        now = self.loop.time()
+        if self._head_since is not None and now - self._head_since >= limits.header_timeout:
+            self.guard.header_timeouts += 1
+            self.close()
+            return
+        idle = self._idle_since
+        if idle is not None and now - idle >= limits.keepalive_timeout:
+            self.close()
+            return
+        self._arm()
+
+    # -- the end ----------------------------------------------------------------------------
+
+    def goaway(self) -> None:
+        """The proxy drains: no new stream; those open finish, then the connection closes."""
+        if self.closing or self.draining:
+            return
+        self.draining = True
+        with contextlib.suppress(jh2.exceptions.ProtocolError):
+            self.h2.close_connection(error_code=_NO_ERROR, last_stream_id=self.last_stream)
+        self.flush()
+        if not self.streams:
+            self.close()
+
+    def check_body(self) -> None:
+        """The proxy drains: bodies still arriving get the short rate grace (read at the
+        next wait)."""
+
+    def cancel_request(self) -> bool:
+        """The grace period is over: cancel what still runs."""
+        cut = False
+        for task in list(self.tasks):
+            if not task.done():
+                task.cancel()
+                cut = True
+        return cut
+
+    def close(self) -> None:
+        """Send what is queued (a GOAWAY), then close the socket."""
+        if self.closing:
+            return
+        self.closing = True
+        for stream in list(self.streams.values()):
+            self._gone(stream)
+        with contextlib.suppress(jh2.exceptions.ProtocolError):
+            if self.h2.state_machine.state is not jh2.connection.ConnectionState.CLOSED:
+                self.h2.close_connection(error_code=_NO_ERROR, last_stream_id=self.last_stream)
+        data = self.h2.data_to_send()
+        if data and not self.transport.is_closing():
+            self.transport.write(data)
+        self.transport.close()
+
+
+# -- telling the protocols apart -----------------------------------------------------------
+
+
+def _upgrade_request(head: bytes) -> tuple[bytes, list[tuple[bytes, bytes]]] | None:
+    """An HTTP/1.1 request head that asks, plainly, to upgrade to h2c: its
+    ``HTTP2-Settings`` (decoded) and its header block as HTTP/2 fields. None for any other
+    head, or one with anything unusual, which the HTTP/1.1 handler then answers (it ignores
+    ``Upgrade``): a body, a folded or odd line, several values where one is allowed."""
+    lines = head.split(b"\r\n")
+    parts = lines[0].split(b" ")
+    if len(parts) != 3 or parts[2] != b"HTTP/1.1" or not parts[1].startswith(b"/"):
+        return None
+    method, target = parts[0], parts[1]
+    if not method.isalpha() or not method.isupper() or method == b"CONNECT":
+        return None
+    fields: list[tuple[bytes, bytes]] = []
+    seen: dict[bytes, bytes] = {}
+    for line in lines[1:]:
+        name, colon, value = line.partition(b":")
+        if not colon or not name or name != name.strip() or b"\n" in line or b"\r" in line:
+            return None
+        name = name.lower()
+        value = value.strip(b" \t")
+        if name in seen and name in (b"upgrade", b"http2-settings", b"host", b"connection"):
+            return None
+        seen[name] = value
+        if name in (b"content-length", b"transfer-encoding") and value != b"0":
+            return None
+        if name not in _UPGRADE_DROPPED:
+            fields.append((name, value))
+    upgrade = seen.get(b"upgrade", b"").lower()
+    connection = {t.strip() for t in seen.get(b"connection", b"").lower().split(b",")}
+    settings = seen.get(b"http2-settings")
+    if upgrade != b"h2c" or settings is None or not {b"upgrade", b"http2-settings"} <= connection:
+        return None
+    try:
+        decoded = base64.urlsafe_b64decode(settings + b"=" * (-len(settings) % 4))
+    except (binascii.Error, ValueError):
+        return None
+    if len(decoded) % 6:
+        return None
+    host = seen.get(b"host")
+    if host is None:
+        return None
+    pseudo = [(b":method", method), (b":scheme", b"http"), (b":authority", host)]
+    return settings, [*pseudo, (b":path", target), *fields]
+
+
+class _Front(asyncio.Protocol):
+    """A new connection on the listener until it is told apart: HTTP/2 (ALPN, the preface,
+    an upgrade) becomes an :class:`H2Connection`, anything else the HTTP/1.1 handler."""
+
+    __slots__ = ("_buffer", "_counted", "_ip", "_site", "_timer", "_transport")
+
+    def __init__(self, site: H2Site) -> None:
+        self._site = site
+        self._buffer = b""
+        self._counted = False
+        self._ip = ""
+        self._timer: asyncio.TimerHandle | None = None
+        self._transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        site = self._site
+        guard = site.guard
+        self._transport = cast(asyncio.Transport, transport)
+        peer = transport.get_extra_info("peername")
+        ip = self._ip = str(peer[0]) if isinstance(peer, tuple) and peer else ""
+        refused = guard.admit(ip)
+        if refused is not None:
+            _refuse(self._transport, guard, refused)
+            return
+        self._counted = True
+        ssl_object = transport.get_extra_info("ssl_object")
+        if ssl_object is not None:
+            if ssl_object.selected_alpn_protocol() == "h2":
+                self._h2(b"", None)
+            else:
+                self._http1(b"")
+            return
+        loop = asyncio.get_running_loop()
+        self._timer = loop.call_later(guard.limits.header_timeout, self._too_slow)
+
+    def data_received(self, data: bytes) -> None:
+        buffer = self._buffer + data
+        if PREFACE.startswith(buffer[:24]):
+            if len(buffer) >= len(PREFACE):
+                self._h2(buffer, None)
+            else:
+                self._buffer = buffer
+            return
+        end = buffer.find(b"\r\n\r\n")
+        if end < 0:
+            if len(buffer) < self._site.upgrade_head_max and b"\n" in buffer:
+                # An HTTP/1.1 head on its way: whole, it may ask to upgrade.
+                self._buffer = buffer
+                return
+            self._http1(buffer)
+            return
+        upgrade = _upgrade_request(buffer[:end])
+        if upgrade is None:
+            self._http1(buffer)
+        else:
+            self._h2(buffer[end + 4 :], upgrade)
+
+    def eof_received(self) -> bool | None:
+        return None
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._stop_timer()
+        if self._counted:
+            self._counted = False
+            self._site.guard.release(self._ip)
+
+    def _too_slow(self) -> None:
+        self._timer = None
+        if self._transport is not None and self._counted:
+            if self._buffer:
+                self._site.guard.header_timeouts += 1
+            self._transport.close()
+
+    def _stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _http1(self, data: bytes) -> None:
+        """The default listener's handler takes the connection and what was read of it."""
+        self._stop_timer()
+        transport = self._transport
+        assert transport is not None
+        # The handler counts the connection itself.
+        self._counted = False
+        self._site.guard.release(self._ip)
+        handler = self._site.handler_factory()
+        transport.set_protocol(handler)
+        handler.connection_made(transport)
+        if data and not transport.is_closing():
+            handler.data_received(data)
+
+    def _h2(self, data: bytes, upgrade: tuple[bytes, list[tuple[bytes, bytes]]] | None) -> None:
+        self._stop_timer()
+        transport = self._transport
+        assert transport is not None
+        self._counted = False  # the connection's to give back now
+        site = self._site
+        ip = self._ip
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                site.guard.release(ip)
+
+        conn = H2Connection(site, transport, ip, release)
+        transport.set_protocol(conn)
+        site.connections.add(conn)
+        conn.begin(data, upgrade)
+
+
+def _refuse(transport: asyncio.Transport, guard: ConnectionGuard, message: str) -> None:
+    """Answer a connection over a cap and close it, reading nothing of it: a client that
+    negotiated h2 by ALPN gets HTTP/2's refusal, any other the aiohttp listener's 503. In
+    cleartext an h2c client with prior knowledge gets the 503 too: telling it apart would
+    mean waiting for its first bytes."""
+    tls = transport.get_extra_info("ssl_object")
+    if tls is not None and tls.selected_alpn_protocol() == "h2":
+        transport.write(_h2_refusal(message))
+    else:
+        transport.write(guard.refusal(message))
+    transport.close()
+
+
+@functools.cache
+def _h2_refusal(message: str) -> bytes:
+    """The server's preface allowing no stream, then GOAWAY: last stream 0 (none was
+    processed, so the client may retry each request elsewhere), ENHANCE_YOUR_CALM (back
+    off rather than reconnect at once), the reason as its debug data."""
+    conn = jh2.connection.H2Connection(jh2.config.H2Configuration(client_side=False))
+    conn.local_settings = jh2.settings.Settings(
+        client=False, initial_values={jh2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: 0}
+    )
+    conn.initiate_connection()
+    conn.close_connection(error_code=_CALM, additional_data=message.encode(), last_stream_id=0)
+    return cast(bytes, conn.data_to_send())
+
+
+# -- the listener ------------------------------------------------------------------------------
+
+
+class H2Site(GuardedSite):
+    """The client listener with ``server.http2``: HTTP/2 connections here, HTTP/1.1 ones
+    to the default listener's handler, under one guard."""
+
+    def __init__(
+        self,
+        runner: web.BaseRunner,
+        host: str,
+        port: int,
+        *,
+        guard: ConnectionGuard,
+        proxy: Served,
+        send_stall_timeout: float,
+        backlog: int = 128,
+        reuse_port: bool = False,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
+        super().__init__(
+            runner,
+            host,
+            port,
+            guard=guard,
+            backlog=backlog,
+            reuse_port=reuse_port,
+            ssl_context=ssl_context,
+        )
+        self.guard = guard
+        self.proxy = proxy
+        self.send_stall_timeout = send_stall_timeout
+        self.connections: set[H2Connection] = set()
+        limits = guard.limits
+        self.upgrade_head_max = limits.max_request_line + limits.max_header_size * 4
+        self.handshake_timeout = limits.header_timeout
+
+    def protocol_factory(self) -> Callable[[], asyncio.Protocol]:
+        # Each connection starts as a front, which picks its protocol.
+        return functools.partial(_Front, self)
+
+    async def stop(self) -> None:
+        """Stop accepting; HTTP/2 clients get GOAWAY (the streams they have finish)."""
+        await super().stop()
+        for conn in list(self.connections):
+            conn.goaway()
+
+    def close_connections(self) -> None:
+        """Close every HTTP/2 connection still open (after the drain)."""
+        for conn in list(self.connections):
+            conn.close()
+        self.connections.clear()
+
+    async def serve(self, stream: H2Exchange) -> None:
+        """One request stream, through the pipeline; its answer goes back on it."""
+        proxy = self.proxy
+        try:
+            if not proxy.is_open:
+                closed = ProxyError(
+                    503, "service_unavailable", "The proxy is not open.", code="not_open"
+                )
+                answer: StreamResponse = own_answer(closed)
+            else:
+                error = check_head(
+                    stream.method, stream.target, stream.headers, 1, self.guard.limits
+                )
+                if error is not None:
+                    self.guard.count_body_error(error)
+                    answer = own_answer(error)
+                else:
+                    answer = await proxy.serve_exchange(stream)
+            if not answer.prepared and not stream.started and not stream.gone:
+                if type(answer) is Response:
+                    await stream.start(answer.status, answer.headers, len(answer.body), False)
+                    await stream.end(answer.body)
+                else:
+                    await answer.prepare(stream)
+                    await answer.write_eof()
+        except (asyncio.CancelledError, ConnectionResetError):
+            if not stream.gone:
+                stream.abort()
+            current = asyncio.current_task()
+            if current is not None and current.cancelling() and not stream.gone:
+                raise
+        except Exception:
+            logger.exception("HTTP/2 stream %d failed", stream.id)
+            stream.abort()
+        finally:
+            conn = stream._conn
+            if not stream.answered and not stream.gone:
+                stream.abort()
+            if stream.unacked:
+                conn.acknowledge(stream.id, stream.unacked)
+                stream.unacked = 0
+            if stream.answered and not stream.out:
+                conn._drop(stream)
