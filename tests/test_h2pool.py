@@ -967,7 +967,7 @@ async def test_closed_stream_table_stays_empty_on_a_long_lived_connection() -> N
 async def test_reset_streams_are_remembered_up_to_a_bound(monkeypatch: pytest.MonkeyPatch) -> None:
     # Streams cancelled mid-body are reset: the last ones are remembered, so
     # that the DATA still in flight for them stays a stream error.
-    monkeypatch.setattr(h2conn, "_RESET_STREAMS_KEPT", 16)
+    monkeypatch.setattr(h2conn, "RESET_STREAMS_KEPT", 16)
     async with (
         HostileRegion() as region,
         open_pool(region.url, limits(max_connections=1)) as pool,

@@ -1,5 +1,5 @@
 """The ASGI front end: the proxy as an ASGI application, for Starlette and FastAPI hosts and
-for ASGI servers (hypercorn serves the HTTP/2 listener with it).
+for ASGI servers.
 
 An ASGI request becomes the pipeline's :class:`Exchange`. The request head is checked as
 the aiohttp listener checks it; the body is read through ``receive`` and bounded as the

@@ -610,6 +610,7 @@ class H2Connection(asyncio.Protocol):
         self.writable = True
         self.closing = False
         self.draining = False
+        self._flush_scheduled = False
         now = self.loop.time()
         self._window_start = now
         self._controls = 0
@@ -668,7 +669,7 @@ class H2Connection(asyncio.Protocol):
             self._check_abuse()
         if not self.closing:
             self._partial_head()
-            self.flush()
+            self.flush_soon()
 
     def eof_received(self) -> bool | None:
         return None  # the client is gone: connection_lost does the rest
@@ -699,13 +700,14 @@ class H2Connection(asyncio.Protocol):
         if kind is jh2.events.DataReceived:
             stream = self.streams.get(event.stream_id)
             if stream is None:
+                if not event.data and event.stream_ended is None:
+                    self._controls += 1
                 self.h2.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
                 return
-            if not event.data:
-                self._controls += 1  # an empty DATA frame: free to send, counted
-            problem = stream.body_chunk(
-                event.data, event.flow_controlled_length, event.stream_ended is not None
-            )
+            ended = event.stream_ended is not None
+            if not event.data and not ended:
+                self._controls += 1  # an empty DATA frame that ends nothing: counted
+            problem = stream.body_chunk(event.data, event.flow_controlled_length, ended)
             if problem is not None:
                 self._malformed(event.stream_id, problem, event.flow_controlled_length)
         elif kind is jh2.events.RequestReceived:
@@ -766,7 +768,10 @@ class H2Connection(asyncio.Protocol):
         self._head_since = None
         self.last_stream = stream_id
         if self.draining:
-            self._refuse(stream_id, _REFUSED)
+            # Past the GOAWAY's last stream: never processed, the client retries it.
+            with contextlib.suppress(jh2.exceptions.ProtocolError):
+                self.h2.reset_stream(stream_id, _REFUSED)
+            self.h2.forget(stream_id)
             return
         if len(self.streams) >= self.max_streams:
             self.guard.h2_refused_streams += 1
@@ -892,7 +897,7 @@ class H2Connection(asyncio.Protocol):
             h2stream.state_machine.process_input(_STREAM_SEND_END_STREAM)
             self._finished(stream)
         h2._data_to_send += header_frames(stream.id, block, end, h2.max_outbound_frame_size)
-        self.flush()
+        self.flush_soon()
         if end:
             self._drop(stream)
 
@@ -953,7 +958,7 @@ class H2Connection(asyncio.Protocol):
             self.blocked.add(stream)
         else:
             self.blocked.discard(stream)
-        self.flush()
+        self.flush_soon()
         if stream.answered:
             self._drop(stream)
         elif stream._reset_after and not out:
@@ -1038,7 +1043,7 @@ class H2Connection(asyncio.Protocol):
             self.h2.reset_stream(stream.id, code)
         stream.answered = True
         self._gone(stream)
-        self.flush()
+        self.flush_soon()
 
     def acknowledge(self, stream_id: int, size: int) -> None:
         """The pipeline read ``size`` bytes of the request: its client may send more."""
@@ -1046,9 +1051,17 @@ class H2Connection(asyncio.Protocol):
             return
         with contextlib.suppress(jh2.exceptions.ProtocolError):
             self.h2.acknowledge_received_data(size, stream_id)
-        self.flush()
+        self.flush_soon()
+
+    def flush_soon(self) -> None:
+        """Write what jh2 queued at the end of this loop turn: the frames of every stream
+        and reply made meanwhile go out in one write."""
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self.loop.call_soon(self.flush)
 
     def flush(self) -> None:
+        self._flush_scheduled = False
         data = self.h2.data_to_send()
         if data and not self.transport.is_closing():
             self.transport.write(data)
@@ -1059,8 +1072,10 @@ class H2Connection(asyncio.Protocol):
         """Whether a header block is waiting for its CONTINUATION frames (the head
         deadline runs), or part of a frame is there with no stream open."""
         buffer = self.h2.incoming_buffer
+        # jh2's frame buffer (private names, read defensively).
         partial = bool(getattr(buffer, "_headers_buffer", None)) or (
-            bool(getattr(buffer, "data", None)) and not self.streams
+            len(getattr(buffer, "_data", b"")) > getattr(buffer, "_data_offset", 0)
+            and not self.streams
         )
         if partial:
             if self._head_since is None:
@@ -1097,7 +1112,7 @@ class H2Connection(asyncio.Protocol):
         self.draining = True
         with contextlib.suppress(jh2.exceptions.ProtocolError):
             self.h2.close_connection(error_code=_NO_ERROR, last_stream_id=self.last_stream)
-        self.flush()
+        self.flush_soon()
         if not self.streams:
             self.close()
 

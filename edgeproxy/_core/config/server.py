@@ -96,10 +96,10 @@ class ServerConfig(Section):
 
     http2: bool = Field(
         False,
-        description="Serve HTTP/2 beside HTTP/1.1 on the client listener (hypercorn runs it, "
-        "with the same limits): over TLS, ALPN offers h2 and http/1.1; in cleartext it needs "
-        "h2c. A browser then carries all the SSE streams of a page on one connection. Off: "
-        "the aiohttp HTTP/1.1 listener.",
+        description="Serve HTTP/2 beside HTTP/1.1 on the client listener, with the same "
+        "limits: over TLS, ALPN offers h2 and http/1.1; in cleartext it needs h2c. A browser "
+        "then carries all the SSE streams of a page on one connection. HTTP/1.1 clients on "
+        "that port get the default listener itself. Off: HTTP/1.1 only.",
     )
     h2c: bool = Field(
         False,
@@ -342,20 +342,25 @@ class LimitsConfig(Section):
         ge=1,
         le=10_000,
         description="HTTP/2 listener: most streams one connection may have open at once "
-        "(SETTINGS_MAX_CONCURRENT_STREAMS); a client opening more loses the connection.",
+        "(SETTINGS_MAX_CONCURRENT_STREAMS); a stream past it is refused alone "
+        "(RST_STREAM REFUSED_STREAM, safe to retry) and counts toward h2_max_premature_resets.",
     )
     h2_max_control_frames: int = Field(
         200,
         ge=10,
-        description="HTTP/2 listener: most PING, SETTINGS and PRIORITY frames one connection "
-        "may send in 10 seconds; more (a flood) gets GOAWAY and the connection closes.",
+        description="HTTP/2 listener: most PING, SETTINGS, PRIORITY, unknown-type and empty "
+        "DATA frames one connection may send in 10 seconds, and WINDOW_UPDATE frames beyond "
+        "four per DATA frame the proxy sent; more (a flood) gets GOAWAY ENHANCE_YOUR_CALM and "
+        "the connection closes.",
     )
     h2_max_premature_resets: int = Field(
         100,
         ge=1,
         description="HTTP/2 listener: streams one connection may cancel (RST_STREAM) before "
-        "their answer ended; past that, once at least half its streams ended so, it gets "
-        "GOAWAY and closes (rapid reset, CVE-2023-44487).",
+        "their answer ended, or have refused by the proxy before any region saw them "
+        "(malformed, past the stream cap, answered with the proxy's own error), the count "
+        "halving every 30 seconds; past it, GOAWAY ENHANCE_YOUR_CALM and the connection "
+        "closes (rapid reset, CVE-2023-44487), whatever else the connection sends.",
     )
     keepalive_timeout: float = Field(
         75.0,
