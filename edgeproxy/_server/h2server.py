@@ -129,6 +129,11 @@ _STREAM_SEND_END_STREAM: Final = jh2.stream.StreamInputs.SEND_END_STREAM
 _SEND_DATA: Final = jh2.connection.ConnectionInputs.SEND_DATA
 _STREAM_SEND_DATA: Final = jh2.stream.StreamInputs.SEND_DATA
 _RECV_HEADERS: Final = jh2.stream.StreamInputs.RECV_HEADERS
+_SERVER_OPEN: Final = jh2.connection.ConnectionState.SERVER_OPEN
+# Stream states a DATA frame from the server leaves as they are.
+_SENDING: Final = frozenset(
+    {jh2.stream.StreamState.OPEN, jh2.stream.StreamState.HALF_CLOSED_REMOTE}
+)
 _COMPILED_HPACK: Final = bool(jh2.connection.ALTERNATIVE_HPACK)
 _NO_BODY_METHODS: Final = frozenset({"GET", "HEAD", "OPTIONS", "DELETE", "TRACE"})
 _PSEUDO: Final = frozenset({b":method", b":scheme", b":authority", b":path"})
@@ -507,6 +512,8 @@ class H2Exchange(Exchange):
         conn = self._conn
         if self._head:
             conn.send_head(self, end=False)
+        if not self.out and conn.fast_data(self, data, False):
+            return
         while data:
             room = conn.room(self) - len(self.out)
             if room >= len(data):
@@ -522,15 +529,19 @@ class H2Exchange(Exchange):
         if self.gone:
             raise ConnectionResetError("the client reset the stream")
         conn = self._conn
-        if self._head and not data:
-            conn.send_head(self, end=True)
-            return
-        if data:
-            await self.write(data)
-        elif self._head:
+        if self._head:
+            if not data:
+                conn.send_head(self, end=True)
+                return
             conn.send_head(self, end=False)
+        if not self.out and data and conn.fast_data(self, data, True):
+            return
+        if len(data) > conn.room(self) - len(self.out):
+            await self.write(data)  # held within bounds, piece by piece
+            data = b""
+        # The last piece carries END_STREAM.
         self.end_requested = True
-        conn.send_body(self, b"")
+        conn.send_body(self, data)
         if not self.answered:
             await conn.wait_sent(self)
 
@@ -900,6 +911,45 @@ class H2Connection(asyncio.Protocol):
         self.flush_soon()
         if end:
             self._drop(stream)
+
+    def fast_data(self, stream: H2Exchange, data: bytes, end: bool) -> bool:
+        """Send ``data`` as one DATA frame now, when nothing of the stream waits and the
+        windows, the frame size and the socket allow it (an SSE event, a JSON body): jh2's
+        windows are charged as jh2 does; its state machines are left alone, as a DATA frame
+        that does not end the stream does not move them. False: take the general way."""
+        size = len(data)
+        h2 = self.h2
+        h2stream = h2.streams.get(stream.id)
+        if (
+            not self.writable
+            or stream.answered
+            or h2stream is None
+            or size > h2.max_outbound_frame_size
+            or size > h2.outbound_flow_control_window
+            or size > h2stream.outbound_flow_control_window
+            or h2stream.state_machine.state not in _SENDING
+            or h2.state_machine.state is not _SERVER_OPEN
+        ):
+            return False
+        h2stream.outbound_flow_control_window -= size
+        h2.outbound_flow_control_window -= size
+        self._data_sent += 1
+        stream.taken_at = self.loop.time()
+        frame = FRAME_HEADER.pack(size >> 16, size & 0xFFFF, 0, 1 if end else 0, stream.id)
+        if end:
+            h2stream.state_machine.process_input(_STREAM_SEND_END_STREAM)
+        pending = h2._data_to_send
+        if pending:
+            # Frames queued before (HEADERS, replies) go first, in the same write.
+            pending += frame
+            pending += data
+            self.flush()
+        elif not self.transport.is_closing():
+            self.transport.write(frame + data)
+        if end:
+            self._finished(stream)
+            self._drop(stream)
+        return True
 
     def send_body(self, stream: H2Exchange, data: bytes) -> None:
         """Queue ``data`` of ``stream``'s answer and send what the windows allow."""
