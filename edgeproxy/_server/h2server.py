@@ -688,6 +688,7 @@ class H2Connection(asyncio.Protocol):
     def connection_lost(self, exc: BaseException | None) -> None:
         self.closing = True
         self.guard.connections.discard(self)
+        self.site.connections.discard(self)
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -844,6 +845,12 @@ class H2Connection(asyncio.Protocol):
             with contextlib.suppress(jh2.exceptions.ProtocolError):
                 self.h2.acknowledge_received_data(stream.unacked, stream.id)
             stream.unacked = 0
+        if stream._ended and stream._more and not stream.gone:
+            # Answered whole before the request's body ended: the client may stop sending
+            # it (RFC 9113 §8.1), and the stream does not stay half open.
+            with contextlib.suppress(jh2.exceptions.ProtocolError):
+                self.h2.reset_stream(stream.id, _NO_ERROR)
+            self.flush_soon()
         self.h2.forget(stream.id)
         if not self.streams:
             self._idle_since = self.loop.time()
