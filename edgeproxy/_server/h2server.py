@@ -1238,7 +1238,8 @@ def _upgrade_request(head: bytes) -> tuple[bytes, list[tuple[bytes, bytes]]] | N
     if upgrade != b"h2c" or settings is None or not {b"upgrade", b"http2-settings"} <= connection:
         return None
     try:
-        decoded = base64.urlsafe_b64decode(settings + b"=" * (-len(settings) % 4))
+        # Strict: the lenient decoder drops bytes outside the alphabet.
+        decoded = base64.b64decode(settings + b"=" * (-len(settings) % 4), b"-_", validate=True)
     except (binascii.Error, ValueError):
         return None
     if len(decoded) % 6:
@@ -1254,7 +1255,7 @@ class _Front(asyncio.Protocol):
     """A new connection on the listener until it is told apart: HTTP/2 (ALPN, the preface,
     an upgrade) becomes an :class:`H2Connection`, anything else the HTTP/1.1 handler."""
 
-    __slots__ = ("_buffer", "_counted", "_ip", "_site", "_timer", "_transport")
+    __slots__ = ("_accepted", "_buffer", "_counted", "_ip", "_site", "_timer", "_transport")
 
     def __init__(self, site: H2Site) -> None:
         self._site = site
@@ -1263,9 +1264,11 @@ class _Front(asyncio.Protocol):
         self._ip = ""
         self._timer: asyncio.TimerHandle | None = None
         self._transport: asyncio.Transport | None = None
+        self._accepted = 0.0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         site = self._site
+        self._accepted = asyncio.get_running_loop().time()
         guard = site.guard
         self._transport = cast(asyncio.Transport, transport)
         peer = transport.get_extra_info("peername")
@@ -1295,7 +1298,12 @@ class _Front(asyncio.Protocol):
             return
         end = buffer.find(b"\r\n\r\n")
         if end < 0:
-            if len(buffer) < self._site.upgrade_head_max and b"\n" in buffer:
+            if (
+                len(buffer) < self._site.upgrade_head_max
+                and b"\n" in buffer
+                # A bare LF is no upgrade's: the handler answers it at once.
+                and buffer.count(b"\n") == buffer.count(b"\r\n")
+            ):
                 # An HTTP/1.1 head on its way: whole, it may ask to upgrade.
                 self._buffer = buffer
                 return
@@ -1317,11 +1325,10 @@ class _Front(asyncio.Protocol):
             self._site.guard.release(self._ip)
 
     def _too_slow(self) -> None:
+        # The handler answers a head that did not come in time (408), as on HTTP/1.1.
         self._timer = None
         if self._transport is not None and self._counted:
-            if self._buffer:
-                self._site.guard.header_timeouts += 1
-            self._transport.close()
+            self._http1(self._buffer)
 
     def _stop_timer(self) -> None:
         if self._timer is not None:
@@ -1341,6 +1348,7 @@ class _Front(asyncio.Protocol):
         handler.connection_made(transport)
         if data and not transport.is_closing():
             handler.data_received(data)
+        handler.head_since(self._accepted)
 
     def _h2(self, data: bytes, upgrade: tuple[bytes, list[tuple[bytes, bytes]]] | None) -> None:
         self._stop_timer()

@@ -685,6 +685,14 @@ class EdgeRequestHandler(web.RequestHandler):
                 now + self._guard.limits.header_timeout, self._head_timeout
             )
 
+    def head_since(self, since: float) -> None:
+        """A listener read this connection's first bytes before handing it over: its
+        head deadline runs from ``since``, when the connection was accepted."""
+        if self._phase == _HEAD and self.transport is not None:
+            self._head_at = since
+            if self._loop.time() >= since + self._guard.limits.header_timeout:
+                self._head_timeout()
+
     def _head_timeout(self) -> None:
         self._head_timer = None
         if self._phase != _HEAD or self.transport is None:
