@@ -67,6 +67,7 @@ import jh2.exceptions
 import jh2.settings
 import jh2.stream
 from aiohttp import web
+from jh2.hyperframe.frame import GoAwayFrame
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from edgeproxy._core.errors import ProxyError
@@ -1167,8 +1168,12 @@ class H2Connection(asyncio.Protocol):
         if self.closing or self.draining:
             return
         self.draining = True
-        with contextlib.suppress(jh2.exceptions.ProtocolError):
-            self.h2.close_connection(error_code=_NO_ERROR, last_stream_id=self.last_stream)
+        # Queued by hand: jh2's close_connection() would close its state machine, and the
+        # streams open could send nothing more, nor the client its WINDOW_UPDATEs.
+        frame = GoAwayFrame(0)
+        frame.last_stream_id = self.last_stream
+        frame.error_code = _NO_ERROR
+        self.h2._data_to_send += frame.serialize()
         self.flush_soon()
         if not self.streams:
             self.close()
