@@ -632,8 +632,10 @@ def plot(summary: list[Summary], streams: list[Streams], path: Path) -> None:
     held_names = [h.name for h in streams]
     held_values = [0 if math.isnan(h.kib_per_stream) else h.kib_per_stream for h in streams]
     held.bar(held_names, held_values, color="tab:green")
-    held.axhline(TARGET_KIB, color="tab:red", linewidth=0.8, linestyle="--")
-    held.annotate(f"target {TARGET_KIB}", (0, TARGET_KIB), color="tab:red", fontsize=8)
+    held.axhline(
+        TARGET_KIB, color="tab:red", linewidth=0.8, linestyle="--", label=f"{TARGET_KIB} KiB"
+    )
+    held.legend(title="HTTP/2 target", fontsize=8)
     held.set_title(f"KiB per held stream ({streams[0].opened if streams else 0} at once)")
     held.tick_params(axis="x", rotation=20)
     fig.tight_layout()
@@ -653,13 +655,24 @@ def _plain(value: object) -> object:
 
 
 def _revision(tree: Path) -> str:
-    proc = subprocess.run(
-        ["git", "-C", str(tree), "log", "-1", "--format=%h %s"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    return proc.stdout.strip()[:100] or "(not a git checkout)"
+    """The checkout's commit, and the last one that changed its edgeproxy package (what
+    the front ends run)."""
+
+    def log(*extra: str) -> str:
+        proc = subprocess.run(
+            ["git", "-C", str(tree), "log", "-1", "--format=%h %s", *extra],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        return proc.stdout.strip()[:90]
+
+    head, package = log(), log("--", "edgeproxy")
+    if not head:
+        return "(not a git checkout)"
+    if head.split()[0] == package.split()[0]:
+        return head
+    return f"{head.split()[0]}; edgeproxy/ as of {package}"
 
 
 def select(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[FrontEnd]:
