@@ -131,6 +131,16 @@ _SEND_DATA: Final = jh2.connection.ConnectionInputs.SEND_DATA
 _STREAM_SEND_DATA: Final = jh2.stream.StreamInputs.SEND_DATA
 _RECV_HEADERS: Final = jh2.stream.StreamInputs.RECV_HEADERS
 _SERVER_OPEN: Final = jh2.connection.ConnectionState.SERVER_OPEN
+_PADDED: Final = 0x8
+# Stream states in which a request body may still arrive.
+_RECEIVING: Final = frozenset(
+    {jh2.stream.StreamState.OPEN, jh2.stream.StreamState.HALF_CLOSED_LOCAL}
+)
+_HALF_CLOSED_LOCAL: Final = jh2.stream.StreamState.HALF_CLOSED_LOCAL
+_HALF_CLOSED_REMOTE: Final = jh2.stream.StreamState.HALF_CLOSED_REMOTE
+_CLOSED: Final = jh2.stream.StreamState.CLOSED
+_CLOSED_BY_END_STREAM: Final = jh2.stream.StreamClosedBy.RECV_END_STREAM
+_SENT_RESET: Final = jh2.stream.StreamClosedBy.SEND_RST_STREAM
 # Stream states a DATA frame from the server leaves as they are.
 _SENDING: Final = frozenset(
     {jh2.stream.StreamState.OPEN, jh2.stream.StreamState.HALF_CLOSED_REMOTE}
@@ -623,6 +633,7 @@ class H2Connection(asyncio.Protocol):
         self.closing = False
         self.draining = False
         self._flush_scheduled = False
+        self._inbuf = b""  # the start of a frame not yet whole
         now = self.loop.time()
         self._window_start = now
         self._controls = 0
@@ -665,23 +676,126 @@ class H2Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.closing:
             return
+        incoming = self.h2.incoming_buffer
+        if incoming._preamble_len or incoming._data:
+            # The preface, or bytes jh2 holds already: jh2 frames them.
+            self._receive(data)
+        else:
+            self._frames(self._inbuf + data if self._inbuf else data)
+        if not self.closing:
+            if self._controls or self._window_updates:
+                self._check_abuse()
+            self._partial_head()
+            self.flush_soon()
+
+    def _frames(self, buf: bytes) -> None:
+        """Complete frames only: the DATA frames of a request body take the fast path
+        (:meth:`_fast_body`), every other frame goes to jh2 in runs, in the order received."""
+        size = len(buf)
+        pos = 0
+        run = -1  # where the run of frames for jh2 started; -1: none
+        while size - pos >= 9:
+            hi, lo, kind, flags, stream_id = FRAME_HEADER.unpack_from(buf, pos)
+            end = pos + 9 + (hi << 16 | lo)
+            if end > size:
+                break
+            if kind == 0 and not flags & _PADDED:
+                if run >= 0:
+                    if not self._receive(buf[run:pos]):
+                        return
+                    run = -1
+                if self._fast_body(stream_id & 0x7FFFFFFF, buf, pos + 9, end, flags & 1):
+                    pos = end
+                    continue
+            if run < 0:
+                run = pos
+            pos = end
+        self._inbuf = buf[pos:] if pos < size else b""
+        if run >= 0:
+            self._receive(buf[run:pos])
+
+    def _dropped_body(self, stream_id: int, length: int) -> bool:
+        """DATA for a request the proxy reset (refused, malformed, answered): the client sent
+        it before it saw the reset. Counted against the connection's window and given back,
+        without the second reset jh2 would send (one that would hide the first's reason)."""
         h2 = self.h2
+        window = h2._inbound_flow_control_window_manager
+        if (
+            h2._closed_streams.get(stream_id) is not _SENT_RESET
+            or length > h2.max_inbound_frame_size
+            or window.current_window_size < length
+            or h2.incoming_buffer._headers_buffer
+        ):
+            return False
+        window.current_window_size -= length
+        if not length:
+            self._controls += 1
+        else:
+            h2.acknowledge_received_data(length, stream_id)
+        return True
+
+    def _receive(self, frames: bytes) -> bool:
+        """Hand bytes to jh2 and act on its events; False once the connection ends."""
         try:
-            events = h2.receive_data(data)
+            events = self.h2.receive_data(frames)
         except jh2.exceptions.ProtocolError as exc:
             self.guard.h2_protocol_errors += 1
             logger.info("HTTP/2 client %s broke the protocol: %s; closing", self.ip, exc)
             self.close()  # jh2 queued its GOAWAY
-            return
+            return False
         for event in events:
             self._handle(event)
             if self.closing:
-                return
+                return False
         if events:
             self._check_abuse()
-        if not self.closing:
-            self._partial_head()
-            self.flush_soon()
+        return not self.closing
+
+    def _fast_body(self, stream_id: int, buf: bytes, start: int, end: int, last: int) -> bool:
+        """A DATA frame (not padded) of a request body taken without jh2's frame objects,
+        state machines and events; False leaves it to jh2. ``last``: END_STREAM.
+
+        Taken only where jh2 would accept it and do nothing but count it (and, for the
+        last, move the stream's state on): the connection open, no header block in
+        progress, the frame within the size limit, the request one of ours and open, and
+        both receive windows with room for it. jh2's two windows are charged, and its
+        stream state changed, as jh2 does.
+        """
+        stream = self.streams.get(stream_id)
+        h2 = self.h2
+        length = end - start
+        if stream is None:
+            return self._dropped_body(stream_id, length)
+        h2stream = h2.streams.get(stream_id)
+        if (
+            h2stream is None
+            or length > h2.max_inbound_frame_size
+            or h2.incoming_buffer._headers_buffer
+            or h2.state_machine.state is not _SERVER_OPEN
+        ):
+            return False
+        machine = h2stream.state_machine
+        if machine.state not in _RECEIVING:
+            return False
+        conn_window = h2._inbound_flow_control_window_manager
+        stream_window = h2stream._inbound_window_manager
+        if conn_window.current_window_size < length or stream_window.current_window_size < length:
+            return False
+        conn_window.current_window_size -= length
+        stream_window.current_window_size -= length
+        if last:
+            # jh2's stream state machine on END_STREAM.
+            if machine.state is _HALF_CLOSED_LOCAL:
+                machine.state = _CLOSED
+                machine.stream_closed_by = _CLOSED_BY_END_STREAM
+            else:
+                machine.state = _HALF_CLOSED_REMOTE
+        elif not length:
+            self._controls += 1  # an empty DATA frame that ends nothing: counted
+        problem = stream.body_chunk(buf[start:end] if length else b"", length, bool(last))
+        if problem is not None:
+            self._malformed(stream_id, problem, length)
+        return True
 
     def eof_received(self) -> bool | None:
         return None  # the client is gone: connection_lost does the rest
@@ -1130,10 +1244,8 @@ class H2Connection(asyncio.Protocol):
         """Whether a header block is waiting for its CONTINUATION frames (the head
         deadline runs), or part of a frame is there with no stream open."""
         buffer = self.h2.incoming_buffer
-        # jh2's frame buffer (private names, read defensively).
-        partial = bool(getattr(buffer, "_headers_buffer", None)) or (
-            len(getattr(buffer, "_data", b"")) > getattr(buffer, "_data_offset", 0)
-            and not self.streams
+        partial = bool(buffer._headers_buffer) or (
+            bool(self._inbuf or len(buffer._data) > buffer._data_offset) and not self.streams
         )
         if partial:
             if self._head_since is None:
