@@ -27,8 +27,9 @@ when its client resets the stream or leaves. On top of jh2, with the limits of
   many cheap requests the connection also sends;
 * **floods**: PING, SETTINGS, PRIORITY, unknown frames and empty DATA frames share
   ``h2_max_control_frames`` per 10 seconds; WINDOW_UPDATE frames get that many plus four
-  per DATA frame the proxy sent in the window (a client reading a long answer sends one
-  per few frames): past either, GOAWAY ``ENHANCE_YOUR_CALM``;
+  per DATA frame the proxy sent and per stream the client opened in the window (a client
+  reading a long answer sends one or two per frame, and may open each stream's window at
+  once): past either, GOAWAY ``ENHANCE_YOUR_CALM``;
 * **flow control pushes back**: an answer the client does not take waits in a bounded
   buffer (256 KiB per stream, 1 MiB per connection, each stream 32 KiB at least), then the
   pipeline's write waits and the proxy stops reading the region; a stream whose client
@@ -113,7 +114,7 @@ _CONTROL_WINDOW: Final = 10.0
 # The rapid-reset count halves every this many seconds: a long-lived browser connection
 # whose user closes chats now and then never reaches the limit; a burst does.
 _RESET_HALF_LIFE: Final = 30.0
-_WINDOW_UPDATES_PER_DATA: Final = 4
+_WINDOW_UPDATES_PER_EARNED: Final = 4
 # A request's receive window; the connection's is this for every stream it may have
 # open, so that one request whose body is not read never holds up the others'.
 _STREAM_WINDOW: Final = 65535
@@ -638,7 +639,9 @@ class H2Connection(asyncio.Protocol):
         self._window_start = now
         self._controls = 0
         self._window_updates = 0
-        self._data_sent = 0
+        # DATA frames sent and streams opened in the window: each lets the client send a
+        # few WINDOW_UPDATEs.
+        self._earned = 0
         self._cost = 0.0
         self._cost_at = now
         self._head_since: float | None = None
@@ -894,6 +897,7 @@ class H2Connection(asyncio.Protocol):
     def _request(self, stream_id: int, raw: Any, *, ended: bool) -> None:
         self._head_since = None
         self.last_stream = stream_id
+        self._earned += 1  # a client may open each stream's window at once
         if self.draining:
             # Past the GOAWAY's last stream: never processed, the client retries it.
             with contextlib.suppress(jh2.exceptions.ProtocolError):
@@ -993,11 +997,11 @@ class H2Connection(asyncio.Protocol):
         now = self.loop.time()
         if now - self._window_start >= _CONTROL_WINDOW:
             self._window_start = now
-            self._controls = self._window_updates = self._data_sent = 0
+            self._controls = self._window_updates = self._earned = 0
             return
         budget = limits.h2_max_control_frames
         if self._controls > budget or (
-            self._window_updates > budget + _WINDOW_UPDATES_PER_DATA * self._data_sent
+            self._window_updates > budget + _WINDOW_UPDATES_PER_EARNED * self._earned
         ):
             self.guard.h2_control_floods += 1
             self._abuse("too many control, WINDOW_UPDATE, empty or unknown frames")
@@ -1055,7 +1059,7 @@ class H2Connection(asyncio.Protocol):
             return False
         h2stream.outbound_flow_control_window -= size
         h2.outbound_flow_control_window -= size
-        self._data_sent += 1
+        self._earned += 1
         stream.taken_at = self.loop.time()
         frame = FRAME_HEADER.pack(size >> 16, size & 0xFFFF, 0, 1 if end else 0, stream.id)
         if end:
@@ -1114,7 +1118,7 @@ class H2Connection(asyncio.Protocol):
             buffer += FRAME_HEADER.pack(piece >> 16, piece & 0xFFFF, 0, 1 if last else 0, stream.id)
             buffer += out[sent : sent + piece]
             sent += piece
-            self._data_sent += 1
+            self._earned += 1
         if sent:
             del out[:sent]
             stream.taken_at = self.loop.time()

@@ -38,6 +38,10 @@ and a Prometheus ``GET /metrics`` with vLLM's (or SGLang's) load gauges.
 (``Q8_0`` or ``Q4_0``) for the local-model fallback: real llama.cpp, no
 download, gibberish answers by design.
 
+:class:`H2Attacker` is a hostile HTTP/2 client (raw frames, h2c prior knowledge) for the
+proxy's own listener: :data:`MALFORMED` requests (each a stream error), :data:`FLOODS` of
+frames, windows kept shut, rapid resets.
+
 Requires hypercorn (the ``test`` or ``bench`` extra); the model needs numpy
 and gguf (the ``testing`` extra).
 """
@@ -46,25 +50,39 @@ from edgeproxy.testing._app import Counters
 from edgeproxy.testing._behavior import FAULTS, Behavior, Fault
 from edgeproxy.testing._content import answer_text
 from edgeproxy.testing._gguf import TinyLlamaSpec, tiny_llama_gguf, write_tiny_llama_gguf
+from edgeproxy.testing._h2attack import (
+    FLOODS,
+    MALFORMED,
+    Answer,
+    H2Attacker,
+    flood_frame,
+    malformed_frames,
+)
 from edgeproxy.testing._hostile import HostileCounters, HostileRegion
 from edgeproxy.testing._load import LOAD_METRICS_FAULTS, LoadMetricsFault
 from edgeproxy.testing._upstream import FakeRegion
 from edgeproxy.testing._wan import WanCounters, WanLink
 
 __all__ = [
-    "FAULTS",
-    "LOAD_METRICS_FAULTS",
+    "Answer",
     "Behavior",
     "Counters",
+    "FAULTS",
+    "FLOODS",
     "FakeRegion",
     "Fault",
+    "H2Attacker",
     "HostileCounters",
     "HostileRegion",
+    "LOAD_METRICS_FAULTS",
     "LoadMetricsFault",
+    "MALFORMED",
     "TinyLlamaSpec",
     "WanCounters",
     "WanLink",
     "answer_text",
+    "flood_frame",
+    "malformed_frames",
     "tiny_llama_gguf",
     "write_tiny_llama_gguf",
 ]

@@ -350,8 +350,8 @@ class LimitsConfig(Section):
         ge=10,
         description="HTTP/2 listener: most PING, SETTINGS, PRIORITY, unknown-type and empty "
         "DATA frames one connection may send in 10 seconds, and WINDOW_UPDATE frames beyond "
-        "four per DATA frame the proxy sent; more (a flood) gets GOAWAY ENHANCE_YOUR_CALM and "
-        "the connection closes.",
+        "four per DATA frame the proxy sent or stream the client opened; more (a flood) gets "
+        "GOAWAY ENHANCE_YOUR_CALM and the connection closes.",
     )
     h2_max_premature_resets: int = Field(
         100,
