@@ -89,6 +89,7 @@ from edgeproxy._upstream.h2fields import (
     field_name,
     field_value,
     header_frames,
+    split_frames,
 )
 
 __all__ = [
@@ -132,7 +133,6 @@ _SEND_DATA: Final = jh2.connection.ConnectionInputs.SEND_DATA
 _STREAM_SEND_DATA: Final = jh2.stream.StreamInputs.SEND_DATA
 _RECV_HEADERS: Final = jh2.stream.StreamInputs.RECV_HEADERS
 _SERVER_OPEN: Final = jh2.connection.ConnectionState.SERVER_OPEN
-_PADDED: Final = 0x8
 # Stream states in which a request body may still arrive.
 _RECEIVING: Final = frozenset(
     {jh2.stream.StreamState.OPEN, jh2.stream.StreamState.HALF_CLOSED_LOCAL}
@@ -694,28 +694,9 @@ class H2Connection(asyncio.Protocol):
     def _frames(self, buf: bytes) -> None:
         """Complete frames only: the DATA frames of a request body take the fast path
         (:meth:`_fast_body`), every other frame goes to jh2 in runs, in the order received."""
-        size = len(buf)
-        pos = 0
-        run = -1  # where the run of frames for jh2 started; -1: none
-        while size - pos >= 9:
-            hi, lo, kind, flags, stream_id = FRAME_HEADER.unpack_from(buf, pos)
-            end = pos + 9 + (hi << 16 | lo)
-            if end > size:
-                break
-            if kind == 0 and not flags & _PADDED:
-                if run >= 0:
-                    if not self._receive(buf[run:pos]):
-                        return
-                    run = -1
-                if self._fast_body(stream_id & 0x7FFFFFFF, buf, pos + 9, end, flags & 1):
-                    pos = end
-                    continue
-            if run < 0:
-                run = pos
-            pos = end
-        self._inbuf = buf[pos:] if pos < size else b""
-        if run >= 0:
-            self._receive(buf[run:pos])
+        pos = split_frames(buf, self._fast_body, self._receive)
+        if pos >= 0:
+            self._inbuf = buf[pos:] if pos < len(buf) else b""
 
     def _dropped_body(self, stream_id: int, length: int) -> bool:
         """DATA for a request the proxy reset (refused, malformed, answered): the client sent

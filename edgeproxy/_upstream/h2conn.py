@@ -51,6 +51,7 @@ from edgeproxy._upstream.h2fields import (
     parse_fields,
     request_method,
     set_response_headers,
+    split_frames,
     window_update_due,
 )
 from edgeproxy._upstream.h2stream import H2Response, Stream, timeout_waiter
@@ -94,7 +95,6 @@ _ANSWERED: Final = (h2.events.PingReceived, h2.events.RemoteSettingsChanged)
 _MAX_UNREAD_REPLIES: Final = 1000
 # The 9-byte frame header (RFC 9113 §4.1): length (24 bits), type, flags, stream id.
 _FRAME_HEADER: Final = struct.Struct(">BHBBL")
-_PADDED: Final = 0x8
 _CLIENT_OPEN: Final = h2.connection.ConnectionState.CLIENT_OPEN
 _HALF_CLOSED_LOCAL: Final = h2.stream.StreamState.HALF_CLOSED_LOCAL
 _HALF_CLOSED_REMOTE: Final = h2.stream.StreamState.HALF_CLOSED_REMOTE
@@ -371,28 +371,10 @@ class Connection(asyncio.Protocol):
         buf = pending + data if pending else data
         # Complete frames only: DATA frames of an open response take the fast path
         # (_fast_data), every other frame goes to h2 in runs, in the order received.
-        size = len(buf)
-        pos = 0
-        run = -1  # where the run of frames for h2 started; -1: none
-        while size - pos >= 9:
-            hi, lo, kind, flags, stream_id = _FRAME_HEADER.unpack_from(buf, pos)
-            end = pos + 9 + (hi << 16 | lo)
-            if end > size:
-                break
-            if kind == 0 and not flags & _PADDED:
-                if run >= 0:
-                    if not self._receive(buf[run:pos]):
-                        return
-                    run = -1
-                if self._fast_data(stream_id & 0x7FFFFFFF, buf, pos + 9, end, flags & 1):
-                    pos = end
-                    continue
-            if run < 0:
-                run = pos
-            pos = end
-        self._inbuf = buf[pos:] if pos < size else b""
-        if run >= 0 and not self._receive(buf[run:pos]):
+        pos = split_frames(buf, self._fast_data, self._receive)
+        if pos < 0:
             return
+        self._inbuf = buf[pos:] if pos < len(buf) else b""
         if self.h2._data_to_send:
             # Replies (SETTINGS and PING acknowledgements, resets) go out this loop turn.
             self.flush_soon()

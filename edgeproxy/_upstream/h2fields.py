@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Final
 
 from edgeproxy._core.types import Headers
@@ -19,6 +19,7 @@ __all__ = [
     "field_name",
     "field_value",
     "header_frames",
+    "split_frames",
     "parse_fields",
     "request_method",
     "set_response_headers",
@@ -74,6 +75,43 @@ def header_frames(stream_id: int, block: bytes, end_stream: bool, max_frame: int
         out.append(FRAME_HEADER.pack(size >> 16, size & 0xFFFF, _CONTINUATION, flags, stream_id))
         out.append(part)
     return b"".join(out)
+
+
+_PADDED: Final = 0x8
+
+
+def split_frames(
+    buf: bytes,
+    fast_data: Callable[[int, bytes, int, int, int], bool],
+    receive: Callable[[bytes], bool],
+) -> int:
+    """Walk the complete frames of ``buf``: each unpadded DATA frame is offered to
+    ``fast_data(stream_id, buf, start, end, end_stream)`` first, every other frame (and a
+    DATA frame it declines) goes to ``receive`` in runs, in the order received. Returns
+    where the incomplete rest starts, or -1 once ``receive`` returned False (the
+    connection ended). Both ends of a connection take DATA the same way."""
+    size = len(buf)
+    pos = 0
+    run = -1  # where the run of frames for the engine started; -1: none
+    while size - pos >= 9:
+        hi, lo, kind, flags, stream_id = FRAME_HEADER.unpack_from(buf, pos)
+        end = pos + 9 + (hi << 16 | lo)
+        if end > size:
+            break
+        if kind == 0 and not flags & _PADDED:
+            if run >= 0:
+                if not receive(buf[run:pos]):
+                    return -1
+                run = -1
+            if fast_data(stream_id & 0x7FFFFFFF, buf, pos + 9, end, flags & 1):
+                pos = end
+                continue
+        if run < 0:
+            run = pos
+        pos = end
+    if run >= 0 and not receive(buf[run:pos]):
+        return -1
+    return pos
 
 
 def window_update_due(window: Any, size: int) -> bool:
