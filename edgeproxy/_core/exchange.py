@@ -82,9 +82,13 @@ class Exchange(ABC):
 
     # -- the request body ------------------------------------------------
 
-    @abstractmethod
     async def read(self) -> bytes:
-        """The whole body (the front end bounds it)."""
+        """The whole body (the front end bounds it): by default, :meth:`read_chunk` until
+        its end."""
+        parts = []
+        while chunk := await self.read_chunk():
+            parts.append(chunk)
+        return b"".join(parts)
 
     @abstractmethod
     async def read_chunk(self) -> bytes:

@@ -172,12 +172,6 @@ class AsgiExchange(Exchange):
 
     # -- the request body ------------------------------------------------
 
-    async def read(self) -> bytes:
-        parts = []
-        while chunk := await self.read_chunk():
-            parts.append(chunk)
-        return b"".join(parts)
-
     async def read_chunk(self) -> bytes:
         self._read_started = True
         while self._more:

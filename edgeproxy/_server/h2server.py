@@ -425,12 +425,6 @@ class H2Exchange(Exchange):
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    async def read(self) -> bytes:
-        parts = []
-        while chunk := await self.read_chunk():
-            parts.append(chunk)
-        return b"".join(parts)
-
     async def read_chunk(self) -> bytes:
         self._read_started = True
         conn = self._conn
