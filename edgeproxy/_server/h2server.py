@@ -82,7 +82,12 @@ from edgeproxy._protocol.bodies import (
 )
 from edgeproxy._server.headchecks import check_head, own_answer
 from edgeproxy._server.listener import ConnectionGuard, GuardedSite
-from edgeproxy._upstream.h2conn import RESET_STREAMS_KEPT, ResetStreams
+from edgeproxy._upstream.h2conn import (
+    RESET_STREAMS_KEPT,
+    ResetStreams,
+    charge_received,
+    received_end_stream,
+)
 from edgeproxy._upstream.h2fields import (
     FRAME_HEADER,
     Malformed,
@@ -137,10 +142,6 @@ _SERVER_OPEN: Final = jh2.connection.ConnectionState.SERVER_OPEN
 _RECEIVING: Final = frozenset(
     {jh2.stream.StreamState.OPEN, jh2.stream.StreamState.HALF_CLOSED_LOCAL}
 )
-_HALF_CLOSED_LOCAL: Final = jh2.stream.StreamState.HALF_CLOSED_LOCAL
-_HALF_CLOSED_REMOTE: Final = jh2.stream.StreamState.HALF_CLOSED_REMOTE
-_CLOSED: Final = jh2.stream.StreamState.CLOSED
-_CLOSED_BY_END_STREAM: Final = jh2.stream.StreamClosedBy.RECV_END_STREAM
 _SENT_RESET: Final = jh2.stream.StreamClosedBy.SEND_RST_STREAM
 # Stream states a DATA frame from the server leaves as they are.
 _SENDING: Final = frozenset(
@@ -755,19 +756,10 @@ class H2Connection(asyncio.Protocol):
         machine = h2stream.state_machine
         if machine.state not in _RECEIVING:
             return False
-        conn_window = h2._inbound_flow_control_window_manager
-        stream_window = h2stream._inbound_window_manager
-        if conn_window.current_window_size < length or stream_window.current_window_size < length:
+        if not charge_received(h2, h2stream, length):
             return False
-        conn_window.current_window_size -= length
-        stream_window.current_window_size -= length
         if last:
-            # jh2's stream state machine on END_STREAM.
-            if machine.state is _HALF_CLOSED_LOCAL:
-                machine.state = _CLOSED
-                machine.stream_closed_by = _CLOSED_BY_END_STREAM
-            else:
-                machine.state = _HALF_CLOSED_REMOTE
+            received_end_stream(machine)
         elif not length:
             self._controls += 1  # an empty DATA frame that ends nothing: counted
         problem = stream.body_chunk(buf[start:end] if length else b"", length, bool(last))

@@ -69,6 +69,8 @@ __all__ = [
     "RESET_STREAMS_KEPT",
     "RefusedStream",
     "ResetStreams",
+    "charge_received",
+    "received_end_stream",
     "Stream",
     "timeout_waiter",
 ]
@@ -111,6 +113,27 @@ _CLIENT_IDS: Final = h2.connection.AllowedStreamIDs.ODD
 # it (a pure-Python fallback) h2's own send_headers is used.
 _COMPILED_HPACK: Final = bool(h2.connection.ALTERNATIVE_HPACK)
 _RECEIVING: Final = frozenset({h2.stream.StreamState.OPEN, h2.stream.StreamState.HALF_CLOSED_LOCAL})
+
+
+def charge_received(h2conn: Any, h2stream: Any, length: int) -> bool:
+    """Charge ``length`` bytes of a DATA frame to the connection's and the stream's receive
+    windows, as h2 does; False, with nothing charged, when either has no room for them."""
+    conn_window = h2conn._inbound_flow_control_window_manager
+    stream_window = h2stream._inbound_window_manager
+    if conn_window.current_window_size < length or stream_window.current_window_size < length:
+        return False
+    conn_window.current_window_size -= length
+    stream_window.current_window_size -= length
+    return True
+
+
+def received_end_stream(machine: Any) -> None:
+    """h2's stream state machine on a received END_STREAM (its stream_ended/_half_closed)."""
+    if machine.state is _HALF_CLOSED_LOCAL:
+        machine.state = _CLOSED
+        machine.stream_closed_by = _CLOSED_BY_END_STREAM
+    else:
+        machine.state = _HALF_CLOSED_REMOTE
 
 
 class RefusedStream(UpstreamProtocolError):
@@ -430,12 +453,8 @@ class Connection(asyncio.Protocol):
         machine = h2stream.state_machine
         if machine.state not in _RECEIVING or not machine.headers_received:
             return False
-        conn_window = h2conn._inbound_flow_control_window_manager
-        stream_window = h2stream._inbound_window_manager
-        if conn_window.current_window_size < length or stream_window.current_window_size < length:
+        if not charge_received(h2conn, h2stream, length):
             return False
-        conn_window.current_window_size -= length
-        stream_window.current_window_size -= length
         if length:
             stream.received_length += length
             expected = stream.expected_length
@@ -446,12 +465,7 @@ class Connection(asyncio.Protocol):
             stream.chunks.append(buf[start:end])
             stream.unacked += length
         if last:
-            # h2's stream state machine on END_STREAM (its stream_ended/_half_closed).
-            if machine.state is _HALF_CLOSED_LOCAL:
-                machine.state = _CLOSED
-                machine.stream_closed_by = _CLOSED_BY_END_STREAM
-            else:
-                machine.state = _HALF_CLOSED_REMOTE
+            received_end_stream(machine)
             self._ended(stream)
             return True
         stream.wake()
