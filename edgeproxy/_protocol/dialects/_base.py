@@ -35,6 +35,7 @@ __all__ = [
     "named_event",
     "counted_io",
     "number",
+    "plain_text",
     "text_parts",
     "positive_int",
     "tokens",
@@ -333,6 +334,24 @@ class Dialect:
                 )
             turns.append(("system" if role == "developer" else str(role), text))
         return turns
+
+    def last_question(self, body: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
+        """The text of the request's last turn when it is the user's and text only, and the
+        body with that text taken out: what a semantic cache compares by meaning, and what
+        must be equal, to the byte, for a hit (system prompt, earlier turns, model,
+        sampling, tools). None when the last turn is anything else. Chat's and Messages':
+        the last of ``messages``."""
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return None
+        last = messages[-1]
+        if not isinstance(last, dict) or last.get("role") != "user":
+            return None
+        text = plain_text(last.get("content"), ("text",))
+        if text is None:
+            return None
+        asked = {k: v for k, v in last.items() if k != "content"}
+        return text, {**body, "messages": [*messages[:-1], asked]}
 
     def stateful(self, body: dict[str, Any]) -> bool:
         """Whether only a server that keeps the API's state can answer the request (it refers
@@ -649,6 +668,24 @@ class Dialect:
         steps.append(writer.close(text.finish, text.usage))
         reader = SSEReader()
         return [event.raw for step in steps for event in reader.feed(step)]
+
+
+def plain_text(content: Any, kinds: tuple[str, ...]) -> str | None:
+    """A turn's text when it holds nothing else: a string, or text parts of the types
+    ``kinds`` joined by newlines; None for anything else (an image, a tool result)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list) or not content:
+        return None
+    texts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") not in kinds:
+            return None
+        text = part.get("text")
+        if not isinstance(text, str):
+            return None
+        texts.append(text)
+    return "\n".join(texts)
 
 
 def text_parts(

@@ -30,6 +30,7 @@ from edgeproxy._protocol.dialects._base import (
     counted_io,
     loads,
     named_event,
+    plain_text,
     text_parts,
     tokens,
 )
@@ -422,6 +423,25 @@ class ResponsesDialect(Dialect):
         elif isinstance(given, list):
             turns.extend(given[:10_000])
         return turns
+
+    def last_question(self, body: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
+        """``input`` as a string, or the last of its items when it is a user message of
+        text only."""
+        given = body.get("input")
+        if isinstance(given, str):
+            return given, {**body, "input": None}
+        if not isinstance(given, list) or not given:
+            return None
+        last = given[-1]
+        if not isinstance(last, dict) or last.get("role") != "user":
+            return None
+        if last.get("type", "message") != "message":
+            return None
+        text = plain_text(last.get("content"), ("input_text",))
+        if text is None:
+            return None
+        asked = {k: v for k, v in last.items() if k != "content"}
+        return text, {**body, "input": [*given[:-1], asked]}
 
     def text_turns(self, body: dict[str, Any]) -> list[tuple[str, str]]:
         """``instructions`` as the system prompt, then ``input``: a string (one user turn) or

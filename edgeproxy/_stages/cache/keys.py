@@ -35,6 +35,7 @@ __all__ = [
     "cache_scope",
     "custom_digest",
     "hash_key",
+    "semantic_scope",
     "tenant_scope",
 ]
 
@@ -143,6 +144,14 @@ def _post_digest(ctx: RequestContext, body: dict[str, Any], scope: str, headers:
         option=orjson.OPT_SORT_KEYS,
     )
     return hash_key(material)
+
+
+def semantic_scope(ctx: RequestContext, rest: dict[str, Any], headers: KeyHeaders) -> str:
+    """The semantic cache's scope for a request whose body, its last question taken out,
+    is ``rest``: what the exact key covers but that question (tenant or credential, API,
+    target, headers, everything else in the body)."""
+    scope = cache_scope(ctx)
+    return f"{scope}:sem:{_post_digest(ctx, rest, scope, headers)}"
 
 
 def _get_digest(ctx: RequestContext, scope: str) -> str:
