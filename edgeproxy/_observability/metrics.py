@@ -62,7 +62,7 @@ __all__ = ["LABELS", "Metrics", "RecentTraffic", "StatusCollector", "flatten_sta
 logger = logging.getLogger("edgeproxy.metrics")
 
 # Cache outcomes edgeproxy itself sets (X-Edgeproxy-Cache, lower-cased).
-CACHE_OUTCOMES = frozenset({"hit", "miss", "stale", "bypass", "coalesced"})
+CACHE_OUTCOMES = frozenset({"hit", "miss", "stale", "bypass", "coalesced", "semantic-hit"})
 
 # Values a label may take beyond the known ones before the rest read "other":
 # a plugin setting ctx.region or ctx.cache to anything must not blow up the

@@ -99,6 +99,22 @@ class CacheConfig(Section):
         description="Largest answer stored; a bigger one is served but not cached (counted as "
         "too_large in /status).",
     )
+    semantic_embedder: Literal["static"] = Field(
+        "static",
+        description="What embeds last user messages for the semantic cache (routes with "
+        "semantic_cache): 'static', the wordllama model shipped in its pip package (the "
+        "'semantic' extra), offline.",
+    )
+    semantic_max_entries: int = Field(
+        100_000,
+        ge=1,
+        description="Most questions the semantic index of each worker holds; the oldest go first.",
+    )
+    semantic_shadow: bool = Field(
+        False,
+        description="Semantic cache in shadow mode: would-be semantic hits are counted and "
+        "logged (similarity, the verifier's verdict), never served.",
+    )
     coalesce: bool = Field(
         True,
         description="Identical cacheable requests arriving while one is in flight wait for its "

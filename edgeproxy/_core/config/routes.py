@@ -112,6 +112,23 @@ class RouteConfig(Section):
         "(temperature 0 or a seed) and GETs the upstream marks public; 'always' caches any JSON "
         "POST answer as well; 'off' neither looks up nor stores.",
     )
+    semantic_cache: bool = Field(
+        False,
+        description="Semantic cache on this route: a cacheable request whose last user message "
+        "means the same as a cached one's, all else equal (tenant, model, API, sampling, "
+        "tools, system prompt, earlier turns), is answered from it, marked SEMANTIC-HIT, once "
+        "the verifier finds no difference that changes the answer (negation, numbers, "
+        "names, direction, target language, format). Needs the cache on.",
+    )
+    semantic_threshold: float = Field(
+        0.68,
+        gt=0,
+        le=1,
+        allow_inf_nan=False,
+        description="Least cosine similarity of the last user messages for a semantic "
+        "candidate; the verifier then decides. The default was chosen on the tune half of "
+        "bench/semantic_pairs.jsonl with the static embedder.",
+    )
     cache_ttl: float = Field(
         300.0,
         gt=0,

@@ -68,6 +68,7 @@ from edgeproxy._stages.cache.plan import (
     request_dialect,
 )
 from edgeproxy._stages.cache.recorder import CacheRecorder
+from edgeproxy._stages.cache.semantic import SemanticCache, open_semantic
 from edgeproxy._stages.compression import Compression
 
 if TYPE_CHECKING:
@@ -108,7 +109,10 @@ class CacheStats:
         self.stale_if_error = 0
 
     def hit_ratio(self) -> float | None:
-        served = self.outcomes["HIT"] + self.outcomes["STALE"] + self.outcomes["COALESCED"]
+        outcomes = self.outcomes
+        served = (
+            outcomes["HIT"] + outcomes["STALE"] + outcomes["COALESCED"] + outcomes["SEMANTIC-HIT"]
+        )
         total = served + self.outcomes["MISS"]
         return round(served / total, 4) if total else None
 
@@ -142,6 +146,12 @@ class CacheStage:
         )
         self.coalescer = Coalescer()
         self.stats = CacheStats()
+        # Routes asking for it share one semantic cache (its index is this worker's).
+        self.semantic: SemanticCache | None = (
+            open_semantic(config)
+            if self.backend is not None and any(r.semantic_cache for r in config.routes)
+            else None
+        )
         self.refresh = refresh
         # Refreshes asked for since the last take_refreshes(); each one's key is in
         # _refreshing until refresh_done() (or the cache closes).
@@ -330,6 +340,11 @@ class CacheStage:
                 answer = self._serve(request, ctx, plan, entry)
                 if answer is not None:
                     return answer, None
+            semantic = self.semantic
+            if semantic is not None and ctx.route.semantic_cache:
+                answer = await semantic.lookup(self, ctx, plan, ctx.route.semantic_threshold)
+                if answer is not None:
+                    return answer, None
         if plan.coalesce:
             return await self._coalesce(request, ctx, plan)
         return None, self._lead(ctx, plan, None)
@@ -508,6 +523,8 @@ class CacheStage:
                 assert self.backend is not None
                 if await self.backend.set(key, entry):
                     self.stats.stores += 1
+                    if self.semantic is not None:
+                        self.semantic.stored(key)
                 else:
                     self.stats.not_cached["store_failed"] += 1
             finally:
@@ -603,6 +620,8 @@ class CacheStage:
             "purged": stats.purged,
             "in_flight": len(self.coalescer),
         }
+        if self.semantic is not None:
+            out["semantic"] = self.semantic.snapshot()
         if self.backend is not None:
             tiers = self.backend.status()
             out["tiers"] = tiers

@@ -1,0 +1,129 @@
+"""The semantic cache's parts on their own: the verifier's rules, the index (scopes,
+eviction, removal), the static embedder offline, and the dialects' last questions."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edgeproxy._protocol.dialects import CHAT, MESSAGES, RESPONSES
+from edgeproxy._stages.cache.semantic_index import SemanticIndex
+from edgeproxy._stages.cache.semantic_verify import differences
+
+# -- the verifier --------------------------------------------------------------------------
+
+SAME = [
+    ("How do I enable two-factor authentication?", "How can I turn on two-factor authentication?"),
+    ("What is 15% of 200?", "Calculate fifteen percent of 200."),
+    ("What's the capital of Austria?", "Which city is the capital of Austria?"),
+    ("Translate 'good morning' into French", "How do you say 'good morning' in French?"),
+    ("How do I reverse a list in Python?", "What's the way to reverse a Python list?"),
+    ("Why is the sky blue?", "What makes the sky look blue?"),
+]
+DIFFERENT = [
+    (
+        "How do I enable two-factor authentication?",
+        "How do I disable two-factor authentication?",
+        "antonym",
+    ),
+    ("Sort the names in ascending order", "Sort the names in descending order", "antonym"),
+    ("What is 15% of 200?", "What is 15% of 300?", "number"),
+    ("Convert 5 km to miles", "Convert 5 miles to km", "number"),
+    ("What is the capital of Austria?", "What is the capital of Australia?", "entity"),
+    ("Where is my order A-10293?", "Where is my order A-10294?", "number"),
+    ("Email alice@example.com the report", "Email bob@example.com the report", "entity"),
+    ("Translate 'thank you' into French", "Translate 'thank you' into German", "language"),
+    ("Is it safe to eat raw eggs?", "Isn't it safe to eat raw eggs?", "negation"),
+    ("Summarise this in one sentence", "Summarise this in one paragraph", "format"),
+    ("Give me 3 bullet points on Rust", "Give me 5 bullet points on Rust", "number"),
+    ("What does the function parse_header do?", "What does the function parse_body do?", "entity"),
+]
+
+
+@pytest.mark.parametrize(("a", "b"), SAME)
+def test_paraphrases_pass(a: str, b: str) -> None:
+    assert differences(a, b) == []
+    assert differences(b, a) == []
+
+
+@pytest.mark.parametrize(("a", "b", "reason"), DIFFERENT)
+def test_near_misses_are_caught_both_ways(a: str, b: str, reason: str) -> None:
+    assert any(r.startswith(reason) for r in differences(a, b)), differences(a, b)
+    assert differences(b, a)
+
+
+# -- the index -----------------------------------------------------------------------------
+
+
+def unit(*values: float) -> np.ndarray:
+    v = np.array(values, dtype=np.float32)
+    return v / np.linalg.norm(v)
+
+
+def test_the_index_searches_one_scope_only() -> None:
+    index = SemanticIndex(2)
+    index.add("a", "k1", unit(1, 0))
+    index.add("b", "k2", unit(1, 0))
+    index.add("a", "k3", unit(0, 1))
+    found = index.search("a", unit(1, 0.1), k=2)
+    assert [key for key, _ in found] == ["k1", "k3"]
+    assert found[0][1] > 0.99
+    assert index.search("c", unit(1, 0)) == []
+
+
+def test_the_index_removes_compacts_and_evicts_the_oldest() -> None:
+    index = SemanticIndex(2, max_entries=3)
+    for i in range(3):
+        assert index.add("s", f"k{i}", unit(1, i)) == []
+    assert index.add("s", "k3", unit(1, 3)) == ["k0"]
+    index.remove("k1")
+    index.remove("k2")
+    assert [key for key, _ in index.search("s", unit(1, 3), k=4)] == ["k3"]
+    assert len(index) == 1
+    index.remove("k3")
+    assert index.search("s", unit(1, 0)) == [] and len(index) == 0
+
+
+# -- the static embedder -------------------------------------------------------------------
+
+
+async def test_the_static_embedder_loads_offline_and_sees_paraphrases(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pytest.importorskip("wordllama", reason="the semantic extra (wordllama) is not installed")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from edgeproxy._stages.cache.semantic_embed import StaticEmbedder
+
+    embedder = StaticEmbedder()
+    rows = await embedder.embed(
+        [
+            "How do I reverse a list in Python?",
+            "What's the way to reverse a Python list?",
+            "What is the weather in Lisbon tomorrow?",
+        ]
+    )
+    assert rows.shape == (3, embedder.dimensions) and rows.dtype == np.float32
+    assert np.allclose(np.linalg.norm(rows, axis=1), 1.0, atol=1e-4)
+    assert rows[0] @ rows[1] > rows[0] @ rows[2] + 0.3
+
+
+# -- the dialects' last question -----------------------------------------------------------
+
+
+def test_the_last_question_and_the_rest_of_the_body() -> None:
+    body = {
+        "model": "m",
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "Hi there"}]},
+        ],
+    }
+    text, rest = CHAT.last_question(body) or ("", {})
+    assert text == "Hi there"
+    assert rest["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user"}]
+    assert MESSAGES.last_question({"messages": [{"role": "user", "content": "Hello"}]})
+    assert RESPONSES.last_question({"input": "Hello"}) == ("Hello", {"input": None})
+    # Not a user's text: no semantic lookup.
+    assert CHAT.last_question({"messages": [{"role": "assistant", "content": "x"}]}) is None
+    image = [{"type": "image_url", "image_url": {"url": "data:,"}}]
+    assert CHAT.last_question({"messages": [{"role": "user", "content": image}]}) is None
