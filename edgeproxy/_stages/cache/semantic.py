@@ -29,17 +29,28 @@ import dataclasses
 import logging
 import time
 from collections import Counter, OrderedDict
-from typing import TYPE_CHECKING, Any, Final
+from collections.abc import Callable
+from typing import Any, Final, Protocol
 
 from edgeproxy._core.config import Config
 from edgeproxy._core.context import RequestContext
 from edgeproxy._core.response import StreamResponse
-from edgeproxy._stages.cache.keys import semantic_scope
+from edgeproxy._stages.cache.keys import KeyHeaders, semantic_scope
 from edgeproxy._stages.cache.plan import CachePlan
 from edgeproxy._stages.cache.semantic_verify import differences
 
-if TYPE_CHECKING:
-    from edgeproxy._stages.cache.stage import CacheStage
+
+class CacheStage(Protocol):
+    """What the semantic cache uses of the cache stage (which imports this module)."""
+
+    backend: Any
+    clock: Callable[[], float]
+    key_headers: KeyHeaders
+
+    def _replay(
+        self, ctx: RequestContext, plan: CachePlan, entry: Any, outcome: str
+    ) -> StreamResponse | None: ...
+
 
 __all__ = ["SemanticCache", "SemanticStats", "open_semantic"]
 
