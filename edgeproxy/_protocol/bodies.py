@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+import time
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 import orjson
 
@@ -19,6 +22,7 @@ __all__ = [
     "BodyTooLarge",
     "body_bound_due",
     "body_bound_passed",
+    "body_wait",
     "body_error",
     "check_json_content_type",
     "estimate_prompt_tokens",
@@ -124,6 +128,42 @@ def body_bound_passed(
     if rate and active >= rate_grace and received < rate * active:
         return SlowBody(rate)
     return None
+
+
+_T = TypeVar("_T")
+
+
+async def body_wait(
+    waiting: Awaitable[_T],
+    limits: LimitsConfig,
+    *,
+    active: float,
+    received: int,
+    rate_grace: float,
+) -> tuple[_T, float]:
+    """``waiting`` (the next bytes of a body in progress), within the body's bounds: its
+    result and the seconds it took, to add to ``active``. Past a bound, raises that
+    bound's error (:func:`body_bound_passed`, or :class:`BodyTimeout` at the due time
+    exactly, where the rate check's equality may still hold). For front ends that wait
+    for body bytes themselves (the ASGI application, the HTTP/2 listener)."""
+    wait = body_bound_due(
+        limits, stalled=0.0, active=active, received=received, rate_grace=rate_grace
+    )
+    started = time.monotonic()
+    try:
+        async with asyncio.timeout(wait):
+            result = await waiting
+    except TimeoutError:
+        stalled = time.monotonic() - started
+        error = body_bound_passed(
+            limits,
+            stalled=stalled,
+            active=active + stalled,
+            received=received,
+            rate_grace=rate_grace,
+        )
+        raise (error or BodyTimeout(limits.body_timeout)) from None
+    return result, time.monotonic() - started
 
 
 # -- JSON bodies of LLM routes ------------------------------------------------------

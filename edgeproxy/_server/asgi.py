@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any, Protocol
 from urllib.parse import quote
@@ -25,12 +24,7 @@ from edgeproxy._core.config import Config
 from edgeproxy._core.errors import ProxyError
 from edgeproxy._core.exchange import Exchange, TlsInfo, Writer
 from edgeproxy._core.response import StreamResponse
-from edgeproxy._protocol.bodies import (
-    BodyTimeout,
-    BodyTooLarge,
-    body_bound_due,
-    body_bound_passed,
-)
+from edgeproxy._protocol.bodies import BodyTooLarge, body_wait
 from edgeproxy._server.headchecks import check_head, own_answer
 from edgeproxy._server.listener import ConnectionGuard
 
@@ -197,27 +191,20 @@ class AsgiExchange(Exchange):
     async def _next_body_message(self) -> Message:
         """The next message, within the body's bounds (the time spent here is all that
         counts: time the proxy did not read is not the client's)."""
-        limits, received = self._guard.limits, self._received
-        grace = limits.body_rate_grace
-        wait = body_bound_due(
-            limits, stalled=0.0, active=self._active, received=received, rate_grace=grace
-        )
-        started = time.monotonic()
+        limits = self._guard.limits
         try:
-            async with asyncio.timeout(wait):
-                return await self._receive()
-        except TimeoutError:
-            stalled = time.monotonic() - started
-            active = self._active + stalled
-            error = body_bound_passed(
-                limits, stalled=stalled, active=active, received=received, rate_grace=grace
+            message, waited = await body_wait(
+                self._receive(),
+                limits,
+                active=self._active,
+                received=self._received,
+                rate_grace=limits.body_rate_grace,
             )
-            # At the due time exactly, the rate check's equality may still hold.
-            error = error or BodyTimeout(limits.body_timeout)
+        except ProxyError as error:
             self._guard.count_body_error(error)
-            raise error from None
-        finally:
-            self._active += time.monotonic() - started
+            raise
+        self._active += waited
+        return message
 
     def client_gone(self) -> bool:
         return self._gone

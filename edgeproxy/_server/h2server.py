@@ -74,12 +74,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from edgeproxy._core.errors import ProxyError
 from edgeproxy._core.exchange import Exchange, TlsInfo, Writer
 from edgeproxy._core.response import Response, StreamResponse
-from edgeproxy._protocol.bodies import (
-    BodyTimeout,
-    BodyTooLarge,
-    body_bound_due,
-    body_bound_passed,
-)
+from edgeproxy._protocol.bodies import BodyTooLarge, body_wait
 from edgeproxy._server.headchecks import check_head, own_answer
 from edgeproxy._server.listener import ConnectionGuard, GuardedSite
 from edgeproxy._upstream.h2conn import (
@@ -147,7 +142,6 @@ _SENT_RESET: Final = jh2.stream.StreamClosedBy.SEND_RST_STREAM
 _SENDING: Final = frozenset(
     {jh2.stream.StreamState.OPEN, jh2.stream.StreamState.HALF_CLOSED_REMOTE}
 )
-_COMPILED_HPACK: Final = bool(jh2.connection.ALTERNATIVE_HPACK)
 _NO_BODY_METHODS: Final = frozenset({"GET", "HEAD", "OPTIONS", "DELETE", "TRACE"})
 _PSEUDO: Final = frozenset({b":method", b":scheme", b":authority", b":path"})
 # Response fields HTTP/2 does not carry (RFC 9113 §8.2.2).
@@ -333,7 +327,6 @@ class H2Exchange(Exchange):
         "_ended",
         "_head",
         "_more",
-        "_read_started",
         "_received",
         "_reset_after",
         "_task",
@@ -379,7 +372,6 @@ class H2Exchange(Exchange):
         self._more = not ended
         self._body: deque[bytes] = deque()
         self._received = 0
-        self._read_started = False
         self._active = 0.0
         self._waiter: asyncio.Future[None] | None = None
         self._task: asyncio.Task[Any] | None = None
@@ -427,7 +419,6 @@ class H2Exchange(Exchange):
             waiter.set_result(None)
 
     async def read_chunk(self) -> bytes:
-        self._read_started = True
         conn = self._conn
         limits = conn.guard.limits
         taken = 0
@@ -458,28 +449,17 @@ class H2Exchange(Exchange):
         guard = self._conn.guard
         limits = guard.limits
         grace = min(limits.body_rate_grace, 1.0) if guard.draining else limits.body_rate_grace
-        received = self._received
-        wait = body_bound_due(
-            limits, stalled=0.0, active=self._active, received=received, rate_grace=grace
-        )
-        loop = self._conn.loop
-        waiter = self._waiter = loop.create_future()
-        started = loop.time()
+        waiter = self._waiter = self._conn.loop.create_future()
         try:
-            async with asyncio.timeout(wait):
-                await waiter
-        except TimeoutError:
-            stalled = loop.time() - started
-            active = self._active + stalled
-            error = body_bound_passed(
-                limits, stalled=stalled, active=active, received=received, rate_grace=grace
+            _, waited = await body_wait(
+                waiter, limits, active=self._active, received=self._received, rate_grace=grace
             )
-            error = error or BodyTimeout(limits.body_timeout)
+        except ProxyError as error:
             guard.count_body_error(error)
-            raise error from None
+            raise
         finally:
             self._waiter = None
-            self._active += loop.time() - started
+        self._active += waited
 
     def client_gone(self) -> bool:
         return self.gone
@@ -507,7 +487,7 @@ class H2Exchange(Exchange):
         if status >= 400 and headers.get("X-Edgeproxy-Region") == "none":
             # Refused before any region saw it: as costly to the proxy as a reset.
             conn.cheap_refusal()
-        self._head = conn.encode_head(self.id, fields)
+        self._head = conn.encode_head(fields)
         if length is None:
             # A stream: its head goes now, not with its first event.
             conn.send_head(self, end=False)
@@ -981,13 +961,10 @@ class H2Connection(asyncio.Protocol):
 
     # -- the answers --------------------------------------------------------------------------
 
-    def encode_head(self, stream_id: int, fields: list[tuple[bytes, bytes, bool]]) -> bytes:
-        """The answer's header block, framed (and jh2's state moved on as it would)."""
-        h2 = self.h2
-        stream = h2.streams.get(stream_id)
-        if stream is None or not _COMPILED_HPACK:
-            return b""
-        return cast(bytes, h2.encoder.encode(fields))
+    def encode_head(self, fields: list[tuple[bytes, bytes, bool]]) -> bytes:
+        """The answer's header block, by the connection's HPACK encoder (jh2's compiled one,
+        or its pure-Python fallback: both take ``(name, value, sensitive)``)."""
+        return cast(bytes, self.h2.encoder.encode(fields))
 
     def send_head(self, stream: H2Exchange, *, end: bool) -> None:
         block, stream._head = stream._head, b""
