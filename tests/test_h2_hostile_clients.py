@@ -7,19 +7,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import pytest
-from aiohttp import web
 
 from edgeproxy import EdgeProxy
 from edgeproxy.testing import FLOODS, MALFORMED, H2Attacker, flood_frame, malformed_frames
 
 from .conftest import CustomRegion, ProxyFactory, RegionFactory, eventually
+from .test_h2_hostile_flow import BigRegion, serve_big_region
 
 H2C = {"http2": True, "h2c": True}
 CHAT = "/v1/chat/completions"
@@ -47,50 +44,12 @@ async def proxy(make_region: RegionFactory, make_proxy: ProxyFactory) -> EdgePro
 # -- windows kept shut -------------------------------------------------------------
 
 
-@dataclass
-class HugeRegion:
-    """A region answering 20 MB SSE streams, counting how far each got."""
-
-    url: str = ""
-    started: int = 0
-    finished: int = 0
-    transports: list[asyncio.BaseTransport] = field(default_factory=list)
-
-    def waiting(self) -> int:
-        return sum(
-            1
-            for t in self.transports
-            if not t.is_closing() and t.get_write_buffer_size() > 0  # type: ignore[attr-defined]
-        )
-
-
 ANSWER = 20 * 1024 * 1024
-EVENT = b"data: " + json.dumps({"choices": [{"delta": {"content": "x" * 65000}}]}).encode()
 
 
 @pytest.fixture
-async def huge_region(custom_region: CustomRegion) -> AsyncIterator[HugeRegion]:
-    region = HugeRegion()
-
-    async def chat(request: web.Request) -> web.StreamResponse:
-        await request.read()
-        transport = request.transport
-        assert transport is not None
-        sock = transport.get_extra_info("socket")
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 * 1024)
-        region.transports.append(transport)
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        region.started += 1
-        for _ in range(ANSWER // len(EVENT) + 1):
-            await resp.write(EVENT + b"\n\n")
-        region.finished += 1
-        return resp
-
-    app = web.Application()
-    app.router.add_post(CHAT, chat)
-    region.url = await custom_region(app)
-    yield region
+async def huge_region(custom_region: CustomRegion) -> BigRegion:
+    return await serve_big_region(custom_region, ANSWER)
 
 
 def rss_kib() -> int:
@@ -101,7 +60,7 @@ def rss_kib() -> int:
 
 
 async def test_a_hundred_zero_window_streams_hold_little_and_push_back(
-    huge_region: HugeRegion, make_proxy: ProxyFactory
+    huge_region: BigRegion, make_proxy: ProxyFactory
 ) -> None:
     """100 streams to 20 MB answers (2 GB asked for), window 0 and never a WINDOW_UPDATE:
     the proxy (in this process, with the region) grows by less than 100 MB, and every

@@ -81,7 +81,8 @@ async def big_region(custom_region: CustomRegion) -> AsyncIterator[BigRegion]:
     yield await serve_big_region(custom_region)
 
 
-async def serve_big_region(custom_region: CustomRegion) -> BigRegion:
+async def serve_big_region(custom_region: CustomRegion, answer: int = ANSWER) -> BigRegion:
+    """A region streaming ``answer`` bytes of SSE per request through a small send buffer."""
     region = BigRegion()
 
     async def chat(request: web.Request) -> web.StreamResponse:
@@ -97,7 +98,7 @@ async def serve_big_region(custom_region: CustomRegion) -> BigRegion:
         region.started += 1
         event = _event(0)
         try:
-            for _ in range(ANSWER // len(event) + 1):
+            for _ in range(answer // len(event) + 1):
                 await resp.write(event)
                 region.written += len(event)
             await resp.write(b"data: [DONE]\n\n")
