@@ -80,8 +80,8 @@ from edgeproxy._server.listener import ConnectionGuard, GuardedSite
 from edgeproxy._upstream.h2conn import (
     RESET_STREAMS_KEPT,
     ResetStreams,
-    charge_received,
     received_end_stream,
+    take_data,
 )
 from edgeproxy._upstream.h2fields import (
     FRAME_HEADER,
@@ -133,10 +133,6 @@ _SEND_DATA: Final = jh2.connection.ConnectionInputs.SEND_DATA
 _STREAM_SEND_DATA: Final = jh2.stream.StreamInputs.SEND_DATA
 _RECV_HEADERS: Final = jh2.stream.StreamInputs.RECV_HEADERS
 _SERVER_OPEN: Final = jh2.connection.ConnectionState.SERVER_OPEN
-# Stream states in which a request body may still arrive.
-_RECEIVING: Final = frozenset(
-    {jh2.stream.StreamState.OPEN, jh2.stream.StreamState.HALF_CLOSED_LOCAL}
-)
 _SENT_RESET: Final = jh2.stream.StreamClosedBy.SEND_RST_STREAM
 # Stream states a DATA frame from the server leaves as they are.
 _SENDING: Final = frozenset(
@@ -725,21 +721,13 @@ class H2Connection(asyncio.Protocol):
         length = end - start
         if stream is None:
             return self._dropped_body(stream_id, length)
-        h2stream = h2.streams.get(stream_id)
-        if (
-            h2stream is None
-            or length > h2.max_inbound_frame_size
-            or h2.incoming_buffer._headers_buffer
-            or h2.state_machine.state is not _SERVER_OPEN
-        ):
-            return False
-        machine = h2stream.state_machine
-        if machine.state not in _RECEIVING:
-            return False
-        if not charge_received(h2, h2stream, length):
+        h2stream = take_data(
+            h2, stream_id, length, connection_open=_SERVER_OPEN, after_headers=False
+        )
+        if h2stream is None:
             return False
         if last:
-            received_end_stream(machine)
+            received_end_stream(h2stream.state_machine)
         elif not length:
             self._controls += 1  # an empty DATA frame that ends nothing: counted
         problem = stream.body_chunk(buf[start:end] if length else b"", length, bool(last))

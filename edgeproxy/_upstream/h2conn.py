@@ -69,8 +69,8 @@ __all__ = [
     "RESET_STREAMS_KEPT",
     "RefusedStream",
     "ResetStreams",
-    "charge_received",
     "received_end_stream",
+    "take_data",
     "Stream",
     "timeout_waiter",
 ]
@@ -115,16 +115,33 @@ _COMPILED_HPACK: Final = bool(h2.connection.ALTERNATIVE_HPACK)
 _RECEIVING: Final = frozenset({h2.stream.StreamState.OPEN, h2.stream.StreamState.HALF_CLOSED_LOCAL})
 
 
-def charge_received(h2conn: Any, h2stream: Any, length: int) -> bool:
-    """Charge ``length`` bytes of a DATA frame to the connection's and the stream's receive
-    windows, as h2 does; False, with nothing charged, when either has no room for them."""
+def take_data(
+    h2conn: Any, stream_id: int, length: int, *, connection_open: Any, after_headers: bool
+) -> Any:
+    """The h2 stream a DATA frame of ``length`` bytes on ``stream_id`` may be taken for
+    without h2, its connection's and its own receive windows charged as h2 does; None,
+    with nothing charged, where h2 must take it: the connection not in
+    ``connection_open``, a header block in progress, the frame over the size limit, the
+    stream unknown or not receiving (or, with ``after_headers``, its headers not in), or
+    a window without room for it."""
+    h2stream = h2conn.streams.get(stream_id)
+    if (
+        h2stream is None
+        or length > h2conn.max_inbound_frame_size
+        or h2conn.incoming_buffer._headers_buffer
+        or h2conn.state_machine.state is not connection_open
+    ):
+        return None
+    machine = h2stream.state_machine
+    if machine.state not in _RECEIVING or (after_headers and not machine.headers_received):
+        return None
     conn_window = h2conn._inbound_flow_control_window_manager
     stream_window = h2stream._inbound_window_manager
     if conn_window.current_window_size < length or stream_window.current_window_size < length:
-        return False
+        return None
     conn_window.current_window_size -= length
     stream_window.current_window_size -= length
-    return True
+    return h2stream
 
 
 def received_end_stream(machine: Any) -> None:
@@ -440,21 +457,13 @@ class Connection(asyncio.Protocol):
         stream = self.streams.get(stream_id)
         if stream is None or stream.finished:
             return False
-        h2conn = self.h2
-        h2stream = h2conn.streams.get(stream_id)
         length = end - start
-        if (
-            h2stream is None
-            or length > h2conn.max_inbound_frame_size
-            or h2conn.incoming_buffer._headers_buffer
-            or h2conn.state_machine.state is not _CLIENT_OPEN
-        ):
+        h2stream = take_data(
+            self.h2, stream_id, length, connection_open=_CLIENT_OPEN, after_headers=True
+        )
+        if h2stream is None:
             return False
         machine = h2stream.state_machine
-        if machine.state not in _RECEIVING or not machine.headers_received:
-            return False
-        if not charge_received(h2conn, h2stream, length):
-            return False
         if length:
             stream.received_length += length
             expected = stream.expected_length
