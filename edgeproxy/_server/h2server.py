@@ -80,6 +80,8 @@ from edgeproxy._server.listener import ConnectionGuard, GuardedSite
 from edgeproxy._upstream.h2conn import (
     RESET_STREAMS_KEPT,
     ResetStreams,
+    engine_config,
+    peer_defaults,
     received_end_stream,
     take_data,
 )
@@ -566,16 +568,8 @@ class H2Connection(asyncio.Protocol):
             if ssl_object is not None
             else None
         )
-        config = jh2.config.H2Configuration(
-            client_side=False,
-            header_encoding=None,
-            validate_outbound_headers=False,
-            normalize_outbound_headers=False,
-            # Checked per stream here: jh2 would end the connection for each.
-            validate_inbound_headers=False,
-            normalize_inbound_headers=False,
-        )
-        h2 = self.h2 = _H2Conn(config)
+        # Requests are checked per stream here (_request_fields).
+        h2 = self.h2 = _H2Conn(engine_config(client_side=False))
         self.max_streams = limits.h2_max_concurrent_streams
         h2.local_settings = jh2.settings.Settings(
             client=False,
@@ -587,15 +581,7 @@ class H2Connection(asyncio.Protocol):
                 jh2.settings.SettingCodes.ENABLE_CONNECT_PROTOCOL: 0,
             },
         )
-        # RFC 9113's defaults until the client's SETTINGS say otherwise (jh2's own are
-        # larger, which would let an answer overrun a client that leaves them out).
-        h2.remote_settings = jh2.settings.Settings(
-            client=True,
-            initial_values={
-                jh2.settings.SettingCodes.HEADER_TABLE_SIZE: 4096,
-                jh2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 65535,
-            },
-        )
+        h2.remote_settings = peer_defaults(peer_is_client=True)
         self.streams: dict[int, H2Exchange] = {}
         self.tasks: set[asyncio.Task[Any]] = set()
         self.blocked: set[H2Exchange] = set()  # answers waiting for a window or the socket

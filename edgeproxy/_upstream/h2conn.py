@@ -69,6 +69,8 @@ __all__ = [
     "RESET_STREAMS_KEPT",
     "RefusedStream",
     "ResetStreams",
+    "engine_config",
+    "peer_defaults",
     "received_end_stream",
     "take_data",
     "Stream",
@@ -113,6 +115,33 @@ _CLIENT_IDS: Final = h2.connection.AllowedStreamIDs.ODD
 # it (a pure-Python fallback) h2's own send_headers is used.
 _COMPILED_HPACK: Final = bool(h2.connection.ALTERNATIVE_HPACK)
 _RECEIVING: Final = frozenset({h2.stream.StreamState.OPEN, h2.stream.StreamState.HALF_CLOSED_LOCAL})
+
+
+def engine_config(*, client_side: bool) -> Any:
+    """The engine's settings for either end: headers as bytes, and the engine's own
+    header checks off, both ways; each end checks what it receives per stream, since the
+    engine would make every malformed header block a connection error."""
+    return h2.config.H2Configuration(
+        client_side=client_side,
+        header_encoding=None,
+        validate_outbound_headers=False,
+        normalize_outbound_headers=False,
+        validate_inbound_headers=False,
+        normalize_inbound_headers=False,
+    )
+
+
+def peer_defaults(*, peer_is_client: bool) -> Any:
+    """What the peer may take before its SETTINGS say otherwise: RFC 9113's defaults
+    (§6.5.2), not jh2's (a 6 MiB window, a 64 KiB header table), which would let a body
+    or an answer overrun a peer whose SETTINGS leave INITIAL_WINDOW_SIZE out."""
+    return h2.settings.Settings(
+        client=peer_is_client,
+        initial_values={
+            h2.settings.SettingCodes.HEADER_TABLE_SIZE: 4096,
+            h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 65535,
+        },
+    )
 
 
 def take_data(
@@ -317,17 +346,8 @@ class Connection(asyncio.Protocol):
     def __init__(self, pool: ConnectionPool, loop: asyncio.AbstractEventLoop) -> None:
         self.pool = pool
         self.loop = loop
-        config = h2.config.H2Configuration(
-            client_side=True,
-            header_encoding=None,
-            validate_outbound_headers=False,
-            normalize_outbound_headers=False,
-            # Checked per stream here (_parse_fields): h2 would make every
-            # malformed response a connection error.
-            validate_inbound_headers=False,
-            normalize_inbound_headers=False,
-        )
-        self.h2 = _H2Connection(config)
+        # Responses are checked per stream here (parse_fields).
+        self.h2 = _H2Connection(engine_config(client_side=True))
         self.h2.local_settings = h2.settings.Settings(
             client=True,
             initial_values={
@@ -337,17 +357,9 @@ class Connection(asyncio.Protocol):
                 h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: 2**16,
             },
         )
-        # What the region may take before its SETTINGS say otherwise: RFC 9113's defaults
-        # (§6.5.2), not jh2's (a 6 MiB window, a 64 KiB header table), which would let a
-        # body overrun a region whose SETTINGS leave INITIAL_WINDOW_SIZE out, and have it
-        # answer FLOW_CONTROL_ERROR.
-        self.h2.remote_settings = h2.settings.Settings(
-            client=False,
-            initial_values={
-                h2.settings.SettingCodes.HEADER_TABLE_SIZE: 4096,
-                h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 65535,
-            },
-        )
+        # A region whose SETTINGS leave INITIAL_WINDOW_SIZE out would answer a body sent
+        # past its window with FLOW_CONTROL_ERROR.
+        self.h2.remote_settings = peer_defaults(peer_is_client=False)
         self.transport: asyncio.Transport | None = None
         self.streams: dict[int, Stream] = {}
         self.send_blocked: set[Stream] = set()
