@@ -1466,7 +1466,6 @@ class H2Site(GuardedSite):
             reuse_port=reuse_port,
             ssl_context=ssl_context,
         )
-        self.guard = guard
         self.proxy = proxy
         self.send_stall_timeout = send_stall_timeout
         self.connections: set[H2Connection] = set()

@@ -864,6 +864,11 @@ class GuardedSite(web.BaseSite):
         self.handler_factory: Callable[[], EdgeRequestHandler] = _not_started
 
     @property
+    def guard(self) -> ConnectionGuard:
+        """The limits and counters of this site's connections."""
+        return self._guard
+
+    @property
     def name(self) -> str:
         scheme = "https" if self._ssl is not None else "http"
         return str(URL.build(scheme=scheme, host=self._host, port=self._port))
