@@ -80,7 +80,7 @@ class Pipeline:
         self.regions = regions
         self.plugins = plugins
         self.router = Router(config, regions)
-        self.cache = CacheStage(config, plugins, refresh=True)
+        self.cache = CacheStage(config, plugins, refresh=True, regions=regions)
         self.upstream = UpstreamStage(config, plugins)
         # Poison bodies and the callers who send them: failover finds them, admission
         # limits their callers.

@@ -168,3 +168,20 @@ async def test_shadow_mode_counts_but_does_not_serve(
     assert headers["X-Edgeproxy-Cache"] == "MISS"
     assert semantic_status(proxy)["shadow_hits"] == 1
     assert calls(region) == 2
+
+
+async def test_metrics_count_hits_misses_rejections_and_lookup_time(
+    make_region: RegionFactory, make_proxy: ProxyFactory, client: aiohttp.ClientSession
+) -> None:
+    proxy, _ = await start(make_region, make_proxy)
+    await ask(client, proxy, body(QUESTION))
+    await stored(proxy, 1)
+    await ask(client, proxy, body(PARAPHRASE))
+    await ask(client, proxy, body(NEAR_MISS))
+    async with client.get(proxy.admin_url + "/metrics") as resp:
+        text = await resp.text()
+    assert "edgeproxy_semantic_cache_hits_total 1.0" in text
+    assert "edgeproxy_semantic_cache_lookups_total 3.0" in text
+    assert 'edgeproxy_semantic_cache_rejected_total{reason="antonym"}' in text
+    assert 'edgeproxy_semantic_cache_lookup_seconds_bucket{le="+Inf"} 3.0' in text
+    assert "edgeproxy_semantic_cache_lookup_seconds_count 3.0" in text

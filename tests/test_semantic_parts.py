@@ -84,6 +84,45 @@ def test_the_index_removes_compacts_and_evicts_the_oldest() -> None:
     assert index.search("s", unit(1, 0)) == [] and len(index) == 0
 
 
+def test_a_large_scope_moves_into_a_graph_and_still_finds_its_nearest() -> None:
+    pytest.importorskip("usearch", reason="usearch is not installed")
+    rng = np.random.default_rng(7)
+    rows = rng.standard_normal((300, 32)).astype(np.float32)
+    rows /= np.linalg.norm(rows, axis=1, keepdims=True)
+    index = SemanticIndex(32, max_entries=250, graph_from=64)
+    evicted = []
+    for i, row in enumerate(rows):
+        evicted += index.add("big", f"k{i}", row)
+        index.add("small", f"s{i % 3}", row)
+    assert index.graphs() == 1
+    # The oldest went first, across both kinds of scope.
+    assert "k0" in evicted and len(index) == 250
+    assert index.search("big", rows[299], k=1)[0][0] == "k299"
+    assert index.search("big", rows[299], k=1)[0][1] > 0.99
+    index.remove("k299")
+    assert all(key != "k299" for key, _ in index.search("big", rows[299], k=4))
+    assert [key for key, _ in index.search("small", rows[299], k=1)] == ["s2"]
+
+
+def test_redis_vector_search_replies_are_read_as_key_similarity_question() -> None:
+    from edgeproxy._stages.cache.semantic_share import parse_search
+
+    reply = [
+        2,
+        b"p:t1:abc~q",
+        [b"k", b"t1:abc", b"q", b"How do I enable 2FA?", b"d", b"0.0421"],
+        b"p:t1:def~q",
+        [b"d", b"0.2", b"k", b"t1:def", b"q", "Wie aktiviere ich 2FA?".encode()],
+        b"p:bad~q",
+        [b"k", b"x"],
+    ]
+    assert parse_search(reply) == [
+        ("t1:abc", pytest.approx(0.9579), "How do I enable 2FA?"),
+        ("t1:def", pytest.approx(0.8), "Wie aktiviere ich 2FA?"),
+    ]
+    assert parse_search(b"garbage") == []
+
+
 # -- the static embedder -------------------------------------------------------------------
 
 

@@ -19,6 +19,7 @@ from typing import Any
 from prometheus_client.metrics_core import (
     CounterMetricFamily,
     GaugeMetricFamily,
+    HistogramMetricFamily,
     InfoMetricFamily,
     Metric,
 )
@@ -209,6 +210,48 @@ class StatusCollector:
             logger.exception("/status failed while collecting metrics")
             return
         yield from _families(flatten_status(status))
+        cache = status.get("cache")
+        if isinstance(cache, dict) and isinstance(cache.get("semantic"), dict):
+            yield from semantic_families(cache["semantic"])
+
+
+def semantic_families(semantic: dict[str, Any]) -> Iterator[Metric]:
+    """The semantic cache's series, from ``/status``'s ``cache.semantic``: counters by
+    outcome, candidates the verifier rejected and lookups skipped by reason, and the
+    lookup time as a histogram."""
+    name = "edgeproxy_semantic_cache"
+    for key, doc in (
+        ("lookups", "Semantic lookups (after an exact miss on a route with semantic_cache)."),
+        ("hits", "Requests answered from a semantic match."),
+        ("misses", "Semantic lookups that found no verified, fresh match."),
+        ("shadow_hits", "Would-be semantic hits in shadow mode (not served)."),
+    ):
+        family = CounterMetricFamily(f"{name}_{key}", doc)
+        family.add_metric([], float(semantic.get(key, 0)))
+        yield family
+    for key, doc in (
+        ("rejected", "Candidates above the threshold the verifier rejected, by reason."),
+        ("skipped", "Semantic lookups skipped, by reason."),
+    ):
+        family = CounterMetricFamily(f"{name}_{key}", doc, labels=["reason"])
+        counts = semantic.get(key)
+        for reason, count in (counts.items() if isinstance(counts, dict) else ()):
+            family.add_metric([str(reason)[:32]], float(count))
+        yield family
+    entries = GaugeMetricFamily(f"{name}_entries", "Questions in this worker's semantic index.")
+    entries.add_metric([], float(semantic.get("entries", 0)))
+    yield entries
+    buckets = semantic.get("lookup_histogram")
+    if isinstance(buckets, list):
+        histogram = HistogramMetricFamily(
+            f"{name}_lookup_seconds", "Semantic lookup time: embedding, search, verification."
+        )
+        histogram.add_metric(
+            [],
+            [(str(le), float(count)) for le, count in buckets],
+            float(semantic.get("lookup_seconds_sum", 0.0)),
+        )
+        yield histogram
 
 
 class InfoOnly:

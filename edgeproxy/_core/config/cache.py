@@ -99,11 +99,30 @@ class CacheConfig(Section):
         description="Largest answer stored; a bigger one is served but not cached (counted as "
         "too_large in /status).",
     )
-    semantic_embedder: Literal["static"] = Field(
+    semantic_embedder: Literal["static", "gguf", "region"] = Field(
         "static",
         description="What embeds last user messages for the semantic cache (routes with "
         "semantic_cache): 'static', the wordllama model shipped in its pip package (the "
-        "'semantic' extra), offline.",
+        "'semantic' extra), offline; 'gguf', the GGUF embedding model at "
+        "semantic_embedder_model, through llama-cpp-python (the 'local' extra); 'region', "
+        "the /v1/embeddings of the region semantic_embedder_region, asking for the model "
+        "semantic_embedder_model.",
+    )
+    semantic_embedder_model: str = Field(
+        "",
+        description="For semantic_embedder 'gguf', the path of the GGUF file (relative to the "
+        "config file); for 'region', the model the region is asked for.",
+    )
+    semantic_embedder_region: str = Field(
+        "",
+        description="For semantic_embedder 'region', the [[regions]] name whose /v1/embeddings "
+        "embeds the questions.",
+    )
+    semantic_embedder_timeout: float = Field(
+        2.0,
+        gt=0,
+        description="Longest wait for one embedding (the 'gguf' and 'region' embedders); past "
+        "it the semantic lookup is skipped and the request goes on.",
     )
     semantic_max_entries: int = Field(
         100_000,
@@ -114,6 +133,24 @@ class CacheConfig(Section):
         False,
         description="Semantic cache in shadow mode: would-be semantic hits are counted and "
         "logged (similarity, the verifier's verdict), never served.",
+    )
+    semantic_share: bool = Field(
+        True,
+        description="With a Redis backend, each semantic entry's question and vector are "
+        "stored beside its answer, so every worker and PoP searches them, and a worker that "
+        "starts warms its index from them.",
+    )
+    semantic_sync_interval: float = Field(
+        2.0,
+        gt=0,
+        description="Seconds between a worker's reads of the semantic entries other workers "
+        "and PoPs stored in Redis (semantic_share).",
+    )
+    semantic_redis_search: Literal["auto", "off"] = Field(
+        "auto",
+        description="'auto': where the Redis server has vector search (Redis 8, or the search "
+        "module) and is not a cluster, search the shared entries there, found at start; "
+        "otherwise, and with 'off', each worker searches its own index.",
     )
     coalesce: bool = Field(
         True,
@@ -154,6 +191,16 @@ class CacheConfig(Section):
     @classmethod
     def _check_redis_cluster(cls, value: bool, info: ValidationInfo) -> bool:
         return check_redis_cluster(value, info.data.get("redis_url"))
+
+    @model_validator(mode="after")
+    def _check_embedder(self) -> CacheConfig:
+        needs = {"gguf": "semantic_embedder_model", "region": "semantic_embedder_region"}
+        key = needs.get(self.semantic_embedder)
+        if key is not None and not getattr(self, key):
+            raise ValueError(f"semantic_embedder {self.semantic_embedder!r} needs {key}")
+        if self.semantic_embedder == "region" and not self.semantic_embedder_model:
+            raise ValueError("semantic_embedder 'region' needs semantic_embedder_model")
+        return self
 
     @model_validator(mode="after")
     def _check_sizes(self) -> CacheConfig:

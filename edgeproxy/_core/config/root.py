@@ -192,6 +192,14 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
+    def _check_embedder_region(self) -> Config:
+        name = self.cache.semantic_embedder_region
+        if name and self.cache.semantic_embedder == "region":
+            if name not in {r.name for r in self.regions}:
+                raise ValueError(f"cache.semantic_embedder_region: unknown region {name!r}")
+        return self
+
+    @model_validator(mode="after")
     def _check_residency(self) -> Config:
         known = {r.name for r in self.regions}
         for region in self.regions:

@@ -445,6 +445,14 @@ class RedisTier:
         self.breaker.success()
         return result
 
+    async def attempt(
+        self, what: str, call: Callable[[], Awaitable[T]], timeout: float | None = None
+    ) -> tuple[bool, T | None]:
+        """Run one Redis call under the timeout and breaker, as :meth:`get` does:
+        ``(True, result)``, or ``(False, None)`` when it did not work (counted, logged)."""
+        result = await self._call(what, call, timeout)
+        return (False, None) if result is _FAILED else (True, result)
+
     async def get(self, key: str) -> Entry | None:
         raw = await self._call("GET", lambda: self.cache.get(key))
         if raw is _FAILED or raw is None:

@@ -19,25 +19,36 @@ client's API like an exact hit, marked ``SEMANTIC-HIT`` with its similarity. A s
 hit is never stored. What the request then stores upstream joins the index under its own
 key. In shadow mode a would-be hit is counted and logged, never served.
 
-A fault here (the embedder missing or failing) turns the semantic cache off or skips the
-lookup; the exact cache goes on.
+With a Redis backend (and ``semantic_share``), each question that joins the index is also
+stored in Redis beside its answer (:mod:`~edgeproxy._stages.cache.semantic_share`): a
+worker that starts warms its index from them, running workers pick up what the others
+stored, and where Redis has vector search it searches them itself.
+
+A fault here (the embedder missing or failing, Redis down) turns the semantic cache off
+or skips the lookup, or leaves each worker with what it knows; the exact cache goes on.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Final, Protocol
 
 from edgeproxy._core.config import Config
 from edgeproxy._core.context import RequestContext
 from edgeproxy._core.response import StreamResponse
+from edgeproxy._stages.cache.backends import RedisTier
+from edgeproxy._stages.cache.entry import Entry
 from edgeproxy._stages.cache.keys import KeyHeaders, semantic_scope
 from edgeproxy._stages.cache.plan import CachePlan
+from edgeproxy._stages.cache.semantic_index import SemanticIndex
+from edgeproxy._stages.cache.semantic_share import SharedQuestion, SharedQuestions, poll_forever
 from edgeproxy._stages.cache.semantic_verify import differences
+from edgeproxy._upstream.endpoint import RegionEndpoints
 
 
 class CacheStage(Protocol):
@@ -60,6 +71,7 @@ logger = logging.getLogger("edgeproxy.cache")
 # once their answer is stored; the oldest are dropped past this.
 _PENDING_MAX: Final = 4096
 _CANDIDATES: Final = 4
+LOOKUP_BUCKETS: Final = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 1.0)
 
 
 @dataclasses.dataclass
@@ -75,6 +87,20 @@ class SemanticStats:
     skipped: Counter[str] = dataclasses.field(default_factory=Counter)
     lookup_seconds: float = 0.0
     lookup_seconds_max: float = 0.0
+    # Lookups by time taken: the upper bounds (seconds) of LOOKUP_BUCKETS, and +Inf.
+    lookup_buckets: list[int] = dataclasses.field(
+        default_factory=lambda: [0] * (len(LOOKUP_BUCKETS) + 1)
+    )
+
+    def observe(self, elapsed: float) -> None:
+        self.lookups += 1
+        self.lookup_seconds += elapsed
+        self.lookup_seconds_max = max(self.lookup_seconds_max, elapsed)
+        for i, bound in enumerate(LOOKUP_BUCKETS):
+            if elapsed <= bound:
+                self.lookup_buckets[i] += 1
+                return
+        self.lookup_buckets[-1] += 1
 
     def snapshot(self, entries: int) -> dict[str, Any]:
         return {
@@ -89,20 +115,87 @@ class SemanticStats:
             if self.lookups
             else 0.0,
             "lookup_ms_max": round(1000 * self.lookup_seconds_max, 3),
+            "lookup_seconds_sum": self.lookup_seconds,
+            # Cumulative counts by upper bound, as Prometheus histograms have them.
+            "lookup_histogram": [
+                [bound, sum(self.lookup_buckets[: i + 1])]
+                for i, bound in enumerate([*LOOKUP_BUCKETS, "+Inf"])
+            ],
         }
 
 
 class SemanticCache:
     """The semantic side of a :class:`~edgeproxy._stages.cache.stage.CacheStage`: an
-    embedder, the worker's index and its questions, the verifier."""
+    embedder, the worker's index and its questions, the verifier, and the questions
+    shared through Redis."""
 
-    def __init__(self, embedder: Any, index: Any, *, shadow: bool = False) -> None:
+    def __init__(
+        self,
+        embedder: Any,
+        *,
+        max_entries: int = 100_000,
+        shadow: bool = False,
+        shared: SharedQuestions | None = None,
+    ) -> None:
         self.embedder = embedder
-        self.index = index
+        self.max_entries = max_entries
+        # Made with the first vector: a model's dimensions are known once it has embedded.
+        self.index: SemanticIndex | None = None
         self.shadow = shadow
+        self.shared = shared
         self.stats = SemanticStats()
         self.questions: dict[str, str] = {}  # entry key -> its question, for the verifier
         self._pending: OrderedDict[str, tuple[str, str, Any]] = OrderedDict()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # -- lifespan ----------------------------------------------------------------
+
+    async def open(self) -> None:
+        """Find out whether Redis searches shared questions; otherwise warm the index with
+        the newest of them and keep picking up new ones."""
+        shared = self.shared
+        if shared is None:
+            return
+        if await shared.detect():
+            return
+        self._take(await shared.warm())
+        self._spawn(poll_forever(shared, self._take))
+
+    async def close(self) -> None:
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        await self.embedder.close()
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _take(self, found: list[SharedQuestion]) -> None:
+        """Questions others shared join this worker's index (those it has, and vectors of
+        another size, are skipped)."""
+        for key, scope, text, vector in found:
+            if key in self.questions:
+                continue
+            index = self._index_for(vector)
+            if index is not None:
+                self._add(index, scope, key, text, vector)
+
+    def _index_for(self, vector: Any) -> SemanticIndex | None:
+        index = self.index
+        if index is None:
+            index = self.index = SemanticIndex(len(vector), max_entries=self.max_entries)
+        return index if len(vector) == index.dimensions else None
+
+    def _add(self, index: SemanticIndex, scope: str, key: str, text: str, vector: Any) -> None:
+        for evicted in index.add(scope, key, vector):
+            self.questions.pop(evicted, None)
+        self.questions[key] = text
+
+    # -- lookups ---------------------------------------------------------------------
 
     async def lookup(
         self, stage: CacheStage, ctx: RequestContext, plan: CachePlan, threshold: float
@@ -125,16 +218,28 @@ class SemanticCache:
             return None
         self._remember(plan.key, scope, text, vector)
         answer = await self._answer(stage, ctx, plan, threshold, scope, text, vector)
-        elapsed = time.perf_counter() - started
         stats = self.stats
-        stats.lookups += 1
-        stats.lookup_seconds += elapsed
-        stats.lookup_seconds_max = max(stats.lookup_seconds_max, elapsed)
+        stats.observe(time.perf_counter() - started)
         if answer is None:
             stats.misses += 1
         else:
             stats.hits += 1
         return answer
+
+    async def _candidates(self, scope: str, vector: Any) -> Iterable[tuple[str, float, str]]:
+        """The nearest cached questions of ``scope``: (entry key, similarity, question)."""
+        if self.shared is not None:
+            found = await self.shared.search(scope, vector, _CANDIDATES)
+            if found is not None:
+                return found
+        index = self.index
+        if index is None or len(vector) != index.dimensions:
+            return ()
+        questions = self.questions
+        return (
+            (key, similarity, questions.get(key, ""))
+            for key, similarity in index.search(scope, vector, _CANDIDATES)
+        )
 
     async def _answer(
         self,
@@ -147,11 +252,10 @@ class SemanticCache:
         vector: Any,
     ) -> StreamResponse | None:
         assert stage.backend is not None
-        for key, similarity in self.index.search(scope, vector, _CANDIDATES):
+        for key, similarity, question in await self._candidates(scope, vector):
             if similarity < threshold:
                 break
-            question = self.questions.get(key)
-            if question is None or key == plan.key:
+            if not question or key == plan.key:
                 continue
             reasons = differences(text, question)
             if reasons:
@@ -186,24 +290,44 @@ class SemanticCache:
         while len(pending) > _PENDING_MAX:
             pending.popitem(last=False)
 
-    def stored(self, key: str) -> None:
+    # -- entries -----------------------------------------------------------------------
+
+    def stored(self, key: str, entry: Entry, now: float) -> None:
         """The answer of a request looked up here was stored under ``key``: its question
-        joins the index."""
+        joins the index, and is shared for as long as the answer is kept."""
         found = self._pending.pop(key, None)
         if found is None:
             return
         scope, text, vector = found
-        for evicted in self.index.add(scope, key, vector) or ():
-            self.questions.pop(evicted, None)
-        self.questions[key] = text
+        index = self._index_for(vector)
+        if index is None:
+            return
+        self._add(index, scope, key, text, vector)
+        if self.shared is not None:
+            self._spawn(self.shared.publish(key, scope, text, vector, entry.keep_until - now))
 
     def snapshot(self) -> dict[str, Any]:
         """The ``semantic`` part of ``/status``'s cache section."""
-        return {"shadow": self.shadow, **self.stats.snapshot(len(self.questions))}
+        out = {
+            "shadow": self.shadow,
+            "embedder": self.embedder.name,
+            "graph_scopes": self.index.graphs() if self.index is not None else 0,
+            **self.stats.snapshot(len(self.questions)),
+        }
+        if self.shared is not None:
+            out["shared"] = self.shared.status()
+        return out
 
     def forget(self, key: str) -> None:
-        self.index.remove(key)
+        if self.index is not None:
+            self.index.remove(key)
         self.questions.pop(key, None)
+
+    async def purged(self, key: str) -> None:
+        """The entry ``key`` was purged: its question goes, here and in Redis."""
+        self.forget(key)
+        if self.shared is not None:
+            await self.shared.forget(key)
 
     def clear(self) -> None:
         """Every entry purged: the index empties too."""
@@ -211,17 +335,39 @@ class SemanticCache:
             self.forget(key)
 
 
-def open_semantic(config: Config) -> SemanticCache | None:
+def _redis_tier(backend: Any) -> RedisTier | None:
+    tier = getattr(backend, "redis", backend)
+    return tier if isinstance(tier, RedisTier) else None
+
+
+def open_semantic(
+    config: Config, backend: Any, regions: Iterable[RegionEndpoints] = ()
+) -> SemanticCache | None:
     """The semantic cache ``config`` asks for, or None (logged) when its embedder cannot
     load: the exact cache goes on without it."""
     cache = config.cache
     try:
         from edgeproxy._stages.cache.semantic_embed import make_embedder
-        from edgeproxy._stages.cache.semantic_index import SemanticIndex
 
-        embedder = make_embedder(cache, config.base_dir)
-        index = SemanticIndex(embedder.dimensions, max_entries=cache.semantic_max_entries)
+        embedder = make_embedder(cache, config.base_dir, regions)
     except Exception as exc:  # noqa: BLE001 - a missing extra or model turns this part off
         logger.warning("semantic cache off: its embedder did not load (%s)", exc)
         return None
-    return SemanticCache(embedder, index, shadow=cache.semantic_shadow)
+    tier = _redis_tier(backend)
+    shared = (
+        SharedQuestions(
+            tier,
+            embedder.name,
+            max_entries=cache.semantic_max_entries,
+            interval=cache.semantic_sync_interval,
+            redis_search=cache.semantic_redis_search == "auto",
+        )
+        if tier is not None and cache.semantic_share
+        else None
+    )
+    return SemanticCache(
+        embedder,
+        max_entries=cache.semantic_max_entries,
+        shadow=cache.semantic_shadow,
+        shared=shared,
+    )

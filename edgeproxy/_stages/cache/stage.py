@@ -30,7 +30,7 @@ import logging
 import random
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Final
 
 from multidict import CIMultiDict
@@ -70,6 +70,7 @@ from edgeproxy._stages.cache.plan import (
 from edgeproxy._stages.cache.recorder import CacheRecorder
 from edgeproxy._stages.cache.semantic import SemanticCache, open_semantic
 from edgeproxy._stages.compression import Compression
+from edgeproxy._upstream.endpoint import RegionEndpoints
 
 if TYPE_CHECKING:
     from edgeproxy._plugins import Plugins
@@ -134,6 +135,7 @@ class CacheStage:
         *,
         refresh: bool = False,
         clock: Callable[[], float] = time.time,
+        regions: Iterable[RegionEndpoints] = (),
     ) -> None:
         self.config = config.cache
         self.key_headers = KeyHeaders(config)
@@ -148,7 +150,7 @@ class CacheStage:
         self.stats = CacheStats()
         # Routes asking for it share one semantic cache (its index is this worker's).
         self.semantic: SemanticCache | None = (
-            open_semantic(config)
+            open_semantic(config, self.backend, regions)
             if self.backend is not None and any(r.semantic_cache for r in config.routes)
             else None
         )
@@ -167,6 +169,8 @@ class CacheStage:
         """Connect the backend (a Redis that does not answer is a warning, not a failure)."""
         if self.backend is not None:
             await self.backend.open()
+        if self.semantic is not None:
+            await self.semantic.open()
 
     async def close(self) -> None:
         """Cancel refreshes and pending stores, then close the backend."""
@@ -176,6 +180,8 @@ class CacheStage:
             task.cancel()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+        if self.semantic is not None:
+            await self.semantic.close()
         if self.backend is not None:
             await self.backend.close()
 
@@ -524,7 +530,7 @@ class CacheStage:
                 if await self.backend.set(key, entry):
                     self.stats.stores += 1
                     if self.semantic is not None:
-                        self.semantic.stored(key)
+                        self.semantic.stored(key, entry, self.clock())
                 else:
                     self.stats.not_cached["store_failed"] += 1
             finally:
@@ -597,8 +603,12 @@ class CacheStage:
             prefix = tenant_scope(tenant) + ":"
         if key is not None:
             count = await self.backend.delete(key)
+            if self.semantic is not None:
+                await self.semantic.purged(key)
         else:
             count = await self.backend.purge(prefix or "")
+            if not prefix and self.semantic is not None:
+                self.semantic.clear()
         self.stats.purged += count
         return count
 
