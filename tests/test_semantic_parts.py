@@ -166,3 +166,103 @@ def test_the_last_question_and_the_rest_of_the_body() -> None:
     assert CHAT.last_question({"messages": [{"role": "assistant", "content": "x"}]}) is None
     image = [{"type": "image_url", "image_url": {"url": "data:,"}}]
     assert CHAT.last_question({"messages": [{"role": "user", "content": image}]}) is None
+
+
+# -- Redis's vector search ---------------------------------------------------------------------
+
+
+class _SearchingRedis:
+    """Stands in for a Redis server with vector search: records the commands, answers
+    FT.SEARCH with ``reply`` (or fails with ``error``)."""
+
+    def __init__(self, reply: object = None, error: Exception | None = None) -> None:
+        self.commands: list[tuple[object, ...]] = []
+        self.reply = reply
+        self.error = error
+
+    async def execute_command(self, *args: object) -> object:
+        self.commands.append(args)
+        if args[0] == "FT.SEARCH" and self.error is not None:
+            raise self.error
+        return self.reply if args[0] == "FT.SEARCH" else "OK"
+
+    def pipeline(self, transaction: bool = False) -> _SearchingRedis:
+        return self
+
+    def hset(self, *args: object, **kwargs: object) -> None:
+        self.commands.append(("HSET", *args))
+
+    def pexpire(self, *args: object) -> None:
+        self.commands.append(("PEXPIRE", *args))
+
+    def zadd(self, *args: object) -> None:
+        self.commands.append(("ZADD", *args))
+
+    def zremrangebyrank(self, *args: object) -> None:
+        self.commands.append(("ZREMRANGEBYRANK", *args))
+
+    async def execute(self) -> list[object]:
+        return []
+
+
+async def test_where_redis_searches_vectors_the_scope_and_embedder_filter_the_knn_query() -> None:
+    from edgeproxy._core.config import config_from_mapping
+    from edgeproxy._stages.cache.backends import RedisTier
+    from edgeproxy._stages.cache.semantic_share import SharedQuestions, tag
+
+    config = config_from_mapping(
+        {"regions": [{"name": "r", "url": "http://127.0.0.1:1"}], "cache": {"key_prefix": "p:"}}
+    )
+    tier = RedisTier(config.cache)
+    fake = _SearchingRedis(reply=[1, b"p:k1~q", [b"k", b"k1", b"q", b"Why?", b"d", b"0.1"]])
+    real, tier.client = tier.client, fake  # type: ignore[assignment]
+    try:
+        shared = SharedQuestions(tier, "model-a", max_entries=10, interval=1.0, redis_search=True)
+        assert await shared.detect() is True
+        vector = unit(1, 2)
+        await shared.publish("k1", "t1:sem:abc", "Why?", vector, ttl=60.0)
+        create = next(c for c in fake.commands if c[0] == "FT.CREATE")
+        assert create[1] == "p:~semantic-2" and "DIM" in create and "COSINE" in create
+        found = await shared.search("t1:sem:abc", vector, 4)
+        assert found == [("k1", pytest.approx(0.9), "Why?")]
+        query = next(c for c in fake.commands if c[0] == "FT.SEARCH")
+        assert f"@s:{{{tag('t1:sem:abc')}}}" in str(query[2])
+        assert f"@e:{{{tag('model-a')}}}" in str(query[2])
+        assert query[query.index("b") + 1] == vector.astype(np.float32).tobytes()
+        # A search that fails leaves the lookup to the worker's own index.
+        fake.error = ConnectionError("gone")
+        assert await shared.search("t1:sem:abc", vector, 4) is None
+    finally:
+        await real.aclose()
+
+
+# -- configuration ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("cache", "message"),
+    [
+        ({"semantic_embedder": "gguf"}, "semantic_embedder 'gguf' needs semantic_embedder_model"),
+        (
+            {"semantic_embedder": "region", "semantic_embedder_model": "e"},
+            "semantic_embedder 'region' needs semantic_embedder_region",
+        ),
+        (
+            {
+                "semantic_embedder": "region",
+                "semantic_embedder_region": "nowhere",
+                "semantic_embedder_model": "e",
+            },
+            "cache.semantic_embedder_region: unknown region 'nowhere'",
+        ),
+        ({"semantic_embedder": "bert"}, "cache.semantic_embedder"),
+    ],
+)
+def test_an_embedder_without_what_it_needs_is_a_config_error(
+    cache: dict[str, str], message: str
+) -> None:
+    from edgeproxy import ConfigError
+    from edgeproxy._core.config import config_from_mapping
+
+    with pytest.raises(ConfigError, match=message):
+        config_from_mapping({"regions": [{"name": "r", "url": "http://127.0.0.1:1"}], "cache": cache})
