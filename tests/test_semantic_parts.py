@@ -112,7 +112,7 @@ def test_redis_vector_search_replies_are_read_as_key_similarity_question() -> No
         b"p:t1:abc~q",
         [b"k", b"t1:abc", b"q", b"How do I enable 2FA?", b"d", b"0.0421"],
         b"p:t1:def~q",
-        [b"d", b"0.2", b"k", b"t1:def", b"q", "Wie aktiviere ich 2FA?".encode()],
+        [b"d", b"0.2", b"k", b"t1:def", b"q", b"Wie aktiviere ich 2FA?"],
         b"p:bad~q",
         [b"k", b"x"],
     ]
@@ -265,4 +265,6 @@ def test_an_embedder_without_what_it_needs_is_a_config_error(
     from edgeproxy._core.config import config_from_mapping
 
     with pytest.raises(ConfigError, match=message):
-        config_from_mapping({"regions": [{"name": "r", "url": "http://127.0.0.1:1"}], "cache": cache})
+        config_from_mapping(
+            {"regions": [{"name": "r", "url": "http://127.0.0.1:1"}], "cache": cache}
+        )

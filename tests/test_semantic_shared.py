@@ -77,12 +77,16 @@ async def test_a_proxy_started_later_warms_its_index_from_redis(
     redis_prefix: str,
 ) -> None:
     region = await make_region("r1", tokens=6)
-    first = await make_proxy([region], cache=shared_cache(redis_server, redis_prefix), routes=ROUTES)
+    first = await make_proxy(
+        [region], cache=shared_cache(redis_server, redis_prefix), routes=ROUTES
+    )
     _, headers, answer = await ask(client, first, QUESTION)
     assert headers["X-Edgeproxy-Cache"] == "MISS"
     await eventually(lambda: semantic(first)["shared"]["published"] == 1)
     # Another PoP: its own memory tier, the same Redis.
-    second = await make_proxy([region], cache=shared_cache(redis_server, redis_prefix), routes=ROUTES)
+    second = await make_proxy(
+        [region], cache=shared_cache(redis_server, redis_prefix), routes=ROUTES
+    )
     assert semantic(second)["entries"] == 1
     assert semantic(second)["shared"]["redis_search"] is False  # Redis 7 here: no FT
     _, headers, again = await ask(client, second, PARAPHRASE)
@@ -117,7 +121,9 @@ async def test_another_embedder_s_questions_are_not_taken(
     redis_prefix: str,
 ) -> None:
     region = await make_region("r1", tokens=6)
-    first = await make_proxy([region], cache=shared_cache(redis_server, redis_prefix), routes=ROUTES)
+    first = await make_proxy(
+        [region], cache=shared_cache(redis_server, redis_prefix), routes=ROUTES
+    )
     await ask(client, first, QUESTION)
     await eventually(lambda: semantic(first)["shared"]["published"] == 1)
     other = shared_cache(
@@ -139,7 +145,9 @@ async def test_purges_take_the_shared_questions_too(
     redis_prefix: str,
 ) -> None:
     region = await make_region("r1", tokens=6)
-    proxy = await make_proxy([region], cache=shared_cache(redis_server, redis_prefix), routes=ROUTES)
+    proxy = await make_proxy(
+        [region], cache=shared_cache(redis_server, redis_prefix), routes=ROUTES
+    )
     await ask(client, proxy, QUESTION)
     await eventually(lambda: semantic(proxy)["shared"]["published"] == 1)
     raw = aioredis.Redis.from_url(redis_server)

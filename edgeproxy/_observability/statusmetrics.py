@@ -235,7 +235,7 @@ def semantic_families(semantic: dict[str, Any]) -> Iterator[Metric]:
     ):
         family = CounterMetricFamily(f"{name}_{key}", doc, labels=["reason"])
         counts = semantic.get(key)
-        for reason, count in (counts.items() if isinstance(counts, dict) else ()):
+        for reason, count in counts.items() if isinstance(counts, dict) else ():
             family.add_metric([str(reason)[:32]], float(count))
         yield family
     entries = GaugeMetricFamily(f"{name}_entries", "Questions in this worker's semantic index.")
