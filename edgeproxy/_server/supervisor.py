@@ -3,8 +3,8 @@
 The workers are ``edgeproxy`` processes that bind the client port with SO_REUSEPORT, so
 the kernel spreads connections over them. Each serves its admin app on a private Unix
 socket in a directory only this user can open; the supervisor owns the one admin port
-and answers it from theirs (``/status`` and ``/readyz`` summed, ``/metrics`` from
-prometheus-client's multiprocess files, which any worker sums).
+and answers it from theirs (``/status``, ``/readyz`` and ``/metrics`` summed; see
+:mod:`~edgeproxy._observability.workermetrics`).
 
 The supervisor restarts a worker that dies, after a pause that doubles while workers
 keep dying young. SIGTERM or SIGINT drains every worker (the supervisor exits 0 when all
@@ -33,10 +33,11 @@ from typing import Any
 import aiohttp
 import orjson
 from aiohttp import web
-from prometheus_client.multiprocess import mark_process_dead
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder
 
 from edgeproxy._core.config import Config, ConfigError
-from edgeproxy._observability.multiprocess import multiprocess_dir
+from edgeproxy._observability.workermetrics import WorkerMetrics
 from edgeproxy._server.admin import (
     AdminHandlers,
     AdminRunner,
@@ -149,7 +150,6 @@ class Supervisor:
         self._log_level = log_level
         self._python = tuple(python)
         self._dir = ""
-        self._metrics_dir: str | None = None
         self._port = config.server.port
         self._generation = 0
         self._workers: list[Worker] = []
@@ -161,6 +161,7 @@ class Supervisor:
         self.started_at = time.time()
         self.admin_url = ""
         self._admin_tls: ListenerTls | None = None
+        self._worker_metrics = WorkerMetrics()
 
     # -- the run -----------------------------------------------------------
 
@@ -174,10 +175,6 @@ class Supervisor:
             return 2
         self._port = reserved.getsockname()[1]
         self._dir = tempfile.mkdtemp(prefix="edgeproxy-")  # mode 0700: this user only
-        self._metrics_dir = multiprocess_dir() or os.environ.get("PROMETHEUS_MULTIPROC_DIR")
-        if not self._metrics_dir:
-            self._metrics_dir = os.path.join(self._dir, "metrics")
-            os.mkdir(self._metrics_dir)
         admin = self.config.admin
         try:
             check_tls_files(self.config)
@@ -301,7 +298,8 @@ class Supervisor:
     async def _spawn(self, worker: Worker, config_path: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(worker.socket)
-        env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=self._metrics_dir or "")
+        # Workers keep their series in memory; the supervisor sums them when scraped.
+        env = {k: v for k, v in os.environ.items() if k.lower() != "prometheus_multiproc_dir"}
         worker.process = await asyncio.create_subprocess_exec(
             *self._python,
             WORKER_COMMAND,
@@ -348,10 +346,6 @@ class Supervisor:
             assert worker.process is not None
             code = await worker.process.wait()
             pid = worker.process.pid
-            if self._metrics_dir:
-                # Its live gauges must leave the sums (a clean exit does this itself).
-                with contextlib.suppress(OSError):
-                    await asyncio.to_thread(mark_process_dead, pid, self._metrics_dir)
             if self._stopping or worker.retiring:
                 self._forget(worker)
                 return
@@ -536,16 +530,26 @@ class Supervisor:
             return json_response(await self.status())
 
         async def metrics(request: web.Request) -> web.Response:
-            # Any worker serves the sum over all of them (multiprocess mode).
-            headers = {"Accept": request.headers.get("Accept", "*/*")}
-            for worker in self._serving():
-                answer = await self._ask(worker, "GET", "/metrics", headers=headers)
-                if answer is not None and answer[0] == 200:
-                    status_, body, content_type = answer
-                    return web.Response(
-                        body=body, headers={"Content-Type": _full_type(content_type)}
-                    )
-            return web_error(503, "server_error", "no worker answered", code="no_worker")
+            # Every worker's own series, summed here (the text format, which every
+            # prometheus-client version parses); rendered as the scraper asked.
+            scraped = [
+                (worker.pid, answer[1].decode())
+                for worker, answer in await self._ask_all(
+                    "GET", "/metrics", headers={"Accept": "text/plain"}
+                )
+                if answer is not None and answer[0] == 200
+            ]
+            if not scraped:
+                return web_error(503, "server_error", "no worker answered", code="no_worker")
+            alive = [w.pid for w in self._workers if w.alive]
+            families = self._worker_metrics.merge(scraped, alive)
+            encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
+            registry = CollectorRegistry(auto_describe=False)
+            registry.register(_Families(families))
+            body = await asyncio.to_thread(encoder, registry)
+            response = web.Response(body=body, headers={"Content-Type": content_type})
+            response.enable_compression()
+            return response
 
         async def purge(request: web.Request) -> web.Response:
             body = await request.read()
@@ -585,12 +589,14 @@ class Supervisor:
         )
 
 
-def _full_type(content_type: str) -> str:
-    if content_type.startswith("text/plain"):
-        return "text/plain; version=0.0.4; charset=utf-8"
-    if content_type.startswith("application/openmetrics-text"):
-        return "application/openmetrics-text; version=1.0.0; charset=utf-8"
-    return content_type
+class _Families:
+    """A collector of families already built (the workers' summed series)."""
+
+    def __init__(self, families: list[Any]) -> None:
+        self._families = families
+
+    def collect(self) -> list[Any]:
+        return self._families
 
 
 def _sum_regions(per_worker: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
