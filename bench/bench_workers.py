@@ -66,6 +66,8 @@ class Config:
     # One process writing its metrics the way workers do (prometheus-client's multiprocess
     # files), to tell that cost from two processes sharing a core.
     multiprocess_metrics: bool = False
+    # Metrics off ([metrics] enabled = false): with its pair, what metrics cost per request.
+    metrics: bool = True
     port: int = 0
     admin: int = 0
     service: u.Service | None = None
@@ -169,7 +171,10 @@ class Bench:
         path = self.tmp / f"{config.name.replace(' ', '-')}.toml"
         # edgeproxy_toml writes the [server] table first: the workers key goes into it.
         toml = u.edgeproxy_toml(config.port, config.admin, origin)
-        path.write_text(toml.replace("[server]\n", f"[server]\nworkers = {config.workers}\n", 1))
+        toml = toml.replace("[server]\n", f"[server]\nworkers = {config.workers}\n", 1)
+        if not config.metrics:
+            toml += "\n[metrics]\nenabled = false\n"
+        path.write_text(toml)
         argv = [
             *self.pin(config.cpus),
             PYTHON,
@@ -262,10 +267,20 @@ def report(data: dict[str, Any]) -> str:
         f" {by['2w free']['best_rps'] / best:.2f}x best rounds"
         f" (2w free / 1w free: {by['2w free']['rps'] / (by['1w free']['rps'] or 1):.2f}x;"
         f" the cost of the supervisor model on one core, 2w pinned / 1w pinned:"
-        f" {by['2w pinned']['rps'] / base:.2f}x, of which the multiprocess metrics:"
+        f" {by['2w pinned']['rps'] / base:.2f}x; a process writing prometheus-client's"
+        f" multiprocess files, as workers did before the supervisor summed their own:"
         f" {by['1w pinned, mp metrics']['rps'] / base:.2f}x)",
+        "",
+        "What metrics cost per request (CPU us/req with metrics over without): one process"
+        f" {_share(by, '1w pinned')}, two workers {_share(by, '2w pinned')}.",
     ]
     return "\n".join(lines)
+
+
+def _share(by: dict[str, Any], name: str) -> str:
+    on = by[name]["cpu_us_per_request"]
+    off = by[f"{name}, no metrics"]["cpu_us_per_request"] or 1.0
+    return f"{on:.0f} / {off:.0f} us = {on / off:.3f}x"
 
 
 def chart(data: dict[str, Any], path: Path) -> Path | None:
@@ -329,7 +344,9 @@ def main(argv: list[str] | None = None) -> int:
     configs = [
         Config("1w pinned", 1, proxy_cpu),
         Config("1w pinned, mp metrics", 1, proxy_cpu, multiprocess_metrics=True),
+        Config("1w pinned, no metrics", 1, proxy_cpu, metrics=False),
         Config("2w pinned", 2, proxy_cpu),
+        Config("2w pinned, no metrics", 2, proxy_cpu, metrics=False),
         Config("1w free", 1, None),
         Config("2w free", 2, None),
     ]
