@@ -43,6 +43,9 @@ Targets (``--only``), each one process, and what each is asked:
 * ``reference``: ``bench/reference_proxy.py``, a bare aiohttp server + client pool
   (rows ``reference``, ``reference sse``, ``reference responses sse`` and
   ``reference messages sse``);
+* ``canned``: ``bench/reference_proxy.py --canned``, the same aiohttp server answering
+  every request with one fixed JSON body: the floor of any answer served from memory
+  through aiohttp's web layer (row ``canned``; JSON only);
 * ``nginx``: nginx as a plain ``proxy_pass`` reverse proxy with an HTTP/1.1 keep-alive
   upstream pool, run as one process (``daemon off; master_process off;``) so callgrind
   sees all of it (rows ``nginx``, ``nginx sse`` and the two others; needs nginx);
@@ -129,7 +132,7 @@ PATH = "/v1/chat/completions"
 BYPASS = b'{"model":"m","messages":[{"role":"user","content":"hello there"}],"temperature":1}'
 HIT = b'{"model":"m","messages":[{"role":"user","content":"hello there"}],"temperature":0}'
 SSE_HEADER = "X-Bench-SSE"
-TARGETS = ("reference", "nginx", "h1", "h2c", "hit", "litellm")
+TARGETS = ("reference", "canned", "nginx", "h1", "h2c", "hit", "litellm")
 # What each target is asked, by --only name: the JSON request and the three streams.
 KINDS = ("json", "sse", "responses", "messages")
 # The streams of the other APIs: their row suffix and their path.
@@ -739,6 +742,11 @@ def targets(origin: Origin, args: argparse.Namespace, work: Path) -> Iterator[Ta
         cmd += ["--upstream", origin.h1]
         phases = phases_for("reference", kinds, args, sse)
         yield Target("reference", "-", cmd, dict(os.environ), port, phases, args.wait)
+    if "canned" in args.targets and "json" in kinds:
+        port = free_port()
+        cmd = [sys.executable, str(HERE / "reference_proxy.py"), "--port", str(port), "--canned"]
+        phases = phases_for("canned", ["json"], args, sse, json_body=HIT)
+        yield Target("canned", "-", cmd, dict(os.environ), port, phases, args.wait)
     if "nginx" in args.targets:
         nginx = None if args.skip_nginx else u.nginx_binary()
         if nginx is None:

@@ -8,6 +8,12 @@ header rewriting or error shaping. edgeproxy's throughput divided by this
 one's is the price of its features on the same stack.
 
     python bench/reference_proxy.py --port 8001 --upstream http://127.0.0.1:9101
+
+With ``--canned``, it forwards nothing: every request is read and answered with one fixed
+JSON body. That is the least any answer served from memory through aiohttp's web layer
+costs (the floor of a cache hit), with no key, lookup or headers of its own.
+
+    python bench/reference_proxy.py --port 8001 --canned
 """
 
 from __future__ import annotations
@@ -63,10 +69,24 @@ async def forward(request: web.Request) -> web.StreamResponse:
         return resp
 
 
-async def serve(host: str, port: int, upstream: str, limit: int) -> None:
+CANNED = (
+    b'{"id":"chatcmpl-canned","object":"chat.completion","created":1,"model":"m",'
+    b'"choices":[{"index":0,"message":{"role":"assistant","content":"canned"},'
+    b'"finish_reason":"stop"}],"usage":{"prompt_tokens":1,"completion_tokens":1,'
+    b'"total_tokens":2}}'
+)
+
+
+async def canned(request: web.Request) -> web.Response:
+    if request.body_exists:
+        await request.read()
+    return web.Response(body=CANNED, content_type="application/json")
+
+
+async def serve(host: str, port: int, upstream: str | None, limit: int) -> None:
     app = web.Application()
-    app[UPSTREAM] = upstream.rstrip("/")
-    app.router.add_route("*", "/{tail:.*}", forward)
+    app[UPSTREAM] = (upstream or "").rstrip("/")
+    app.router.add_route("*", "/{tail:.*}", forward if upstream else canned)
     session = aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=limit, keepalive_timeout=60),
         auto_decompress=False,
@@ -77,7 +97,9 @@ async def serve(host: str, port: int, upstream: str, limit: int) -> None:
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     await runner.setup()
     await web.TCPSite(runner, host, port, backlog=4096).start()
-    print(f"reference proxy listening on http://{host}:{port} -> {upstream}", flush=True)
+    print(
+        f"reference proxy listening on http://{host}:{port} -> {upstream or 'canned'}", flush=True
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -93,7 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--upstream", required=True, help="http://host:port of the origin")
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--upstream", help="http://host:port of the origin")
+    what.add_argument("--canned", action="store_true", help="answer one fixed JSON body")
     parser.add_argument("--limit", type=int, default=100, help="TCPConnector limit")
     args = parser.parse_args(argv)
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:

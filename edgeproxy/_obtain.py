@@ -38,9 +38,12 @@ import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from edgeproxy._core.errors import ProxyError
+from edgeproxy._protocol.bodies import estimate_prompt_tokens
+from edgeproxy._protocol.endpoints import dialect_for
+from edgeproxy._protocol.models import model_from_body
 from edgeproxy._protocol.sse import SSEEventTooLarge, SSEReader
 from edgeproxy._stages.continuation import (
     LOCAL,
@@ -227,12 +230,28 @@ class Obtainer:
         return True
 
     async def _degrade(self, request: Exchange, ctx: RequestContext, failure: Failure) -> Obtained:
-        """The ladder for ``failure``; whatever it held is cancelled on the way out."""
+        """The ladder for ``failure``; whatever it held is cancelled on the way out.
+
+        The route's ``fallback`` list in order: the rungs before ``lighter`` (the stale
+        cache, the local model), then a lighter model in the regions, then the rest."""
         fallback = self.fallback
+        rungs = ctx.route.fallback
         try:
             stale = await self.cache.serve_stale(request, ctx)
             try:
-                rung = await fallback.ladder(request, ctx, stale=stale)
+                if "lighter" in rungs:
+                    at = rungs.index("lighter")
+                    rung = await fallback.ladder(request, ctx, stale=stale, rungs=rungs[:at])
+                    if rung.answer is None:
+                        lighter = await self._lighter(request, ctx, failure.error)
+                        if lighter is not None:
+                            return lighter
+                        later = await fallback.ladder(
+                            request, ctx, stale=stale, rungs=rungs[at + 1 :]
+                        )
+                        rung = replace(later, missing=(*rung.missing, *later.missing))
+                else:
+                    rung = await fallback.ladder(request, ctx, stale=stale)
                 if rung.answer is not None:
                     # The edgeproxy_fallback hook sees the degradation about to answer.
                     record(ctx, rung.answer)
@@ -253,6 +272,87 @@ class Obtainer:
             return outcome
         finally:
             await failure.aclose()
+
+    async def _lighter(
+        self, request: Exchange, ctx: RequestContext, error: ProxyError
+    ) -> AttemptResponse | None:
+        """The ``lighter`` rung: the request for each of its model's lighter models in turn
+        (``fallback_models``), routed and failed over like any request for it; the first
+        that answers, marked, or None.
+
+        Never for a request that refers to stored state: another model would answer another
+        conversation than the client's, silently. A request too long for a lighter model's
+        context window skips that model."""
+        body = ctx.json
+        requested = model_from_body(body)
+        if not isinstance(body, dict) or not isinstance(requested, str):
+            return None
+        chain = ctx.route.fallback_models.get(requested)
+        if not chain:
+            return None
+        fallback = self.fallback
+        if dialect_for(ctx.path).stateful(body):
+            fallback.lighter_skipped["stateful"] += 1
+            return None
+        needed = estimate_prompt_tokens(body) + (_max_tokens(ctx.path, body) or 0)
+        for model in chain:
+            window = self._context_window(ctx, model)
+            if window is not None and needed > window:
+                fallback.lighter_skipped["too_long"] += 1
+                logger.info(
+                    "request %s: %s skipped as lighter model (about %d tokens, window %d)",
+                    ctx.request_id,
+                    model,
+                    needed,
+                    window,
+                )
+                continue
+            leg = ctx.with_json({**body, "model": model})
+            route = self.ranked(leg)
+            if isinstance(route, Failure):
+                fallback.lighter_skipped["no_region"] += 1
+                continue
+            sent = await self.failover.send(request, leg, route.regions)
+            ctx.attempts += sent.attempts
+            if isinstance(sent, Failure):
+                await sent.aclose()
+                fallback.lighter_skipped["failed"] += 1
+                continue
+            if not 200 <= sent.status < 300:
+                await sent.aclose()
+                fallback.lighter_skipped["failed"] += 1
+                continue
+            sent.lighter = leg
+            sent.headers.append(("X-Edgeproxy-Degraded", "lighter-model"))
+            sent.headers.append(("X-Edgeproxy-Model", model))
+            ctx.region = sent.region.name
+            ctx.upstream_ttfb = sent.ttfb
+            ctx.hedged = ctx.hedged or sent.hedged
+            ctx.degraded = "lighter-model"
+            ctx.model = model
+            fallback.answered_lighter(requested, model)
+            logger.info(
+                "request %s: %s answered for %s (%s)",
+                ctx.request_id,
+                model,
+                requested,
+                error.message,
+            )
+            return sent
+        return None
+
+    def _context_window(self, ctx: RequestContext, model: str) -> int | None:
+        """``model``'s context window: the route's ``context_windows``, else the least any
+        region serving it reports."""
+        configured = ctx.route.context_windows.get(model)
+        if configured is not None:
+            return configured
+        reported = [
+            window
+            for region in self.router.regions
+            if (window := region.learned.context_window(model)) is not None
+        ]
+        return min(reported) if reported else None
 
     def continuer(self, plan: RoutePlan) -> Continuer:
         """The continuation of a request routed by ``plan``, for the stream stage."""
@@ -474,6 +574,12 @@ class Continuer:
             raise
         await obtained.aclose()
         return None
+
+
+def _max_tokens(path: str, body: dict[str, Any]) -> int | None:
+    """The most tokens the request asks to be generated, as its API names the bound."""
+    value = dialect_for(path).max_tokens(body)
+    return value if isinstance(value, int) and value > 0 else None
 
 
 def _refused(err: ProxyError) -> Failure:

@@ -244,6 +244,11 @@ class Pipeline:
             # stream: relay chunk by chunk to the client; with the route's continue_on_break,
             # a stream that breaks after tokens were sent goes on at another region.
             upstream = obtained
+            if upstream.lighter is not None and recorder is not None:
+                # A lighter model answered: never stored as the requested model's answer,
+                # and stored as the lighter model's (when its request is cacheable).
+                recorder.release()
+                recorder = await self.cache.recorder_for(request, upstream.lighter)
             if state is not None and state.creates and 200 <= upstream.status < 300:
                 await self._remember(upstream, state)
             plan = route if isinstance(route, RoutePlan) else None
@@ -294,6 +299,8 @@ class Pipeline:
             ctx.finished_at = time.monotonic()
             if response is not None and not ctx.status:
                 ctx.status = response.status
+            if ctx.degraded == "lighter-model" and ctx.model is not None:
+                self.fallback.count_lighter_usage(ctx.model, ctx.usage)
             if "edgeproxy_response_complete" in active:
                 await self.plugins.call_all_logged(
                     "edgeproxy_response_complete", request=request, ctx=ctx

@@ -89,6 +89,7 @@ def record(request: Exchange, ctx: RequestContext) -> dict[str, Any]:
         "duration_ms": _ms(ctx.started, ctx.finished_at),
         "cache": ctx.cache,
         "degraded": ctx.degraded,
+        "model": ctx.model,
         "error": error,
         "usage": ctx.usage,
     }

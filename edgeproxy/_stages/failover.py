@@ -406,6 +406,7 @@ class AttemptResponse:
         "attempts",
         "hedged",
         "ttfb",
+        "lighter",
     )
 
     def __init__(self, attempt: _Attempt, attempts: int, *, hedged: bool = False) -> None:
@@ -421,6 +422,8 @@ class AttemptResponse:
         if attempts > 1:
             self.headers.append(("X-Edgeproxy-Attempts", str(attempts)))
         self.http_version = response.http_version
+        self.lighter: RequestContext | None = None
+        """A lighter model's request (the ladder's ``lighter`` rung), when it answered."""
 
     async def aiter_bytes(self) -> AsyncIterator[bytes]:
         attempt = self.attempt

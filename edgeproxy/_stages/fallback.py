@@ -4,9 +4,14 @@ The full ladder, per route::
 
     1. healthy regions          (routing and failover)
     2. fresh cache              (the cache stage, before any region)
-    3. stale cache              X-Edgeproxy-Degraded: stale-cache
-    4. local model              X-Edgeproxy-Degraded: local-model
-    5. 503 with Retry-After     a JSON error
+    3. a lighter model          X-Edgeproxy-Degraded: lighter-model (the obtain path)
+    4. stale cache              X-Edgeproxy-Degraded: stale-cache
+    5. local model              X-Edgeproxy-Degraded: local-model
+    6. 503 with Retry-After     a JSON error
+
+Rungs 3 to 5 run in the order of the route's ``fallback`` list. The lighter model is
+another request to the regions (routed, failed over), so the obtain path runs it
+(:mod:`edgeproxy._obtain`); this stage runs the others and counts the lighter answers.
 
 Rungs 1 and 2 run before this stage. :class:`FallbackStage` runs when every
 attempt failed before the first byte, when the route's deadline passed with
@@ -38,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -71,7 +77,8 @@ class Degraded:
     response: StreamResponse
     kind: str
     """What answers: ``stale-cache``, ``local-model`` or ``plugin`` (the request's
-    ``degraded``, its ``X-Edgeproxy-Degraded``)."""
+    ``degraded``, its ``X-Edgeproxy-Degraded``; a lighter model's answer is a region's,
+    relayed, and marked ``lighter-model`` by the obtain path)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +118,11 @@ class FallbackStage:
         self.unavailable_total = 0
         # Deadline races (deadline_action = "race"): who produced a byte first.
         self.races: Counter[str] = Counter()
+        # Lighter answers by (requested model, model that answered), and their tokens by
+        # the model that answered; lighter models skipped, by why.
+        self.lighter: Counter[tuple[str, str]] = Counter()
+        self.lighter_tokens: Counter[str] = Counter()
+        self.lighter_skipped: Counter[str] = Counter()
 
     def open(self) -> None:
         """Start loading the local model in the background; returns at once."""
@@ -120,17 +132,23 @@ class FallbackStage:
         await self.local.close()
 
     async def ladder(
-        self, request: Exchange, ctx: RequestContext, *, stale: StreamResponse | None
+        self,
+        request: Exchange,
+        ctx: RequestContext,
+        *,
+        stale: StreamResponse | None,
+        rungs: Sequence[str] | None = None,
     ) -> Rung:
-        """Rungs 3 and 4 as the route orders them: the rung that may answer a request the
-        regions could not. ``stale`` is the cache's stale-if-error answer, if it has one.
+        """The stale cache and the local model as the route orders them (``rungs``: these of
+        its list only): the rung that may answer a request the regions could not. ``stale``
+        is the cache's stale-if-error answer, if it has one.
 
         A local answer holds a generation slot: :meth:`settle` takes it over (the caller
         gives it to :meth:`settle` at once). Raises the local model's own refusal (400 bad
         input, 503 saturated).
         """
         missing: list[str] = []
-        for rung in ctx.route.fallback:
+        for rung in ctx.route.fallback if rungs is None else rungs:
             if rung == "stale" and stale is not None:
                 return Rung(Degraded(stale, "stale-cache"), tuple(missing))
             if rung == "local" and self._local_applies(ctx):
@@ -264,9 +282,33 @@ class FallbackStage:
             headers=headers,
         )
 
+    def answered_lighter(self, requested: str, model: str) -> None:
+        """A lighter model answered for ``requested``."""
+        self.served["lighter-model"] += 1
+        self.lighter[(requested, model)] += 1
+
+    def count_lighter_usage(self, model: str, usage: dict[str, Any] | None) -> None:
+        """A lighter answer's tokens, counted for the model that answered."""
+        if not usage:
+            return
+        for key in ("prompt_tokens", "input_tokens", "completion_tokens", "output_tokens"):
+            value = usage.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                self.lighter_tokens[model] += value
+
     def snapshot(self) -> dict[str, Any]:
         """The fallback part of /status."""
         return {
+            # By model: a list of records with a name (labelled, never a metric name).
+            "lighter": [
+                {"name": f"{requested}>{model}", "answers_total": count}
+                for (requested, model), count in sorted(self.lighter.items())
+            ],
+            "lighter_tokens": [
+                {"name": model, "tokens_total": count}
+                for model, count in sorted(self.lighter_tokens.items())
+            ],
+            "lighter_skipped": dict(self.lighter_skipped),
             "served": dict(self.served),
             "vetoed_total": self.vetoed_total,
             "unavailable_total": self.unavailable_total,

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from edgeproxy._core.config.base import Section
 
 __all__ = ["DEFAULT_FALLBACK", "FallbackRung", "RouteConfig"]
 
 
-FallbackRung = Literal["stale", "local"]
+FallbackRung = Literal["lighter", "stale", "local"]
 DEFAULT_FALLBACK: tuple[FallbackRung, ...] = ("stale", "local")
 
 
@@ -58,8 +58,21 @@ class RouteConfig(Section):
     )
     fallback: list[FallbackRung] = Field(
         default_factory=lambda: list(DEFAULT_FALLBACK),
-        description="The degradation ladder when no region can answer, in order: 'stale' (an "
-        "expired cache entry) and 'local' (the [local_model]); empty turns fallback off.",
+        description="The degradation ladder when no region can answer, in order: 'lighter' (a "
+        "smaller model in the regions, from fallback_models), 'stale' (an expired cache "
+        "entry) and 'local' (the [local_model]); empty turns fallback off.",
+    )
+    fallback_models: dict[str, list[str]] = Field(
+        default_factory=dict,
+        description="For the 'lighter' rung: each model's lighter models, tried in order, e.g. "
+        '{ "llama-3.1-70b" = ["llama-3.1-8b"] }. A lighter model is routed like any '
+        "request for it; a request too long for its context window skips it.",
+    )
+    context_windows: dict[str, int] = Field(
+        default_factory=dict,
+        description="Context windows (tokens) of models, where the regions' /v1/models do not "
+        "report them (vLLM's max_model_len): a request longer than a lighter model's window "
+        "skips that model.",
     )
     deadline_action: Literal["cancel", "race"] = Field(
         "cancel",
@@ -201,6 +214,18 @@ class RouteConfig(Section):
             if value.count(rung) > 1:
                 raise ValueError(f"lists {rung!r} twice")
         return value
+
+    @model_validator(mode="after")
+    def _lighter_needs_models(self) -> RouteConfig:
+        if "lighter" in self.fallback and not self.fallback_models:
+            raise ValueError("fallback lists 'lighter' but fallback_models names no lighter model")
+        for model, lighter in self.fallback_models.items():
+            if model in lighter:
+                raise ValueError(f"fallback_models: {model!r} lists itself as lighter")
+        for model, window in self.context_windows.items():
+            if window < 1:
+                raise ValueError(f"context_windows: {model!r} must be at least 1 token")
+        return self
 
     def matches(self, method: str, path: str) -> bool:
         """Whether a request with ``method`` and ``path`` belongs to this route.

@@ -423,6 +423,14 @@ class CacheStage:
         self.stats.outcomes[outcome] += 1
         return resp
 
+    async def recorder_for(self, request: Exchange, ctx: RequestContext) -> CacheRecorder | None:
+        """The recorder storing the answer to ``ctx`` under its own key (a lighter model's
+        request, answering for another), or None when that request is not cacheable."""
+        if self.backend is None:
+            return None
+        plan = await self.plan(request, ctx)
+        return None if plan is None else CacheRecorder(self, ctx, plan, None)
+
     def _lead(self, ctx: RequestContext, plan: CachePlan, flight: Flight | None) -> CacheRecorder:
         ctx.cache = "MISS"
         self.stats.outcomes["MISS"] += 1
