@@ -95,6 +95,7 @@ class Rec:
     total: float
     error: str = ""
     cache: str = ""
+    degraded: str = ""  # X-Edgeproxy-Degraded: what rung of the ladder answered
 
 
 @dataclass
@@ -373,7 +374,18 @@ class Client:
                 if buffered or not streamed:
                     first = total
                 cache = resp.headers.get("x-edgeproxy-cache", resp.headers.get("x-cache", ""))
-                return Rec(variant, label, sent, resp.status, ttfb, first, total, cache=cache)
+                degraded = resp.headers.get("x-edgeproxy-degraded", "")
+                return Rec(
+                    variant,
+                    label,
+                    sent,
+                    resp.status,
+                    ttfb,
+                    first,
+                    total,
+                    cache=cache,
+                    degraded=degraded,
+                )
         except (aiohttp.ClientError, TimeoutError, ConnectionError) as exc:
             spent = loop.time() - t0
             return Rec(variant, label, sent, 0, spent, spent, spent, error=type(exc).__name__)

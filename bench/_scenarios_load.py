@@ -143,6 +143,121 @@ async def saturation(mode: Mode) -> Outcome:
     )
 
 
+# -- 3b. GPU saturation, with a lighter model ---------------------------------------------
+
+
+async def lighter(mode: Mode) -> Outcome:
+    """The saturation of scenario 3 with a lighter model in a second region: the overflow
+    degrades to the stale cache alone, or first to the lighter model."""
+    phase = 1.0 if mode.short else 10.0
+    slots, service = 8, 0.2
+    rate = 2 * slots / service  # twice the big region's capacity
+    # Each question once in the overload (warmed before, stale since): no fresh hits, so
+    # every request the big model cannot take goes down the ladder.
+    questions = int(rate * phase)
+    world = World(mode.geometry)
+    await world.region("us-east", ttft=service, tokens=16, max_running=slots)
+    # The lighter model: four times the slots, a quarter of the time per request.
+    await world.region(
+        "us-east-light", model="fake-llm-8b", ttft=service / 4, tokens=16, max_running=4 * slots
+    )
+    variants = [
+        ("edgeproxy+degrade to stale", "edgeproxy", "saturation_degrade"),
+        ("edgeproxy+lighter, then stale", "edgeproxy", "saturation_lighter"),
+    ]
+    rows: list[list[object]] = []
+    p99s: dict[str, float | None] = {}
+    recs_all: list[Rec] = []
+    try:
+        started = await world.start_all(variants, read_timeout=2.0)
+        for name, _, config in variants:
+            proxy = started[name]
+            async with Client(timeout=30) as client:
+                # Its questions once at a quiet time, so that the cache holds them (stale).
+                warm = [
+                    functools.partial(client.call, name, proxy.url, chat_body(f"q {q}"))
+                    for q in range(questions)
+                ]
+                await closed_loop(2 * slots, warm)
+                await asyncio.sleep(1.2)  # past cache_ttl: stale
+                recs = await open_loop(
+                    client,
+                    name,
+                    [proxy.url],
+                    rate,
+                    [("overload", phase, None)],
+                    prefix="q",
+                    questions=questions,
+                )
+            await world.stop_proxy(proxy)
+            recs_all += recs
+            ok = [r.total for r in recs if r.status == 200]
+            p99s[str(config)] = pct(ok, 99)
+
+            def share(kind: str, recs: list[Rec] = recs) -> float:
+                picked = {
+                    "region": lambda r: r.status == 200 and not r.degraded and r.cache != "HIT",
+                    "fresh cache": lambda r: r.status == 200 and r.cache == "HIT",
+                    "lighter": lambda r: r.degraded == "lighter-model",
+                    "stale": lambda r: r.degraded == "stale-cache",
+                    "failed": lambda r: r.status != 200,
+                }[kind]
+                return round(100 * sum(picked(r) for r in recs) / max(1, len(recs)), 1)
+
+            rows.append(
+                [
+                    name,
+                    len(recs),
+                    len(ok),
+                    share("region"),
+                    share("fresh cache"),
+                    share("lighter"),
+                    share("stale"),
+                    share("failed"),
+                    pct(ok, 50),
+                    pct(ok, 99),
+                ]
+            )
+            for region in world.regions.values():
+                region.reset_counters()
+    finally:
+        await world.close()
+    without, with_lighter = p99s["saturation_degrade"], p99s["saturation_lighter"]
+    return Outcome(
+        "lighter",
+        f"3b. GPU saturation with a lighter model: {slots} slots x {service:g} s for the model "
+        f"asked, {4 * slots} x {service / 4:g} s for the lighter one, offered {rate:g} req/s "
+        f"(2x the big model's capacity) for {phase:g} s over {questions} questions",
+        [
+            "variant",
+            "requests",
+            "200",
+            "% by the model asked",
+            "% fresh cache",
+            "% lighter model",
+            "% stale cache",
+            "% not answered",
+            "p50 of 200s ms",
+            "p99 of 200s ms",
+        ],
+        rows,
+        {
+            "metric": "p99 of answered requests",
+            "baseline": without,
+            "edgeproxy": with_lighter,
+            "ratio": ratio(without, with_lighter),
+            "target": None,
+        },
+        {"requests": len(recs_all), "answered": sum(r.status == 200 for r in recs_all)},
+        [
+            "both variants warm the cache with every question first and let it go stale, so "
+            "the stale rung can answer in both: the difference is the lighter rung before it",
+            "the share columns are of all requests; a lighter answer is a fresh answer of the "
+            "lighter model, a stale one is an old answer of the model asked",
+        ],
+    )
+
+
 # -- 7. backlog --------------------------------------------------------------------------
 
 

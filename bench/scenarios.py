@@ -45,7 +45,7 @@ from _scenario_rig import (
     plain_proxy,
     ratio,
 )
-from _scenarios_load import backlog, cold_start, saturation
+from _scenarios_load import backlog, cold_start, lighter, saturation
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -439,6 +439,7 @@ SCENARIOS: dict[str, Callable[[Mode], Awaitable[Outcome]]] = {
     "cache": cache,
     "storm": storm,
     "saturation": saturation,
+    "lighter": lighter,
     "backlog": backlog,
     "cold_start": cold_start,
 }
@@ -508,6 +509,7 @@ def plot(outcome: Outcome, path: Path) -> Path | None:
         "cache": 3,
         "storm": 2,
         "saturation": 7,
+        "lighter": 9,
         "backlog": 4,
     }.get(outcome.name, 1)
     names = [str(r[0]) for r in outcome.rows]

@@ -69,6 +69,23 @@ def shared_cache(redis_server: str, prefix: str, **extra: Any) -> dict[str, Any]
     }
 
 
+async def published(
+    make_region: RegionFactory,
+    make_proxy: ProxyFactory,
+    client: aiohttp.ClientSession,
+    redis_server: str,
+    redis_prefix: str,
+) -> tuple[FakeRegion, EdgeProxy]:
+    """A region, and a proxy sharing through Redis that has stored and shared QUESTION."""
+    region = await make_region("r1", tokens=6)
+    proxy = await make_proxy(
+        [region], cache=shared_cache(redis_server, redis_prefix), routes=ROUTES
+    )
+    await ask(client, proxy, QUESTION)
+    await eventually(lambda: semantic(proxy)["shared"]["published"] == 1)
+    return region, proxy
+
+
 async def test_a_proxy_started_later_warms_its_index_from_redis(
     make_region: RegionFactory,
     make_proxy: ProxyFactory,
@@ -120,12 +137,7 @@ async def test_another_embedder_s_questions_are_not_taken(
     redis_server: str,
     redis_prefix: str,
 ) -> None:
-    region = await make_region("r1", tokens=6)
-    first = await make_proxy(
-        [region], cache=shared_cache(redis_server, redis_prefix), routes=ROUTES
-    )
-    await ask(client, first, QUESTION)
-    await eventually(lambda: semantic(first)["shared"]["published"] == 1)
+    region, _ = await published(make_region, make_proxy, client, redis_server, redis_prefix)
     other = shared_cache(
         redis_server,
         redis_prefix,
@@ -144,12 +156,7 @@ async def test_purges_take_the_shared_questions_too(
     redis_server: str,
     redis_prefix: str,
 ) -> None:
-    region = await make_region("r1", tokens=6)
-    proxy = await make_proxy(
-        [region], cache=shared_cache(redis_server, redis_prefix), routes=ROUTES
-    )
-    await ask(client, proxy, QUESTION)
-    await eventually(lambda: semantic(proxy)["shared"]["published"] == 1)
+    region, proxy = await published(make_region, make_proxy, client, redis_server, redis_prefix)
     raw = aioredis.Redis.from_url(redis_server)
     try:
         records = [k async for k in raw.scan_iter(match=redis_prefix + "*~q")]
