@@ -160,6 +160,10 @@ class Obtainer:
             if isinstance(routed, Failure):
                 failure = routed
             else:
+                if request is not None and degrade and self._saturated(ctx, routed):
+                    early = await self._lighter(request, ctx, _SATURATED)
+                    if early is not None:
+                        return early
                 sent = await self.failover.send(request, ctx, routed, keep_late=keep_late)
                 # Before the ladder: its hooks, and the error answer, see what was tried.
                 record(ctx, sent)
@@ -340,6 +344,27 @@ class Obtainer:
             )
             return sent
         return None
+
+    def _saturated(self, ctx: RequestContext, regions: Sequence[Region]) -> bool:
+        """Whether the route sends ``ctx`` to its lighter model before the regions: every
+        region that would serve it reports at least ``lighter_when_waiting`` requests
+        waiting (a region with no fresh report is not saturated), and the request's
+        priority is at most ``lighter_max_priority``."""
+        route = ctx.route
+        threshold = route.lighter_when_waiting
+        if threshold is None or not regions or "lighter" not in route.fallback:
+            return False
+        ceiling = route.lighter_max_priority
+        if ceiling is not None and ctx.priority > ceiling:
+            return False
+        now = self.router.clock()
+        max_age = self.router.config.routing.load_report_max_age
+        for region in regions:
+            report = region.reported.fresh(now, max_age)
+            waiting = None if report is None else report.num_requests_waiting
+            if waiting is None or waiting < threshold:
+                return False
+        return True
 
     def _context_window(self, ctx: RequestContext, model: str) -> int | None:
         """``model``'s context window: the route's ``context_windows``, else the least any
@@ -574,6 +599,12 @@ class Continuer:
             raise
         await obtained.aclose()
         return None
+
+
+# Why a request went to its lighter model before the regions (for the log).
+_SATURATED = ProxyError(
+    503, "service_unavailable", "every region serving the model reports a deep queue"
+)
 
 
 def _max_tokens(path: str, body: dict[str, Any]) -> int | None:

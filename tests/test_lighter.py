@@ -219,3 +219,26 @@ def test_lighter_without_fallback_models_is_a_config_error() -> None:
                 "routes": [{"name": "llm", "path": "/v1/", "fallback": ["lighter"]}],
             }
         )
+
+
+async def test_a_deep_reported_queue_sends_low_priority_requests_to_the_lighter_model_first(
+    make_region: RegionFactory, make_proxy: ProxyFactory, client: aiohttp.ClientSession
+) -> None:
+    from edgeproxy._protocol.loadmetrics import LoadReport
+
+    big, small = await regions(make_region)
+    proxy = await proxy_for(make_proxy, big, small, lighter_when_waiting=10, lighter_max_priority=0)
+    region = proxy.regions.by_name["big"]
+    now = proxy.regions.clock()
+    region.reported.accept(LoadReport(num_requests_waiting=5.0), now, "test")
+    status, headers, _ = await chat(client, proxy)
+    assert status == 200 and "X-Edgeproxy-Degraded" not in headers  # not deep enough
+    region.reported.accept(LoadReport(num_requests_waiting=40.0), proxy.regions.clock(), "test")
+    status, headers, answer = await chat(client, proxy)
+    assert headers["X-Edgeproxy-Degraded"] == "lighter-model" and answer["model"] == SMALL
+    assert calls(big) == 1  # the big region was not tried
+    # An interactive request still waits for the big model.
+    body = {"model": BIG, "messages": [{"role": "user", "content": "hello"}]}
+    async with client.post(proxy.url + CHAT, json=body, headers={"X-Priority": "10"}) as resp:
+        assert resp.status == 200 and "X-Edgeproxy-Degraded" not in resp.headers
+    assert calls(big) == 2

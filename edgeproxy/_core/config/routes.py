@@ -68,6 +68,18 @@ class RouteConfig(Section):
         '{ "llama-3.1-70b" = ["llama-3.1-8b"] }. A lighter model is routed like any '
         "request for it; a request too long for its context window skips it.",
     )
+    lighter_when_waiting: int | None = Field(
+        None,
+        ge=1,
+        description="With 'lighter' in fallback: send a request to its lighter model before "
+        "the regions when every region that would serve its model reports (fresh, in its "
+        "load reports) at least this many requests waiting. Unset: only when they fail.",
+    )
+    lighter_max_priority: int | None = Field(
+        None,
+        description="lighter_when_waiting applies only to requests of at most this priority "
+        "(e.g. 0: batch and low first). Unset: every priority.",
+    )
     context_windows: dict[str, int] = Field(
         default_factory=dict,
         description="Context windows (tokens) of models, where the regions' /v1/models do not "
