@@ -33,6 +33,12 @@ __all__ = ["main"]
 _PR_SET_PDEATHSIG = 1
 
 
+# Exit codes, the same for every command: 0 done; 1 a failure while running (workers that
+# did not start, a region that did not answer); 2 a bad command line or configuration,
+# as argparse exits for a bad command line.
+EXIT_CONFIG = 2
+
+
 def _run(coro_fn: Callable[[], Coroutine[Any, Any, int]]) -> int:
     """Run on uvloop where available: it roughly halves the event loop's own cost."""
     loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None
@@ -109,7 +115,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         config = load()
     except ConfigError as exc:
         print(f"edgeproxy: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     if config.server.worker_count() > 1:
         _setup_logging(args.log_level, process=True)
         supervisor = Supervisor(config, load, log_level=args.log_level)
@@ -120,7 +126,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         # What only shows when the listeners open: TLS files, the admin token's variable.
         print(f"edgeproxy: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
 
 
 def _follow_supervisor(pid: int) -> bool:
@@ -152,7 +158,7 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
         check_tls_files(config)
     except ConfigError as exc:
         print(f"edgeproxy: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_CONFIG
     names = ", ".join(r.name for r in config.regions)
     print(f"{args.file}: OK ({len(config.regions)} regions: {names})")
     return 0
@@ -171,7 +177,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         return _run(lambda: run_demo(args))
     except ConfigError as exc:
         print(f"edgeproxy: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -34,7 +34,7 @@ def test_check_config_ok(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
 def test_check_config_lists_every_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "edge.toml"
     path.write_text('[server]\nport = 70000\n[[regions]]\nname = "a"\nurl = "gopher://x"\n')
-    assert main(["check-config", str(path)]) == 1
+    assert main(["check-config", str(path)]) == 2
     err = capsys.readouterr().err
     assert "server.port:" in err
     assert "regions[0].url: must be an http:// or https:// URL" in err
@@ -155,3 +155,51 @@ async def test_demo_serves_on_embedded_defaults() -> None:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+def test_an_environment_override_is_named_as_the_source_with_a_suggestion(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "good.toml"
+    path.write_text('[[regions]]\nname = "a"\nurl = "http://127.0.0.1:9101"\n')
+    monkeypatch.setenv("EDGEPROXY_SERVER__PROT", "1")
+    assert main(["check-config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "server.prot (from the environment variable EDGEPROXY_SERVER__PROT): unknown key; "
+        "did you mean 'port'?" in err
+    )
+
+
+def test_unknown_keys_get_the_closest_key_and_bad_values_are_shown(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "edge.toml"
+    path.write_text(
+        '[server]\nport = "abc"\n[cache]\nredis_password = 5\n'
+        '[[regions]]\nname = "a"\nurl = "http://127.0.0.1:9101"\nweigth = 2\n'
+        '[[routes]]\nname = "r"\npath = "/"\nsemantic_treshold = 0.5\n'
+    )
+    assert main(["check-config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "server.port: Input should be a valid integer" in err and "(got 'abc')" in err
+    assert "regions[0].weigth: unknown key; did you mean 'weight'?" in err
+    assert "routes[0].semantic_treshold: unknown key; did you mean 'semantic_threshold'?" in err
+    # A secret's value is never echoed.
+    line = next(x for x in err.splitlines() if "cache.redis_password" in x)
+    assert "got" not in line
+
+
+@pytest.mark.parametrize("command", ["serve", "check-config", "demo"])
+def test_a_bad_configuration_exits_2_from_every_command(
+    tmp_path: Path, command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "edge.toml"
+    path.write_text("[server]\nport = 70000\n")
+    argv = {
+        "serve": ["serve", "--config", str(path)],
+        "check-config": ["check-config", str(path)],
+        "demo": ["demo", "--port", "70000"],
+    }[command]
+    assert main(argv) == 2
+    assert "server.port" in capsys.readouterr().err

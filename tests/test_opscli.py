@@ -262,9 +262,13 @@ async def test_bench_client_failures_and_bounds(capsys: pytest.CaptureFixture[st
 # -- top in a pseudo-terminal -------------------------------------------------------------
 
 
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 @contextlib.contextmanager
 def in_pty(
-    argv: Sequence[str], columns: int = 140, rows: int = 60
+    argv: Sequence[str], columns: int = 140, rows: int = 60, *, ignore_sigint: bool = False
 ) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, columns, 0, 0))
@@ -278,6 +282,9 @@ def in_pty(
         stderr=slave,
         env=env,
         start_new_session=True,
+        # As a backgrounded job of a non-interactive shell starts it: SIGINT ignored, which
+        # exec passes on.
+        preexec_fn=_ignore_sigint if ignore_sigint else None,
     )
     os.close(slave)
     try:
@@ -343,6 +350,18 @@ async def test_top_draws_regions_and_sparklines_in_a_pty(
         text = await asyncio.to_thread(read_until, master, proc, _drawn, 60)
         assert _drawn(text), text
         assert proc.poll() is None
+        os.killpg(proc.pid, signal.SIGINT)
+        assert await asyncio.to_thread(proc.wait, 30) == 0
+
+
+async def test_top_ends_on_ctrl_c_even_when_its_parent_ignored_sigint(
+    make_region: RegionFactory, make_proxy: ProxyFactory
+) -> None:
+    proxy = await two_regions(make_region, make_proxy)
+    argv = ["top", "--admin", proxy.admin_url, "--interval", "0.2"]
+    with in_pty(argv, ignore_sigint=True) as (proc, master):
+        text = await asyncio.to_thread(read_until, master, proc, _drawn, 60)
+        assert _drawn(text), text
         os.killpg(proc.pid, signal.SIGINT)
         assert await asyncio.to_thread(proc.wait, 30) == 0
 

@@ -193,7 +193,7 @@ async def test_tls_files_that_do_not_load_are_errors_naming_the_key(
         f'[server]\ntls_cert = "{cert}"\ntls_key = "{other_key}"\n'
         '[[regions]]\nname = "a"\nurl = "http://127.0.0.1:9"\n'
     )
-    assert main(["check-config", str(path)]) == 1
+    assert main(["check-config", str(path)]) == 2
     assert "server.tls_key:" in capsys.readouterr().err
 
 

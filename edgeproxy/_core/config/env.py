@@ -20,8 +20,12 @@ def _coerce_env_value(raw: str) -> Any:
         return raw
 
 
-def apply_env(data: dict[str, Any], environ: Mapping[str, str]) -> None:
-    """Apply ``EDGEPROXY_SECTION__KEY`` and ``EDGEPROXY_REGIONS__<name|index>__KEY`` overrides."""
+def apply_env(data: dict[str, Any], environ: Mapping[str, str]) -> dict[tuple[Any, ...], str]:
+    """Apply ``EDGEPROXY_SECTION__KEY`` and ``EDGEPROXY_REGIONS__<name|index>__KEY`` overrides.
+
+    Returns where each one went (``("server", "port")``, ``("regions", 0, "url")``) and the
+    variable that set it, so that an error about that key names the variable as its source."""
+    origins: dict[tuple[Any, ...], str] = {}
     for name, raw in environ.items():
         if not name.startswith(ENV_PREFIX) or "__" not in name:
             continue
@@ -44,11 +48,14 @@ def apply_env(data: dict[str, Any], environ: Mapping[str, str]) -> None:
                         target = region
             if isinstance(target, dict):
                 target[path[2]] = value
+                origins[("regions", regions.index(target), path[2])] = name
             continue
         if len(path) == 2:
             section = data.setdefault(path[0], {})
             if isinstance(section, dict):
                 section[path[1]] = value
+                origins[(path[0], path[1])] = name
+    return origins
 
 
 def deep_copy(data: Any) -> Any:

@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
-from pydantic import ValidationError
+import difflib
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
 
 __all__ = ["ConfigError", "format_errors"]
+
+# Values of keys whose names say they are secrets are never echoed in an error.
+_SECRET_PARTS = ("password", "token", "secret", "api_key", "key_file", "credential")
+# Errors whose input is not worth echoing: the key is unknown or absent.
+_NO_VALUE = frozenset({"extra_forbidden", "missing"})
 
 
 class ConfigError(ValueError):
@@ -17,8 +28,19 @@ class ConfigError(ValueError):
         super().__init__(f"invalid configuration{where}:\n  " + "\n  ".join(errors))
 
 
-def format_errors(exc: ValidationError) -> list[str]:
-    """One ``key: reason`` line per problem, keys written as TOML writes them."""
+def format_errors(
+    exc: ValidationError,
+    *,
+    model: type[BaseModel] | None = None,
+    origins: Mapping[tuple[Any, ...], str] | None = None,
+) -> list[str]:
+    """One ``key: reason`` line per problem, keys written as TOML writes them.
+
+    With ``model`` (the config's class), an unknown key gets the closest known key of its
+    table as a suggestion; with ``origins`` (where environment variables set keys, as
+    :func:`~edgeproxy._core.config.env.apply_env` returns them), a key an environment
+    variable set names that variable as its source. A type or range error shows the value
+    it got, unless the key looks like a secret."""
     lines = []
     for err in exc.errors():
         loc = ""
@@ -34,10 +56,83 @@ def format_errors(exc: ValidationError) -> list[str]:
         msg = err["msg"]
         if msg.startswith("Value error, "):
             msg = msg[len("Value error, ") :]
+        path = tuple(err["loc"])
         if err["type"] == "extra_forbidden":
             msg = "unknown key"
+            known = _known_keys(model, path[:-1]) if model is not None else []
+            close = difflib.get_close_matches(str(path[-1]), known, n=1, cutoff=0.6)
+            if close:
+                msg += f"; did you mean '{close[0]}'?"
+        elif err["type"] not in _NO_VALUE and "input" in err and not _secret(path):
+            msg += f" (got {_shown(err['input'])})"
+        if origins:
+            variable = _origin(origins, path)
+            if variable is not None:
+                loc = f"{loc} (from the environment variable {variable})"
         if loc:
             lines.append(f"{loc}: {msg}")
         else:
             lines.append(msg)
     return lines
+
+
+def _origin(origins: Mapping[tuple[Any, ...], str], path: tuple[Any, ...]) -> str | None:
+    """The variable that set ``path``, or a table above it."""
+    for end in range(len(path), 0, -1):
+        found = origins.get(path[:end])
+        if found is not None:
+            return found
+    return None
+
+
+def _secret(path: tuple[Any, ...]) -> bool:
+    return any(part in str(name).lower() for name in path for part in _SECRET_PARTS)
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _known_keys(model: type[BaseModel], path: tuple[Any, ...]) -> list[str]:
+    """The keys of the table at ``path`` of ``model`` (list indexes and dict keys walked
+    through their item types); none when the path leads elsewhere."""
+    current: Any = model
+    for part in path:
+        if isinstance(part, int):
+            current = _item_type(current, list)
+        elif isinstance(current, type) and issubclass(current, BaseModel):
+            field = current.model_fields.get(str(part))
+            if field is None:
+                return []
+            current = _model_in(field.annotation)
+        else:
+            current = _item_type(current, dict)
+        if current is None:
+            return []
+    if isinstance(current, type) and issubclass(current, BaseModel):
+        return list(current.model_fields)
+    return []
+
+
+def _model_in(annotation: Any) -> Any:
+    """The model class, or the list or dict of them, that ``annotation`` holds."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(annotation):
+            found = _model_in(arg)
+            if found is not None:
+                return found
+        return None
+    if origin in (list, dict):
+        return annotation
+    return None
+
+
+def _item_type(container: Any, kind: type) -> Any:
+    if typing.get_origin(container) is not kind:
+        return None
+    args = typing.get_args(container)
+    return _model_in(args[-1]) if args else None

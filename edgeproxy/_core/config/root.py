@@ -122,11 +122,12 @@ class Config(Section):
         Raises :class:`ConfigError` listing every problem as ``key: reason``.
         """
         merged: dict[str, Any] = deep_copy(data)
-        apply_env(merged, os.environ if environ is None else environ)
+        origins = apply_env(merged, os.environ if environ is None else environ)
         try:
             config = cls.model_validate(merged)
         except ValidationError as exc:
-            raise ConfigError(format_errors(exc), source=source) from None
+            errors = format_errors(exc, model=cls, origins=origins)
+            raise ConfigError(errors, source=source) from None
         if base_dir is not None:
             config._base_dir = Path(base_dir).resolve()
         return config
