@@ -90,8 +90,9 @@ async def run_demo(args: argparse.Namespace) -> int:
         print(
             f"""
 edgeproxy demo: PoP {config.pop.name}, {count} emulated regions
-  proxy   {url}
-  admin   {proxy.admin_url}/status
+  proxy   {url}  (--port moves it)
+  admin   {proxy.admin_url}  (--admin-port moves it)
+  status  {proxy.admin_url}/  (the status page; its JSON at /status)
   local   {local_line}
 
 Try:

@@ -152,12 +152,37 @@ async def test_served_alone_follows_the_asgi_lifespan(make_region: RegionFactory
     assert not proxy.is_open
 
 
-async def test_not_open_is_a_clear_503(make_region: RegionFactory) -> None:
+async def test_mounted_without_a_lifespan_it_opens_on_its_first_request_with_a_warning(
+    make_region: RegionFactory, caplog: pytest.LogCaptureFixture
+) -> None:
     region = await make_region("ap-1")
     proxy = make_proxy(region.url)
-    # A host that forgot the proxy's lifespan.
+    # A host that forgot the proxy's lifespan, as a newcomer writes it.
     host = Starlette(routes=[Mount("/llm", app=proxy.asgi)])
-    async with served(host) as url, aiohttp.ClientSession() as client:
+    try:
+        async with served(host) as url, aiohttp.ClientSession() as client:
+            answers = await asyncio.gather(
+                *(client.post(url + "/llm" + CHAT, json=BODY) for _ in range(3))
+            )
+            assert [a.status for a in answers] == [200, 200, 200]
+            for answer in answers:
+                answer.release()
+        warnings = [r for r in caplog.records if "lifespan=proxy.lifespan" in r.getMessage()]
+        assert len(warnings) == 1 and warnings[0].levelname == "WARNING"
+        assert proxy.is_open
+    finally:
+        await proxy.close()
+
+
+async def test_once_closed_it_stays_closed_a_clear_503(make_region: RegionFactory) -> None:
+    region = await make_region("ap-1")
+    proxy = make_proxy(region.url)
+    host = Starlette(routes=[Mount("/llm", app=proxy.asgi)], lifespan=proxy.lifespan)
+    async with served(host) as url:
+        pass  # opened and closed by the host's lifespan
+    assert proxy.ever_opened and not proxy.is_open
+    app = Starlette(routes=[Mount("/llm", app=proxy.asgi)])
+    async with served(app) as url, aiohttp.ClientSession() as client:
         async with client.post(url + "/llm" + CHAT, json=BODY) as resp:
             assert resp.status == 503
             error = (await resp.json())["error"]

@@ -133,14 +133,18 @@ async def test_demo_serves_on_embedded_defaults() -> None:
     )
     try:
         assert proc.stdout is not None
-        url = admin = None
-        while url is None or admin is None:
+        url = admin = page = None
+        while url is None or admin is None or page is None:
             line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
             assert line, "demo exited before printing its URLs"
             if line.strip().startswith("proxy "):
                 url = line.split()[1]
+                assert "--port" in line  # the banner says how to move it
             if line.strip().startswith("admin "):
-                admin = line.split()[1].removesuffix("/status")
+                admin = line.split()[1]
+                assert "--admin-port" in line
+            if line.strip().startswith("status "):
+                page = line.split()[1]
         body = {"model": "demo", "messages": [{"role": "user", "content": "hello"}]}
         async with aiohttp.ClientSession() as client:
             async with client.post(url + "/v1/chat/completions", json=body) as resp:
@@ -148,9 +152,17 @@ async def test_demo_serves_on_embedded_defaults() -> None:
                 assert resp.headers["X-Edgeproxy-Region"] == "ap-southeast-1"
             async with client.get(admin + "/status") as resp:
                 status = await resp.json()
+            async with client.get(page) as resp:
+                assert resp.content_type == "text/html"  # the status page itself
         assert len(status["regions"]) == 3
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 30) == 0
+        assert proc.stderr is not None
+        log = (await proc.stderr.read()).decode()
+        # serve's log names the admin listener and the status page too...
+        assert f"status page at {page}" in log
+        # ...and llama.cpp's warnings about the test model stay out of it.
+        assert "special_eos_id" not in log
     finally:
         if proc.returncode is None:
             proc.kill()

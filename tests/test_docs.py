@@ -200,7 +200,7 @@ def test_readme_commands_are_the_ci_and_getting_started_ones() -> None:
 
 def test_mkdocs_build_strict(tmp_path: Path) -> None:
     if importlib.util.find_spec("mkdocs") is None:
-        reason = "mkdocs is not importable: install the test extra (pip install -e '.[test]')"
+        reason = "mkdocs is not importable: install the dev extra (pip install -e '.[dev]')"
         print(reason)
         pytest.skip(reason)
     result = subprocess.run(

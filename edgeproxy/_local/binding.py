@@ -21,7 +21,9 @@ from edgeproxy._core.config import LocalModelConfig
 
 llama_logger = logging.getLogger("edgeproxy.local_model.llama")
 
-_LOG_LEVELS = {2: logging.WARNING, 3: logging.ERROR}
+# ggml's log levels since late 2024 (llama-cpp-python 0.3): 1 debug, 2 info, 3 warn, 4 error,
+# 5 the continuation of the line before.
+_GGML_LOG_ERROR = 4
 _recent_errors: deque[str] = deque(maxlen=8)
 _device_re = re.compile(r"layer\s+\d+ assigned to device (\S+?),")
 _log_state: dict[str, Any] = {}
@@ -44,14 +46,17 @@ def _install_llama_logging(llama_cpp: Any) -> None:
             return
         if not line:
             return
-        if level == 3:
+        error = level == _GGML_LOG_ERROR
+        if error:
             _recent_errors.append(line)
         match = _device_re.search(line)
         if match is not None:
             devices = _log_state.setdefault("devices", Counter())
             devices[match.group(1)] += 1
-        # llama.cpp warns about things that are fine for a proxy; keep them at debug.
-        llama_logger.log(logging.WARNING if level == 3 else logging.DEBUG, "%s", line)
+        # llama.cpp's warnings are about things that are fine for a proxy (a test model's
+        # tokenizer, a context smaller than the model's): at debug, like its other lines,
+        # shown with the logger edgeproxy.local_model.llama at DEBUG. Its errors stay up.
+        llama_logger.log(logging.WARNING if error else logging.DEBUG, "%s", line)
 
     # Keep a reference: llama.cpp calls it for as long as the process lives.
     _log_state["callback"] = _callback

@@ -120,6 +120,9 @@ class EdgeProxy:
         self._pipeline: Pipeline | None = None
         self._load_view: LoadView | None = None
         self._users = 0
+        self.ever_opened = False
+        """Whether :meth:`open` ever succeeded (an ASGI host without a lifespan opens the
+        proxy on its first request, once, never again after it closed)."""
         # Generations replaced by a reload, draining in the background until closed.
         self._retiring = Retiring()
         self._reload_lock = asyncio.Lock()
@@ -241,6 +244,7 @@ class EdgeProxy:
             self._users -= 1
             raise
         self._swap(generation)
+        self.ever_opened = True
         try:
             await self.plugins.call_all("edgeproxy_startup", proxy=self)
         except BaseException:
@@ -585,6 +589,16 @@ class EdgeProxy:
                 )
             await admin.start()
         logger.info("edgeproxy %s listening on %s", self.config.pop.name, self.url)
+        if admin_socket is None and self._admin_runner is not None:
+            admin_url = self.admin_url
+            logger.info(
+                "edgeproxy admin on %s: the status page at %s/, its JSON at %s/status, "
+                "metrics at %s/metrics",
+                admin_url,
+                admin_url,
+                admin_url,
+                admin_url,
+            )
 
     @property
     def url(self) -> str:

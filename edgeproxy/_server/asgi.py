@@ -69,6 +69,9 @@ class Served(Protocol):
     @property
     def is_open(self) -> bool: ...
 
+    @property
+    def ever_opened(self) -> bool: ...
+
     async def open(self) -> None: ...
 
     async def close(self) -> None: ...
@@ -321,6 +324,8 @@ class AsgiApp:
     server. ``lifespan`` events open and close the proxy's pools; a host whose router
     does not forward them to mounted apps (Starlette, FastAPI) passes
     :meth:`EdgeProxy.lifespan <edgeproxy.EdgeProxy.lifespan>` as its own ``lifespan``.
+    Mounted without either, the proxy opens on its first request, once, with a warning
+    that says how to open and close it properly (it is then closed by nobody).
 
     A server may put a callable in the scope's ``extensions["edgeproxy.reset"]``: an
     aborted answer calls it to reset the request's stream at once (the HTTP/2 listener
@@ -333,6 +338,7 @@ class AsgiApp:
 
     def __init__(self, proxy: Served) -> None:
         self.proxy = proxy
+        self._opening: asyncio.Lock | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -367,7 +373,7 @@ class AsgiApp:
             raise AnswerAborted("the answer was aborted")
 
     async def _answer(self, exchange: AsgiExchange) -> StreamResponse:
-        if not self.proxy.is_open:
+        if not self.proxy.is_open and not await self._open_on_first_request():
             return own_answer(
                 ProxyError(
                     503,
@@ -391,6 +397,30 @@ class AsgiApp:
             return own_answer(error)
         # The pipeline answers every ProxyError itself (a body bound while it reads, too).
         return await self.proxy.serve_exchange(exchange)
+
+    async def _open_on_first_request(self) -> bool:
+        """Open a proxy mounted without a lifespan, once; False when it stays closed (it
+        was closed after being open, or opening failed)."""
+        proxy = self.proxy
+        if proxy.ever_opened:
+            return proxy.is_open
+        if self._opening is None:
+            self._opening = asyncio.Lock()
+        async with self._opening:
+            if proxy.ever_opened:
+                return proxy.is_open
+            logger.warning(
+                "edgeproxy: the proxy was not opened by its host's lifespan, so its first "
+                "request opens it and nothing will close it. Pass lifespan=proxy.lifespan to "
+                "the host (FastAPI(lifespan=proxy.lifespan), Starlette(lifespan=...)), or "
+                "serve proxy.asgi with an ASGI server that runs its lifespan"
+            )
+            try:
+                await proxy.open()
+            except Exception:
+                logger.exception("edgeproxy: opening the proxy on its first request failed")
+                return False
+        return proxy.is_open
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:

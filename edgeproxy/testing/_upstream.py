@@ -27,7 +27,7 @@ try:
     from hypercorn.config import Config
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
-        "edgeproxy.testing needs hypercorn; install edgeproxy[test] or edgeproxy[bench]"
+        "edgeproxy.testing needs hypercorn; install edgeproxy[testing] (or [dev], [bench])"
     ) from exc
 
 log = logging.getLogger(__name__)
