@@ -236,8 +236,12 @@ async def test_zero_window_streams_hold_a_bounded_buffer_and_push_back_on_the_re
 
 
 async def test_a_stream_stalled_past_the_timeout_is_reset_and_counted(
-    big_region: BigRegion, make_proxy: ProxyFactory
+    custom_region: CustomRegion, make_proxy: ProxyFactory
 ) -> None:
+    # An answer larger than what the kernel may buffer between the region and the proxy
+    # (a loopback socket's receive buffer grows to several MB): so the region is still
+    # writing when the stream is reset, whatever the buffers grew to.
+    big_region = await serve_big_region(custom_region, 64 * 1024 * 1024)
     proxy = await start_proxy(make_proxy, big_region, h2_send_stall_timeout=0.3)
     guard = proxy.guard
     client = await Client.open(proxy, window=0)
