@@ -101,8 +101,12 @@ async def test_a_saturated_or_failed_big_model_degrades_to_the_lighter_one(
     assert status_["lighter"] == [{"name": f"{BIG}>{SMALL}", "answers_total": 1}]
     # Its tokens are counted for the model that answered.
     tokens = sum(answer["usage"][k] for k in ("prompt_tokens", "completion_tokens"))
-    await eventually(lambda: fallback_status(proxy)["lighter_tokens"] != [])
-    assert fallback_status(proxy)["lighter_tokens"] == [{"name": SMALL, "tokens_total": tokens}]
+    await eventually(lambda: fallback_status(proxy)["lighter_usage"] != [])
+    assert fallback_status(proxy)["lighter_usage"] == [{"name": SMALL, "tokens_total": tokens}]
+    async with client.get(proxy.admin_url + "/metrics") as resp:
+        text = await resp.text()
+    assert f'edgeproxy_fallback_lighter_answers_total{{name="{BIG}>{SMALL}"}} 1.0' in text
+    assert f'edgeproxy_fallback_lighter_usage_tokens_total{{name="{SMALL}"}} {tokens}.0' in text
 
 
 async def test_a_streamed_request_degrades_too(

@@ -304,7 +304,7 @@ class FallbackStage:
                 {"name": f"{requested}>{model}", "answers_total": count}
                 for (requested, model), count in sorted(self.lighter.items())
             ],
-            "lighter_tokens": [
+            "lighter_usage": [
                 {"name": model, "tokens_total": count}
                 for model, count in sorted(self.lighter_tokens.items())
             ],
