@@ -73,7 +73,7 @@ weight = -1
         load_config(write(tmp_path, text), environ={})
     errors = info.value.errors
     assert any(e.startswith("server.port:") for e in errors)
-    assert "server.prot: unknown key" in errors
+    assert "server.prot: unknown key; did you mean 'port'?" in errors
     assert any(e.startswith("pop.lat:") for e in errors)
     assert "regions[0].url: must be an http:// or https:// URL" in errors
     assert any(e.startswith("regions[1].url:") and "port" in e for e in errors)

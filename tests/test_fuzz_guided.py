@@ -237,7 +237,9 @@ def test_env_values_past_tomllib_limits_are_strings(value: str) -> None:
     environ = {"EDGEPROXY_LIMITS__MAX_BODY_SIZE": value}
     with pytest.raises(ConfigError) as caught:
         Config.from_mapping({"regions": REGIONS}, environ=environ)
-    assert caught.value.errors[0].startswith("limits.max_body_size: ")
+    assert caught.value.errors[0].startswith(
+        "limits.max_body_size (from the environment variable EDGEPROXY_LIMITS__MAX_BODY_SIZE): "
+    )
 
 
 @pytest.mark.parametrize("text", ["a = " + "1" * 5000, "a = " + "[" * 3000])

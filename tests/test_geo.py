@@ -374,13 +374,13 @@ def test_bad_routing_and_health_values_are_config_errors() -> None:
         "health: max_ejection_time must not be shorter than base_ejection_time"
     ]
     assert errors_of(regions, routing={"retry_budget": 1.5}) == [
-        "routing.retry_budget: Input should be less than or equal to 1"
+        "routing.retry_budget: Input should be less than or equal to 1 (got 1.5)"
     ]
     data = proxy_config(regions)
     data["routes"] = [{"name": "chat", "path": CHAT, "deadline": 0, "hedge_delay": -1}]
     with pytest.raises(ConfigError) as info:
         Config.from_mapping(data, environ={})
     assert info.value.errors == [
-        "routes[0].deadline: Input should be greater than 0",
-        "routes[0].hedge_delay: Input should be greater than 0",
+        "routes[0].deadline: Input should be greater than 0 (got 0)",
+        "routes[0].hedge_delay: Input should be greater than 0 (got -1)",
     ]

@@ -39,6 +39,7 @@ FIELDS = {
     "duration_ms",
     "cache",
     "degraded",
+    "model",
     "error",
     "usage",
 }

@@ -14,8 +14,10 @@ __all__ = ["ConfigError", "format_errors"]
 
 # Values of keys whose names say they are secrets are never echoed in an error.
 _SECRET_PARTS = ("password", "token", "secret", "api_key", "key_file", "credential")
-# Errors whose input is not worth echoing: the key is unknown or absent.
-_NO_VALUE = frozenset({"extra_forbidden", "missing"})
+# The errors that show the value they got: a wrong type or a number out of range. Not the
+# checks of our own validators (value_error): they say what is wrong in words, and their
+# values are URLs and paths that may carry credentials.
+_ECHOED_SUFFIXES = ("_type", "_parsing", "greater_than", "less_than", "_equal", "literal_error")
 
 
 class ConfigError(ValueError):
@@ -63,7 +65,7 @@ def format_errors(
             close = difflib.get_close_matches(str(path[-1]), known, n=1, cutoff=0.6)
             if close:
                 msg += f"; did you mean '{close[0]}'?"
-        elif err["type"] not in _NO_VALUE and "input" in err and not _secret(path):
+        elif _echoes(err["type"]) and "input" in err and not _secret(path, err["input"]):
             msg += f" (got {_shown(err['input'])})"
         if origins:
             variable = _origin(origins, path)
@@ -85,8 +87,15 @@ def _origin(origins: Mapping[tuple[Any, ...], str], path: tuple[Any, ...]) -> st
     return None
 
 
-def _secret(path: tuple[Any, ...]) -> bool:
-    return any(part in str(name).lower() for name in path for part in _SECRET_PARTS)
+def _echoes(kind: str) -> bool:
+    return kind.endswith(_ECHOED_SUFFIXES) or kind in ("literal_error", "enum")
+
+
+def _secret(path: tuple[Any, ...], value: Any) -> bool:
+    """A key named like a secret, or a value that may hold one (a URL's credentials)."""
+    if any(part in str(name).lower() for name in path for part in _SECRET_PARTS):
+        return True
+    return isinstance(value, str) and ("@" in value or "://" in value)
 
 
 def _shown(value: Any) -> str:
