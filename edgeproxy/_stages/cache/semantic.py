@@ -36,7 +36,7 @@ import logging
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
-from typing import Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from edgeproxy._core.config import Config
 from edgeproxy._core.context import RequestContext
@@ -45,10 +45,14 @@ from edgeproxy._stages.cache.backends import RedisTier
 from edgeproxy._stages.cache.entry import Entry
 from edgeproxy._stages.cache.keys import KeyHeaders, semantic_scope
 from edgeproxy._stages.cache.plan import CachePlan
-from edgeproxy._stages.cache.semantic_index import SemanticIndex
 from edgeproxy._stages.cache.semantic_share import SharedQuestion, SharedQuestions, poll_forever
 from edgeproxy._stages.cache.semantic_verify import differences
 from edgeproxy._upstream.endpoint import RegionEndpoints
+
+if TYPE_CHECKING:
+    # numpy, and so the index, only once a route asks for the semantic cache: the plain
+    # install has no numpy.
+    from edgeproxy._stages.cache.semantic_index import SemanticIndex
 
 
 class CacheStage(Protocol):
@@ -187,6 +191,8 @@ class SemanticCache:
     def _index_for(self, vector: Any) -> SemanticIndex | None:
         index = self.index
         if index is None:
+            from edgeproxy._stages.cache.semantic_index import SemanticIndex
+
             index = self.index = SemanticIndex(len(vector), max_entries=self.max_entries)
         return index if len(vector) == index.dimensions else None
 

@@ -30,7 +30,6 @@ import time
 from collections.abc import Callable
 from typing import Any, Final
 
-import numpy as np
 from redis.exceptions import ResponseError
 
 from edgeproxy._stages.cache.backends import RedisTier
@@ -54,6 +53,13 @@ def tag(text: str) -> str:
     """A hex digest of ``text``: scopes and embedder names as search tags, which then need
     no escaping."""
     return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+def _float32(vector: Any) -> Any:
+    # numpy only where the semantic cache runs (it embedded the vector with numpy).
+    import numpy as np
+
+    return np.asarray(vector, dtype=np.float32)
 
 
 def _text(value: Any) -> str:
@@ -97,7 +103,7 @@ class SharedQuestions:
         """Share one question, for ``ttl`` seconds (its answer's lifetime)."""
         if ttl <= 0:
             return
-        vector = np.asarray(vector, dtype=np.float32)
+        vector = _float32(vector)
         if self.search_index is None and self.detected:
             await self._create_index(len(vector))
         client = self.tier.client
@@ -192,6 +198,8 @@ class SharedQuestions:
         key, scope, text, raw, embedder = row
         if _text(embedder) != self.embedder_tag or len(raw) % 4:
             return None
+        import numpy as np
+
         return (_text(key), _text(scope), _text(text), np.frombuffer(raw, dtype=np.float32))
 
     # -- Redis's own vector search ----------------------------------------------------
@@ -246,7 +254,7 @@ class SharedQuestions:
             return None
         client = self.tier.client
         query = f"(@s:{{{tag(scope)}}} @e:{{{self.embedder_tag}}})=>[KNN {k} @v $b AS d]"
-        blob = np.asarray(vector, dtype=np.float32).tobytes()
+        blob = _float32(vector).tobytes()
         self.searches += 1
         ok, reply = await self.tier.attempt(
             "FT.SEARCH",
