@@ -312,6 +312,9 @@ class Obtainer:
                 )
                 continue
             leg = ctx.with_json({**body, "model": model})
+            # Its own deadline from now, as a continuation leg's: the requested model's may
+            # be what passed.
+            leg.started = time.monotonic()
             route = self.ranked(leg)
             if isinstance(route, Failure):
                 fallback.lighter_skipped["no_region"] += 1

@@ -246,3 +246,13 @@ async def test_a_deep_reported_queue_sends_low_priority_requests_to_the_lighter_
     async with client.post(proxy.url + CHAT, json=body, headers={"X-Priority": "10"}) as resp:
         assert resp.status == 200 and "X-Edgeproxy-Degraded" not in resp.headers
     assert calls(big) == 2
+
+
+async def test_a_deadline_passed_with_no_first_byte_degrades_to_the_lighter_model(
+    make_region: RegionFactory, make_proxy: ProxyFactory, client: aiohttp.ClientSession
+) -> None:
+    big, small = await regions(make_region, fault="stall")
+    proxy = await proxy_for(make_proxy, big, small, deadline=0.5)
+    status, headers, answer = await chat(client, proxy)
+    assert status == 200 and headers["X-Edgeproxy-Degraded"] == "lighter-model"
+    assert answer["model"] == SMALL
