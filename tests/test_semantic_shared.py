@@ -75,15 +75,17 @@ async def published(
     client: aiohttp.ClientSession,
     redis_server: str,
     redis_prefix: str,
-) -> tuple[FakeRegion, EdgeProxy]:
-    """A region, and a proxy sharing through Redis that has stored and shared QUESTION."""
+) -> tuple[FakeRegion, EdgeProxy, bytes]:
+    """A region, a proxy sharing through Redis that has stored and shared QUESTION (asked
+    once: a miss), and its answer."""
     region = await make_region("r1", tokens=6)
     proxy = await make_proxy(
         [region], cache=shared_cache(redis_server, redis_prefix), routes=ROUTES
     )
-    await ask(client, proxy, QUESTION)
+    _, headers, answer = await ask(client, proxy, QUESTION)
+    assert headers["X-Edgeproxy-Cache"] == "MISS"
     await eventually(lambda: semantic(proxy)["shared"]["published"] == 1)
-    return region, proxy
+    return region, proxy, answer
 
 
 async def test_a_proxy_started_later_warms_its_index_from_redis(
@@ -93,13 +95,9 @@ async def test_a_proxy_started_later_warms_its_index_from_redis(
     redis_server: str,
     redis_prefix: str,
 ) -> None:
-    region = await make_region("r1", tokens=6)
-    first = await make_proxy(
-        [region], cache=shared_cache(redis_server, redis_prefix), routes=ROUTES
+    region, _, answer = await published(
+        make_region, make_proxy, client, redis_server, redis_prefix
     )
-    _, headers, answer = await ask(client, first, QUESTION)
-    assert headers["X-Edgeproxy-Cache"] == "MISS"
-    await eventually(lambda: semantic(first)["shared"]["published"] == 1)
     # Another PoP: its own memory tier, the same Redis.
     second = await make_proxy(
         [region], cache=shared_cache(redis_server, redis_prefix), routes=ROUTES
@@ -137,7 +135,7 @@ async def test_another_embedder_s_questions_are_not_taken(
     redis_server: str,
     redis_prefix: str,
 ) -> None:
-    region, _ = await published(make_region, make_proxy, client, redis_server, redis_prefix)
+    region, _, _ = await published(make_region, make_proxy, client, redis_server, redis_prefix)
     other = shared_cache(
         redis_server,
         redis_prefix,
@@ -156,7 +154,7 @@ async def test_purges_take_the_shared_questions_too(
     redis_server: str,
     redis_prefix: str,
 ) -> None:
-    region, proxy = await published(make_region, make_proxy, client, redis_server, redis_prefix)
+    region, proxy, _ = await published(make_region, make_proxy, client, redis_server, redis_prefix)
     raw = aioredis.Redis.from_url(redis_server)
     try:
         records = [k async for k in raw.scan_iter(match=redis_prefix + "*~q")]
