@@ -12,7 +12,8 @@ What it does, in order, and what it prints:
 2. **The build** (``--build``). ``pip install --force-reinstall --no-deps`` of
    llama-cpp-python with ``CMAKE_ARGS="-DGGML_CUDA=on"``, from ``--sdist`` when given (a
    machine that reaches no package index gets the source archive with the working tree),
-   else from the index at the version ``--version`` names. It takes minutes: llama.cpp's
+   else from the index at the version ``--version`` names, without build isolation (the
+   build backend, scikit-build-core and cmake, must be installed). It takes minutes: llama.cpp's
    CUDA kernels compile for the GPU's architecture (``CMAKE_CUDA_ARCHITECTURES=native``).
 3. **The offload.** A generated GGUF (random weights, the test kit's generator, a size that
    makes a GPU worth it: ``--layers`` x ``--width``) is loaded twice, through edgeproxy's own
@@ -79,6 +80,13 @@ def build(sdist: str | None, version: str) -> bool:
     env.setdefault("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 2))
     if Path("/usr/local/cuda/bin").is_dir():
         env["PATH"] = "/usr/local/cuda/bin:" + env.get("PATH", "")
+    try:
+        import scikit_build_core  # noqa: F401 - llama-cpp-python's build backend
+    except ImportError:
+        # No build isolation, so that a machine without a package index can build: the
+        # backend must be here already.
+        print("the build needs scikit-build-core (and cmake): pip install scikit-build-core cmake")
+        return False
     target = sdist or f"llama-cpp-python=={version}"
     argv = [sys.executable, "-m", "pip", "install", "--force-reinstall", "--no-deps"]
     argv += ["--no-build-isolation", "--no-binary", "llama-cpp-python", target]
