@@ -95,9 +95,7 @@ async def test_a_proxy_started_later_warms_its_index_from_redis(
     redis_server: str,
     redis_prefix: str,
 ) -> None:
-    region, _, answer = await published(
-        make_region, make_proxy, client, redis_server, redis_prefix
-    )
+    region, _, answer = await published(make_region, make_proxy, client, redis_server, redis_prefix)
     # Another PoP: its own memory tier, the same Redis.
     second = await make_proxy(
         [region], cache=shared_cache(redis_server, redis_prefix), routes=ROUTES
