@@ -168,6 +168,7 @@ async def lighter(mode: Mode) -> Outcome:
     rows: list[list[object]] = []
     p99s: dict[str, float | None] = {}
     recs_all: list[Rec] = []
+    offered = 0
     try:
         started = await world.start_all(variants, read_timeout=2.0)
         for name, _, config in variants:
@@ -180,6 +181,7 @@ async def lighter(mode: Mode) -> Outcome:
                 ]
                 await closed_loop(2 * slots, warm)
                 await asyncio.sleep(1.2)  # past cache_ttl: stale
+                sent = [0]
                 recs = await open_loop(
                     client,
                     name,
@@ -187,9 +189,11 @@ async def lighter(mode: Mode) -> Outcome:
                     rate,
                     [("overload", phase, None)],
                     prefix="q",
+                    sent=sent,
                     questions=questions,
                 )
             await world.stop_proxy(proxy)
+            offered += sent[0]
             recs_all += recs
             ok = [r.total for r in recs if r.status == 200]
             p99s[str(config)] = pct(ok, 99)
@@ -248,7 +252,11 @@ async def lighter(mode: Mode) -> Outcome:
             "ratio": ratio(without, with_lighter),
             "target": None,
         },
-        {"requests": len(recs_all), "answered": sum(r.status == 200 for r in recs_all)},
+        {
+            "offered": offered,
+            "requests": len(recs_all),
+            "answered": sum(r.status == 200 for r in recs_all),
+        },
         [
             "both variants warm the cache with every question first and let it go stale, so "
             "the stale rung can answer in both: the difference is the lighter rung before it",

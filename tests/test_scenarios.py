@@ -23,7 +23,16 @@ SCRIPT = ROOT / "bench" / "scenarios.py"
 CONFIGS = ROOT / "bench" / "scenarios"
 # The plots need the bench extra's matplotlib; the test extra goes without.
 PLOTS = importlib.util.find_spec("matplotlib") is not None
-SCENARIOS = ["cross_region", "streaming", "cache", "storm", "saturation", "backlog", "cold_start"]
+SCENARIOS = [
+    "cross_region",
+    "streaming",
+    "cache",
+    "storm",
+    "saturation",
+    "lighter",
+    "backlog",
+    "cold_start",
+]
 
 
 @pytest.mark.scenarios
