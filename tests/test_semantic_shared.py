@@ -96,10 +96,11 @@ async def test_a_proxy_started_later_warms_its_index_from_redis(
     redis_prefix: str,
 ) -> None:
     region, _, answer = await published(make_region, make_proxy, client, redis_server, redis_prefix)
-    # Another PoP: its own memory tier, the same Redis.
+    # Another PoP: its own memory tier, the same Redis. It warms in the background.
     second = await make_proxy(
         [region], cache=shared_cache(redis_server, redis_prefix), routes=ROUTES
     )
+    await eventually(lambda: semantic(second)["shared"]["warmed"])
     assert semantic(second)["entries"] == 1
     assert semantic(second)["shared"]["redis_search"] is False  # Redis 7 here: no FT
     _, headers, again = await ask(client, second, PARAPHRASE)
@@ -142,6 +143,7 @@ async def test_another_embedder_s_questions_are_not_taken(
         semantic_embedder_model="embed",
     )
     second = await make_proxy([region], cache=other, routes=ROUTES)
+    await eventually(lambda: semantic(second)["shared"]["warmed"])
     assert semantic(second)["entries"] == 0
 
 
@@ -165,6 +167,7 @@ async def test_purges_take_the_shared_questions_too(
         later = await make_proxy(
             [region], cache=shared_cache(redis_server, redis_prefix), routes=ROUTES
         )
+        await eventually(lambda: semantic(later)["shared"]["warmed"])
         assert semantic(later)["entries"] == 0
         _, headers, _ = await ask(client, later, PARAPHRASE)
         assert headers["X-Edgeproxy-Cache"] == "MISS"

@@ -151,19 +151,28 @@ class SemanticCache:
         self.questions: dict[str, str] = {}  # entry key -> its question, for the verifier
         self._pending: OrderedDict[str, tuple[str, str, Any]] = OrderedDict()
         self._tasks: set[asyncio.Task[None]] = set()
+        self.warmed = False  # the shared questions of Redis have been read once
 
     # -- lifespan ----------------------------------------------------------------
 
     async def open(self) -> None:
         """Find out whether Redis searches shared questions; otherwise warm the index with
-        the newest of them and keep picking up new ones."""
+        the newest of them and keep picking up new ones, in the background: a start does
+        not wait for up to ``semantic_max_entries`` questions to come from Redis."""
         shared = self.shared
         if shared is None:
             return
         if await shared.detect():
             return
-        self._take(await shared.warm())
-        self._spawn(poll_forever(shared, self._take))
+        self._spawn(self._warm_then_poll(shared))
+
+    async def _warm_then_poll(self, shared: SharedQuestions) -> None:
+        try:
+            self._take(await shared.warm())
+        except Exception:  # noqa: BLE001 - a failed warm-up leaves polling to catch up
+            logger.warning("semantic cache: warming from Redis failed", exc_info=True)
+        self.warmed = True
+        await poll_forever(shared, self._take)
 
     async def close(self) -> None:
         tasks = list(self._tasks)
@@ -321,7 +330,7 @@ class SemanticCache:
             **self.stats.snapshot(len(self.questions)),
         }
         if self.shared is not None:
-            out["shared"] = self.shared.status()
+            out["shared"] = {**self.shared.status(), "warmed": self.warmed}
         return out
 
     def forget(self, key: str) -> None:
