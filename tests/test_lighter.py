@@ -256,3 +256,20 @@ async def test_a_deadline_passed_with_no_first_byte_degrades_to_the_lighter_mode
     status, headers, answer = await chat(client, proxy)
     assert status == 200 and headers["X-Edgeproxy-Degraded"] == "lighter-model"
     assert answer["model"] == SMALL
+
+
+async def test_a_messages_answer_s_tokens_are_counted_once(
+    make_region: RegionFactory, make_proxy: ProxyFactory, client: aiohttp.ClientSession
+) -> None:
+    # Its usage says input_tokens and output_tokens, and the relay adds chat's fields.
+    big, small = await regions(make_region, fault="5xx", fault_status=503)
+    big.configure(fault_paths=("/v1/messages",))
+    proxy = await proxy_for(make_proxy, big, small)
+    body = {"model": BIG, "max_tokens": 32, "messages": [{"role": "user", "content": "hi"}]}
+    headers = {"anthropic-version": "2023-06-01", "x-api-key": "k"}
+    async with client.post(proxy.url + "/v1/messages", json=body, headers=headers) as resp:
+        assert resp.status == 200 and resp.headers["X-Edgeproxy-Model"] == SMALL
+        usage = (await resp.json())["usage"]
+    counted = usage["input_tokens"] + usage["output_tokens"]
+    await eventually(lambda: fallback_status(proxy)["lighter_usage"] != [])
+    assert fallback_status(proxy)["lighter_usage"] == [{"name": SMALL, "tokens_total": counted}]

@@ -53,6 +53,7 @@ from edgeproxy._core.exchange import Exchange
 from edgeproxy._core.response import StreamResponse
 from edgeproxy._local.model import LocalAnswer, LocalModel
 from edgeproxy._plugins import Plugins, hook_answer
+from edgeproxy._protocol.dialects import tokens
 from edgeproxy._protocol.models import model_from_body
 
 if TYPE_CHECKING:
@@ -288,13 +289,13 @@ class FallbackStage:
         self.lighter[(requested, model)] += 1
 
     def count_lighter_usage(self, model: str, usage: dict[str, Any] | None) -> None:
-        """A lighter answer's tokens, counted for the model that answered."""
-        if not usage:
-            return
-        for key in ("prompt_tokens", "input_tokens", "completion_tokens", "output_tokens"):
-            value = usage.get(key)
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                self.lighter_tokens[model] += value
+        """A lighter answer's tokens, counted for the model that answered: chat's fields,
+        which every API's usage carries once the relay has read it (Messages and Responses
+        keep their own ``input_tokens`` and ``output_tokens`` beside them, not counted
+        again)."""
+        if usage:
+            counted = tokens(usage.get("prompt_tokens")) + tokens(usage.get("completion_tokens"))
+            self.lighter_tokens[model] += counted
 
     def snapshot(self) -> dict[str, Any]:
         """The fallback part of /status."""

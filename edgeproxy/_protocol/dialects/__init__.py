@@ -12,6 +12,7 @@ from edgeproxy._protocol.dialects._base import (
     Piece,
     Seam,
     StreamWriter,
+    tokens,
 )
 from edgeproxy._protocol.dialects.chat import CHAT, COMPLETIONS
 from edgeproxy._protocol.dialects.embeddings import EMBEDDINGS
@@ -34,6 +35,7 @@ __all__ = [
     "Seam",
     "StreamWriter",
     "dialect_named",
+    "tokens",
 ]
 
 OPENAI: Final = Dialect()
