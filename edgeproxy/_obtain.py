@@ -320,21 +320,18 @@ class Obtainer:
                 fallback.lighter_skipped["no_region"] += 1
                 continue
             sent = await self.failover.send(request, leg, route.regions)
-            ctx.attempts += sent.attempts
-            if isinstance(sent, Failure):
-                await sent.aclose()
-                fallback.lighter_skipped["failed"] += 1
-                continue
-            if not 200 <= sent.status < 300:
+            # The requested model's attempts (and hedge) and this one's: all the request's.
+            attempts, hedged = ctx.attempts + sent.attempts, ctx.hedged
+            if isinstance(sent, Failure) or not 200 <= sent.status < 300:
+                ctx.attempts = attempts
                 await sent.aclose()
                 fallback.lighter_skipped["failed"] += 1
                 continue
             sent.lighter = leg
             sent.headers.append(("X-Edgeproxy-Degraded", "lighter-model"))
             sent.headers.append(("X-Edgeproxy-Model", model))
-            ctx.region = sent.region.name
-            ctx.upstream_ttfb = sent.ttfb
-            ctx.hedged = ctx.hedged or sent.hedged
+            record(ctx, sent)
+            ctx.attempts, ctx.hedged = attempts, hedged or sent.hedged
             ctx.degraded = "lighter-model"
             ctx.model = model
             fallback.answered_lighter(requested, model)
