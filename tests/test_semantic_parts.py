@@ -208,7 +208,8 @@ class _SearchingRedis:
 async def test_where_redis_searches_vectors_the_scope_and_embedder_filter_the_knn_query() -> None:
     from edgeproxy._core.config import config_from_mapping
     from edgeproxy._stages.cache.backends import RedisTier
-    from edgeproxy._stages.cache.semantic_share import SharedQuestions, tag
+    from edgeproxy._stages.cache.keys import hash_key
+    from edgeproxy._stages.cache.semantic_share import SharedQuestions
 
     config = config_from_mapping(
         {"regions": [{"name": "r", "url": "http://127.0.0.1:1"}], "cache": {"key_prefix": "p:"}}
@@ -226,8 +227,8 @@ async def test_where_redis_searches_vectors_the_scope_and_embedder_filter_the_kn
         found = await shared.search("t1:sem:abc", vector, 4)
         assert found == [("k1", pytest.approx(0.9), "Why?")]
         query = next(c for c in fake.commands if c[0] == "FT.SEARCH")
-        assert f"@s:{{{tag('t1:sem:abc')}}}" in str(query[2])
-        assert f"@e:{{{tag('model-a')}}}" in str(query[2])
+        assert f"@s:{{{hash_key('t1:sem:abc')}}}" in str(query[2])
+        assert f"@e:{{{hash_key('model-a')}}}" in str(query[2])
         assert query[query.index("b") + 1] == vector.astype(np.float32).tobytes()
         # A search that fails leaves the lookup to the worker's own index.
         fake.error = ConnectionError("gone")

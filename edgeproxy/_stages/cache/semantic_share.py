@@ -24,7 +24,6 @@ Redis down there is no shared state, and each worker serves from what it knows.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import time
 from collections.abc import Callable
@@ -33,6 +32,7 @@ from typing import Any, Final
 from redis.exceptions import ResponseError
 
 from edgeproxy._stages.cache.backends import RedisTier
+from edgeproxy._stages.cache.keys import hash_key
 
 __all__ = ["SharedQuestion", "SharedQuestions"]
 
@@ -47,12 +47,6 @@ _FIELDS: Final = ("k", "c", "q", "v", "e")
 
 # (entry key, scope, question, vector)
 SharedQuestion = tuple[str, str, str, Any]
-
-
-def tag(text: str) -> str:
-    """A hex digest of ``text``: scopes and embedder names as search tags, which then need
-    no escaping."""
-    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 
 def _float32(vector: Any) -> Any:
@@ -81,7 +75,8 @@ class SharedQuestions:
     ) -> None:
         self.tier = tier
         self.prefix = tier.prefix
-        self.embedder_tag = tag(embedder)
+        # Scopes and embedder names are search tags as hex digests: no escaping needed.
+        self.embedder_tag = hash_key(embedder)
         self.max_entries = max_entries
         self.interval = interval
         self.want_search = redis_search and not tier.config.redis_cluster
@@ -111,7 +106,7 @@ class SharedQuestions:
         log = self.prefix + LOG_KEY
         fields: Any = {
             "k": key,
-            "s": tag(scope),
+            "s": hash_key(scope),
             "c": scope,
             "q": text,
             "v": vector.tobytes(),
@@ -253,7 +248,7 @@ class SharedQuestions:
         if index is None:
             return None
         client = self.tier.client
-        query = f"(@s:{{{tag(scope)}}} @e:{{{self.embedder_tag}}})=>[KNN {k} @v $b AS d]"
+        query = f"(@s:{{{hash_key(scope)}}} @e:{{{self.embedder_tag}}})=>[KNN {k} @v $b AS d]"
         blob = _float32(vector).tobytes()
         self.searches += 1
         ok, reply = await self.tier.attempt(
