@@ -30,7 +30,6 @@ or skips the lookup, or leaves each worker with what it knows; the exact cache g
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import time
@@ -137,6 +136,7 @@ class SemanticCache:
         self,
         embedder: Any,
         *,
+        spawn: Callable[[Any], None],
         max_entries: int = 100_000,
         shadow: bool = False,
         shared: SharedQuestions | None = None,
@@ -150,7 +150,8 @@ class SemanticCache:
         self.stats = SemanticStats()
         self.questions: dict[str, str] = {}  # entry key -> its question, for the verifier
         self._pending: OrderedDict[str, tuple[str, str, Any]] = OrderedDict()
-        self._tasks: set[asyncio.Task[None]] = set()
+        # The cache stage's: its background work, cancelled when the stage closes.
+        self._spawn = spawn
         self.warmed = False  # the shared questions of Redis have been read once
 
     # -- lifespan ----------------------------------------------------------------
@@ -175,17 +176,8 @@ class SemanticCache:
         await poll_forever(shared, self._take)
 
     async def close(self) -> None:
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+        """Let go of the embedder (the stage has cancelled the background work)."""
         await self.embedder.close()
-
-    def _spawn(self, coro: Any) -> None:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
     def _take(self, found: list[SharedQuestion]) -> None:
         """Questions others shared join this worker's index (those it has, and vectors of
@@ -356,10 +348,15 @@ def _redis_tier(backend: Any) -> RedisTier | None:
 
 
 def open_semantic(
-    config: Config, backend: Any, regions: Iterable[RegionEndpoints] = ()
+    config: Config,
+    backend: Any,
+    regions: Iterable[RegionEndpoints],
+    *,
+    spawn: Callable[[Any], None],
 ) -> SemanticCache | None:
     """The semantic cache ``config`` asks for, or None (logged) when its embedder cannot
-    load: the exact cache goes on without it."""
+    load: the exact cache goes on without it. ``spawn`` runs its background work (the
+    cache stage's, which cancels it when the stage closes)."""
     cache = config.cache
     try:
         from edgeproxy._stages.cache.semantic_embed import make_embedder
@@ -385,4 +382,5 @@ def open_semantic(
         max_entries=cache.semantic_max_entries,
         shadow=cache.semantic_shadow,
         shared=shared,
+        spawn=spawn,
     )

@@ -150,7 +150,7 @@ class CacheStage:
         self.stats = CacheStats()
         # Routes asking for it share one semantic cache (its index is this worker's).
         self.semantic: SemanticCache | None = (
-            open_semantic(config, self.backend, regions)
+            open_semantic(config, self.backend, regions, spawn=self.spawn)
             if self.backend is not None and any(r.semantic_cache for r in config.routes)
             else None
         )
