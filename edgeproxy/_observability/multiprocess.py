@@ -28,7 +28,7 @@ from edgeproxy._observability.requestmetrics import (
     TOKENS_DOC,
     Observation,
 )
-from edgeproxy._observability.statusmetrics import StatusSample
+from edgeproxy._observability.statusmetrics import StatusSample, gauge_combination
 
 __all__ = ["MultiprocessMirror", "SharedSeries", "multiprocess_dir", "shared_series"]
 
@@ -93,10 +93,6 @@ class MultiprocessMirror:
         return metric
 
 
-# Gauges that are settings, latencies or ratios rather than amounts: over
-# several workers the largest value says more than their sum.
-_NOT_ADDITIVE = ("ewma", "_seconds", "ratio", "max_", "weight", "priority", "share", "limit")
-
 # Multiprocess mode keeps one metric object per name and process: two objects
 # with one name would overwrite each other's values in the shared files.
 _SHARED: dict[str, Any] = {}
@@ -111,11 +107,7 @@ def _shared_status_metric(s: StatusSample, label_names: tuple[str, ...]) -> Coun
     if s.kind == "counter":
         metric = Counter(s.name, s.doc, label_names, registry=None)
     else:
-        mode = "livesum"  # in flight, queued, connections: they add up over workers
-        if s.name.endswith(("_up", "_ready", "_warm", "_available", "_enabled")):
-            mode = "livemin"
-        elif any(part in s.name for part in _NOT_ADDITIVE):
-            mode = "livemax"
+        mode = "live" + gauge_combination(s.name)  # live: of the processes running
         metric = Gauge(s.name, s.doc, label_names, registry=None, multiprocess_mode=mode)  # type: ignore[arg-type]
     _SHARED["status:" + s.name] = metric
     return metric

@@ -24,7 +24,7 @@ from prometheus_client.metrics_core import (
     Metric,
 )
 
-__all__ = ["InfoOnly", "StatusCollector", "StatusSample", "flatten_status"]
+__all__ = ["InfoOnly", "StatusCollector", "StatusSample", "flatten_status", "gauge_combination"]
 
 logger = logging.getLogger("edgeproxy.metrics")
 
@@ -49,6 +49,23 @@ _NAME_RE = re.compile(r"[^a-z0-9_]+")
 _MAX_RECORD_KEYS = 64
 _MAX_DEPTH = 4
 _MAX_LIST = 256
+
+
+# Gauges that are settings, latencies or ratios rather than amounts: over several
+# processes the largest value says more than their sum.
+_NOT_ADDITIVE = ("ewma", "_seconds", "ratio", "max_", "weight", "priority", "share", "limit")
+_READINESS = ("_up", "_ready", "_warm", "_available", "_enabled")
+
+
+def gauge_combination(name: str) -> str:
+    """How a gauge of several processes combines: ``"sum"`` for amounts (in flight,
+    queued, connections), ``"min"`` for readiness, ``"max"`` for settings, latencies
+    and ratios. The supervisor's sum and prometheus-client's multiprocess mode agree."""
+    if name.endswith(_READINESS):
+        return "min"
+    if any(part in name for part in _NOT_ADDITIVE):
+        return "max"
+    return "sum"
 
 
 def _metric_part(key: str) -> str:

@@ -27,23 +27,13 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
+from edgeproxy._observability.statusmetrics import gauge_combination
+
 __all__ = ["WorkerMetrics"]
 
 _CUMULATIVE = frozenset({"counter", "histogram", "summary"})
-# Gauges that are settings, latencies or ratios rather than amounts: over several
-# workers the largest value says more than their sum.
-_NOT_ADDITIVE = ("ewma", "_seconds", "ratio", "max_", "weight", "priority", "share", "limit")
-_READINESS = ("_up", "_ready", "_warm", "_available", "_enabled")
 
 SampleKey = tuple[str, tuple[tuple[str, str], ...]]
-
-
-def _gauge_mode(name: str) -> str:
-    if name.endswith(_READINESS):
-        return "min"
-    if any(part in name for part in _NOT_ADDITIVE):
-        return "max"
-    return "sum"
 
 
 class WorkerMetrics:
@@ -93,7 +83,7 @@ class WorkerMetrics:
                 values[name].setdefault(key, []).append(value)
         out = []
         for name, family in families.items():
-            mode = "sum" if family.type in _CUMULATIVE else _gauge_mode(name)
+            mode = "sum" if family.type in _CUMULATIVE else gauge_combination(name)
             if name == "edgeproxy_info" or family.type == "info":
                 mode = "first"
             for (sample_name, labels), found in values[name].items():
