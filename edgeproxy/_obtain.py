@@ -328,8 +328,6 @@ class Obtainer:
                 fallback.lighter_skipped["failed"] += 1
                 continue
             sent.lighter = leg
-            sent.headers.append(("X-Edgeproxy-Degraded", "lighter-model"))
-            sent.headers.append(("X-Edgeproxy-Model", model))
             record(ctx, sent)
             ctx.attempts, ctx.hedged = attempts, hedged or sent.hedged
             ctx.degraded = "lighter-model"

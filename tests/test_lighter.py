@@ -12,11 +12,12 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from edgeproxy import EdgeProxy
 from edgeproxy.testing import FakeRegion
 
-from .conftest import ProxyFactory, RegionFactory, eventually
+from .conftest import CustomRegion, ProxyFactory, RegionFactory, eventually
 
 BIG, SMALL = "llama-70b", "llama-8b"
 CHAT = "/v1/chat/completions"
@@ -273,3 +274,20 @@ async def test_a_messages_answer_s_tokens_are_counted_once(
     counted = usage["input_tokens"] + usage["output_tokens"]
     await eventually(lambda: fallback_status(proxy)["lighter_usage"] != [])
     assert fallback_status(proxy)["lighter_usage"] == [{"name": SMALL, "tokens_total": counted}]
+
+
+async def test_a_region_cannot_claim_a_degraded_answer_or_another_model(
+    custom_region: CustomRegion, make_proxy: ProxyFactory, client: aiohttp.ClientSession
+) -> None:
+    async def chat_answer(request: web.Request) -> web.Response:
+        await request.read()
+        spoofed = {"X-Edgeproxy-Degraded": "lighter-model", "X-Edgeproxy-Model": "gpt-9"}
+        return web.json_response({"object": "chat.completion", "choices": []}, headers=spoofed)
+
+    app = web.Application()
+    app.router.add_post(CHAT, chat_answer)
+    url = await custom_region(app)
+    proxy = await make_proxy([{"name": "r", "url": url, "http2": False}])
+    status, headers, _ = await chat(client, proxy)
+    assert status == 200 and headers["X-Edgeproxy-Region"] == "r"
+    assert "X-Edgeproxy-Degraded" not in headers and "X-Edgeproxy-Model" not in headers

@@ -41,8 +41,11 @@ __all__ = ["StreamStage"]
 logger = logging.getLogger("edgeproxy")
 
 _NO_BODY_STATUS = frozenset({204, 304})
-# Response headers the stream stage sets itself (lower-cased), replacing a region's.
-_OWN = frozenset({"x-edgeproxy-region", "x-request-id"})
+# Response headers the stream stage sets itself (lower-cased), replacing a region's: a
+# region cannot claim an answer was degraded, or another model's.
+_OWN = frozenset(
+    {"x-edgeproxy-region", "x-request-id", "x-edgeproxy-degraded", "x-edgeproxy-model"}
+)
 _OWN_WITH_CACHE = _OWN | {"x-edgeproxy-cache"}
 
 
@@ -123,6 +126,10 @@ class StreamStage:
         headers.append(("X-Request-Id", ctx.request_id))
         if ctx.cache:
             headers.append(("X-Edgeproxy-Cache", ctx.cache))
+        if ctx.degraded == "lighter-model":
+            # The ladder's lighter rung: a region's answer, for another model than asked.
+            headers.append(("X-Edgeproxy-Degraded", ctx.degraded))
+            headers.append(("X-Edgeproxy-Model", ctx.model or ""))
         encoding = None
         if self.compression is not None:
             sse = content_type.startswith("text/event-stream")
