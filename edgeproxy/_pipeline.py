@@ -41,11 +41,15 @@ from edgeproxy._stages.fallback import Degraded, FallbackStage
 from edgeproxy._stages.heartbeat import Heartbeat, start_heartbeat
 from edgeproxy._stages.models import ModelList
 from edgeproxy._stages.owners import (
+    Missing,
+    Owner,
     Owners,
     StatefulRequest,
     created_id,
+    lookup_failed,
     owner_unavailable,
     stateful_request,
+    too_many_refs,
 )
 from edgeproxy._stages.poison import Poison
 from edgeproxy._stages.relay import StreamStage
@@ -312,28 +316,45 @@ class Pipeline:
     async def _owner(self, state: StatefulRequest) -> str | None:
         """The region holding the objects a request refers to; None when any may answer
         it (a single region). Raises the API's own 404 for an object no region is known
-        to hold, or held apart from the others (no region holds them all)."""
+        to hold, held apart from the others (no region holds them all), or made by
+        another scope (tenant, credentials); 503 when an owner could not be looked up
+        (the object may exist: never a 404); 400 past ``[stateful] max_refs``."""
         refs = state.refs
         owners = self.owners
-        if len(refs) == 1:
-            found = [await owners.owner(refs[0].id)]
-        else:
-            found = await asyncio.gather(*(owners.owner(ref.id) for ref in refs))
+        config = self.config.stateful
+        if len(refs) > config.max_refs:
+            distinct = len({ref.id for ref in refs})
+            if distinct > config.max_refs:
+                raise too_many_refs(distinct, config.max_refs)
+        found = await owners.lookup(ref.id for ref in refs)
         regions = self.regions.by_name
         single = len(regions) == 1
         owner: str | None = None
-        for ref, region in zip(refs, found, strict=True):
-            if region is None or region not in regions:
-                if single:
-                    continue  # one region: it is the owner, whoever made the object
-                # Unknown here and in Redis, or its region is gone from the config.
-                owners.unknown_total += 1
-                raise ref.not_found()
-            if owner is None:
-                owner = region
-            elif region != owner:
-                # The first object's region does not hold this one: it would say so.
-                raise ref.not_found()
+        failed = False
+        for ref in refs:
+            known = found[ref.id]
+            if isinstance(known, Owner):
+                if not owners.allows(known, state.scope):
+                    # Another tenant's object: the provider's answer to a stranger.
+                    owners.other_scope_total += 1
+                    raise ref.not_found()
+                if known.region in regions:
+                    if owner is None:
+                        owner = known.region
+                    elif known.region != owner:
+                        # The first object's region does not hold this one: it would say so.
+                        raise ref.not_found()
+                    continue
+            if single:
+                continue  # one region: it is the owner, whoever made the object
+            if known is Missing.FAILED:
+                failed = True
+                continue
+            # Unknown here and in Redis, or its region is gone from the config.
+            owners.unknown_total += 1
+            raise ref.not_found()
+        if failed:
+            raise lookup_failed(config.retry_after)
         return owner
 
     async def _remember(self, upstream: AttemptResponse, state: StatefulRequest) -> None:
@@ -357,10 +378,10 @@ class Pipeline:
             object_id = created_id(state.dialect, first, attempt.sse)
         if object_id is None:
             return
-        write = self.owners.remember(object_id, upstream.region.name)
+        write = self.owners.remember(object_id, upstream.region.name, state.scope)
         if write is not None and not attempt.sse:
-            # Bounded by redis_timeout inside; shielded, so that a client leaving does
-            # not cancel the write other PoPs need.
+            # Done once written or after redis_timeout; shielded, so that a client leaving
+            # does not cancel the wait (the write itself is queued and retried apart).
             await asyncio.shield(write)
 
     def _start_refreshes(self) -> None:

@@ -11,28 +11,45 @@ knowledge, not this module's: the paths and body fields of the stored collection
 (``state_refs``: the Responses API's ``previous_response_id`` and ``conversation``) and
 whether they store their answer (``stores``).
 
+Each owner entry is bound to the **scope** of the request that made the object: the
+tenant, else a hash of the client's credentials, else anonymous clients, the cache's own
+scope (:func:`~edgeproxy._stages.cache.keys.cache_scope`). With the proxy's own
+credentials toward the regions, a region cannot tell clients apart, so the proxy answers a
+request of another scope with the API's own 404, as the provider would answer a stranger.
+
 The map lives in each process's memory, and in Redis when ``[stateful]`` has one, so that
 every PoP and worker sharing that Redis knows every owner: a map from id to region, rather
 than the region written into the ids the client sees, because ids are opaque to the
 clients and to the SDKs that check them, objects quote each other's ids (a batch its input
 file, a vector store its files), and nothing of a region's name or address should reach a
-client. The Redis write of a JSON answer's id is waited for (at most ``redis_timeout``)
+client.
+
+Redis writes go through a bounded queue that one task drains in pipelined batches and
+retries until Redis takes them, so an entry made while Redis is down or stalled lands once
+it is back. The write of a JSON answer's id is waited for (at most ``redis_timeout``)
 before the answer goes out, as a client may send its follow-up through another PoP at
 once; a stream's goes out at ``response.created`` and has the whole answer's time to land.
-A read that Redis does not answer within ``redis_timeout`` is answered from memory. With
-Redis down, a process knows the owners of the objects made through it.
+A request's lookups go in pipelined batches over one connection at a time, and every
+Redis call waits for one of ``redis_max_connections`` slots (bounded by
+``redis_pool_timeout``), so no burst fails for want of a connection.
 
-A request whose object no process knows gets the API's own 404; one whose owner is
-unavailable gets 503 with ``Retry-After`` (never another region, which would answer 404).
+A lookup has three outcomes (:class:`Owner`, :attr:`Missing.UNKNOWN`,
+:attr:`Missing.FAILED`): an id that Redis (or, without Redis, this process) does not know
+gets the API's own 404; one that could not be looked up (Redis down, slow, or every slot
+taken) gets 503 with ``Retry-After``, never a 404 that would lose a chain; one whose owner
+is unavailable gets 503 too (never another region, which would answer 404).
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
+import itertools
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -42,6 +59,7 @@ from edgeproxy._protocol.dialects import Dialect, dialect_named
 from edgeproxy._protocol.endpoints import dialect_for
 from edgeproxy._protocol.objects import object_path
 from edgeproxy._protocol.sse import SSEEventTooLarge, SSEReader
+from edgeproxy._stages.cache.keys import cache_scope
 from edgeproxy._stages.redisclient import RedisClient, make_client
 
 if TYPE_CHECKING:
@@ -49,18 +67,35 @@ if TYPE_CHECKING:
     from edgeproxy._core.context import RequestContext
 
 __all__ = [
+    "Missing",
+    "Owner",
     "Owners",
     "StateRef",
     "StatefulRequest",
     "created_id",
+    "lookup_failed",
     "owner_unavailable",
     "stateful_request",
+    "too_many_refs",
 ]
 
 logger = logging.getLogger("edgeproxy")
 
-# Seconds nothing waits on a Redis that just failed (writes still go out, unwaited).
-_DOWN_FOR = 5.0
+# Consecutive failed Redis calls after which lookups stop waiting on it for _DOWN_FOR
+# seconds (they fail at once, 503): a stalled Redis must not add redis_timeout to every
+# stateful request. One failure is not enough: a burst that times out a few calls has not
+# shown that Redis is down.
+_FAILURES_TO_TRIP = 3
+_DOWN_FOR = 2.0
+# Ids per pipelined read or write: a request naming 500 objects costs 5 round trips on one
+# connection, not 500 connections.
+_BATCH = 100
+# The write queue's retry delays: short at first, so that an entry lands soon after Redis
+# is back (a follow-up through another PoP may be waiting on it), capped for a long outage.
+_RETRY_FIRST = 0.05
+_RETRY_MAX = 2.0
+# The bounded wait of close() for queued writes, beyond one redis_timeout.
+_CLOSE_WAIT = 1.0
 
 
 def owner_unavailable(retry_after: int) -> ProxyError:
@@ -72,6 +107,28 @@ def owner_unavailable(retry_after: int) -> ProxyError:
         "the region holding this request's state is unavailable; retry later",
         code="owner_unavailable",
         headers={"Retry-After": str(retry_after)},
+    )
+
+
+def lookup_failed(retry_after: int) -> ProxyError:
+    """The 503 of a request whose objects' owners could not be looked up now (the shared
+    map did not answer): the objects may well exist, so never the API's 404."""
+    return ProxyError(
+        503,
+        "service_unavailable",
+        "where this request's state is held cannot be looked up now; retry later",
+        code="owner_lookup_failed",
+        headers={"Retry-After": str(retry_after)},
+    )
+
+
+def too_many_refs(count: int, limit: int) -> ProxyError:
+    """The 400 of a request naming more stored objects than ``[stateful] max_refs``."""
+    return ProxyError(
+        400,
+        "invalid_request_error",
+        f"This request refers to {count} stored objects; at most {limit} are allowed.",
+        code="too_many_references",
     )
 
 
@@ -91,14 +148,18 @@ class StateRef:
 
 class StatefulRequest:
     """What a request has to do with stored objects: those it refers to, in the order the
-    API reads them, whether its answer creates one, and the dialect that reads its id."""
+    API reads them, whether its answer creates one, the dialect that reads its id, and the
+    scope of its caller, which a new object is bound to and a referred one must have."""
 
-    __slots__ = ("refs", "creates", "dialect")
+    __slots__ = ("refs", "creates", "dialect", "scope")
 
-    def __init__(self, refs: list[StateRef], creates: bool, dialect: Dialect) -> None:
+    def __init__(
+        self, refs: list[StateRef], creates: bool, dialect: Dialect, scope: str = "pub"
+    ) -> None:
         self.refs = refs
         self.creates = creates
         self.dialect = dialect
+        self.scope = scope
 
 
 def stateful_request(ctx: RequestContext) -> StatefulRequest | None:
@@ -129,7 +190,7 @@ def stateful_request(ctx: RequestContext) -> StatefulRequest | None:
         creates = True  # POST /v1/files, /v1/batches...: the answer's id is the new object's
     if not refs and not creates:
         return None
-    return StatefulRequest(refs, creates, dialect)
+    return StatefulRequest(refs, creates, dialect, cache_scope(ctx))
 
 
 def _field_missing(
@@ -158,6 +219,37 @@ def created_id(dialect: Dialect, first: bytes, sse: bool) -> str | None:
     return dialect.created_id(answer) if isinstance(answer, dict) else None
 
 
+@dataclass(frozen=True, slots=True)
+class Owner:
+    """Who holds a stored object: its region, and the scope of the request that made it."""
+
+    region: str
+    scope: str | None
+    """None for an entry written before entries were bound to a scope: any scope may use it."""
+
+    def encode(self) -> str:
+        # A scope is "pub" or a hex digest behind one letter: it never holds a newline, and
+        # the region after it may hold anything.
+        return self.region if self.scope is None else f"{self.scope}\n{self.region}"
+
+    @classmethod
+    def decode(cls, value: bytes | str) -> Owner:
+        text = value.decode() if isinstance(value, bytes) else value
+        scope, sep, region = text.partition("\n")
+        return cls(region, scope) if sep else cls(text, None)
+
+
+class Missing(enum.Enum):
+    """Why a lookup gave no owner."""
+
+    UNKNOWN = "unknown"
+    """Nobody knows the id: Redis answered that it holds no entry (without Redis, this
+    process made no such object). The API's 404."""
+    FAILED = "failed"
+    """The lookup could not be made: Redis down or slow, or no connection free in time. The
+    object may exist: 503, retryable."""
+
+
 class Owners:
     """The owners of stored objects: this process's memory, and Redis when configured."""
 
@@ -167,17 +259,29 @@ class Owners:
         self.config = config
         self.enabled = config.enabled
         self.clock = clock
-        self._memory: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self._memory: OrderedDict[str, tuple[Owner, float]] = OrderedDict()
         self.redis: RedisClient | None = None
-        # Background writes, kept until done (asyncio holds only weak references).
-        self._writes: set[asyncio.Task[None]] = set()
-        # After a Redis failure, nothing waits on it for a while: a Redis that does not
-        # answer must not add redis_timeout to every stateful request.
+        # Entries Redis has not taken yet, oldest first (id -> encoded owner), drained by
+        # one task; and the futures of the callers waiting for theirs.
+        self._pending: OrderedDict[str, str] = OrderedDict()
+        self._waiters: dict[str, asyncio.Future[None]] = {}
+        self._wake = asyncio.Event()
+        self._drained = asyncio.Event()
+        self._drained.set()
+        self._writer: asyncio.Task[None] | None = None
+        # Redis calls other than the writer's: one slot fewer than the pool, which the
+        # writer keeps, so that lookups never starve the writes other PoPs wait on.
+        self._slots = asyncio.Semaphore(max(1, config.redis_max_connections - 1))
+        self._failures = 0
         self._down_until = 0.0
         self.remembered_total = 0
         self.redis_errors_total = 0
         self.unknown_total = 0
         self.unavailable_total = 0
+        self.lookup_failed_total = 0
+        self.other_scope_total = 0
+        self.write_retries_total = 0
+        self.writes_dropped_total = 0
 
     async def open(self) -> None:
         """Connect to Redis when configured; an unreachable one only means memory alone."""
@@ -185,78 +289,218 @@ class Owners:
         if not self.enabled or not config.redis_url:
             return
         timeout = config.redis_timeout
+        # A blocking pool: past redis_max_connections a call waits for a free connection
+        # (our slots keep it from ever being full) instead of failing at once.
         self.redis = make_client(
-            config.redis_settings(), connect_timeout=timeout, socket_timeout=timeout
+            config.redis_settings(),
+            connect_timeout=timeout,
+            socket_timeout=timeout,
+            max_connections=config.redis_max_connections,
+            pool_timeout=config.redis_pool_timeout,
         )
+        self._writer = asyncio.get_running_loop().create_task(self._write_queue())
 
     async def close(self) -> None:
-        writes = list(self._writes)
-        if writes:
-            await asyncio.wait(writes, timeout=self.config.redis_timeout)
-        for task in writes:
-            task.cancel()
-        await asyncio.gather(*writes, return_exceptions=True)
-        self._writes.clear()
+        """Give the queued writes a last, bounded chance, then let go of Redis."""
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            if self._pending:
+                try:
+                    async with asyncio.timeout(self.config.redis_timeout + _CLOSE_WAIT):
+                        await self._drained.wait()
+                except TimeoutError:
+                    logger.warning(
+                        "stateful: %d owners made here were never written to Redis; other "
+                        "PoPs will not find them",
+                        len(self._pending),
+                    )
+            writer.cancel()
+            await asyncio.gather(writer, return_exceptions=True)
+        for waiter in self._waiters.values():
+            _settle(waiter)
+        self._waiters.clear()
         if self.redis is not None:
             await self.redis.aclose()
             self.redis = None
 
-    async def owner(self, object_id: str) -> str | None:
-        """The region holding ``object_id``, or None when no process knows it."""
-        known = self._memory.get(object_id)
+    def allows(self, owner: Owner, scope: str) -> bool:
+        """Whether a request of ``scope`` may use the object ``owner`` holds."""
+        return not self.config.tenant_binding or owner.scope is None or owner.scope == scope
+
+    async def lookup(self, ids: Iterable[str]) -> dict[str, Owner | Missing]:
+        """The owner of each of ``ids`` (each once), or why none is known."""
         now = self.clock()
+        found: dict[str, Owner | Missing] = {}
+        asked: list[str] = []
+        for object_id in ids:
+            if object_id in found:
+                continue
+            known = self._known(object_id, now)
+            if known is not None:
+                found[object_id] = known
+            else:
+                found[object_id] = Missing.UNKNOWN
+                asked.append(object_id)
+        if not asked or self.redis is None:
+            return found
+        if now < self._down_until:
+            for object_id in asked:
+                found[object_id] = Missing.FAILED
+            return found
+        prefix = self.config.redis_prefix
+        for start in range(0, len(asked), _BATCH):
+            batch = asked[start : start + _BATCH]
+            values = await self._read([prefix + object_id for object_id in batch])
+            if values is None:
+                for object_id in asked[start:]:
+                    found[object_id] = Missing.FAILED
+                break
+            for object_id, value in zip(batch, values, strict=True):
+                if value is not None:
+                    owner = Owner.decode(value)
+                    found[object_id] = owner
+                    self._keep(object_id, owner, now)
+        return found
+
+    async def owner(self, object_id: str) -> Owner | Missing:
+        """The owner of ``object_id``, or why none is known."""
+        return (await self.lookup((object_id,)))[object_id]
+
+    def remember(self, object_id: str, region: str, scope: str) -> asyncio.Future[None] | None:
+        """``region`` made ``object_id`` for a request of ``scope``: remembered here now,
+        and queued for Redis. The future returned is done once Redis has it, or after
+        ``redis_timeout`` (None without Redis, or while it is known down): a caller about to
+        hand the id to the client waits for it, so that a follow-up through another PoP
+        finds it. The entry stays queued and retried until Redis takes it."""
+        self.remembered_total += 1
+        owner = Owner(region, scope)
+        self._keep(object_id, owner, self.clock())
+        if self.redis is None:
+            return None
+        pending = self._pending
+        pending.pop(object_id, None)
+        pending[object_id] = owner.encode()
+        if len(pending) > self.config.write_queue:
+            dropped, _ = pending.popitem(last=False)
+            self._release(dropped)
+            self.writes_dropped_total += 1
+            if self.writes_dropped_total == 1 or not self.writes_dropped_total % 1000:
+                logger.warning(
+                    "stateful: the Redis write queue is full (write_queue = %d): %d owners "
+                    "dropped so far, known only to this process",
+                    self.config.write_queue,
+                    self.writes_dropped_total,
+                )
+        self._drained.clear()
+        self._wake.set()
+        if self.clock() < self._down_until:
+            return None
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[None] = loop.create_future()
+        self._release(object_id)
+        self._waiters[object_id] = waiter
+        loop.call_later(self.config.redis_timeout, _settle, waiter)
+        return waiter
+
+    def _known(self, object_id: str, now: float) -> Owner | None:
+        known = self._memory.get(object_id)
         if known is not None:
             if known[1] > now:
                 return known[0]
             del self._memory[object_id]
-        if self.redis is None or now < self._down_until:
-            return None
-        try:
-            async with asyncio.timeout(self.config.redis_timeout):
-                value = await self.redis.get(self.config.redis_prefix + object_id)
-        except Exception as exc:  # noqa: BLE001 - Redis down or slow: memory alone
-            self._redis_failed("read", exc)
-            return None
-        if value is None:
-            return None
-        region = value.decode() if isinstance(value, bytes) else str(value)
-        self._keep(object_id, region, now)
-        return region
+        # Made here and not in Redis yet, though memory may have let go of it.
+        value = self._pending.get(object_id)
+        return Owner.decode(value) if value is not None else None
 
-    def remember(self, object_id: str, region: str) -> asyncio.Task[None] | None:
-        """``region`` made ``object_id``: remembered here now, and in Redis by the task
-        returned (kept here too; None without Redis). A caller about to hand the id to
-        the client waits for it, so that a follow-up through another PoP finds it."""
-        self.remembered_total += 1
-        self._keep(object_id, region, self.clock())
-        if self.redis is None:
-            return None
-        task = asyncio.get_running_loop().create_task(self._write(object_id, region))
-        self._writes.add(task)
-        task.add_done_callback(self._writes.discard)
-        return task if self.clock() >= self._down_until else None
-
-    def _keep(self, object_id: str, region: str, now: float) -> None:
+    def _keep(self, object_id: str, owner: Owner, now: float) -> None:
         memory = self._memory
         memory.pop(object_id, None)
-        memory[object_id] = (region, now + self.config.ttl)
+        memory[object_id] = (owner, now + self.config.ttl)
         if len(memory) > self.config.memory_entries:
             memory.popitem(last=False)
 
-    async def _write(self, object_id: str, region: str) -> None:
+    def _release(self, object_id: str) -> None:
+        waiter = self._waiters.pop(object_id, None)
+        if waiter is not None:
+            _settle(waiter)
+
+    async def _read(self, keys: list[str]) -> list[Any] | None:
+        """The values of ``keys`` in one round trip; None when Redis could not answer."""
         assert self.redis is not None
+        config = self.config
         try:
-            async with asyncio.timeout(self.config.redis_timeout):
-                await self.redis.set(
-                    self.config.redis_prefix + object_id, region, ex=int(self.config.ttl)
-                )
-        except Exception as exc:  # noqa: BLE001 - another PoP may then not know it
+            async with asyncio.timeout(config.redis_pool_timeout):
+                await self._slots.acquire()
+        except TimeoutError:
+            # Every slot busy: this process is congested, Redis did not fail.
+            self.lookup_failed_total += 1
+            return None
+        try:
+            async with asyncio.timeout(config.redis_timeout):
+                if len(keys) == 1:
+                    return [await self.redis.get(keys[0])]
+                pipe = self.redis.pipeline(transaction=False)
+                for key in keys:
+                    pipe.get(key)
+                values: list[Any] = await pipe.execute()
+        except Exception as exc:  # noqa: BLE001 - Redis down or slow: the lookup failed
+            self.lookup_failed_total += 1
+            self._redis_failed("read", exc)
+            return None
+        else:
+            self._answered()
+            return values
+        finally:
+            self._slots.release()
+
+    async def _write_queue(self) -> None:
+        """Drain the queue into Redis, oldest first, retrying until Redis takes each batch."""
+        delay = _RETRY_FIRST
+        pending = self._pending
+        while True:
+            await self._wake.wait()
+            batch = list(itertools.islice(pending.items(), _BATCH))
+            if batch and not await self._write(batch):
+                self.write_retries_total += 1
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, _RETRY_MAX)
+                continue
+            delay = _RETRY_FIRST
+            for object_id, value in batch:
+                # Unless it was remembered anew (or dropped) while the batch was out.
+                if pending.get(object_id) == value:
+                    del pending[object_id]
+                    self._release(object_id)
+            if not pending:
+                self._wake.clear()
+                self._drained.set()
+
+    async def _write(self, batch: list[tuple[str, str]]) -> bool:
+        assert self.redis is not None
+        config = self.config
+        prefix, ttl = config.redis_prefix, int(config.ttl)
+        try:
+            async with asyncio.timeout(config.redis_timeout):
+                pipe = self.redis.pipeline(transaction=False)
+                for object_id, value in batch:
+                    pipe.set(prefix + object_id, value, ex=ttl)
+                await pipe.execute()
+        except Exception as exc:  # noqa: BLE001 - kept queued, and tried again
             self._redis_failed("write", exc)
+            return False
+        self._answered()
+        return True
+
+    def _answered(self) -> None:
+        self._failures = 0
+        self._down_until = 0.0
 
     def _redis_failed(self, what: str, exc: BaseException) -> None:
         self.redis_errors_total += 1
-        self._down_until = self.clock() + _DOWN_FOR
-        logger.warning("stateful: Redis %s of an owner failed: %r", what, exc)
+        self._failures += 1
+        if self._failures >= _FAILURES_TO_TRIP:
+            self._down_until = self.clock() + _DOWN_FOR
+        logger.warning("stateful: Redis %s of owners failed: %r", what, exc)
 
     def snapshot(self) -> dict[str, Any]:
         """For ``/status``."""
@@ -264,8 +508,18 @@ class Owners:
             "enabled": self.enabled,
             "shared": self.redis is not None,
             "known": len(self._memory),
+            "pending_writes": len(self._pending),
             "remembered_total": self.remembered_total,
             "unknown_total": self.unknown_total,
             "unavailable_total": self.unavailable_total,
+            "lookup_failed_total": self.lookup_failed_total,
+            "other_scope_total": self.other_scope_total,
             "redis_errors_total": self.redis_errors_total,
+            "write_retries_total": self.write_retries_total,
+            "writes_dropped_total": self.writes_dropped_total,
         }
+
+
+def _settle(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)

@@ -33,7 +33,7 @@ class StatefulConfig(Section):
     remembered as its owner: in this process, and in Redis when one is set, so that every
     PoP and worker sends the requests that refer to the object (``previous_response_id``,
     ``conversation``, ``/v1/files/{id}/content``, a batch's ``input_file_id``...) to that
-    region.
+    region. Each object answers only the scope (tenant, else credentials) that made it.
     """
 
     enabled: bool = Field(
@@ -64,8 +64,44 @@ class StatefulConfig(Section):
         0.25,
         gt=0,
         allow_inf_nan=False,
-        description="Seconds a Redis read or write of an owner may take; past it the "
-        "process's own memory answers.",
+        description="Seconds a Redis read or write of owners may take. A lookup past it "
+        "gets 503 with Retry-After (never a 404: the object may exist); a write past it is "
+        "retried.",
+    )
+    redis_max_connections: int = Field(
+        32,
+        ge=2,
+        description="Most connections in the owners' Redis pool of each proxy process (one "
+        "kept for the writes). A call past it waits for a free one.",
+    )
+    redis_pool_timeout: float = Field(
+        1.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Seconds a lookup waits for a free Redis connection; past it the request "
+        "gets 503 with Retry-After.",
+    )
+    write_queue: int = Field(
+        100_000,
+        ge=1,
+        description="Owners made in this process waiting to be written to Redis (while it is "
+        "down or slow: each is retried until Redis takes it); past it the oldest is dropped "
+        "and known to this process only.",
+    )
+    max_refs: int = Field(
+        1000,
+        ge=1,
+        description="Most stored objects one request may refer to (distinct ids, looked up in "
+        "batches of 100); a request naming more gets 400 too_many_references.",
+    )
+    tenant_binding: bool = Field(
+        True,
+        description="Bind each stored object to the scope that made it: the tenant, else a "
+        "hash of the client's credential headers, else anonymous clients (the cache's "
+        "scope). A request of another scope gets the API's own 404, as the provider would "
+        "answer a stranger. Off: anyone holding an id reaches the object through the proxy "
+        "(only where the regions check each client's own credentials, with [server] "
+        "forward_client_credentials).",
     )
     ttl: float = Field(
         30 * 24 * 3600.0,
