@@ -248,11 +248,12 @@ class Pipeline:
             # stream: relay chunk by chunk to the client; with the route's continue_on_break,
             # a stream that breaks after tokens were sent goes on at another region.
             upstream = obtained
-            if upstream.lighter is not None and recorder is not None:
-                # A lighter model answered: never stored as the requested model's answer,
-                # and stored as the lighter model's (when its request is cacheable).
+            if upstream.other_model is not None and recorder is not None:
+                # Another model answered (lighter, or larger for a long request): never
+                # stored as the requested model's answer, and stored as the model's that
+                # answered (when its request is cacheable).
                 recorder.release()
-                recorder = await self.cache.recorder_for(request, upstream.lighter)
+                recorder = await self.cache.recorder_for(request, upstream.other_model)
             if state is not None and state.creates and 200 <= upstream.status < 300:
                 await self._remember(upstream, state)
             plan = route if isinstance(route, RoutePlan) else None

@@ -48,6 +48,13 @@ def key(who: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {who}", "Content-Type": "application/json"}
 
 
+def others_served(proxy: EdgeProxy, *names: str) -> None:
+    """The evidence a region's 5xx needs to be a caller's own: the region served another
+    caller within the window (traffic that routing would send to the nearest region only)."""
+    for name in names:
+        proxy.regions.health.served(proxy.regions.by_name[name], "t:others")
+
+
 def status_of(proxy: EdgeProxy, name: str) -> dict[str, Any]:
     return next(r for r in proxy.status()["regions"] if r["name"] == name)
 
@@ -76,29 +83,51 @@ async def near() -> AsyncIterator[tuple[Region, Health, FakeClock]]:
     await regions.close()
 
 
-def test_one_callers_5xx_never_count_and_several_callers_do(
+def test_one_callers_5xx_count_only_without_evidence_that_others_are_served(
     near: tuple[Region, Health, FakeClock],
 ) -> None:
     region, health, clock = near
-    # One caller, a thousand times: its own fault, however often.
+    # No evidence that the region serves anyone: its failure is its own.
+    assert health.blame(region, "h:mallory")
+    # The region serves alice meanwhile: from now on mallory's 5xx are mallory's own,
+    # however often.
+    health.served(region, "t:alice")
     assert not any(health.blame(region, "h:mallory") for _ in range(1000))
     snap = health.snapshot(region, clock())
     assert snap["failures"]["callers"] == 1 and not snap["failures"]["counted"]
-    assert snap["failures"]["recent"] == 1000 and snap["failures"]["callers_own_total"] == 1000
-    # A second caller: still too few. A third: the region's fault from now on.
+    assert snap["failures"]["recent"] == 1001 and snap["failures"]["callers_own_total"] == 1000
+    # A capacity answer is never the caller's.
+    assert health.blame(region, "h:mallory", status=503)
+    assert health.blame(region, "h:mallory", status=529)
+    # A second failing caller: still too few. A third: the region's fault from now on.
     assert not health.blame(region, "ip:10.0.0.2")
-    assert health.blame(region, "t:acme")
+    assert health.blame(region, "t:carol")
     assert health.blame(region, "h:mallory")
-    # The window passes without a failure: the callers are forgotten.
+    # The window passes: the failing callers and the evidence are forgotten, so the
+    # next failure is the region's again.
     clock.advance(31.0)
-    assert not health.blame(region, "t:acme")
+    assert health.blame(region, "t:carol")
     assert health.snapshot(region, clock())["failures"]["callers"] == 1
+
+
+def test_the_evidence_must_be_another_caller(near: tuple[Region, Health, FakeClock]) -> None:
+    region, health, clock = near
+    # Served mallory itself: no evidence about anyone else.
+    health.served(region, "h:mallory")
+    assert health.blame(region, "h:mallory")
+    # Two callers served, the latest mallory: the other one still counts as evidence.
+    health.served(region, "t:alice")
+    health.served(region, "h:mallory")
+    assert not health.blame(region, "h:mallory")
+    clock.advance(31.0)
+    assert health.blame(region, "h:mallory")
 
 
 def test_a_failing_active_check_confirms_a_single_callers_failures(
     near: tuple[Region, Health, FakeClock],
 ) -> None:
     region, health, _ = near
+    health.served(region, "t:alice")
     assert not health.blame(region, "h:mallory")
     region.health.active_ok = False  # the probe fails too: the region is at fault
     assert health.blame(region, "h:mallory")
@@ -213,12 +242,13 @@ async def test_one_tenant_flooding_bad_bodies_moves_no_one(
     served: Counter[str] = Counter()
     async with aiohttp.ClientSession() as client:
         for i in range(100):
-            status, region, _, _ = await post(client, proxy, BAD, "mallory")
-            assert status == 500  # the region's own answer, relayed
-            if i % 5 == 4:
+            if i % 5 == 0:
+                # Others are served meanwhile: the evidence that the failures are mallory's.
                 status, region, _, _ = await post(client, proxy, GOOD, f"alice{i % 7}")
                 assert status == 200
                 served[region] += 1
+            status, region, _, _ = await post(client, proxy, BAD, "mallory")
+            assert status == 500  # the region's own answer, relayed
             clock.advance(0.5)  # 50 s of traffic: the window slides past old failures
             assert status_of(proxy, "near")["health"]["ejections_total"] == 0
     assert served["near"] >= 0.95 * sum(served.values()), served
@@ -276,6 +306,7 @@ async def test_a_poison_request_gets_502_after_two_attempts_then_none(
         routing={"retry_statuses": [500, 502, 503, 504], "retry_budget_min": 100},
     )
     sent = lambda: near.requests_by_path.get(CHAT, 0) + far.requests_by_path.get(CHAT, 0)  # noqa: E731
+    others_served(proxy, "near", "far")
     async with aiohttp.ClientSession() as client:
         status, _, payload, headers = await post(client, proxy, BAD, "mallory")
         assert status == 502 and payload["error"]["code"] == "upstream_rejected_request"
@@ -304,6 +335,7 @@ async def test_a_poison_request_gets_502_after_two_attempts_then_none(
             assert region_status["errors_total"] == 0
         # The ttl passes: the body is tried again, and the caller is free again.
         clock.advance(121.0)
+        others_served(proxy, "near", "far")
         status, _, _, headers = await post(client, proxy, BAD, "mallory")
         # Two attempts more: 5 with alice's answer.
         assert status == 502 and headers["X-Edgeproxy-Attempts"] == "2" and sent() == 5

@@ -42,6 +42,7 @@ continuation.
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -93,8 +94,11 @@ class Leg:
     chunks: AsyncIterator[bytes]
     close: Callable[[], Awaitable[None]]
     degraded: str | None = None
-    """The degradation this leg makes of the answer (``local-model``), None for a region's;
-    recorded on the request by :class:`edgeproxy._obtain.Continuer`."""
+    """The degradation this leg makes of the answer (``local-model``, ``lighter-model``),
+    None for a region's own; recorded on the request by :class:`edgeproxy._obtain.Continuer`."""
+    model: str | None = None
+    """The model that continues, when it is another than the client asked for (a lighter
+    one)."""
 
 
 class Splice:
@@ -121,6 +125,12 @@ class Splice:
         self.broken_tokens = 0  # the same for the legs that broke
         self.continued: list[tuple[str, str]] = []
         self.broken: set[str] = set()  # the regions that broke this answer: never asked again
+        # When the answer first broke: the route's deadline bounds every leg from there on,
+        # the whole continued answer rather than each leg.
+        self.since: float | None = None
+        # A region's refusal to continue (a 4xx: a content filter...), passed to the client
+        # once as the stream's error, never retried.
+        self.refused: ProxyError | None = None
         self._usage: dict[str, Any] | None = None  # the current leg's, in the API's shape
         # The seam: a new leg's first content, held until it is known whether it repeats
         # the end of the text already sent; `_skip`: characters a reissue repeats whole;
@@ -338,6 +348,9 @@ class ContinuationStage:
         nor inside content that cannot be continued (tool calls...), after its end, or
         before any text (blanks only count as none); else the counted record of why not."""
         splice.broke(broken)
+        now = time.monotonic()
+        if splice.since is None:
+            splice.since = now
         said = bool(splice.text.strip())
         if (
             len(splice.continued) >= ctx.route.max_continuations
@@ -346,6 +359,9 @@ class ContinuationStage:
             or not said
         ):
             return self.count(ctx, broken, "none", "limit" if said else "impossible")
+        if now >= splice.since + ctx.route.deadline:
+            # The answer's continuations took the route's deadline already.
+            return self.count(ctx, broken, "none", "deadline")
         return None
 
     def groups(self, candidates: list[Region], splice: Splice) -> dict[str, list[Region]]:

@@ -5,12 +5,20 @@ the first response worth relaying. Until a region's first body byte (or a
 final status) has arrived, nothing has reached the client, so a failure can
 still go to the next region:
 
-* transport failures (connect, reset, timeout) and the statuses in
-  ``[routing] retry_statuses`` are retried on the next candidate, up to the
-  route's ``retries``, for idempotent methods and for POSTs to LLM endpoints
-  (safe: nothing was returned); other requests are retried only when the
-  region certainly never saw them (connect failures). Bodies must have been
+* transport failures (connect, reset, timeout), the statuses in
+  ``[routing] retry_statuses`` and the capacity statuses (429, 503, 529) are retried on
+  the next candidate, up to the route's ``retries``, for idempotent methods and for POSTs
+  to LLM endpoints (safe: nothing was returned); other requests are retried only when
+  the region certainly never saw them (connect failures). Bodies must have been
   buffered to be sent twice; streamed uploads get one attempt;
+* a capacity status holds the region off for the request's model until its
+  ``Retry-After`` (seconds or an HTTP date) has passed, or for a backoff with jitter
+  without one (:mod:`edgeproxy._upstream.cooldown`); a region held off is not tried. When
+  no other candidate is left, the request waits for the soonest region held off, if that
+  fits its deadline, and otherwise fails (the ladder may answer); the client's 429 or 503
+  then says when a region takes the model again;
+* a region that is the only candidate is retried itself, after a backoff with jitter: a
+  deployment with one region never needs it listed twice;
 * retries come out of a budget: over ``budget_window`` seconds at most
   ``retry_budget`` of the requests plus ``retry_budget_min`` per second, so
   an outage does not multiply the load on what is left;
@@ -23,11 +31,12 @@ still go to the next region:
   ``RST_STREAM``, or the HTTP/1.1 connection closed). Hedges have their own
   budget, ``hedge_budget``.
 
-A region's 5xx answer counts against it (its health, its errors, its latency) only when
-:meth:`Health.blame <edgeproxy._upstream.health.Health.blame>` says several callers get
-them; otherwise it is the caller's own, and two regions rejecting the same body make it
-poison (:mod:`edgeproxy._stages.poison`): 502 ``upstream_rejected_request``, no further
-attempt, and none at all for that body while it is known.
+A region's 5xx answer counts against it (its health, its errors, its latency) unless
+:meth:`Health.blame <edgeproxy._upstream.health.Health.blame>` finds evidence that it is
+the caller's own (the region served other callers meanwhile); then two regions rejecting
+the same body from the same caller make it poison (:mod:`edgeproxy._stages.poison`): 502
+``upstream_rejected_request``, no further attempt, and none at all for that caller's body
+while it is known. Capacity statuses are never the caller's.
 
 A non-streamed answer of an LLM endpoint is read to its end inside its
 attempt (up to ``WHOLE_BODY_LIMIT``), within the deadline: a region that
@@ -68,19 +77,22 @@ import enum
 import itertools
 import logging
 import math
+import random
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING
-
-import orjson
 
 from edgeproxy._core.errors import ProxyError
 from edgeproxy._core.types import Headers
 from edgeproxy._protocol.dialects import Dialect, dialect_named
 from edgeproxy._protocol.endpoints import endpoint_suffixes
+from edgeproxy._protocol.models import model_from_body
+from edgeproxy._protocol.refusals import error_message
 from edgeproxy._protocol.sse import SSEEventTooLarge, SSEReader
 from edgeproxy._stages.deadlines import Deadlines
 from edgeproxy._stages.poison import Poison, caller_of
+from edgeproxy._upstream.cooldown import retry_after_seconds, soonest
+from edgeproxy._upstream.health import CAPACITY_STATUSES
 from edgeproxy._upstream.pool import (
     UpstreamConnectError,
     UpstreamError,
@@ -122,7 +134,18 @@ WHOLE_BODY_LIMIT = 8 * 1024 * 1024
 # The opening events of a stream held until one commits it to its region (_until_content).
 HOLD_LIMIT = 64 * 1024
 _NO_BODY = frozenset({204, 304})
+# The backoff before a lone region is retried itself: doubled per attempt, with jitter.
+SAME_REGION_BACKOFF = 0.25
 _ids = itertools.count(1)
+
+
+def model_of(ctx: RequestContext) -> str:
+    """The model a region is asked for, for its cooldowns ("" for a request with none)."""
+    model = ctx.model
+    if model is None:
+        named = model_from_body(ctx.json) if ctx.body_read else None
+        model = named if isinstance(named, str) else ""
+    return model
 
 
 class Budget:
@@ -240,7 +263,7 @@ class _Attempt:
                 if region.asks_load and LOAD_FORMAT_HEADER not in ctx.headers:
                     response.headers = without_load_header(response.headers)
             status = response.status
-            if status in failover.retry_statuses:
+            if status in failover.retry_statuses or status in CAPACITY_STATUSES:
                 self.failed_status = status
             elif 200 <= status < 300 and status not in _NO_BODY and ctx.method != "HEAD":
                 self.sse = _is_sse(response.headers)
@@ -273,6 +296,11 @@ class _Attempt:
         if failed and not self._blamed(ctx):
             self.neutral = True  # the caller's own 5xx, relayed: the region is not judged
             return
+        if not failed:
+            # Evidence, should another caller's 5xx come, that the region serves.
+            failover.health.served(region, caller_of(ctx, failover.poison.key_header))
+            if region.cooldowns:
+                region.cooldowns.answered(model_of(ctx))
         region.ttfb.add(now - self.started)
         if self.sse or self.eof:
             region.latency.observe(now - self.started, now)
@@ -300,7 +328,8 @@ class _Attempt:
         region failing for everyone is an outage, never a reason to reject a body)."""
         failover, region = self.failover, self.region
         assert self.response is not None
-        if failover.health.blame(region, caller_of(ctx, failover.poison.key_header)):
+        status = self.response.status
+        if failover.health.blame(region, caller_of(ctx, failover.poison.key_header), status=status):
             return True
         self.rejected = failover.poison.failed(ctx, region.name, self.response.status)
         return False
@@ -333,7 +362,13 @@ class _Attempt:
 
     def _failed(self, now: float, ctx: RequestContext) -> None:
         region, failover = self.region, self.failover
-        if self.failed_status and not self._blamed(ctx):
+        status = self.failed_status
+        if status in CAPACITY_STATUSES:
+            failover.cool(region, ctx, status, self.response)
+            if status == 429:
+                # Busy for this model, not broken: held off for it, nothing else judged.
+                return
+        elif status and not self._blamed(ctx):
             # A 5xx this caller alone gets: not the region's failure, nor a slow answer.
             self.neutral = True
             return
@@ -406,7 +441,7 @@ class AttemptResponse:
         "attempts",
         "hedged",
         "ttfb",
-        "lighter",
+        "other_model",
     )
 
     def __init__(self, attempt: _Attempt, attempts: int, *, hedged: bool = False) -> None:
@@ -422,8 +457,10 @@ class AttemptResponse:
         if attempts > 1:
             self.headers.append(("X-Edgeproxy-Attempts", str(attempts)))
         self.http_version = response.http_version
-        self.lighter: RequestContext | None = None
-        """A lighter model's request (the ladder's ``lighter`` rung), when it answered."""
+        self.other_model: RequestContext | None = None
+        """Another model's request, when it answered instead of the requested model: a
+        lighter one (the ladder's ``lighter`` rung) or a larger one (a context window
+        too small, the route's ``larger_models``)."""
 
     async def aiter_bytes(self) -> AsyncIterator[bytes]:
         attempt = self.attempt
@@ -432,7 +469,8 @@ class AttemptResponse:
             attempt.iterator = attempt.response.aiter_bytes().__aiter__()
         elif attempt.first is not None:
             first, attempt.first = attempt.first, None
-            yield first
+            if first:
+                yield first
         if attempt.eof:
             return
         try:
@@ -469,6 +507,17 @@ class AttemptResponse:
         finally:
             attempt.first = b"".join(parts)
         return attempt.first
+
+    async def read_error(self, limit: int) -> bytes:
+        """A refusal's body (a 4xx), read whole up to ``limit`` bytes and kept to be relayed
+        as it came, for the obtain path to read its reason; what is past ``limit`` streams
+        after it. Raises the :class:`UpstreamError` of a body that broke meanwhile."""
+        attempt = self.attempt
+        if attempt.iterator is None:
+            assert attempt.response is not None
+            attempt.iterator = attempt.response.aiter_bytes().__aiter__()
+            attempt.first = b""
+        return await self.read_more(limit)
 
     async def aclose(self) -> None:
         await self.attempt.discard()
@@ -665,6 +714,33 @@ class Failover:
         )
         self.deadlines = Deadlines()
         self.poison = Poison(config, clock=regions.clock) if poison is None else poison
+        # How the attempt loop waits for a region held off, and draws its jitter: the
+        # tests inject both, with the region set's clock.
+        self.sleep = asyncio.sleep
+        self.random = random.random
+
+    def cool(
+        self,
+        region: Region,
+        ctx: RequestContext,
+        status: int,
+        response: UpstreamResponse | None,
+    ) -> float:
+        """``region`` answered ``ctx`` with a capacity status: hold it off for the model
+        until its Retry-After, or for a backoff without one (429 only: a 503 or 529 with no
+        Retry-After is left to outlier ejection). Returns the wait."""
+        value = None
+        if response is not None:
+            for name, header in response.headers:
+                if name.lower() == "retry-after":
+                    value = header
+                    break
+        retry_after = retry_after_seconds(value)
+        if retry_after is None and status != 429:
+            return 0.0
+        return region.cooldowns.refused(
+            model_of(ctx), status, retry_after, self.regions.clock(), jitter=self.random()
+        )
 
     async def send(
         self,
@@ -746,6 +822,10 @@ class _Plan:
         # whether a hedge was sent (the count is `tried`).
         self.latest: Region | None = None
         self.hedged = False
+        # The candidates held off for the request's model (429, 503, 529), and whether the
+        # request has no other candidate (a lone region is retried itself).
+        self.cooling: list[Region] = []
+        self.lone = len(candidates) == 1
 
     def attempt(self, region: Region, kind: str) -> _Attempt:
         self.tried += 1
@@ -753,7 +833,8 @@ class _Plan:
         return _Attempt(self.failover, region, kind, self.tried_endpoints)
 
     def next_region(self) -> Region | None:
-        """The next candidate whose circuit breaker lets a request through."""
+        """The next candidate whose circuit breaker lets a request through and that is not
+        held off for the request's model."""
         health = self.failover.health
         while self.queue:
             region = self.queue.pop(0)
@@ -761,8 +842,30 @@ class _Plan:
                 region.record_overflow()
                 self.overloaded += 1
                 continue
+            if region.cooldowns and self._held_off(region) > 0:
+                continue
             return region
         return None
+
+    def _held_off(self, region: Region) -> float:
+        """Seconds ``region`` is still held off for the request's model (noted if any)."""
+        wait = region.cooldowns.until(model_of(self.ctx)) - self.failover.regions.clock()
+        if wait > 0 and region not in self.cooling:
+            self.cooling.append(region)
+        return wait
+
+    def waiting(self) -> tuple[Region, float] | None:
+        """With no candidate left: the region to try again and the seconds to wait first,
+        the soonest of those held off, or a lone region after its backoff; None when
+        there is none."""
+        waits = [(r, self._held_off(r)) for r in self.cooling]
+        last = self.last
+        if self.lone and last is not None and last.region not in self.cooling:
+            backoff = SAME_REGION_BACKOFF * 2 ** max(0, self.tried - 1)
+            waits.append((last.region, backoff * (0.5 + 0.5 * self.failover.random())))
+        if not waits:
+            return None
+        return min(waits, key=lambda pair: pair[1])
 
     def may_retry(self, failed: _Attempt) -> bool:
         if not self.replayable or self.tried > self.ctx.route.retries:
@@ -804,8 +907,16 @@ class _Plan:
                     return self.deadline_failure(running)
                 region = self.next_region()
                 if region is None:
-                    break
-                if self.tried and not self.failover.retry_budget.try_spend():
+                    again = self.waiting()
+                    if again is None or again[1] >= remaining:
+                        break
+                    region, wait = again
+                    if self.tried and not self.failover.retry_budget.try_spend():
+                        break
+                    if wait > 0:
+                        await self.failover.sleep(wait)
+                        remaining = self.ctx.started + self.ctx.route.deadline - time.monotonic()
+                elif self.tried and not self.failover.retry_budget.try_spend():
                     break
                 attempt = self.attempt(region, "retry" if self.tried else "first")
                 if self.keep_late:
@@ -945,13 +1056,22 @@ class _Plan:
         error = await self._failure_error()
         if self.last is not None:
             return self._failure(FailureKind.UPSTREAM, error)
-        kind = FailureKind.OVERLOADED if self.overloaded else FailureKind.NO_REGION
+        kind = FailureKind.OVERLOADED if self.overloaded or self.cooling else FailureKind.NO_REGION
         return self._failure(kind, error)
+
+    def _retry_after(self) -> str | None:
+        """Whole seconds until the soonest region held off takes the model again: the
+        Retry-After the client can trust. None when none is held off."""
+        waits = [w for r in self.cooling if (w := self._held_off(r)) > 0]
+        return str(soonest(waits)) if waits else None
 
     async def _failure_error(self) -> ProxyError:
         attempt = self.last
         headers = self._headers()
+        retry_after = self._retry_after()
         if attempt is None:
+            if retry_after is not None:
+                return _held_off_error(self.cooling, model_of(self.ctx), retry_after, headers)
             if self.overloaded:
                 return ProxyError(
                     503,
@@ -986,6 +1106,8 @@ class _Plan:
         for key, value in attempt.response.headers:
             if key.lower() == "retry-after":
                 headers["Retry-After"] = value
+        if retry_after is not None:
+            headers["Retry-After"] = retry_after
         detail = await _error_detail(attempt.response)
         return ProxyError(
             attempt.failed_status,
@@ -994,6 +1116,22 @@ class _Plan:
             code="upstream_unavailable",
             headers=headers,
         )
+
+
+def _held_off_error(
+    cooling: list[Region], model: str, retry_after: str, headers: dict[str, str]
+) -> ProxyError:
+    """The 429 (every region rate-limited the model) or 503 of a request no region may be
+    asked for yet, with the Retry-After at which the soonest takes it again."""
+    limited = all(r.cooldowns.status(model) == 429 for r in cooling)
+    names = ", ".join(r.name for r in cooling)
+    return ProxyError(
+        429 if limited else 503,
+        "rate_limit_exceeded" if limited else "overloaded",
+        f"every region serving this model asked to hold off ({names}): retry after {retry_after}s",
+        code="upstream_rate_limited" if limited else "region_overloaded",
+        headers={**headers, "Retry-After": retry_after},
+    )
 
 
 def _failure_reason(exc: UpstreamError) -> str:
@@ -1016,12 +1154,4 @@ async def _error_detail(response: UpstreamResponse, limit: int = 8192) -> str | 
                     return None
     except (TimeoutError, UpstreamError):
         return None
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return None
-    if isinstance(data, dict) and isinstance(data.get("error"), dict):
-        message = data["error"].get("message")
-        if isinstance(message, str):
-            return message[:300]
-    return None
+    return error_message(body)

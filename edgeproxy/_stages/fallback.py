@@ -124,6 +124,10 @@ class FallbackStage:
         self.lighter: Counter[tuple[str, str]] = Counter()
         self.lighter_tokens: Counter[str] = Counter()
         self.lighter_skipped: Counter[str] = Counter()
+        # Requests too long for their model answered by a larger one (larger_models), by
+        # (requested model, model that answered); larger models skipped, by why.
+        self.larger: Counter[tuple[str, str]] = Counter()
+        self.larger_skipped: Counter[str] = Counter()
 
     def open(self) -> None:
         """Start loading the local model in the background; returns at once."""
@@ -310,6 +314,11 @@ class FallbackStage:
                 for model, count in sorted(self.lighter_tokens.items())
             ],
             "lighter_skipped": dict(self.lighter_skipped),
+            "larger": [
+                {"name": f"{requested}>{model}", "answers_total": count}
+                for (requested, model), count in sorted(self.larger.items())
+            ],
+            "larger_skipped": dict(self.larger_skipped),
             "served": dict(self.served),
             "vetoed_total": self.vetoed_total,
             "unavailable_total": self.unavailable_total,

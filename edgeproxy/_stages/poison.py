@@ -5,17 +5,26 @@ body makes several servers answer 500. :meth:`Health.blame
 <edgeproxy._upstream.health.Health.blame>` decides for the region's health by counting
 the callers; this module decides for the request:
 
-* a request body that got 5xx answers from two regions within ``[health] poison_ttl``
-  is **poison**: the request that finds it out is not tried further, and the same body
-  later gets 502 ``upstream_rejected_request`` at once, with no attempt at all;
+* a request body that got 5xx answers from two regions within ``[health] poison_ttl``,
+  each of them the caller's own (the region served others meanwhile, see
+  :meth:`Health.blame <edgeproxy._upstream.health.Health.blame>`), is **poison** for
+  that caller: the request that finds it out is not tried further, and the same body
+  from the same caller later gets 502 ``upstream_rejected_request`` at once, with no
+  attempt at all. Another caller's identical body is tried afresh: the mark belongs to
+  the caller that earned it;
 * each poison request is a **strike** against its caller (the tenant, else its hashed
-  API key, else its client IP: :func:`caller_of`); a caller with ``poison_strikes``
-  strikes within ``poison_ttl`` gets 429 from admission until the oldest fades, like
-  any other abuse. Counted in ``/status`` ``limits``.
+  API key, else its client IP: :func:`caller_of`) on the route and model it sent; a
+  caller with ``poison_strikes`` strikes within ``poison_ttl`` gets 429 from admission
+  on that route and model until the oldest fades, like any other abuse, and is served
+  on every other. Counted in ``/status`` ``limits``.
 
-Bodies are known by a 16-byte BLAKE2b digest, computed only on the failure path and,
-while some body is known as poison, once per request: a proxy that has seen none pays
-nothing per request. Both tables are bounded and forget on the clock.
+A capacity answer (429, 503, 529) or a transport failure is never a poison request,
+however few callers there are: the callers (:mod:`edgeproxy._stages.failover`) only ask
+about the statuses a request can cause.
+
+Bodies are known by a 16-byte BLAKE2b digest of the caller and the body, computed only on
+the failure path and, while some body is known as poison, once per request: a proxy that
+has seen none pays nothing per request. Both tables are bounded and forget on the clock.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from edgeproxy._core.errors import ProxyError
+from edgeproxy._protocol.models import model_from_body
 from edgeproxy._stages.ratelimit import api_key, identities
 
 if TYPE_CHECKING:
@@ -45,6 +55,12 @@ def caller_of(ctx: RequestContext, key_header: str) -> str:
     (``key_header``, the API key), else the client IP."""
     key, ip = identities(ctx.tenant, api_key(ctx.headers, key_header), ctx.client_ip or "unknown")
     return key if key is not None else "ip:" + ip
+
+
+def _scope(ctx: RequestContext, caller: str) -> str:
+    """Where a caller's strikes apply: its caller, the route and the model it sent."""
+    model = model_from_body(ctx.json)
+    return f"{caller}\0{ctx.route.name}\0{model if isinstance(model, str) else ''}"
 
 
 class _Body:
@@ -81,13 +97,15 @@ class Poison:
 
     # -- bodies ------------------------------------------------------------------
 
-    @staticmethod
-    def digest(ctx: RequestContext) -> bytes | None:
-        """The body's digest; None for a request with no buffered body."""
+    def digest(self, ctx: RequestContext) -> bytes | None:
+        """The digest of the caller and the body; None for a request with no buffered body."""
         body = ctx.body
         if not ctx.body_read or not body:
             return None
-        return hashlib.blake2b(body, digest_size=16).digest()
+        hasher = hashlib.blake2b(caller_of(ctx, self.key_header).encode(), digest_size=16)
+        hasher.update(b"\0")
+        hasher.update(body)
+        return hasher.digest()
 
     def failed(self, ctx: RequestContext, region: str, status: int) -> ProxyError | None:
         """``region`` answered ``status`` (a 5xx) to ``ctx``: the 502 to answer when its
@@ -143,10 +161,10 @@ class Poison:
     # -- callers -------------------------------------------------------------------
 
     def strike(self, ctx: RequestContext) -> None:
-        """One poison request from ``ctx``'s caller."""
+        """One poison request from ``ctx``'s caller, on its route and model."""
         if not self.strikes_allowed:
             return
-        caller = caller_of(ctx, self.key_header)
+        caller = _scope(ctx, caller_of(ctx, self.key_header))
         now = self.clock()
         strikes = self._strikes.get(caller)
         if strikes is None:
@@ -173,11 +191,12 @@ class Poison:
             self.limiting -= 1
 
     def limited(self, ctx: RequestContext) -> ProxyError | None:
-        """The 429 for a caller with ``poison_strikes`` poison requests within the ttl, or
-        None (most requests: only looked up while some caller is limited)."""
+        """The 429 for a caller with ``poison_strikes`` poison requests within the ttl on
+        ``ctx``'s route and model, or None (most requests: only looked up while some caller
+        is limited)."""
         if not self.limiting:
             return None
-        strikes = self._strikes.get(caller_of(ctx, self.key_header))
+        strikes = self._strikes.get(_scope(ctx, caller_of(ctx, self.key_header)))
         if strikes is None or len(strikes) < self.strikes_allowed:
             return None
         now = self.clock()
@@ -189,8 +208,8 @@ class Poison:
         return ProxyError(
             429,
             "rate_limit_exceeded",
-            f"too many requests that every region rejected (the last {self.strikes_allowed} "
-            f"within {self.ttl:g}s): retry later",
+            f"too many requests to this model that every region rejected while serving "
+            f"others (the last {self.strikes_allowed} within {self.ttl:g}s): retry later",
             code="rejected_requests",
             headers={"Retry-After": str(int(wait) + 1)},
         )

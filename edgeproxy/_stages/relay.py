@@ -126,9 +126,11 @@ class StreamStage:
         headers.append(("X-Request-Id", ctx.request_id))
         if ctx.cache:
             headers.append(("X-Edgeproxy-Cache", ctx.cache))
-        if ctx.degraded == "lighter-model":
-            # The ladder's lighter rung: a region's answer, for another model than asked.
-            headers.append(("X-Edgeproxy-Degraded", ctx.degraded))
+        if upstream.other_model is not None:
+            # Another model than asked answered: the ladder's lighter rung (degraded), or a
+            # larger context window for a request too long for the model.
+            if ctx.degraded == "lighter-model":
+                headers.append(("X-Edgeproxy-Degraded", ctx.degraded))
             headers.append(("X-Edgeproxy-Model", ctx.model or ""))
         encoding = None
         if self.compression is not None:
@@ -172,15 +174,7 @@ class StreamStage:
             name = ctx.region or region.name
             ctx.error = f"upstream broke mid-body: {exc}"
             logger.warning("request %s: region %s broke the stream: %s", ctx.request_id, name, exc)
-            await self._abort(
-                request,
-                resp,
-                502,
-                "upstream_error",
-                f"region {name} broke the stream",
-                "upstream_stream_broken",
-                sequence=splice.sequence if splice is not None else 0,
-            )
+            await self._broken(request, resp, name, splice)
             return resp
         except ConnectionResetError:
             # The client went away: the pipeline's finally cancels the upstream stream.
@@ -246,15 +240,7 @@ class StreamStage:
             await resp.write_eof()
         except UpstreamError as exc:
             ctx.error = f"upstream broke mid-body: {exc}"
-            await self._abort(
-                request,
-                resp,
-                502,
-                "upstream_error",
-                f"region {ctx.region or name} broke the stream",
-                "upstream_stream_broken",
-                sequence=splice.sequence if splice is not None else 0,
-            )
+            await self._broken(request, resp, ctx.region or name, splice)
         except ConnectionResetError:
             ctx.error = "client disconnected"
         return resp
@@ -442,6 +428,25 @@ class StreamStage:
                 pass
         resp.force_close()
         request.abort()
+
+    async def _broken(
+        self, request: Exchange, resp: StreamResponse, region: str, splice: Splice | None
+    ) -> None:
+        """End a stream that broke and was not continued: with the refusal of the region
+        asked to continue it (a 4xx, passed on once), else saying that ``region`` broke it."""
+        refused = splice.refused if splice is not None else None
+        if refused is not None:
+            status, type, message, code = (
+                refused.status,
+                refused.type,
+                refused.message,
+                refused.code,
+            )
+        else:
+            status, type, code = 502, "upstream_error", "upstream_stream_broken"
+            message = f"region {region} broke the stream"
+        sequence = splice.sequence if splice is not None else 0
+        await self._abort(request, resp, status, type, message, code or type, sequence=sequence)
 
     async def _cut(self, request: Exchange, resp: StreamResponse) -> None:
         """:meth:`_abort` for a relay cancelled at shutdown, which must not wait: the event

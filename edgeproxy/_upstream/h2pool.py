@@ -269,7 +269,7 @@ class H2Pool:
                 # must not stay open on the connection.
                 stream.close()
                 raise
-            return H2Response(stream, limits.read_timeout)
+            return H2Response(stream, limits.stream_idle_timeout)
 
     def stats(self) -> PoolStats:
         return PoolStats(

@@ -22,11 +22,15 @@ cluster's health endpoint often answers while its inference path fails.
 
 Unlike Envoy too, a 5xx answer is not always the region's fault: a malformed request
 makes several servers answer 500, so one client could otherwise eject a healthy region,
-or make it look slow enough to send everyone's traffic far away. A region's 5xx answers
-count against it (:meth:`Health.blame`) only while ``min_failing_callers`` distinct
-callers got them within ``failure_window``, or while its active check fails; until
-then they are the callers' own. Transport failures (connect, reset, timeout) always
-count: no request causes those.
+or make it look slow enough to send everyone's traffic far away. But blame needs
+evidence: a region's 5xx answer is the caller's own (:meth:`Health.blame`) only when the
+same region served another caller within ``failure_window`` and fewer than
+``min_failing_callers`` distinct callers got 5xx answers in that window. Without that
+evidence (one caller, a sidecar's app, seeing an outage) the failure is the region's, as
+it is for every caller while its active check fails. The capacity statuses (503, and
+Anthropic's 529 overloaded) and transport failures (connect, reset, timeout) always
+count: no request causes those. A passing active check is no evidence: an LLM cluster's
+health endpoint often answers while its inference path fails.
 """
 
 from __future__ import annotations
@@ -47,7 +51,11 @@ from edgeproxy._upstream.regiontasks import RegionTasks
 if TYPE_CHECKING:
     from edgeproxy._core.config import HealthConfig
 
-__all__ = ["Health", "HealthRegion", "RegionHealth"]
+__all__ = ["CAPACITY_STATUSES", "Health", "HealthRegion", "RegionHealth"]
+
+# A region out of capacity says so: 429 (too many requests), 503, and 529 (Anthropic's
+# overloaded). None of them is ever a request's fault.
+CAPACITY_STATUSES = frozenset({429, 503, 529})
 
 logger = logging.getLogger("edgeproxy.health")
 
@@ -73,6 +81,13 @@ class RegionHealth:
     failing_callers: OrderedDict[str, float] = field(default_factory=OrderedDict)
     failures_counted_total: int = 0
     failures_callers_total: int = 0  # not counted: too few callers got them
+    # The evidence that the region serves others: the two latest distinct callers it
+    # answered (below 500), and when. Two slots, so that one of them is always another
+    # caller than the failing one.
+    served_by: str | None = None
+    served_at: float = -math.inf
+    served_by_other: str | None = None
+    served_other_at: float = -math.inf
     # The latest penalty fed to the latency estimate (a failure counted as a slow answer).
     latency_penalty: float = 0.0
     latency_penalty_at: float | None = None
@@ -144,14 +159,34 @@ class Health:
 
     # -- whose fault a 5xx is ----------------------------------------------------
 
-    def blame(self, region: HealthRegion, caller: str, now: float | None = None) -> bool:
-        """A 5xx answer of ``region`` to ``caller``: whether it counts against the region
-        (its health, its errors and its latency), or is the caller's own.
+    def served(self, region: HealthRegion, caller: str, now: float | None = None) -> None:
+        """``region`` answered ``caller`` (a status below 500): evidence for :meth:`blame`
+        that it serves, should another caller's 5xx come."""
+        health = region.health
+        if caller != health.served_by:
+            health.served_by_other = health.served_by
+            health.served_other_at = health.served_at
+            health.served_by = caller
+        health.served_at = self.clock() if now is None else now
 
-        It counts once ``min_failing_callers`` distinct callers got 5xx answers from the
-        region within ``failure_window`` (this one included), or while the region fails
-        its active check; a region failing for one caller alone stays healthy for the
-        rest."""
+    def served_others(self, region: HealthRegion, caller: str, now: float) -> bool:
+        """Whether ``region`` answered a caller other than ``caller`` within the window."""
+        health = region.health
+        horizon = now - self.config.failure_window
+        if health.served_by != caller:
+            return health.served_by is not None and health.served_at >= horizon
+        return health.served_by_other is not None and health.served_other_at >= horizon
+
+    def blame(
+        self, region: HealthRegion, caller: str, now: float | None = None, *, status: int = 500
+    ) -> bool:
+        """A 5xx answer (``status``) of ``region`` to ``caller``: whether it counts against
+        the region (its health, its errors and its latency), or is the caller's own.
+
+        It is the caller's own only with evidence: the region served another caller within
+        ``failure_window``, fewer than ``min_failing_callers`` distinct callers got 5xx
+        answers from it in that window (this one included), and its active check does not
+        fail. A capacity status (503, 529) always counts."""
         now = self.clock() if now is None else now
         health = region.health
         callers = self._failing(health, now)
@@ -160,15 +195,19 @@ class Health:
         callers[caller] = now
         if len(callers) > _CALLERS_KEPT:
             callers.popitem(last=False)
-        if self._counts(health, callers):
+        if (
+            status in CAPACITY_STATUSES
+            or self._counts(health, callers)
+            or not self.served_others(region, caller, now)
+        ):
             health.failures_counted_total += 1
             return True
         health.failures_callers_total += 1
         return False
 
     def _counts(self, health: RegionHealth, callers: OrderedDict[str, float]) -> bool:
-        """Whether the region's 5xx answers now count against it: enough distinct callers
-        got them, or its active check confirms it fails."""
+        """Whether the region's 5xx answers count against it whoever gets them: enough
+        distinct callers got them, or its active check confirms it fails."""
         minimum = self.config.min_failing_callers
         return minimum <= 1 or len(callers) >= minimum or health.active_ok is False
 

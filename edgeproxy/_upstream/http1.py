@@ -191,6 +191,19 @@ class AiohttpPool:
             # status as the final answer; neither can be relayed.
             resp.close()
             raise UpstreamProtocolError(f"upstream {self.origin} answered status {resp.status}")
+        idle = self.limits.stream_idle_timeout
+        if idle != self.limits.read_timeout:
+            # The session's read timeout covered the wait for the headers; the body's
+            # chunks get the stream idle timeout (aiohttp's setting for this response,
+            # reset for the connection's next request).
+            connection = resp.connection
+            if (
+                connection is not None
+                and connection.protocol is not None
+                and not resp.content.at_eof()
+            ):
+                connection.protocol.read_timeout = idle
+                connection.protocol.start_timeout()
         self._in_use += 1
         return AiohttpResponse(resp, self)
 

@@ -60,6 +60,7 @@ class PoolLimits:
     keepalive_expiry: float = 60.0
     connect_timeout: float = 3.0
     read_timeout: float = 60.0
+    stream_idle_timeout: float = 30.0
     write_timeout: float = 10.0
     pool_timeout: float = 5.0
     warm_connections: int = 1

@@ -25,6 +25,7 @@ from typing import Any
 from edgeproxy._core.config import Config, RegionConfig
 from edgeproxy._upstream.affinity import PrefixIndex
 from edgeproxy._upstream.catalog import LearnedModels, ModelLearner
+from edgeproxy._upstream.cooldown import Cooldowns
 from edgeproxy._upstream.endpoint import Endpoint
 from edgeproxy._upstream.factory import make_pool
 from edgeproxy._upstream.health import Health, RegionHealth
@@ -143,6 +144,8 @@ class Region:
         self.latency = PeakEwma(decay, clock=clock)
         self.ttfb = LatencyWindow()
         self.health = RegionHealth()
+        # Models the region said to hold off (429, 503, 529 with or without Retry-After).
+        self.cooldowns = Cooldowns()
         # Load the region reports itself (ORCA header, /metrics), and whether to read it.
         self.reported = ReportedLoad(queue_saturation)
         self.reads_load = config.load_reporting != "off"
@@ -346,6 +349,7 @@ class RegionSet:
             keepalive_expiry=up.keepalive_expiry,
             connect_timeout=up.connect_timeout,
             read_timeout=up.read_timeout,
+            stream_idle_timeout=up.stream_idle_timeout,
             write_timeout=up.write_timeout,
             pool_timeout=up.pool_timeout,
             warm_connections=up.warm_connections,
@@ -465,5 +469,6 @@ class RegionSet:
                 now, self.config.routing.load_report_max_age
             )
             data["models"] = region.learned.snapshot(now)
+            data["cooldowns"] = region.cooldowns.snapshot(now)
             out.append(data)
         return out

@@ -68,6 +68,14 @@ class RouteConfig(Section):
         '{ "llama-3.1-70b" = ["llama-3.1-8b"] }. A lighter model is routed like any '
         "request for it; a request too long for its context window skips it.",
     )
+    larger_models: dict[str, list[str]] = Field(
+        default_factory=dict,
+        description="Each model's models with larger context windows, tried in order when a "
+        "region refuses a request as too long for the model (a 400 in any server's wording) "
+        "or when the request is known to be longer than the model's window (context_windows, "
+        "or the regions' max_model_len), e.g. "
+        '{ "llama-3.1-8b" = ["llama-3.1-8b-128k"] }. The answer carries X-Edgeproxy-Model.',
+    )
     lighter_when_waiting: int | None = Field(
         None,
         ge=1,
@@ -84,7 +92,7 @@ class RouteConfig(Section):
         default_factory=dict,
         description="Context windows (tokens) of models, where the regions' /v1/models do not "
         "report them (vLLM's max_model_len): a request longer than a lighter model's window "
-        "skips that model.",
+        "skips that model, and one longer than its own model's goes to its larger_models.",
     )
     deadline_action: Literal["cancel", "race"] = Field(
         "cancel",
@@ -234,6 +242,9 @@ class RouteConfig(Section):
         for model, lighter in self.fallback_models.items():
             if model in lighter:
                 raise ValueError(f"fallback_models: {model!r} lists itself as lighter")
+        for model, larger in self.larger_models.items():
+            if model in larger:
+                raise ValueError(f"larger_models: {model!r} lists itself as larger")
         for model, window in self.context_windows.items():
             if window < 1:
                 raise ValueError(f"context_windows: {model!r} must be at least 1 token")

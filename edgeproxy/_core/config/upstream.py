@@ -51,7 +51,14 @@ class UpstreamConfig(Section):
     read_timeout: float = Field(
         60.0,
         gt=0,
-        description="Seconds to wait for response headers and between body chunks.",
+        description="Seconds to wait for a region's response headers (its queue and prefill).",
+    )
+    stream_idle_timeout: float = Field(
+        30.0,
+        gt=0,
+        description="Seconds a response body may go without a byte once its headers came: a "
+        "stalled stream breaks then (and is continued where the route says so). Raise it for "
+        "models that think in silence between tokens.",
     )
     write_timeout: float = Field(10.0, gt=0, description="Seconds to send a request body chunk.")
     pool_timeout: float = Field(

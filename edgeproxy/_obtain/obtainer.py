@@ -32,28 +32,21 @@ after tokens were sent through the same path, drawing its regions from that same
 
 from __future__ import annotations
 
-import asyncio
-import copy
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from edgeproxy._core.errors import ProxyError
+from edgeproxy._obtain.continuer import Continuer
 from edgeproxy._protocol.bodies import estimate_prompt_tokens
 from edgeproxy._protocol.endpoints import dialect_for
 from edgeproxy._protocol.models import model_from_body
-from edgeproxy._protocol.sse import SSEEventTooLarge, SSEReader
+from edgeproxy._protocol.refusals import REFUSAL_READ_LIMIT, TOO_LONG_STATUSES, too_long
 from edgeproxy._stages.continuation import (
-    LOCAL,
     ContinuationStage,
-    Leg,
-    Splice,
-    carries_token,
-    chain,
-    continuation_body,
-    spent_body,
 )
 from edgeproxy._stages.failover import (
     AttemptResponse,
@@ -68,15 +61,14 @@ from edgeproxy._stages.routeplan import RoutePlan
 from edgeproxy._upstream.pool import UpstreamError
 
 if TYPE_CHECKING:
-    from edgeproxy._core.context import Continuation, RequestContext
+    from edgeproxy._core.context import RequestContext
     from edgeproxy._core.exchange import Exchange
     from edgeproxy._plugins import Plugins
-    from edgeproxy._protocol.dialects import Dialect
     from edgeproxy._stages.cache.stage import CacheStage
     from edgeproxy._stages.routing import Router
     from edgeproxy._upstream.regions import Region
 
-__all__ = ["Continuer", "Obtained", "Obtainer", "record"]
+__all__ = ["Obtained", "Obtainer", "record"]
 
 logger = logging.getLogger("edgeproxy")
 
@@ -160,14 +152,24 @@ class Obtainer:
             if isinstance(routed, Failure):
                 failure = routed
             else:
-                if request is not None and degrade and self._saturated(ctx, routed):
-                    early = await self._lighter(request, ctx, _SATURATED)
+                if request is not None and degrade:
+                    early: AttemptResponse | None = None
+                    if ctx.route.larger_models and self._too_long_for(ctx):
+                        early = await self._larger(request, ctx, None)
+                    if early is None and self._saturated(ctx, routed):
+                        early = await self._lighter(request, ctx, _SATURATED)
                     if early is not None:
                         return early
                 sent = await self.failover.send(request, ctx, routed, keep_late=keep_late)
                 # Before the ladder: its hooks, and the error answer, see what was tried.
                 record(ctx, sent)
                 if not isinstance(sent, Failure):
+                    if sent.status in TOO_LONG_STATUSES and ctx.route.larger_models:
+                        if request is not None and degrade:
+                            larger = await self._larger(request, ctx, sent)
+                            if larger is not None:
+                                await sent.aclose()
+                                return larger
                     return sent
                 failure = sent
         if not degrade or request is None or not self._degradable(ctx, failure):
@@ -281,30 +283,90 @@ class Obtainer:
         self, request: Exchange, ctx: RequestContext, error: ProxyError
     ) -> AttemptResponse | None:
         """The ``lighter`` rung: the request for each of its model's lighter models in turn
-        (``fallback_models``), routed and failed over like any request for it; the first
-        that answers, marked, or None.
-
-        Never for a request that refers to stored state: another model would answer another
-        conversation than the client's, silently. A request too long for a lighter model's
-        context window skips that model."""
-        body = ctx.json
-        requested = model_from_body(body)
-        if not isinstance(body, dict) or not isinstance(requested, str):
-            return None
-        chain = ctx.route.fallback_models.get(requested)
+        (``fallback_models``), the first that answers, marked, or None."""
+        requested = model_from_body(ctx.json)
+        chain = ctx.route.fallback_models.get(requested) if isinstance(requested, str) else None
         if not chain:
             return None
         fallback = self.fallback
-        if dialect_for(ctx.path).stateful(body):
-            fallback.lighter_skipped["stateful"] += 1
+        sent = await self._other_model(request, ctx, chain, fallback.lighter_skipped)
+        if sent is None:
             return None
-        needed = estimate_prompt_tokens(body) + (_max_tokens(ctx.path, body) or 0)
-        for model in chain:
+        assert isinstance(requested, str) and ctx.model is not None
+        ctx.degraded = "lighter-model"
+        fallback.answered_lighter(requested, ctx.model)
+        logger.info(
+            "request %s: %s answered for %s (%s)",
+            ctx.request_id,
+            ctx.model,
+            requested,
+            error.message,
+        )
+        return sent
+
+    def _too_long_for(self, ctx: RequestContext) -> bool:
+        """Whether ``ctx`` is known to be longer than its model's context window, with a
+        larger model to go to (the route's ``larger_models``)."""
+        body = ctx.json
+        model = model_from_body(body)
+        if not isinstance(model, str) or model not in ctx.route.larger_models:
+            return False
+        window = self._context_window(ctx, model)
+        return window is not None and _needed_tokens(ctx.path, body) > window
+
+    async def _larger(
+        self, request: Exchange, ctx: RequestContext, refused: AttemptResponse | None
+    ) -> AttemptResponse | None:
+        """A model with a larger context window answering ``ctx`` (the route's
+        ``larger_models``), or None: for a request ``refused`` by a region as too long for
+        its model (read from its 400), or known to be (``refused`` None). ``refused`` is
+        left for the caller to relay or close."""
+        requested = model_from_body(ctx.json)
+        chain = ctx.route.larger_models.get(requested) if isinstance(requested, str) else None
+        if not chain:
+            return None
+        if refused is not None:
+            try:
+                body = await refused.read_error(REFUSAL_READ_LIMIT)
+            except UpstreamError:
+                return None
+            if not too_long(refused.status, body):
+                return None
+        sent = await self._other_model(request, ctx, chain, self.fallback.larger_skipped)
+        if sent is None:
+            return None
+        self.fallback.larger[(str(requested), str(ctx.model))] += 1
+        logger.info(
+            "request %s: %s answered for %s (too long for its context window)",
+            ctx.request_id,
+            ctx.model,
+            requested,
+        )
+        return sent
+
+    async def _other_model(
+        self, request: Exchange, ctx: RequestContext, models: Sequence[str], skipped: Counter[str]
+    ) -> AttemptResponse | None:
+        """``ctx`` for each of ``models`` in turn, routed and failed over like any request for
+        it: the first that answers (2xx), with ``ctx``'s model set to it, or None (why each
+        was passed over counted in ``skipped``).
+
+        Never for a request that refers to stored state: another model would answer another
+        conversation than the client's, silently. A request too long for a model's context
+        window skips that model."""
+        body = ctx.json
+        if not isinstance(body, dict):
+            return None
+        if dialect_for(ctx.path).stateful(body):
+            skipped["stateful"] += 1
+            return None
+        needed = _needed_tokens(ctx.path, body)
+        for model in models:
             window = self._context_window(ctx, model)
             if window is not None and needed > window:
-                fallback.lighter_skipped["too_long"] += 1
+                skipped["too_long"] += 1
                 logger.info(
-                    "request %s: %s skipped as lighter model (about %d tokens, window %d)",
+                    "request %s: %s skipped (about %d tokens, window %d)",
                     ctx.request_id,
                     model,
                     needed,
@@ -317,7 +379,7 @@ class Obtainer:
             leg.started = time.monotonic()
             route = self.ranked(leg)
             if isinstance(route, Failure):
-                fallback.lighter_skipped["no_region"] += 1
+                skipped["no_region"] += 1
                 continue
             sent = await self.failover.send(request, leg, route.regions)
             # The requested model's attempts (and hedge) and this one's: all the request's.
@@ -325,21 +387,12 @@ class Obtainer:
             if isinstance(sent, Failure) or not 200 <= sent.status < 300:
                 ctx.attempts = attempts
                 await sent.aclose()
-                fallback.lighter_skipped["failed"] += 1
+                skipped["failed"] += 1
                 continue
-            sent.lighter = leg
+            sent.other_model = leg
             record(ctx, sent)
             ctx.attempts, ctx.hedged = attempts, hedged or sent.hedged
-            ctx.degraded = "lighter-model"
             ctx.model = model
-            fallback.answered_lighter(requested, model)
-            logger.info(
-                "request %s: %s answered for %s (%s)",
-                ctx.request_id,
-                model,
-                requested,
-                error.message,
-            )
             return sent
         return None
 
@@ -382,221 +435,12 @@ class Obtainer:
         return Continuer(self, plan)
 
 
-class _LegOutcome:
-    """What one :meth:`Continuer.next_leg` call did, as its steps return it, recorded on the
-    request in one place (:meth:`record`) whatever way the call ends."""
-
-    __slots__ = ("attempts", "continuation", "leg")
-
-    def __init__(self) -> None:
-        self.attempts = 0
-        self.continuation: Continuation | None = None
-        self.leg: Leg | None = None
-
-    def record(self, ctx: RequestContext) -> None:
-        """The leg's outcome onto the request: the attempts it took, its continuation
-        record, and the region (or the local model's degradation) that now answers."""
-        ctx.attempts += self.attempts
-        if self.continuation is not None:
-            # For the metrics and the access log, as they read a finished request.
-            ctx.continuations = (*ctx.continuations, self.continuation)
-        leg = self.leg
-        if leg is not None:
-            if leg.degraded is not None:
-                # A request degraded already keeps its first reason.
-                ctx.degraded = ctx.degraded or leg.degraded
-            else:
-                ctx.region = leg.name
-
-
-class _Contender:
-    """One side of a continuation race: its leg's request and regions, and the attempts
-    its leg took (at least one sent when it is cancelled before it knew)."""
-
-    __slots__ = ("ctx", "regions", "attempts")
-
-    def __init__(self, ctx: RequestContext, regions: list[Region]) -> None:
-        self.ctx = ctx
-        self.regions = regions
-        self.attempts = 1
-
-
-class Continuer:
-    """The next legs of one request's stream: regions able to continue it, drawn from the
-    request's own ranked plan (never ranked again), then the local model."""
-
-    __slots__ = ("obtainer", "plan")
-
-    def __init__(self, obtainer: Obtainer, plan: RoutePlan) -> None:
-        self.obtainer = obtainer
-        self.plan = plan
-
-    def splice(self, ctx: RequestContext, status: int, content_type: str) -> Splice | None:
-        """A splice for this answer if its route continues it and it can be continued."""
-        return self.obtainer.continuation.splice(ctx, status, content_type)
-
-    async def next_leg(
-        self, request: Exchange | None, ctx: RequestContext, splice: Splice, broken: str
-    ) -> Leg | None:
-        """The next leg of the answer ``broken`` (a region's name, or ``local``) broke, or
-        None when it cannot be continued (the caller ends the stream with an error).
-
-        What it did is recorded on ``ctx`` here, once, however it ends."""
-        outcome = _LegOutcome()
-        try:
-            outcome.leg = await self._find(request, ctx, splice, broken, outcome)
-            return outcome.leg
-        finally:
-            outcome.record(ctx)
-
-    async def _find(
-        self,
-        request: Exchange | None,
-        ctx: RequestContext,
-        splice: Splice,
-        broken: str,
-        outcome: _LegOutcome,
-    ) -> Leg | None:
-        obtainer = self.obtainer
-        continuation = obtainer.continuation
-        refused = continuation.refusal(ctx, splice, broken)
-        if refused is not None:
-            outcome.continuation = refused
-            return None
-        if not obtainer.failover.retry_budget.try_spend():
-            outcome.continuation = continuation.count(ctx, broken, "none", "budget")
-            return None
-        candidates = list(self.plan.without(*splice.broken).regions)
-        for method, regions in continuation.groups(candidates, splice).items():
-            if ctx.route.race_continuations and len(regions) > 1:
-                raced = await self._race(request, ctx, splice, method, regions, outcome)
-                if raced is None:
-                    continue
-                upstream, chunks = raced
-            else:
-                leg_ctx = _leg_context(ctx, splice, method)
-                obtained = await obtainer.obtain(request, leg_ctx, regions=regions, degrade=False)
-                assert not isinstance(obtained, Degraded)
-                outcome.attempts += obtained.attempts
-                if isinstance(obtained, Failure):
-                    continuation.no_region_continued(ctx, method, obtained.error)
-                    continue
-                if obtained.status != 200:
-                    await obtained.aclose()
-                    continue
-                upstream, chunks = obtained, obtained.aiter_bytes()
-            target = upstream.region.name
-            splice.start_leg(broken, target, method)
-            outcome.continuation = continuation.count(ctx, broken, target, "continued")
-            return Leg(target, chunks, upstream.aclose)
-        leg = await self._local(ctx, splice, broken)
-        if leg is None:
-            outcome.continuation = continuation.count(ctx, broken, "none", "failed")
-        else:
-            outcome.continuation = continuation.count(ctx, broken, LOCAL, "continued")
-        return leg
-
-    async def _local(self, ctx: RequestContext, splice: Splice, broken: str) -> Leg | None:
-        """The local model as the last rung: the conversation, the partial answer as prefix."""
-        fallback = self.obtainer.fallback
-        local = fallback.local
-        if broken == LOCAL or not fallback.local_may_answer(ctx) or not local.ready:
-            return None
-        leg_ctx = ctx.with_json(spent_body(splice))
-        try:
-            answer = await local.answer(leg_ctx, prefix=splice.text)
-        except ProxyError as err:
-            logger.info(
-                "request %s: the local model cannot continue: %s", ctx.request_id, err.message
-            )
-            return None
-        splice.start_leg(broken, LOCAL, "prefill")
-
-        async def chunks() -> AsyncIterator[bytes]:
-            try:
-                async for event in answer.events(leg_ctx):
-                    yield event
-            except (ProxyError, RuntimeError, ValueError, OSError) as exc:
-                raise UpstreamError(f"the local model failed: {exc}") from exc
-
-        async def close() -> None:
-            answer.abandon()
-
-        return Leg(LOCAL, chunks(), close, degraded="local-model")
-
-    async def _race(
-        self,
-        request: Exchange | None,
-        ctx: RequestContext,
-        splice: Splice,
-        method: str,
-        regions: list[Region],
-        outcome: _LegOutcome,
-    ) -> tuple[AttemptResponse, AsyncIterator[bytes]] | None:
-        """Ask the best two regions for the rest at once; the first whose new leg carries
-        a token wins and the other is cancelled (closing its stream). A leg that breaks
-        before its first token, which would stall the client for a second time-to-first-
-        token, so costs nothing but the other leg's prefill. None when neither answered."""
-        # A second leg spends a second unit of the retry budget; without one, no race.
-        if self.obtainer.failover.retry_budget.try_spend():
-            groups = [regions[:1], regions[1:]]
-        else:
-            groups = [regions]
-        contenders = [_Contender(_leg_context(ctx, splice, method), group) for group in groups]
-        tasks = [
-            asyncio.ensure_future(self._until_token(request, contender, splice.dialect))
-            for contender in contenders
-        ]
-        won: tuple[AttemptResponse, AsyncIterator[bytes]] | None = None
-        try:
-            pending = set(tasks)
-            while pending and won is None:
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                won = next((t.result() for t in tasks if t in done and t.result()), None)
-            return won
-        finally:
-            for task in tasks:
-                task.cancel()
-            # A loser still reading closes its own stream as its cancellation unwinds; one
-            # that finished with a token too is closed here.
-            results = await asyncio.gather(*tasks, return_exceptions=True)
-            for result in results:
-                if isinstance(result, tuple) and result is not won:
-                    await result[0].aclose()
-            # The longest contender's attempts, and one for each other contender.
-            outcome.attempts += max(c.attempts for c in contenders) + len(contenders) - 1
-
-    async def _until_token(
-        self, request: Exchange | None, contender: _Contender, dialect: Dialect
-    ) -> tuple[AttemptResponse, AsyncIterator[bytes]] | None:
-        """One contender of a race: its leg, read up to its first token (as ``dialect``
-        says), the bytes read so far put back in front of the rest. None if it failed
-        before a token."""
-        obtained = await self.obtainer.obtain(
-            request, contender.ctx, regions=contender.regions, degrade=False
-        )
-        assert not isinstance(obtained, Degraded)
-        contender.attempts = obtained.attempts
-        if isinstance(obtained, Failure):
-            return None
-        if obtained.status != 200:
-            await obtained.aclose()
-            return None
-        chunks = obtained.aiter_bytes()
-        reader = SSEReader()
-        seen: list[bytes] = []
-        try:
-            async for chunk in chunks:
-                seen.append(chunk)
-                if any(carries_token(event, dialect) for event in reader.feed(chunk)):
-                    return obtained, chain(seen, chunks)
-        except (UpstreamError, SSEEventTooLarge):
-            pass
-        except BaseException:
-            await obtained.aclose()
-            raise
-        await obtained.aclose()
-        return None
+def _needed_tokens(path: str, body: Any) -> int:
+    """About how many tokens of context a request needs: its prompt and the most it asks
+    to be generated."""
+    if not isinstance(body, dict):
+        return 0
+    return estimate_prompt_tokens(body) + (_max_tokens(path, body) or 0)
 
 
 # Why a request went to its lighter model before the regions (for the log).
@@ -623,12 +467,3 @@ def _refused(err: ProxyError) -> Failure:
     else:
         kind = FailureKind.NO_REGION
     return Failure(kind, err)
-
-
-def _leg_context(ctx: RequestContext, splice: Splice, method: str) -> RequestContext:
-    """The request a continuation leg sends: its own body, its deadline from now."""
-    leg = (
-        copy.copy(ctx) if method == "reissue" else ctx.with_json(continuation_body(splice, method))
-    )
-    leg.started = time.monotonic()
-    return leg
