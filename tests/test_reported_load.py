@@ -341,6 +341,8 @@ async def test_load_headers_move_traffic_away_from_a_loaded_region(
         # full look 2.4 times slower, which one latency spike on idle (a busy machine's
         # stall) can outweigh; this weight keeps the test about the report alone.
         routing={"load_report_max_age": 120.0, "reported_load_weight": 40.0},
+        # A client may read the reports only where its route passes them.
+        routes=[{"name": "all", "path": "/", "pass_response_headers": ["endpoint-load-metrics"]}],
         clock=clock,
     )
     async with aiohttp.ClientSession() as client:
@@ -353,7 +355,7 @@ async def test_load_headers_move_traffic_away_from_a_loaded_region(
             assert report["fresh"] and report["source"] == "header"
             assert report["kv_cache_utilization"] > 0.6 and report["invalid_total"] == 0
             assert regions["idle"]["reported_load"]["kv_cache_utilization"] < 0.1
-            # A client asking for the header itself gets it.
+            # A client asking for the header itself gets it (on a route that passes it).
             async with client.post(
                 proxy.url + CHAT, json=BODY, headers={"endpoint-load-metrics-format": "JSON"}
             ) as resp:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
+from edgeproxy._core.config.routes import PASSABLE_RESPONSE_HEADERS
 from edgeproxy._core.types import TraceContext
 
 # RFC 9110 §7.6.1 connection-specific fields, plus the legacy ones that
@@ -64,37 +66,49 @@ def connection_tokens(values: Iterable[str]) -> set[str]:
 
 
 # Each listener sends its own (as nginx does): a region's Server names its software and
-# version, and a second Date or Server beside the listener's would be a duplicate.
-REGION_OWNED = frozenset({"server", "date"})
+# version, and a second Date or Server beside the listener's would be a duplicate. The
+# relay sends its own X-Request-Id (the client's, or one it made).
+REGION_OWNED = frozenset({"server", "date", "x-request-id"})
 
-_RESPONSE_DROP = HOP_BY_HOP | CLIENT_CREDENTIAL_HEADERS | REGION_OWNED
+_RESPONSE_DROP = HOP_BY_HOP | CLIENT_CREDENTIAL_HEADERS | REGION_OWNED | PASSABLE_RESPONSE_HEADERS
+
+
+@functools.lru_cache(maxsize=64)
+def _drop_passing(passed: tuple[str, ...]) -> frozenset[str]:
+    return _RESPONSE_DROP - frozenset(passed)
 
 
 def strip_hop_by_hop(
-    items: Iterable[tuple[str, str]], *, extra: Iterable[str] = ()
+    items: Iterable[tuple[str, str]], *, extra: Iterable[str] = (), passed: Sequence[str] = ()
 ) -> list[tuple[str, str]]:
-    """Drop hop-by-hop headers, including those the ``Connection`` header names.
+    """A region's response headers as the proxy may relay them: the one filter of every
+    answer from a region, streamed, stored in the cache or refreshed in the background.
 
-    Used on upstream responses, so credential headers go too: no response
-    legitimately carries them, and an upstream echoing its own API key must
-    not hand it to the client. ``Server`` and ``Date`` go as well (see
-    :data:`REGION_OWNED`).
+    Hop-by-hop headers go, including those the ``Connection`` header names. So do
+    credential headers (no response legitimately carries them, and an upstream echoing its
+    own API key must not hand it to the client), ``Server``, ``Date`` and ``X-Request-Id``
+    (see :data:`REGION_OWNED`) and every ``X-Edgeproxy-*`` name: those are the proxy's,
+    added after this filter. The policy and load-report headers of
+    :data:`~edgeproxy._core.config.routes.PASSABLE_RESPONSE_HEADERS` go too, but for the
+    names in ``passed`` (a route's ``pass_response_headers``).
     """
+    drop = _drop_passing(tuple(passed)) if passed else _RESPONSE_DROP
+    prefix = EDGEPROXY_PREFIX
     # One pass for the usual answer; a second only when Connection names more headers.
     out: list[tuple[str, str]] = []
     named: list[str] = []
     for pair in items:
         lname = pair[0].lower()
-        if lname in _RESPONSE_DROP:
+        if lname in drop or lname.startswith(prefix):
             if lname == "connection":
                 named.append(pair[1])
             continue
         out.append(pair)
     # "Connection: keep-alive" (every HTTP/1.1 answer of nginx) names a header already
     # dropped: a second pass only for names not dropped yet.
-    drop = (connection_tokens(named) - _RESPONSE_DROP if named else set()) | set(extra)
-    if drop:
-        out = [pair for pair in out if pair[0].lower() not in drop]
+    more = (connection_tokens(named) - drop if named else set()) | set(extra)
+    if more:
+        out = [pair for pair in out if pair[0].lower() not in more]
     return out
 
 

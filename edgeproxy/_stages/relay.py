@@ -41,12 +41,6 @@ __all__ = ["StreamStage"]
 logger = logging.getLogger("edgeproxy")
 
 _NO_BODY_STATUS = frozenset({204, 304})
-# Response headers the stream stage sets itself (lower-cased), replacing a region's: a
-# region cannot claim an answer was degraded, or another model's.
-_OWN = frozenset(
-    {"x-edgeproxy-region", "x-request-id", "x-edgeproxy-degraded", "x-edgeproxy-model"}
-)
-_OWN_WITH_CACHE = _OWN | {"x-edgeproxy-cache"}
 
 
 class Legs(Protocol):
@@ -109,8 +103,7 @@ class StreamStage:
             )
         transform = "edgeproxy_stream_chunk" in self.plugins.active
         # The headers go into one list that becomes the response's CIMultiDict in a
-        # single step; the proxy's own names replace any the region sent.
-        own = _OWN_WITH_CACHE if ctx.cache else _OWN
+        # single step. _reply dropped any of the proxy's own names a region sent.
         headers: Headers = []
         content_length: int | None = None
         content_type = ""
@@ -118,7 +111,7 @@ class StreamStage:
             lname = name.lower()
             if lname == "content-length":
                 content_length = int(value) if value.isdigit() else None
-            elif lname not in own:
+            else:
                 headers.append((name, value))
                 if lname == "content-type":
                     content_type = value
@@ -294,7 +287,12 @@ class StreamStage:
     ) -> UpstreamReply:
         """The region's status and headers, once the plugins edited them; the recorder sees
         them too."""
-        reply = UpstreamReply(upstream.status, strip_hop_by_hop(upstream.headers))
+        # The one filter of a region's headers, whatever the answer then goes to (a client
+        # on any front end, the cache): the proxy's own are added after it.
+        headers = strip_hop_by_hop(upstream.headers, passed=ctx.route.pass_response_headers)
+        if upstream.attempts > 1:
+            headers.append(("X-Edgeproxy-Attempts", str(upstream.attempts)))
+        reply = UpstreamReply(upstream.status, headers)
         if ctx.model is not None and _alias(ctx, upstream.region) is not None:
             # The body is renamed back to the client's model: its length changes.
             reply.headers = [(k, v) for k, v in reply.headers if k.lower() != "content-length"]

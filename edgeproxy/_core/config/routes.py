@@ -8,11 +8,29 @@ from pydantic import Field, field_validator, model_validator
 
 from edgeproxy._core.config.base import Section
 
-__all__ = ["DEFAULT_FALLBACK", "FallbackRung", "RouteConfig"]
+__all__ = ["DEFAULT_FALLBACK", "PASSABLE_RESPONSE_HEADERS", "FallbackRung", "RouteConfig"]
 
 
 FallbackRung = Literal["lighter", "stale", "local"]
 DEFAULT_FALLBACK: tuple[FallbackRung, ...] = ("stale", "local")
+
+# A region's response headers that a browser keeps as policy for the proxy's whole origin
+# (cookies, HSTS, alternative services, site-data clearing, network error reports), or
+# that report the region's load to the proxy: an operator may pass them on a route
+# (pass_response_headers), no region may set them alone. Other region headers either
+# always pass or never do (hop-by-hop, credentials, the proxy's own X-Edgeproxy-*).
+PASSABLE_RESPONSE_HEADERS = frozenset(
+    {
+        "set-cookie",
+        "strict-transport-security",
+        "alt-svc",
+        "clear-site-data",
+        "nel",
+        "report-to",
+        "endpoint-load-metrics",
+        "endpoint-load-metrics-bin",
+    }
+)
 
 
 class RouteConfig(Section):
@@ -215,6 +233,15 @@ class RouteConfig(Section):
         "token bound below 1; off: such requests go to the regions, as any other.",
     )
 
+    pass_response_headers: list[str] = Field(
+        default_factory=list,
+        description="Region response headers this route passes to clients, of those dropped "
+        "by default: 'set-cookie', 'strict-transport-security', 'alt-svc', "
+        "'clear-site-data', 'nel', 'report-to' (policy a browser keeps for the proxy's "
+        "whole origin) and 'endpoint-load-metrics', 'endpoint-load-metrics-bin' (a region's "
+        "load report). A region's X-Edgeproxy-* and hop-by-hop headers never pass.",
+    )
+
     @field_validator("path")
     @classmethod
     def _check_path(cls, value: str) -> str:
@@ -226,6 +253,17 @@ class RouteConfig(Section):
     @classmethod
     def _upper_methods(cls, value: list[str]) -> list[str]:
         return [m.upper() for m in value]
+
+    @field_validator("pass_response_headers")
+    @classmethod
+    def _passable(cls, value: list[str]) -> list[str]:
+        # One spelling for one set of names: the relay keeps a drop set per list.
+        names = sorted({name.strip().lower() for name in value})
+        for name in names:
+            if name not in PASSABLE_RESPONSE_HEADERS:
+                passable = ", ".join(sorted(PASSABLE_RESPONSE_HEADERS))
+                raise ValueError(f"{name!r} is not a header a route can pass (one of {passable})")
+        return names
 
     @field_validator("fallback")
     @classmethod
