@@ -158,11 +158,7 @@ def test_duplicate_key_finds_every_duplicate_and_no_false_one() -> None:
         loads_unique(b'{"k":[1],"k":[2]}')
     assert info.value.key == "k"
     assert loads_unique(b"[1, 2]") == [1, 2]
-    # Deeper than the exact parse recurses: refused all the same when the counts differ.
-    deep = b'{"a":' * 900 + b"1" + b"}" * 900
-    assert duplicate_key(deep, orjson.loads(deep)) is None
-    deep_dup = b'{"a":' * 900 + b'{"b":1,"b":2}' + b"}" * 900
-    assert duplicate_key(deep_dup, orjson.loads(deep_dup)) is not None
+    # Deep documents: tests/test_json_depth.py.
 
 
 _json_values = st.recursive(

@@ -12,7 +12,7 @@ import orjson
 from edgeproxy._core.config import LimitsConfig, RouteConfig
 from edgeproxy._core.errors import ProxyError
 from edgeproxy._core.exchange import Exchange
-from edgeproxy._core.strictjson import duplicate_key
+from edgeproxy._core.strictjson import MAX_DEPTH, NestedTooDeeply, duplicate_key, too_deep
 from edgeproxy._protocol.dialects import OPENAI
 from edgeproxy._protocol.endpoints import dialect_for, endpoint_has
 
@@ -231,6 +231,8 @@ def parse_json_object(body: bytes | None) -> dict[str, Any]:
     try:
         value = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
+        if too_deep(exc):
+            raise _too_deep() from None
         # orjson reports invalid UTF-8 and lone surrogates as decode errors too.
         raise _bad_body(
             f"The request body is not valid JSON: {str(exc)[:_ECHO_LIMIT]}", "invalid_json"
@@ -239,7 +241,10 @@ def parse_json_object(body: bytes | None) -> dict[str, Any]:
         raise _bad_body(
             f"The request body must be a JSON object, not {_json_kind(value)}.", "invalid_body"
         )
-    duplicated = duplicate_key(body, value)
+    try:
+        duplicated = duplicate_key(body, value)
+    except NestedTooDeeply:
+        raise _too_deep() from None
     if duplicated is not None:
         # Parsers disagree on which occurrence counts (RFC 8259 §4): the region could
         # answer another question than the one the proxy keyed, limited and routed.
@@ -252,6 +257,15 @@ def parse_json_object(body: bytes | None) -> dict[str, Any]:
             param=duplicated[:_ECHO_LIMIT],
         )
     return value
+
+
+def _too_deep() -> ProxyError:
+    # Valid JSON, but past the depth every step of the proxy reads the same way.
+    return _bad_body(
+        f"The request body nests arrays and objects more than {MAX_DEPTH} levels deep: "
+        f"the limit is {MAX_DEPTH}.",
+        "json_too_deep",
+    )
 
 
 def body_error(path: str, body: dict[str, Any]) -> ProxyError | None:
