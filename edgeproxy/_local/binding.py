@@ -1,18 +1,19 @@
 """The llama.cpp binding: its log routed to Python logging, its prints caught, its chat
-formatters, and loading a model context.
+formatters, loading a model context, and keeping clear of a miscompiled AMX kernel.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import io
 import logging
 import re
 import sys
 import threading
 from collections import Counter, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -130,6 +131,102 @@ def _chat_formatter(llama_cpp: Any, llm: Any, name: str) -> Callable[..., Any]:
     raise ValueError(f"unknown chat_format {name!r}; known: {', '.join(known)}")
 
 
+# ggml's AMX matrix kernels (compiled into llama.cpp built on a CPU with AMX, as
+# -march=native does) load their tile configuration from a 64-byte struct on the stack.
+# GCC before 13 declares the operand of _tile_loadconfig as 8 bytes, so its optimizer drops
+# the stores to the rest of the struct and LDTILECFG reads stack garbage: a general
+# protection fault (SIGSEGV, the whole process) on the first batch of more than one token
+# through a quantized weight (llama.cpp issue 20824). Weights loaded without llama.cpp's
+# extra buffer types never reach those kernels; the plain CPU kernels serve them.
+_GCC_VERSION = re.compile(rb"GCC: \((?:[^()\n]|\([^()\n]*\))*\) (\d+)\.\d+")
+_FIXED_GCC = 13
+_native_lock = threading.Lock()
+
+
+def _loaded_native_libraries() -> list[Path] | None:
+    """The ggml and llama shared libraries mapped into this process, or None when unknown."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return None
+    found: dict[str, Path] = {}
+    for line in maps.splitlines():
+        name = line.rsplit(" ", 1)[-1]
+        base = name.rsplit("/", 1)[-1]
+        if name.startswith("/") and ".so" in base and ("ggml" in base or "llama" in base):
+            found[name] = Path(name)
+    return list(found.values()) or None
+
+
+def _gcc_majors(libraries: Iterable[Path]) -> list[int]:
+    """The GCC major versions named in the libraries' .comment notes (none: another compiler)."""
+    majors: list[int] = []
+    for library in libraries:
+        try:
+            data = library.read_bytes()
+        except OSError:
+            continue
+        majors += (int(m) for m in _GCC_VERSION.findall(data))
+    return majors
+
+
+def amx_kernels_unsafe(system_info: str, libraries: list[Path] | None) -> bool:
+    """Whether llama.cpp's AMX kernels may crash: built with AMX by a GCC before 13.
+
+    Unknown libraries count as unsafe, so the doubt costs speed, never the process.
+    """
+    if "AMX_INT8 = 1" not in system_info:
+        return False
+    if libraries is None:
+        return True
+    majors = _gcc_majors(libraries)
+    return bool(majors) and min(majors) < _FIXED_GCC
+
+
+@functools.cache
+def _avoid_extra_buffers(llama_cpp: Any) -> bool:
+    info = llama_cpp.llama_print_system_info()
+    info = info.decode("utf-8", "replace") if isinstance(info, bytes) else str(info)
+    if not amx_kernels_unsafe(info, _loaded_native_libraries()):
+        return False
+    fields = {name for name, *_ in getattr(llama_cpp.llama_model_params, "_fields_", ())}
+    if "use_extra_bufts" not in fields:
+        return False  # a llama.cpp from before the AMX kernels took a stack config
+    llama_logger.info(
+        "llama.cpp was built with AMX kernels by a GCC older than %d, which miscompiles "
+        "their tile setup (a crash on the first prompt); models load without the extra "
+        "buffer types (AMX, repacking) instead. Rebuild llama-cpp-python with GCC %d+ to "
+        "use AMX",
+        _FIXED_GCC,
+        _FIXED_GCC,
+    )
+    return True
+
+
+def new_llama(llama_cpp: Any, **kwargs: Any) -> Any:
+    """``llama_cpp.Llama(**kwargs)``, kept off ggml's AMX kernels where they would crash.
+
+    ``Llama`` takes no argument for llama.cpp's ``use_extra_bufts``, so the model
+    parameters it starts from are adjusted while it loads.
+    """
+    if not _avoid_extra_buffers(llama_cpp):
+        return llama_cpp.Llama(**kwargs)
+    module = llama_cpp.llama_cpp  # the module whose defaults Llama reads
+    with _native_lock:
+        defaults = module.llama_model_default_params
+
+        def without_extra_buffers() -> Any:
+            params = defaults()
+            params.use_extra_bufts = False
+            return params
+
+        module.llama_model_default_params = without_extra_buffers
+        try:
+            return llama_cpp.Llama(**kwargs)
+        finally:
+            module.llama_model_default_params = defaults
+
+
 @dataclass(slots=True)
 class _Slot:
     """One generation slot: a llama.cpp model context, used by one thread at a time."""
@@ -145,7 +242,8 @@ def load_context(llama_cpp: Any, path: Path, cfg: LocalModelConfig, index: int) 
     _recent_errors.clear()
     _log_state["devices"] = Counter()
     with _capture_thread_stderr():
-        llm = llama_cpp.Llama(
+        llm = new_llama(
+            llama_cpp,
             model_path=str(path),
             n_gpu_layers=cfg.n_gpu_layers,
             n_ctx=cfg.n_ctx,
