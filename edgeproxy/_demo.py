@@ -107,6 +107,11 @@ Make every region fail, and the local model answers (X-Edgeproxy-Degraded: local
     curl -s -X POST $r/_control -d '{{"fault":"5xx","fault_status":503}}'; done
   curl -si {url}/v1/chat/completions -H 'content-type: application/json' \\
        -d '{{"model":"demo","messages":[{{"role":"user","content":"hello"}}]}}'
+Each request tries every region once (X-Edgeproxy-Attempts), then the local model answers,
+on every request: an outage is never the caller's fault. Repair them, and the next requests
+go back to the regions (a region failing often is ejected for 30 s first):
+  for r in {" ".join(f.url for f in fakes)}; do
+    curl -s -X POST $r/_control -d '{{"fault":null}}'; done
 
 Ctrl-C stops it.""",
             flush=True,

@@ -467,6 +467,8 @@ class Pipeline:
         ctx.status = err.status
         ctx.error = err.message
         headers = {"X-Edgeproxy-Region": ctx.region or "none", "X-Request-Id": ctx.request_id}
+        if ctx.cache:
+            headers["X-Edgeproxy-Cache"] = ctx.cache
         headers.update(err.headers)
         facts = ctx.facts
         dialect = dialect_named(facts.dialect) if facts is not None else dialect_for(ctx.path)

@@ -468,3 +468,82 @@ class TestLlamaCpp:
         health = status_of(proxy, "near")["health"]
         assert health["ejections_total"] == 0 and not health["failures"]["counted"]
         assert health["failures"]["callers_own_total"] == flood
+
+
+# -- one caller in an outage: the ladder, never a lockout ----------------------------------
+
+
+@pytest.mark.parametrize("retry_after", [None, "1"], ids=["no-retry-after", "retry-after"])
+@pytest.mark.model
+async def test_one_caller_in_a_full_outage_gets_the_local_model_then_the_regions_again(
+    make_region: RegionFactory, make_proxy: ProxyFactory, clock: FakeClock, retry_after: str | None
+) -> None:
+    """A sidecar's one caller, both regions saturated (503), the default caller rule
+    (min_failing_callers = 3): every request is answered by the local model, never 502 or
+    429; once the regions recover, its next requests go back to them."""
+    if importlib.util.find_spec("llama_cpp") is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("the local model needs llama-cpp-python, gguf and numpy")
+    from edgeproxy.testing import tiny_llama_gguf
+
+    saturated = {"fault": "5xx", "fault_status": 503, "fault_retry_after": retry_after}
+    near = await make_region("near", **saturated)
+    far = await make_region("far", **saturated)
+    proxy = await make_proxy(
+        [{"name": "near", "url": near.url, **NEAR}, {"name": "far", "url": far.url, **FAR}],
+        health={"min_failing_callers": 3},
+        local_model={"path": str(tiny_llama_gguf("Q4_0")), "n_ctx": 256, "max_tokens": 8},
+        clock=clock,
+    )
+    local = proxy.pipeline.fallback.local
+    for _ in range(600):
+        if local.state not in ("idle", "loading"):
+            break
+        await asyncio.sleep(0.05)
+    # The proxy's waits for a Retry-After move the injected clock, not the wall clock.
+    failover = proxy.pipeline.failover
+
+    async def waits(seconds: float) -> None:
+        clock.advance(seconds)
+
+    failover.sleep = waits
+    async with aiohttp.ClientSession() as client:
+        for _ in range(12):
+            status, region, payload, headers = await post(client, proxy, GOOD, "app")
+            assert status == 200, payload
+            assert headers["X-Edgeproxy-Degraded"] == "local-model" and region == "local"
+        limits = proxy.status()["limits"]["rejected_requests"]
+        assert limits["poison_detected_total"] == 0 and limits["callers_limited_total"] == 0
+        # The regions recover; once their ejections (and waits) have passed, the same
+        # caller is served by them again.
+        near.behavior.fault = None
+        far.behavior.fault = None
+        clock.advance(301.0)
+        status, region, _, headers = await post(client, proxy, GOOD, "app")
+        assert (status, region) == (200, "near") and "X-Edgeproxy-Degraded" not in headers
+
+
+async def test_the_same_body_from_another_caller_is_tried_afresh_and_the_penalty_is_per_model(
+    make_region: RegionFactory, make_proxy: ProxyFactory, clock: FakeClock
+) -> None:
+    proxy, near, far = await two_regions(
+        make_region,
+        make_proxy,
+        clock,
+        health={"poison_ttl": 120.0, "poison_strikes": 1},
+        routing={"retry_statuses": [500, 502, 503, 504], "retry_budget_min": 100},
+    )
+    others_served(proxy, "near", "far")
+    async with aiohttp.ClientSession() as client:
+        status, _, payload, _ = await post(client, proxy, BAD, "mallory")
+        assert status == 502 and payload["error"]["code"] == "upstream_rejected_request"
+        # Bob sends the same body: his is tried, not answered with mallory's mark.
+        before = near.requests_by_path.get(CHAT, 0) + far.requests_by_path.get(CHAT, 0)
+        others_served(proxy, "near", "far")
+        status, _, payload, headers = await post(client, proxy, BAD, "bob")
+        after = near.requests_by_path.get(CHAT, 0) + far.requests_by_path.get(CHAT, 0)
+        assert after > before and headers.get("Retry-After") != "121"
+        # Mallory's one strike limits her on this model only: another model is served.
+        status, _, payload, _ = await post(client, proxy, GOOD, "mallory")
+        assert status == 429 and payload["error"]["code"] == "rejected_requests"
+        status, region, _, _ = await post(client, proxy, {**GOOD, "model": "other"}, "mallory")
+        assert (status, region) == (200, "near")

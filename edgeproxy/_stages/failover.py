@@ -454,8 +454,6 @@ class AttemptResponse:
         self.ttfb = attempt.headers_at - attempt.started
         self.status = response.status
         self.headers: Headers = list(response.headers)
-        if attempts > 1:
-            self.headers.append(("X-Edgeproxy-Attempts", str(attempts)))
         self.http_version = response.http_version
         self.other_model: RequestContext | None = None
         """Another model's request, when it answered instead of the requested model: a
@@ -883,6 +881,8 @@ class _Plan:
         if previous is not None:
             await previous.discard()
         region = attempt.region
+        if region.cooldowns:
+            self._held_off(region)  # noted, if it now holds off: the wait and Retry-After
         if region not in self.queue and any(
             e not in self.tried_endpoints and e.state != "down" for e in region.endpoints
         ):

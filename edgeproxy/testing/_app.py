@@ -530,7 +530,13 @@ class RegionApp:
         # depends on the requests that can actually be spared.
         if behavior.fault_rate < 1.0 and self._rng.random() >= behavior.fault_rate:
             return None
-        return behavior.fault
+        fault = behavior.fault
+        if self.behavior.fault_count is not None:
+            left = self.behavior.fault_count - 1
+            self.behavior.fault_count = left or None
+            if not left:
+                self.behavior.fault = None
+        return fault
 
     def _draw_reset_point(self, reply: Reply) -> int:
         """Where a random reset comes: after 1 to tokens - 1 tokens (body parts if no tokens)."""
@@ -598,9 +604,10 @@ class RegionApp:
         if fault == "5xx":
             status = behavior.fault_status
             message = f"fake region {self.name}: injected {status}"
-            await ex.send_reply(
-                answers.error_for(ex.path, status, message, "server_error"), None, behavior
-            )
+            refusal = answers.error_for(ex.path, status, message, "server_error")
+            if behavior.fault_retry_after is not None:
+                refusal.headers.append((b"retry-after", behavior.fault_retry_after.encode()))
+            await ex.send_reply(refusal, None, behavior)
             return
 
         if reply is None:

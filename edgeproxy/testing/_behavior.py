@@ -107,6 +107,8 @@ _VALIDATORS: Final[dict[str, Callable[[str, object], object]]] = {
     "ttft_per_cached_token": _duration,
     "load_metrics_fault": _load_metrics_fault,
     "continuation_overlap": lambda n, v: _count(n, v, 0),
+    "fault_retry_after": _text,
+    "fault_count": lambda n, v: None if v is None else _count(n, v, 1),
 }
 
 
@@ -213,6 +215,13 @@ class Behavior:
         makes the draw repeatable).
     ``fault_status``
         Status for ``"5xx"``; any 400-599 (429 included) is accepted.
+    ``fault_retry_after``
+        ``None``, or the ``Retry-After`` value (seconds or an HTTP date) a ``"5xx"``
+        answer carries, as a region out of capacity sends it.
+    ``fault_count``
+        ``None`` for every request, or how many more requests get the fault: each one
+        that does counts down, and at 0 the fault turns itself off (``fault`` None). A
+        fault that comes once (``1``), then the region recovers.
     ``fault_paths``
         ``None`` for every path, or the path prefixes the fault applies to,
         e.g. ``("/v1/",)`` to keep ``/healthz`` answering.
@@ -267,6 +276,8 @@ class Behavior:
     load_metrics_fault: LoadMetricsFault | None = None
     fault_after_tokens_random: bool = False
     continuation_overlap: int = 0
+    fault_retry_after: str | None = None
+    fault_count: int | None = None
 
     def __setattr__(self, name: str, value: object) -> None:
         validator = _VALIDATORS.get(name)
