@@ -445,6 +445,9 @@ class Pipeline:
         answer.headers["X-Request-Id"] = ctx.request_id
         if ctx.degraded:
             answer.headers["X-Edgeproxy-Degraded"] = ctx.degraded
+            if ctx.attempts:
+                # What the regions were asked before the ladder answered.
+                answer.headers["X-Edgeproxy-Attempts"] = str(ctx.attempts)
         ctx.status = answer.status
         return answer
 

@@ -215,3 +215,74 @@ def test_a_bad_configuration_exits_2_from_every_command(
     }[command]
     assert main(argv) == 2
     assert "server.port" in capsys.readouterr().err
+
+
+@pytest.mark.model
+async def test_the_demo_banner_steps_give_the_local_model_then_the_regions_again() -> None:
+    """Exactly the banner's steps, from one caller: every region made to fail, then a few
+    requests (each answered by the local model, never 502 or 429), then the regions
+    repaired and the next request answered by a region."""
+    import importlib.util
+    import json
+    import re
+
+    if importlib.util.find_spec("llama_cpp") is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("the demo's local model needs llama-cpp-python, gguf and numpy")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "edgeproxy",
+        "demo",
+        "--port",
+        "0",
+        "--admin-port",
+        "0",
+        "--ttft",
+        "0.01",
+        "--inter-token-delay",
+        "0.001",
+        "--duration",
+        "120",
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        assert proc.stdout is not None
+        banner = ""
+        while "Ctrl-C stops it." not in banner:
+            line = (await asyncio.wait_for(proc.stdout.readline(), 120)).decode()
+            assert line, "demo exited before its banner ended"
+            banner += line
+        url = re.search(r"^\s*proxy\s+(\S+)", banner, re.M)
+        loops = re.findall(
+            r"for r in (.+?); do\n\s*curl -s -X POST \$r/_control -d '(.+?)'", banner
+        )
+        chat = re.search(r"curl -si (\S+) .*\n\s*-d '(.+?)'", banner)
+        assert url and chat and len(loops) == 2, banner
+        fail, repair = loops
+        body = json.loads(chat.group(2))
+        async with aiohttp.ClientSession() as client:
+            for region in fail[0].split():
+                async with client.post(region + "/_control", data=fail[1]) as resp:
+                    assert resp.status == 200
+            for _ in range(6):
+                async with client.post(chat.group(1), json=body) as resp:
+                    assert resp.status == 200, await resp.text()
+                    assert resp.headers["X-Edgeproxy-Degraded"] == "local-model"
+                    # Every region tried (those ejected after failing often, skipped).
+                    assert resp.headers["X-Edgeproxy-Attempts"] in ("2", "3")
+            for region in repair[0].split():
+                async with client.post(region + "/_control", data=repair[1]) as resp:
+                    assert resp.status == 200
+            async with client.post(chat.group(1), json=body) as resp:
+                assert resp.status == 200
+                assert "X-Edgeproxy-Degraded" not in resp.headers
+                assert resp.headers["X-Edgeproxy-Region"] != "local"
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()

@@ -528,3 +528,68 @@ def _text(body: bytes) -> str:
             for choice in event.get("choices") or []:
                 out.append((choice.get("delta") or {}).get("content") or "")
     return "".join(out)
+
+
+# -- a region down for a minute, the lighter rung meanwhile ---------------------------------
+
+BIG, SMALL = "llama-70b", "llama-8b"
+
+
+async def big_and_small(make_region: RegionFactory, **big: Any) -> tuple[Any, Any, list[Any]]:
+    """A region serving the big model alone (its chat path faulty as ``big`` says) and one
+    serving the small model, each learnt from its /v1/models."""
+    big_region = await make_region("big", model=BIG, fault_paths=[CHAT], **big)
+    small_region = await make_region("small", model=SMALL)
+    tables = [
+        {"name": r.name, "url": r.url, "learn_models": True, "server": "vllm"}
+        for r in (big_region, small_region)
+    ]
+    return big_region, small_region, tables
+
+
+async def test_a_region_down_for_a_minute_then_healthy_under_twenty_requests(
+    make_region: RegionFactory, start: Start, client: aiohttp.ClientSession, clock: FakeClock
+) -> None:
+    big, small, tables = await big_and_small(make_region, fault="5xx", fault_status=503)
+    proxy, _ = await start(
+        tables, routes=route(fallback=["lighter"], fallback_models={BIG: [SMALL]})
+    )
+    lighter_tokens = 0
+    served: list[str] = []
+    for i in range(20):
+        if i == 10:
+            big.behavior.fault = None  # a minute later, the region is back
+        status, headers, body = await post(client, proxy, {**HELLO, "model": BIG})
+        assert status == 200
+        answer = orjson.loads(body)
+        if headers.get("X-Edgeproxy-Degraded") == "lighter-model":
+            # The fallback's model and usage, not the failed attempts'.
+            assert headers["X-Edgeproxy-Model"] == SMALL and answer["model"] == SMALL
+            assert headers["X-Edgeproxy-Region"] == "small"
+            usage = answer["usage"]
+            lighter_tokens += usage["prompt_tokens"] + usage["completion_tokens"]
+            served.append("lighter")
+        else:
+            assert headers["X-Edgeproxy-Region"] == "big" and answer["model"] == BIG
+            assert "X-Edgeproxy-Model" not in headers
+            served.append("big")
+        clock.advance(6.0)
+    # Down for the first ten, back for the last (once its ejection, if any, ended).
+    assert served[:10] == ["lighter"] * 10 and served[-3:] == ["big"] * 3
+    fallback = proxy.status()["fallback"]
+    assert fallback["lighter_usage"] == [{"name": SMALL, "tokens_total": lighter_tokens}]
+
+
+async def test_a_stream_no_region_of_its_model_can_continue_goes_on_on_a_lighter_model(
+    make_region: RegionFactory, start: Start, client: aiohttp.ClientSession
+) -> None:
+    big, small, tables = await big_and_small(make_region, fault="reset", fault_after_tokens=3)
+    proxy, _ = await start(
+        tables,
+        routes=route(continue_on_break=True, fallback=["lighter"], fallback_models={BIG: [SMALL]}),
+    )
+    status, _, body = await post(client, proxy, {**STREAM, "model": BIG, "max_tokens": 8})
+    assert status == 200 and body.rstrip().endswith(b"data: [DONE]") and b'"error"' not in body
+    assert small.requests_by_path.get(CHAT, 0) == 1
+    assert proxy.pipeline.continuation.snapshot() == {"continued": 1}
+    assert proxy.status()["fallback"]["served"].get("lighter-model") == 1
