@@ -90,7 +90,7 @@ from edgeproxy._protocol.models import model_from_body
 from edgeproxy._protocol.refusals import error_message
 from edgeproxy._protocol.sse import SSEEventTooLarge, SSEReader
 from edgeproxy._stages.deadlines import Deadlines
-from edgeproxy._stages.poison import Poison, caller_of
+from edgeproxy._stages.poison import Poison, caller_key
 from edgeproxy._upstream.cooldown import retry_after_seconds, soonest
 from edgeproxy._upstream.health import CAPACITY_STATUSES
 from edgeproxy._upstream.pool import (
@@ -298,7 +298,7 @@ class _Attempt:
             return
         if not failed:
             # Evidence, should another caller's 5xx come, that the region serves.
-            failover.health.served(region, caller_of(ctx, failover.poison.key_header))
+            failover.health.served(region, caller_key(ctx, failover.poison.key_header))
             if region.cooldowns:
                 region.cooldowns.answered(model_of(ctx))
         region.ttfb.add(now - self.started)
@@ -329,7 +329,9 @@ class _Attempt:
         failover, region = self.failover, self.region
         assert self.response is not None
         status = self.response.status
-        if failover.health.blame(region, caller_of(ctx, failover.poison.key_header), status=status):
+        if failover.health.blame(
+            region, caller_key(ctx, failover.poison.key_header), status=status
+        ):
             return True
         self.rejected = failover.poison.failed(ctx, region.name, self.response.status)
         return False

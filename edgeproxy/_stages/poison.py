@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from edgeproxy._core.config import Config
     from edgeproxy._core.context import RequestContext
 
-__all__ = ["Poison", "caller_of"]
+__all__ = ["Poison", "caller_key", "caller_of"]
 
 # Bounds: bodies with a recent 5xx, callers with strikes.
 _BODIES_KEPT = 4096
@@ -55,6 +55,19 @@ def caller_of(ctx: RequestContext, key_header: str) -> str:
     (``key_header``, the API key), else the client IP."""
     key, ip = identities(ctx.tenant, api_key(ctx.headers, key_header), ctx.client_ip or "unknown")
     return key if key is not None else "ip:" + ip
+
+
+def caller_key(ctx: RequestContext, key_header: str) -> int:
+    """The caller of ``ctx`` as :func:`caller_of` names it, as a number cheap enough for
+    every answered request (region health's evidence): Python's salted hash, which never
+    leaves the process and keeps no key in memory."""
+    tenant = ctx.tenant
+    if tenant:
+        return hash(("t", tenant))
+    key = api_key(ctx.headers, key_header)
+    if key:
+        return hash(("h", key))
+    return hash(("ip", ctx.client_ip or "unknown"))
 
 
 def _scope(ctx: RequestContext, caller: str) -> str:

@@ -51,7 +51,10 @@ from edgeproxy._upstream.regiontasks import RegionTasks
 if TYPE_CHECKING:
     from edgeproxy._core.config import HealthConfig
 
-__all__ = ["CAPACITY_STATUSES", "Health", "HealthRegion", "RegionHealth"]
+__all__ = ["CAPACITY_STATUSES", "Caller", "Health", "HealthRegion", "RegionHealth"]
+
+Caller = str | int
+"""A caller as health tells callers apart: any stable identity (a name, or its hash)."""
 
 # A region out of capacity says so: 429 (too many requests), 503, and 529 (Anthropic's
 # overloaded). None of them is ever a request's fault.
@@ -78,15 +81,15 @@ class RegionHealth:
     # 5xx answers within [health] failure_window: when each came, and each caller's latest
     # (oldest first). Bounded: a flood from one caller cannot grow them.
     failures: deque[float] = field(default_factory=lambda: deque(maxlen=_FAILURES_KEPT))
-    failing_callers: OrderedDict[str, float] = field(default_factory=OrderedDict)
+    failing_callers: OrderedDict[Caller, float] = field(default_factory=OrderedDict)
     failures_counted_total: int = 0
     failures_callers_total: int = 0  # not counted: too few callers got them
     # The evidence that the region serves others: the two latest distinct callers it
     # answered (below 500), and when. Two slots, so that one of them is always another
     # caller than the failing one.
-    served_by: str | None = None
+    served_by: Caller | None = None
     served_at: float = -math.inf
-    served_by_other: str | None = None
+    served_by_other: Caller | None = None
     served_other_at: float = -math.inf
     # The latest penalty fed to the latency estimate (a failure counted as a slow answer).
     latency_penalty: float = 0.0
@@ -159,7 +162,7 @@ class Health:
 
     # -- whose fault a 5xx is ----------------------------------------------------
 
-    def served(self, region: HealthRegion, caller: str, now: float | None = None) -> None:
+    def served(self, region: HealthRegion, caller: Caller, now: float | None = None) -> None:
         """``region`` answered ``caller`` (a status below 500): evidence for :meth:`blame`
         that it serves, should another caller's 5xx come."""
         health = region.health
@@ -169,7 +172,7 @@ class Health:
             health.served_by = caller
         health.served_at = self.clock() if now is None else now
 
-    def served_others(self, region: HealthRegion, caller: str, now: float) -> bool:
+    def served_others(self, region: HealthRegion, caller: Caller, now: float) -> bool:
         """Whether ``region`` answered a caller other than ``caller`` within the window."""
         health = region.health
         horizon = now - self.config.failure_window
@@ -178,7 +181,7 @@ class Health:
         return health.served_by_other is not None and health.served_other_at >= horizon
 
     def blame(
-        self, region: HealthRegion, caller: str, now: float | None = None, *, status: int = 500
+        self, region: HealthRegion, caller: Caller, now: float | None = None, *, status: int = 500
     ) -> bool:
         """A 5xx answer (``status``) of ``region`` to ``caller``: whether it counts against
         the region (its health, its errors and its latency), or is the caller's own.
@@ -205,13 +208,13 @@ class Health:
         health.failures_callers_total += 1
         return False
 
-    def _counts(self, health: RegionHealth, callers: OrderedDict[str, float]) -> bool:
+    def _counts(self, health: RegionHealth, callers: OrderedDict[Caller, float]) -> bool:
         """Whether the region's 5xx answers count against it whoever gets them: enough
         distinct callers got them, or its active check confirms it fails."""
         minimum = self.config.min_failing_callers
         return minimum <= 1 or len(callers) >= minimum or health.active_ok is False
 
-    def _failing(self, health: RegionHealth, now: float) -> OrderedDict[str, float]:
+    def _failing(self, health: RegionHealth, now: float) -> OrderedDict[Caller, float]:
         """The callers that got 5xx answers within the window (older ones forgotten)."""
         horizon = now - self.config.failure_window
         failures, callers = health.failures, health.failing_callers
