@@ -17,13 +17,24 @@ from dataclasses import dataclass, field
 
 import hpack
 
-__all__ = ["FLOODS", "MALFORMED", "Answer", "H2Attacker", "flood_frame", "malformed_frames"]
+__all__ = [
+    "FLOODS",
+    "MALFORMED",
+    "Answer",
+    "H2Attacker",
+    "flood_frame",
+    "frame",
+    "malformed_frames",
+    "priority_frame",
+    "settings_frame",
+]
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 _HEADER = struct.Struct(">BHBBL")
 DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS = 0x0, 0x1, 0x2, 0x3, 0x4
 PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = 0x6, 0x7, 0x8, 0x9
 END_STREAM, ACK, END_HEADERS = 0x1, 0x1, 0x4
+MAX_FRAME = 16384  # SETTINGS_MAX_FRAME_SIZE's initial value (RFC 9113 §6.5.2)
 Field = tuple[str, str]
 
 
@@ -36,6 +47,8 @@ class Answer:
     body: bytearray = field(default_factory=bytearray)
     ended: bool = False
     reset: int | None = None
+    data_frames: int = 0
+    """DATA frames received, empty ones included (an answer to HEAD has none)."""
 
     @property
     def done(self) -> bool:
@@ -70,6 +83,7 @@ class H2Attacker:
         self.decoder.max_header_list_size = 2**20
         self.answers: dict[int, Answer] = {}
         self.goaway: tuple[int, int] | None = None  # (error code, last stream id)
+        self.settings: dict[int, int] = {}  # what the server's SETTINGS said, by code
         self.closed = asyncio.Event()
         self.give_window = read
         self.next_id = 1
@@ -109,8 +123,17 @@ class H2Attacker:
     def headers_frame(
         self, stream_id: int, fields: Iterable[Field], *, end_stream: bool = False
     ) -> bytes:
+        """A HEADERS frame, and CONTINUATION frames for a block past the 16 KiB frame
+        size a server takes unless it says otherwise."""
         block = self.encoder.encode(list(fields))
-        return frame(HEADERS, END_HEADERS | (END_STREAM if end_stream else 0), stream_id, block)
+        flags = END_STREAM if end_stream else 0
+        if len(block) <= MAX_FRAME:
+            return frame(HEADERS, END_HEADERS | flags, stream_id, block)
+        out = [frame(HEADERS, flags, stream_id, block[:MAX_FRAME])]
+        for start in range(MAX_FRAME, len(block), MAX_FRAME):
+            last = END_HEADERS if start + MAX_FRAME >= len(block) else 0
+            out.append(frame(CONTINUATION, last, stream_id, block[start : start + MAX_FRAME]))
+        return b"".join(out)
 
     def request(
         self, fields: Sequence[Field] | None = None, body: bytes | None = None
@@ -171,6 +194,9 @@ class H2Attacker:
     def _frame(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
         answer = self.answers.get(stream_id)
         if kind == SETTINGS and not flags & ACK:
+            for start in range(0, len(payload) - 5, 6):
+                code, value = struct.unpack_from(">HL", payload, start)
+                self.settings[code] = value
             self.send(frame(SETTINGS, ACK, 0))
         elif kind == PING and not flags & ACK:
             self.send(frame(PING, ACK, 0, payload))
@@ -187,6 +213,7 @@ class H2Attacker:
                     answer.ended = True
         elif kind == DATA:
             if answer is not None:
+                answer.data_frames += 1
                 answer.body += payload
                 if flags & END_STREAM:
                     answer.ended = True
@@ -285,3 +312,13 @@ def flood_frame(name: str, stream_id: int, index: int) -> bytes:
     if name == "unknown-type":
         return frame(0x77, 0, 0, b"x")
     raise KeyError(name)
+
+
+def settings_frame(entries: Iterable[tuple[int, int]]) -> bytes:
+    """A SETTINGS frame of ``(code, value)`` entries, repeats included (nothing checked)."""
+    return frame(SETTINGS, 0, 0, b"".join(struct.pack(">HL", c, v) for c, v in entries))
+
+
+def priority_frame(stream_id: int, depends_on: int, weight: int = 15) -> bytes:
+    """A PRIORITY frame making ``stream_id`` depend on ``depends_on`` (itself, if asked)."""
+    return frame(PRIORITY, 0, stream_id, struct.pack(">LB", depends_on, weight))
