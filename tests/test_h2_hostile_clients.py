@@ -1,19 +1,28 @@
 """The HTTP/2 listener against hostile clients (``edgeproxy.testing.H2Attacker``), each
 attack counted: windows kept shut, malformed requests, connection churn under the
-per-address cap, the cheap-request rapid reset, frame floods and the stream cap. After
-each, a good client on another connection is served."""
+per-address cap, the cheap-request rapid reset (the proxy's own 429s being none), frame
+floods and the stream cap. After each, a good client on another connection is served."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
 import pytest
 
 from edgeproxy import EdgeProxy
-from edgeproxy.testing import FLOODS, MALFORMED, H2Attacker, flood_frame, malformed_frames
+from edgeproxy.testing import (
+    FLOODS,
+    MALFORMED,
+    H2Attacker,
+    HostileRegion,
+    flood_frame,
+    malformed_frames,
+)
+from edgeproxy.testing._h2attack import request_fields
 
 from .conftest import CustomRegion, ProxyFactory, RegionFactory, eventually
 from .test_h2_hostile_flow import BigRegion, serve_big_region
@@ -169,6 +178,47 @@ async def test_cheap_requests_do_not_hide_a_rapid_reset(
     assert region.requests_total <= cancelled, (region.requests_total, cancelled)
     await client.close()
     await good_client_served(proxy)
+
+
+# -- the proxy's own refusals are no rapid reset --------------------------------------
+
+
+@pytest.fixture
+async def hostile() -> AsyncIterator[HostileRegion]:
+    async with HostileRegion(events=3) as region:
+        yield region
+
+
+async def test_the_proxys_own_refusals_on_one_connection_are_no_rapid_reset(
+    hostile: HostileRegion, make_proxy: ProxyFactory
+) -> None:
+    """A browser's connection carries a streaming answer while its other requests get the
+    proxy's 429s, far more than h2_max_premature_resets: no GOAWAY, and the answer ends."""
+    proxy = await make_proxy(
+        [{"name": "hostile", "url": hostile.url}],
+        server=H2C,
+        admission={"ip_requests_per_second": 0.001, "ip_burst": 1},
+        limits={"h2_max_premature_resets": 20},
+    )
+    client = await H2Attacker.open(proxy.url)
+    stream = json.dumps({**json.loads(GOOD), "stream": True}).encode()
+    sse, frames = client.request([*request_fields(), ("x-hostile-gate", "1")], body=stream)
+    client.send(frames)
+    await hostile.wait_until(lambda c: c.streams_opened == 1, timeout=20)
+    refused = []
+    for _ in range(60):
+        stream_id, frames = client.request(body=GOOD)
+        refused.append(stream_id)
+        client.send(frames)
+    answers = [await client.answer(s) for s in refused]
+    assert all(a.status == 429 and a.ended for a in answers), [a.status for a in answers]
+    hostile.open_gate()
+    answer = await client.answer(sse)
+    assert answer.status == 200 and answer.ended, answer
+    assert answer.body.endswith(b"data: [DONE]\n\n"), bytes(answer.body[-200:])
+    assert client.goaway is None
+    assert proxy.guard.h2_rapid_resets == 0
+    await client.close()
 
 
 # -- frame floods ---------------------------------------------------------------------

@@ -21,10 +21,11 @@ when its client resets the stream or leaves. On top of jh2, with the limits of
 * **the stream cap**: ``h2_max_concurrent_streams`` is advertised, and a stream past it gets
   RST_STREAM ``REFUSED_STREAM`` (safe to retry), counted as ``h2_refused_streams``;
 * **abuse by cost**: streams the client cancels before their answer ends, and streams the
-  proxy refuses before any region sees them (malformed, over the cap, answered with the
-  proxy's own error), each cost one; past ``h2_max_premature_resets`` (the count halves
-  every 30 seconds), GOAWAY ``ENHANCE_YOUR_CALM`` (rapid reset, CVE-2023-44487), however
-  many cheap requests the connection also sends;
+  proxy resets before any region sees them (malformed, over the cap), each cost one; past
+  ``h2_max_premature_resets`` (the count halves every 30 seconds), GOAWAY
+  ``ENHANCE_YOUR_CALM`` (rapid reset, CVE-2023-44487), however many cheap requests the
+  connection also sends. An answer the proxy gives itself (a 429, a 4xx) costs nothing
+  here: a browser's tabs share one connection;
 * **floods**: PING, SETTINGS, PRIORITY, unknown frames and empty DATA frames share
   ``h2_max_control_frames`` per 10 seconds; WINDOW_UPDATE frames get that many plus four
   per DATA frame the proxy sent and per stream the client opened in the window (a client
@@ -482,9 +483,6 @@ class H2Exchange(Exchange):
         if conn.server_header and "Server" not in headers:
             fields.append((b"server", conn.server_header, False))
         self.started = True
-        if status >= 400 and headers.get("X-Edgeproxy-Region") == "none":
-            # Refused before any region saw it: as costly to the proxy as a reset.
-            conn.cheap_refusal()
         self._head = conn.encode_head(fields)
         if length is None:
             # A stream: its head goes now, not with its first event.
@@ -904,10 +902,6 @@ class H2Connection(asyncio.Protocol):
         now = self.loop.time()
         self._cost = self._cost * 0.5 ** ((now - self._cost_at) / _RESET_HALF_LIFE) + 1
         self._cost_at = now
-
-    def cheap_refusal(self) -> None:
-        self._spend()
-        self._check_abuse()
 
     def _check_abuse(self) -> None:
         limits = self.guard.limits
