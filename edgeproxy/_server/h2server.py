@@ -36,8 +36,12 @@ when its client resets the stream or leaves. On top of jh2, with the limits of
   pipeline's write waits and the proxy stops reading the region; a stream whose client
   takes nothing for ``server.h2_send_stall_timeout`` is reset (``CANCEL``), counted as
   ``h2_send_stalls``; a socket the client does not read stops every stream's writes;
+* **framing** (:mod:`~edgeproxy._server.h2frames`): a frame declared past
+  SETTINGS_MAX_FRAME_SIZE gets GOAWAY ``FRAME_SIZE_ERROR`` as its header arrives; of a
+  frame not yet whole only what came is held, and a read costs what its bytes do;
 * **the head deadline**: a header block must be whole within ``header_timeout`` once its
-  first frame came;
+  first frame came, and so must a frame once its first byte came (a DATA frame within
+  ``body_timeout``), streams open or not;
 * **idle**: a connection with no stream for ``keepalive_timeout`` gets GOAWAY and closes;
   one the client closed or reset frees its place under the caps at once.
 
@@ -76,6 +80,7 @@ from edgeproxy._core.errors import ProxyError
 from edgeproxy._core.exchange import Exchange, TlsInfo, Writer
 from edgeproxy._core.response import Response, StreamResponse
 from edgeproxy._protocol.bodies import BodyTooLarge, body_wait
+from edgeproxy._server.h2frames import TOO_LARGE, FrameReader
 from edgeproxy._server.headchecks import check_head, own_answer
 from edgeproxy._server.listener import ConnectionGuard, GuardedSite
 from edgeproxy._upstream.h2conn import (
@@ -92,7 +97,6 @@ from edgeproxy._upstream.h2fields import (
     field_name,
     field_value,
     header_frames,
-    split_frames,
 )
 
 __all__ = [
@@ -129,6 +133,8 @@ _REFUSED: Final = jh2.errors.ErrorCodes.REFUSED_STREAM
 _CANCEL: Final = jh2.errors.ErrorCodes.CANCEL
 _INTERNAL: Final = jh2.errors.ErrorCodes.INTERNAL_ERROR
 _NO_ERROR: Final = jh2.errors.ErrorCodes.NO_ERROR
+_FRAME_SIZE_ERROR: Final = jh2.errors.ErrorCodes.FRAME_SIZE_ERROR
+_DATA: Final = 0x0
 _SEND_HEADERS: Final = jh2.connection.ConnectionInputs.SEND_HEADERS
 _STREAM_SEND_HEADERS: Final = jh2.stream.StreamInputs.SEND_HEADERS
 _STREAM_SEND_END_STREAM: Final = jh2.stream.StreamInputs.SEND_END_STREAM
@@ -589,7 +595,7 @@ class H2Connection(asyncio.Protocol):
         self.closing = False
         self.draining = False
         self._flush_scheduled = False
-        self._inbuf = b""  # the start of a frame not yet whole
+        self._reader = FrameReader(self._fast_body, self._receive)
         now = self.loop.time()
         self._window_start = now
         self._controls = 0
@@ -599,7 +605,8 @@ class H2Connection(asyncio.Protocol):
         self._earned = 0
         self._cost = 0.0
         self._cost_at = now
-        self._head_since: float | None = None
+        self._block_since: float | None = None  # a header block waits for CONTINUATION
+        self._frame_since: float | None = None  # a frame (or the preface) is not yet whole
         self._timer: asyncio.TimerHandle | None = None
         self._idle_since: float | None = now
         self.last_stream = 0
@@ -631,27 +638,32 @@ class H2Connection(asyncio.Protocol):
 
     # -- asyncio.Protocol -----------------------------------------------------------------
 
+    @property
+    def input_held(self) -> int:
+        """Bytes held of a frame not yet whole (one frame at most)."""
+        return self._reader.held
+
     def data_received(self, data: bytes) -> None:
         if self.closing:
             return
-        incoming = self.h2.incoming_buffer
-        if incoming._preamble_len or incoming._data:
-            # The preface, or bytes jh2 holds already: jh2 frames them.
-            self._receive(data)
-        else:
-            self._frames(self._inbuf + data if self._inbuf else data)
-        if not self.closing:
-            if self._controls or self._window_updates:
-                self._check_abuse()
-            self._partial_head()
-            self.flush_soon()
-
-    def _frames(self, buf: bytes) -> None:
-        """Complete frames only: the DATA frames of a request body take the fast path
-        (:meth:`_fast_body`), every other frame goes to jh2 in runs, in the order received."""
-        pos = split_frames(buf, self._fast_body, self._receive)
-        if pos >= 0:
-            self._inbuf = buf[pos:] if pos < len(buf) else b""
+        h2 = self.h2
+        preface = h2.incoming_buffer._preamble_len
+        if preface:
+            # jh2 checks the preface; the frames after it are framed here.
+            if not self._receive(data[:preface]):
+                return
+            data = data[preface:]
+        walked = self._reader.feed(data, h2.max_inbound_frame_size) if data else 0
+        if walked < 0:
+            if walked == TOO_LARGE:
+                self._frame_too_large()
+            return
+        if self._controls or self._window_updates:
+            self._check_abuse()
+        if self.closing:
+            return
+        self._partial(walked)
+        self.flush_soon()
 
     def _dropped_body(self, stream_id: int, length: int) -> bool:
         """DATA for a request the proxy reset (refused, malformed, answered): the client sent
@@ -814,7 +826,6 @@ class H2Connection(asyncio.Protocol):
             self.close()
 
     def _request(self, stream_id: int, raw: Any, *, ended: bool) -> None:
-        self._head_since = None
         self.last_stream = stream_id
         self._earned += 1  # a client may open each stream's window at once
         if self.draining:
@@ -920,6 +931,15 @@ class H2Connection(asyncio.Protocol):
         ):
             self.guard.h2_control_floods += 1
             self._abuse("too many control, WINDOW_UPDATE, empty or unknown frames")
+
+    def _frame_too_large(self) -> None:
+        """A frame declared past SETTINGS_MAX_FRAME_SIZE (RFC 9113 §4.2): the connection's
+        error, decided on its header, before any of the frame is kept."""
+        self.guard.h2_protocol_errors += 1
+        logger.info("HTTP/2 client %s sent a frame past the size limit; closing", self.ip)
+        with contextlib.suppress(jh2.exceptions.ProtocolError):
+            self.h2.close_connection(error_code=_FRAME_SIZE_ERROR, last_stream_id=self.last_stream)
+        self.close()
 
     def _abuse(self, reason: str) -> None:
         logger.warning("HTTP/2 client %s: %s; closing", self.ip, reason)
@@ -1156,33 +1176,51 @@ class H2Connection(asyncio.Protocol):
 
     # -- timers ---------------------------------------------------------------------------
 
-    def _partial_head(self) -> None:
-        """Whether a header block is waiting for its CONTINUATION frames (the head
-        deadline runs), or part of a frame is there with no stream open."""
-        buffer = self.h2.incoming_buffer
-        partial = bool(buffer._headers_buffer) or (
-            bool(self._inbuf or len(buffer._data) > buffer._data_offset) and not self.streams
-        )
-        if partial:
-            if self._head_since is None:
-                self._head_since = self.loop.time()
+    def _partial(self, walked: int) -> None:
+        """The deadlines of what is not yet whole: a header block waiting for its
+        CONTINUATION frames, from its first frame; a frame (or the preface), from its first
+        byte (``walked``: whole frames came in this read, so a new one started in it)."""
+        h2 = self.h2
+        now: float | None = None
+        if h2.incoming_buffer._headers_buffer:
+            if self._block_since is None:
+                self._block_since = now = self.loop.time()
         else:
-            self._head_since = None
+            self._block_since = None
+        if self._reader.held or h2.incoming_buffer._preamble_len:
+            if walked or self._frame_since is None:
+                self._frame_since = now if now is not None else self.loop.time()
+        else:
+            self._frame_since = None
 
     def _arm(self) -> None:
         self._timer = self.loop.call_later(1.0, self._tick)
 
     def _tick(self) -> None:
-        """Once a second: the head deadline and the idle timeout."""
+        """Once a second: the deadlines of a header block and a frame, and the idle
+        timeout."""
         self._timer = None
         if self.closing:
             return
         limits = self.guard.limits
         now = self.loop.time()
-        if self._head_since is not None and now - self._head_since >= limits.header_timeout:
+        if self._block_since is not None and now - self._block_since >= limits.header_timeout:
             self.guard.header_timeouts += 1
             self.close()
             return
+        since = self._frame_since
+        if since is not None:
+            # The frames that must come whole quickly are small; a DATA frame is part of a
+            # body, whose stall bound it gets.
+            data = self._reader.kind == _DATA
+            if now - since >= (limits.body_timeout if data else limits.header_timeout):
+                if data:
+                    self.guard.body_timeouts += 1
+                else:
+                    self.guard.header_timeouts += 1
+                logger.info("HTTP/2 client %s left a frame unfinished; closing", self.ip)
+                self.close()
+                return
         idle = self._idle_since
         if idle is not None and now - idle >= limits.keepalive_timeout:
             self.close()
