@@ -26,11 +26,11 @@ when its client resets the stream or leaves. On top of jh2, with the limits of
   ``ENHANCE_YOUR_CALM`` (rapid reset, CVE-2023-44487), however many cheap requests the
   connection also sends. An answer the proxy gives itself (a 429, a 4xx) costs nothing
   here: a browser's tabs share one connection;
-* **floods**: PING, SETTINGS, PRIORITY, unknown frames and empty DATA frames share
-  ``h2_max_control_frames`` per 10 seconds; WINDOW_UPDATE frames get that many plus four
-  per DATA frame the proxy sent and per stream the client opened in the window (a client
-  reading a long answer sends one or two per frame, and may open each stream's window at
-  once): past either, GOAWAY ``ENHANCE_YOUR_CALM``;
+* **floods**: PING, SETTINGS (one per entry), PRIORITY, unknown frames and empty DATA
+  frames share ``h2_max_control_frames`` per 10 seconds; WINDOW_UPDATE frames get that
+  many plus four per DATA frame the proxy sent and per stream the client opened in the
+  window (a client reading a long answer sends one or two per frame, and may open each
+  stream's window at once): past either, GOAWAY ``ENHANCE_YOUR_CALM``;
 * **flow control pushes back**: an answer the client does not take waits in a bounded
   buffer (256 KiB per stream, 1 MiB per connection, each stream 32 KiB at least), then the
   pipeline's write waits and the proxy stops reading the region; a stream whose client
@@ -42,6 +42,8 @@ when its client resets the stream or leaves. On top of jh2, with the limits of
 * **the head deadline**: a header block must be whole within ``header_timeout`` once its
   first frame came, and so must a frame once its first byte came (a DATA frame within
   ``body_timeout``), streams open or not;
+* **the header list**: SETTINGS_MAX_HEADER_LIST_SIZE is what HTTP/1.1 takes; a request past
+  it, or past ``max_headers`` or ``max_header_size``, gets 431 on its stream alone;
 * **idle**: a connection with no stream for ``keepalive_timeout`` gets GOAWAY and closes;
   one the client closed or reset frees its place under the caps at once.
 
@@ -53,8 +55,6 @@ upload pushes back too.
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import contextlib
 import email.utils
 import functools
@@ -81,8 +81,15 @@ from edgeproxy._core.exchange import Exchange, TlsInfo, Writer
 from edgeproxy._core.response import Response, StreamResponse
 from edgeproxy._protocol.bodies import BodyTooLarge, body_wait
 from edgeproxy._server.h2frames import TOO_LARGE, FrameReader
+from edgeproxy._server.h2request import (
+    BadUpgrade,
+    head_refusal,
+    header_list_size,
+    request_fields,
+    upgrade_request,
+)
 from edgeproxy._server.headchecks import check_head, own_answer
-from edgeproxy._server.listener import ConnectionGuard, GuardedSite
+from edgeproxy._server.listener import ConnectionGuard, GuardedSite, _raw_error
 from edgeproxy._upstream.h2conn import (
     RESET_STREAMS_KEPT,
     ResetStreams,
@@ -134,6 +141,7 @@ _CANCEL: Final = jh2.errors.ErrorCodes.CANCEL
 _INTERNAL: Final = jh2.errors.ErrorCodes.INTERNAL_ERROR
 _NO_ERROR: Final = jh2.errors.ErrorCodes.NO_ERROR
 _FRAME_SIZE_ERROR: Final = jh2.errors.ErrorCodes.FRAME_SIZE_ERROR
+_RST_STREAM: Final = 0x3
 _DATA: Final = 0x0
 _SEND_HEADERS: Final = jh2.connection.ConnectionInputs.SEND_HEADERS
 _STREAM_SEND_HEADERS: Final = jh2.stream.StreamInputs.SEND_HEADERS
@@ -148,13 +156,9 @@ _SENDING: Final = frozenset(
     {jh2.stream.StreamState.OPEN, jh2.stream.StreamState.HALF_CLOSED_REMOTE}
 )
 _NO_BODY_METHODS: Final = frozenset({"GET", "HEAD", "OPTIONS", "DELETE", "TRACE"})
-_PSEUDO: Final = frozenset({b":method", b":scheme", b":authority", b":path"})
 # Response fields HTTP/2 does not carry (RFC 9113 §8.2.2).
 _CONNECTION_HEADERS: Final = frozenset(
     {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "upgrade"}
-)
-_UPGRADE_DROPPED: Final = frozenset(
-    {b"connection", b"keep-alive", b"proxy-connection", b"upgrade", b"http2-settings", b"host"}
 )
 _SWITCHING: Final = (
     b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: h2c\r\n\r\n"
@@ -182,6 +186,11 @@ class _MalformedRequest(jh2.events.Event):
     def __init__(self, stream_id: int, reason: str) -> None:
         self.stream_id = stream_id
         self.reason = reason
+
+
+class _SelfDependent(_MalformedRequest):
+    """A PRIORITY frame, or the priority of a HEADERS frame, making a stream depend on
+    itself: that stream's error (RFC 7540 §5.3.1), which jh2 makes the connection's."""
 
 
 class _H2Stream(jh2.stream.H2Stream):
@@ -226,6 +235,19 @@ class _H2Conn(jh2.connection.H2Connection):
     def open_inbound_streams(self) -> int:
         return 0
 
+    def _receive_settings_frame(self, frame: Any) -> tuple[list[Any], list[Any]]:
+        frames, events = super()._receive_settings_frame(frame)
+        if "ACK" not in frame.flags:
+            # What the frame cost to take is one per entry, repeated ones included.
+            events[-1].entries = frame.body_len // 6
+        return frames, events
+
+    def _receive_priority_frame(self, frame: Any) -> tuple[list[Any], list[Any]]:
+        if frame.depends_on != frame.stream_id:
+            return cast("tuple[list[Any], list[Any]]", super()._receive_priority_frame(frame))
+        events = self.state_machine.process_input(jh2.connection.ConnectionInputs.RECV_PRIORITY)
+        return [], [*events, _SelfDependent(frame.stream_id, "a stream depends on itself")]
+
     def _begin_new_stream(self, stream_id: int, allowed_ids: Any) -> Any:
         stream = super()._begin_new_stream(stream_id, allowed_ids)
         stream.__class__ = _H2Stream
@@ -237,79 +259,6 @@ class _H2Conn(jh2.connection.H2Connection):
         if stream is not None and stream.closed:
             del self.streams[stream_id]
             self._closed_streams[stream_id] = stream.closed_by
-
-
-# -- the request fields ---------------------------------------------------------------------
-
-
-def _request_fields(
-    raw: list[tuple[bytes, bytes]],
-) -> tuple[str, str, str, CIMultiDictProxy[str], int | None]:
-    """A request header block checked as RFC 9113 §8.2 and §8.3.1 ask: its method, scheme,
-    target, fields (``:authority`` as ``Host``, cookies joined) and content-length.
-    Raises :class:`Malformed`."""
-    pseudo: dict[bytes, bytes] = {}
-    fields: CIMultiDict[str] = CIMultiDict()
-    cookies: list[str] = []
-    length: int | None = None
-    regular = False
-    for name, value in raw:
-        if name[:1] == b":":
-            if regular:
-                raise Malformed(f"pseudo-header {name!r} after a regular field")
-            if name not in _PSEUDO:
-                raise Malformed(f"pseudo-header {name[:40]!r} is not a request's")
-            if name in pseudo:
-                raise Malformed(f"more than one {name.decode()}")
-            pseudo[name] = value
-            continue
-        regular = True
-        text = field_name(name)
-        field_value(name, value)
-        decoded = value.decode("utf-8", "surrogateescape")
-        if name == b"content-length":
-            if not value.isdigit():
-                raise Malformed("invalid content-length")
-            if length is not None and int(value) != length:
-                raise Malformed("conflicting content-length fields")
-            length = int(value)
-            if "content-length" in fields:
-                continue
-        elif name == b"cookie":
-            cookies.append(decoded)  # RFC 9113 §8.2.3: one field again, joined
-            continue
-        fields.add(text, decoded)
-    method = pseudo.get(b":method")
-    if not method:
-        raise Malformed("no :method")
-    authority = pseudo.get(b":authority")
-    for value in pseudo.values():
-        field_value(b":", value)
-    if method == b"CONNECT":
-        if b":scheme" in pseudo or b":path" in pseudo or not authority:
-            raise Malformed("a CONNECT request has :authority alone")
-        target = authority.decode("latin-1")
-    else:
-        path = pseudo.get(b":path")
-        if not path or b":scheme" not in pseudo:
-            raise Malformed("no :scheme or :path")
-        target = path.decode("latin-1")
-    if authority is not None:
-        host = fields.get("host")
-        text = authority.decode("utf-8", "surrogateescape")
-        if host is not None and host != text:
-            raise Malformed(":authority and host differ")
-        if host is None:
-            fields["Host"] = text
-    if cookies:
-        fields["Cookie"] = "; ".join(cookies)
-    return (
-        method.decode("latin-1"),
-        pseudo.get(b":scheme", b"").decode("latin-1"),
-        target,
-        CIMultiDictProxy(fields),
-        length,
-    )
 
 
 @functools.lru_cache(maxsize=4)
@@ -337,11 +286,13 @@ class H2Exchange(Exchange):
         "_task",
         "_waiter",
         "answered",
+        "bodiless",
         "end_requested",
         "expected",
         "gone",
         "id",
         "out",
+        "refusal",
         "started",
         "taken_at",
         "unacked",
@@ -390,6 +341,10 @@ class H2Exchange(Exchange):
         self.answered = False  # the answer ended (END_STREAM or reset by the proxy)
         self.gone = False
         self.taken_at = conn.loop.time()
+        # An answer to HEAD is its head alone (RFC 9110 §9.3.2): clients reset a stream
+        # that carries DATA after it.
+        self.bodiless = method == "HEAD"
+        self.refusal: ProxyError | None = None  # the listener's answer, before the pipeline
 
     # -- the request body ----------------------------------------------------------
 
@@ -490,14 +445,16 @@ class H2Exchange(Exchange):
             fields.append((b"server", conn.server_header, False))
         self.started = True
         self._head = conn.encode_head(fields)
-        if length is None:
+        if length is None or self.bodiless:
             # A stream: its head goes now, not with its first event.
-            conn.send_head(self, end=False)
+            conn.send_head(self, end=self.bodiless)
         return self.write
 
     async def write(self, data: bytes) -> None:
         if self.gone:
             raise ConnectionResetError("the client reset the stream")
+        if self.bodiless:
+            return
         conn = self._conn
         if self._head:
             conn.send_head(self, end=False)
@@ -517,6 +474,8 @@ class H2Exchange(Exchange):
     async def end(self, data: bytes = b"") -> None:
         if self.gone:
             raise ConnectionResetError("the client reset the stream")
+        if self.bodiless:
+            return
         conn = self._conn
         if self._head:
             if not data:
@@ -572,19 +531,23 @@ class H2Connection(asyncio.Protocol):
             if ssl_object is not None
             else None
         )
-        # Requests are checked per stream here (_request_fields).
+        # Requests are checked per stream here (request_fields, head_refusal).
         h2 = self.h2 = _H2Conn(engine_config(client_side=False))
         self.max_streams = limits.h2_max_concurrent_streams
+        list_size = header_list_size(limits)
         h2.local_settings = jh2.settings.Settings(
             client=False,
             initial_values={
                 jh2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: self.max_streams,
-                jh2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: limits.max_headers
-                * limits.max_header_size,
+                jh2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: list_size,
                 jh2.settings.SettingCodes.INITIAL_WINDOW_SIZE: _STREAM_WINDOW,
                 jh2.settings.SettingCodes.ENABLE_CONNECT_PROTOCOL: 0,
             },
         )
+        # A block past the size advertised is decoded still, to answer 431 on its stream
+        # alone (the HPACK state must stay whole); twice past it, the decoder gives up and
+        # the connection ends, so that an HPACK bomb costs no more.
+        h2.decoder.max_header_list_size = 2 * list_size
         h2.remote_settings = peer_defaults(peer_is_client=True)
         self.streams: dict[int, H2Exchange] = {}
         self.tasks: set[asyncio.Task[Any]] = set()
@@ -622,8 +585,9 @@ class H2Connection(asyncio.Protocol):
             if upgrade is None:
                 h2.initiate_connection()
             else:
-                self.transport.write(_SWITCHING)
+                # The client's settings first: a 101 cannot be taken back.
                 h2.initiate_upgrade_connection(upgrade[0])
+                self.transport.write(_SWITCHING)
         except jh2.exceptions.ProtocolError:
             self.guard.h2_protocol_errors += 1
             self.close()
@@ -797,6 +761,9 @@ class H2Connection(asyncio.Protocol):
                 self._gone(stream)
         elif kind is _MalformedRequest:
             self._malformed(event.stream_id, event.reason, 0)
+        elif kind is _SelfDependent:
+            self._controls += 1
+            self._self_dependent(event.stream_id, event.reason)
         elif kind is jh2.events.TrailersReceived:
             stream = self.streams.get(event.stream_id)
             if stream is not None:
@@ -813,7 +780,7 @@ class H2Connection(asyncio.Protocol):
                 if problem is not None:
                     self._malformed(event.stream_id, problem, 0)
         elif kind is jh2.events.RemoteSettingsChanged:
-            self._controls += 1
+            self._controls += max(1, event.entries)
             self._push_blocked()  # a larger initial window opens every stream's
         elif kind in (
             jh2.events.PingReceived,
@@ -839,11 +806,12 @@ class H2Connection(asyncio.Protocol):
             self._refuse(stream_id, _REFUSED)
             return
         try:
-            method, scheme, target, headers, length = _request_fields(raw)
+            method, scheme, target, headers, length = request_fields(raw)
         except Malformed as exc:
             self._malformed(stream_id, str(exc), 0)
             return
         stream = H2Exchange(self, stream_id, method, target, scheme, headers, length, ended)
+        stream.refusal = head_refusal(raw, self.guard.limits)
         if ended and length:
             self._malformed(stream_id, f"no DATA for a content-length of {length}", 0)
             return
@@ -872,6 +840,17 @@ class H2Connection(asyncio.Protocol):
             stream.answered = True
             self._gone(stream)
         self._refuse(stream_id, _PROTOCOL_ERROR)
+
+    def _self_dependent(self, stream_id: int, reason: str) -> None:
+        h2 = self.h2
+        if stream_id in h2.streams:
+            self._malformed(stream_id, reason, 0)
+        elif stream_id > h2.highest_inbound_stream_id:
+            # An idle stream, which jh2 will not reset: the reset is written here.
+            self.guard.h2_stream_errors += 1
+            payload = int(_PROTOCOL_ERROR).to_bytes(4, "big")
+            h2._data_to_send += FRAME_HEADER.pack(0, 4, _RST_STREAM, 0, stream_id) + payload
+            self.flush_soon()
 
     def _gone(self, stream: H2Exchange) -> None:
         """The stream ended for its client (reset, or the connection gone): its request is
@@ -1276,52 +1255,6 @@ class H2Connection(asyncio.Protocol):
 # -- telling the protocols apart -----------------------------------------------------------
 
 
-def _upgrade_request(head: bytes) -> tuple[bytes, list[tuple[bytes, bytes]]] | None:
-    """An HTTP/1.1 request head that asks, plainly, to upgrade to h2c: its
-    ``HTTP2-Settings`` (decoded) and its header block as HTTP/2 fields. None for any other
-    head, or one with anything unusual, which the HTTP/1.1 handler then answers (it ignores
-    ``Upgrade``): a body, a folded or odd line, several values where one is allowed."""
-    lines = head.split(b"\r\n")
-    parts = lines[0].split(b" ")
-    if len(parts) != 3 or parts[2] != b"HTTP/1.1" or not parts[1].startswith(b"/"):
-        return None
-    method, target = parts[0], parts[1]
-    if not method.isalpha() or not method.isupper() or method == b"CONNECT":
-        return None
-    fields: list[tuple[bytes, bytes]] = []
-    seen: dict[bytes, bytes] = {}
-    for line in lines[1:]:
-        name, colon, value = line.partition(b":")
-        if not colon or not name or name != name.strip() or b"\n" in line or b"\r" in line:
-            return None
-        name = name.lower()
-        value = value.strip(b" \t")
-        if name in seen and name in (b"upgrade", b"http2-settings", b"host", b"connection"):
-            return None
-        seen[name] = value
-        if name in (b"content-length", b"transfer-encoding") and value != b"0":
-            return None
-        if name not in _UPGRADE_DROPPED:
-            fields.append((name, value))
-    upgrade = seen.get(b"upgrade", b"").lower()
-    connection = {t.strip() for t in seen.get(b"connection", b"").lower().split(b",")}
-    settings = seen.get(b"http2-settings")
-    if upgrade != b"h2c" or settings is None or not {b"upgrade", b"http2-settings"} <= connection:
-        return None
-    try:
-        # Strict: the lenient decoder drops bytes outside the alphabet.
-        decoded = base64.b64decode(settings + b"=" * (-len(settings) % 4), b"-_", validate=True)
-    except (binascii.Error, ValueError):
-        return None
-    if len(decoded) % 6:
-        return None
-    host = seen.get(b"host")
-    if host is None:
-        return None
-    pseudo = [(b":method", method), (b":scheme", b"http"), (b":authority", host)]
-    return settings, [*pseudo, (b":path", target), *fields]
-
-
 class _Front(asyncio.Protocol):
     """A new connection on the listener until it is told apart: HTTP/2 (ALPN, the preface,
     an upgrade) becomes an :class:`H2Connection`, anything else the HTTP/1.1 handler."""
@@ -1380,7 +1313,11 @@ class _Front(asyncio.Protocol):
                 return
             self._http1(buffer)
             return
-        upgrade = _upgrade_request(buffer[:end])
+        try:
+            upgrade = upgrade_request(buffer[:end])
+        except BadUpgrade as exc:
+            self._bad_upgrade(str(exc))
+            return
         if upgrade is None:
             self._http1(buffer)
         else:
@@ -1405,6 +1342,16 @@ class _Front(asyncio.Protocol):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+
+    def _bad_upgrade(self, reason: str) -> None:
+        """A 400 in HTTP/1.1, and the connection closes: what followed the head was meant
+        for HTTP/2."""
+        self._stop_timer()
+        transport = self._transport
+        assert transport is not None
+        server = self._site.guard.server_header
+        transport.write(_raw_error(400, f"Bad h2c upgrade: {reason}.", "bad_upgrade", server))
+        transport.close()
 
     def _http1(self, data: bytes) -> None:
         """The default listener's handler takes the connection and what was read of it."""
@@ -1531,7 +1478,7 @@ class H2Site(GuardedSite):
                 )
                 answer: StreamResponse = own_answer(closed)
             else:
-                error = check_head(
+                error = stream.refusal or check_head(
                     stream.method, stream.target, stream.headers, 1, self.guard.limits
                 )
                 if error is not None:
