@@ -1,7 +1,9 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
@@ -356,3 +358,117 @@ async def two_pops(
     finally:
         for client in clients:
             await client.close()
+
+
+# -- real llama.cpp regions: llama-cpp-python's OpenAI server ----------------------------
+
+# The marks of a test against real llama.cpp regions (the llama_servers fixture).
+needs_llama_server = [
+    pytest.mark.model,
+    pytest.mark.skipif(
+        importlib.util.find_spec("llama_cpp") is None
+        or importlib.util.find_spec("sse_starlette") is None,
+        reason="llama_cpp.server is not installed (pip install 'edgeproxy[local]')",
+    ),
+    pytest.mark.skipif(
+        importlib.util.find_spec("gguf") is None or importlib.util.find_spec("numpy") is None,
+        reason="building the test model needs gguf and numpy (pip install 'edgeproxy[testing]')",
+    ),
+]
+
+LlamaServers = Callable[..., Awaitable[str]]
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _tail(log: Path, lines: int = 30) -> str:
+    return "\n".join(log.read_text("utf-8", "replace").splitlines()[-lines:])
+
+
+async def _llama_server_up(url: str, proc: subprocess.Popen[bytes], log: Path) -> bool:
+    """Wait until the server at ``url`` answers ``GET /v1/models``; False when it exited
+    first (its port was taken: started again on another), an error for any other exit."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5.0)) as client:
+        for _ in range(1200):
+            if proc.poll() is not None:
+                if "address already in use" in log.read_text("utf-8", "replace").lower():
+                    return False
+                raise AssertionError(
+                    f"llama.cpp server for {url} exited with {proc.returncode}:\n{_tail(log)}"
+                )
+            try:
+                async with client.get(url + "/v1/models") as resp:
+                    if resp.status == 200:
+                        return True
+            except (aiohttp.ClientError, TimeoutError):
+                pass
+            await asyncio.sleep(0.05)
+    raise AssertionError(f"llama.cpp server at {url} did not start:\n{_tail(log)}")
+
+
+@pytest.fixture
+async def llama_servers(tmp_path: Path) -> AsyncIterator[LlamaServers]:
+    """Start llama-cpp-python's OpenAI server as a real region: ``await llama_servers()``
+    returns its URL once its ``/v1/models`` answers (``asyncio.gather`` starts several at
+    once); all are stopped after the test. Mark the test with ``needs_llama_server``.
+
+    The server runs through ``python -m edgeproxy.testing._llama_server``, its command line
+    unchanged, which loads the model as the proxy loads its own (clear of ggml's AMX kernels
+    where a GCC before 13 miscompiled them). Defaults: the tiny generated model (Q8_0),
+    ``n_ctx`` 256; ``args`` are more of the server's flags. Its stderr is kept in the test's
+    ``tmp_path`` and shown when it fails to start.
+    """
+    from edgeproxy.testing import tiny_llama_gguf
+
+    started: list[subprocess.Popen[bytes]] = []
+
+    async def start(
+        model: Path | None = None, *, n_ctx: int = 256, args: Sequence[str] = ()
+    ) -> str:
+        path = model if model is not None else tiny_llama_gguf("Q8_0")
+        for _ in range(3):
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            log = tmp_path / f"llama-server-{port}.log"
+            with log.open("wb") as stderr:
+                proc = subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "edgeproxy.testing._llama_server",
+                        "--model",
+                        str(path),
+                        "--host",
+                        "127.0.0.1",
+                        "--port",
+                        str(port),
+                        "--n_ctx",
+                        str(n_ctx),
+                        "--verbose",
+                        "false",
+                        *args,
+                    ],
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=stderr,
+                )
+            started.append(proc)
+            if await _llama_server_up(url, proc, log):
+                return url
+        raise AssertionError("no free port for a llama.cpp server in 3 tries")
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in started:
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

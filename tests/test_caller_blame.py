@@ -10,12 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import socket
-import subprocess
-import sys
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -29,7 +26,14 @@ from edgeproxy._stages.poison import Poison, caller_of
 from edgeproxy._upstream.health import Health
 from edgeproxy._upstream.regions import Region, RegionSet
 
-from .conftest import FakeClock, ProxyFactory, RegionFactory, proxy_config
+from .conftest import (
+    FakeClock,
+    LlamaServers,
+    ProxyFactory,
+    RegionFactory,
+    needs_llama_server,
+    proxy_config,
+)
 
 CHAT = "/v1/chat/completions"
 GOOD = {"model": "fake-llm", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -346,96 +350,28 @@ async def test_a_poison_request_gets_502_after_two_attempts_then_none(
 # -- end to end: real llama.cpp regions ----------------------------------------------------
 
 
-needs_llama_server = [
-    pytest.mark.model,
-    pytest.mark.skipif(
-        importlib.util.find_spec("llama_cpp") is None
-        or importlib.util.find_spec("sse_starlette") is None,
-        reason="llama_cpp.server is not installed (pip install 'edgeproxy[local]')",
-    ),
-    pytest.mark.skipif(
-        importlib.util.find_spec("gguf") is None or importlib.util.find_spec("numpy") is None,
-        reason="building the test model needs gguf and numpy (pip install 'edgeproxy[testing]')",
-    ),
-]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@pytest.fixture
-def llama_servers() -> Iterator[Callable[[], str]]:
-    """Start llama-cpp-python's OpenAI server on the generated model; all stopped after."""
-    from edgeproxy.testing import tiny_llama_gguf
-
-    model = tiny_llama_gguf("Q8_0")
-    started: list[subprocess.Popen[bytes]] = []
-
-    def start() -> str:
-        port = _free_port()
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "llama_cpp.server",
-                "--model",
-                str(model),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--n_ctx",
-                "256",
-                "--verbose",
-                "false",
-            ],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        started.append(proc)
-        return f"http://127.0.0.1:{port}"
-
-    yield start
-    for proc in started:
-        proc.terminate()
-    for proc in started:
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-async def _until_up(client: aiohttp.ClientSession, url: str) -> None:
-    async def up() -> bool:
-        try:
-            async with client.get(url + "/v1/models") as resp:
-                return resp.status == 200
-        except aiohttp.ClientError:
-            return False
-
-    for _ in range(600):
-        if await up():
-            return
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"llama.cpp server at {url} did not start")
-
-
 @pytest.fixture
 async def llama_proxy(
-    llama_servers: Callable[[], str], make_proxy: ProxyFactory, clock: FakeClock
+    llama_servers: LlamaServers, make_proxy: ProxyFactory, clock: FakeClock
 ) -> AsyncIterator[EdgeProxy]:
-    near_url, far_url = llama_servers(), llama_servers()
-    async with aiohttp.ClientSession() as client:
-        await _until_up(client, near_url)
-        await _until_up(client, far_url)
+    """The two llama.cpp regions behind a proxy whose choice between them is the score alone.
+
+    A real server's answers take what they take: a cold one's first takes hundreds of
+    milliseconds (more on a busy machine), and the peak-EWMA keeps that peak. Far has no
+    history, so its prior is near's service time plus its 160 ms round trip, which such a
+    peak brings within the default ``equal_within`` (1.5x) of near's score: the two would be
+    equals, drawn between, and far's fast answers would then keep the traffic, flood or no
+    flood. With ``equal_within = 1`` only a better score wins, and far's prior stays 160 ms
+    worse than near's own latency, whatever it is: only what the flood does to near's standing
+    (an ejection, its failures counted) can move anyone. The failure window outlasts the test
+    (pytest's timeout): the evidence of alice's answers and the count of callers with 5xx
+    hold however slowly the requests run.
+    """
+    near_url, far_url = await asyncio.gather(llama_servers(), llama_servers())
     yield await make_proxy(
         [{"name": "near", "url": near_url, **NEAR}, {"name": "far", "url": far_url, **FAR}],
-        health={"min_failing_callers": 3},
+        health={"min_failing_callers": 3, "failure_window": 3600.0},
+        routing={"equal_within": 1.0},
         upstream={"http2": False},
         clock=clock,
     )
@@ -468,6 +404,9 @@ class TestLlamaCpp:
         health = status_of(proxy, "near")["health"]
         assert health["ejections_total"] == 0 and not health["failures"]["counted"]
         assert health["failures"]["callers_own_total"] == flood
+        assert health["failures"]["counted_total"] == 0 and health["latency_penalty_ms"] == 0.0
+        assert status_of(proxy, "near")["errors_total"] == 0
+        assert status_of(proxy, "far")["requests_total"] == 0
 
 
 # -- one caller in an outage: the ladder, never a lockout ----------------------------------

@@ -203,14 +203,19 @@ def _avoid_extra_buffers(llama_cpp: Any) -> bool:
     return True
 
 
-def new_llama(llama_cpp: Any, **kwargs: Any) -> Any:
-    """``llama_cpp.Llama(**kwargs)``, kept off ggml's AMX kernels where they would crash.
+@contextlib.contextmanager
+def clear_of_amx(llama_cpp: Any) -> Iterator[None]:
+    """While open, every ``llama_cpp.Llama`` loads its model off ggml's AMX kernels where
+    they would crash (built with AMX by a GCC before 13); elsewhere it changes nothing.
 
     ``Llama`` takes no argument for llama.cpp's ``use_extra_bufts``, so the model
-    parameters it starts from are adjusted while it loads.
+    parameters it starts from are adjusted until the block ends, one block at a time in
+    the process. Also for a launcher that cannot pass arguments to ``Llama`` (the tests'
+    ``edgeproxy.testing._llama_server``).
     """
     if not _avoid_extra_buffers(llama_cpp):
-        return llama_cpp.Llama(**kwargs)
+        yield
+        return
     module = llama_cpp.llama_cpp  # the module whose defaults Llama reads
     with _native_lock:
         defaults = module.llama_model_default_params
@@ -222,9 +227,16 @@ def new_llama(llama_cpp: Any, **kwargs: Any) -> Any:
 
         module.llama_model_default_params = without_extra_buffers
         try:
-            return llama_cpp.Llama(**kwargs)
+            yield
         finally:
             module.llama_model_default_params = defaults
+
+
+def new_llama(llama_cpp: Any, **kwargs: Any) -> Any:
+    """``llama_cpp.Llama(**kwargs)``, kept off ggml's AMX kernels where they would crash
+    (see :func:`clear_of_amx`). Every model the proxy loads is loaded here."""
+    with clear_of_amx(llama_cpp):
+        return llama_cpp.Llama(**kwargs)
 
 
 @dataclass(slots=True)

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from edgeproxy._core.config import CacheConfig
+from edgeproxy._local.binding import new_llama
 from edgeproxy._upstream.endpoint import Endpoint, RegionEndpoints
 
 __all__ = [
@@ -114,7 +115,7 @@ class LlamaCppEmbedder:
 
     def __init__(self, path: Path, *, timeout: float, n_ctx: int = 512) -> None:
         try:
-            from llama_cpp import Llama
+            import llama_cpp
         except ImportError as exc:
             raise EmbedderError(
                 "the gguf embedder needs llama-cpp-python (pip install 'edgeproxy[local]')"
@@ -124,8 +125,10 @@ class LlamaCppEmbedder:
         self.name = f"gguf:{path.name}"
         self.timeout = timeout
         try:
-            # n_ubatch = n_ctx: an embedding is computed in one batch.
-            self._model = Llama(
+            # n_ubatch = n_ctx: an embedding is computed in one batch. new_llama keeps
+            # the model off ggml's AMX kernels where a GCC before 13 miscompiled them.
+            self._model = new_llama(
+                llama_cpp,
                 model_path=str(path),
                 embedding=True,
                 n_ctx=n_ctx,
