@@ -357,10 +357,11 @@ class LimitsConfig(Section):
         100,
         ge=1,
         description="HTTP/2 listener: streams one connection may cancel (RST_STREAM) before "
-        "their answer ended, or have refused by the proxy before any region saw them "
-        "(malformed, past the stream cap, answered with the proxy's own error), the count "
-        "halving every 30 seconds; past it, GOAWAY ENHANCE_YOUR_CALM and the connection "
-        "closes (rapid reset, CVE-2023-44487), whatever else the connection sends.",
+        "their answer ended, or have refused for their own fault before any region saw them "
+        "(malformed, past the stream cap), the count halving every 30 seconds; past it, "
+        "GOAWAY ENHANCE_YOUR_CALM and the connection closes (rapid reset, CVE-2023-44487), "
+        "whatever else the connection sends. The proxy's own refusals (its rate limits, "
+        "shedding) never count: they cost no region anything.",
     )
     keepalive_timeout: float = Field(
         75.0,
