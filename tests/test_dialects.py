@@ -97,14 +97,17 @@ def test_each_dialect_refuses_what_every_server_refuses(
 
 GOOD = [
     (CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": 0}),
-    (CHAT, {"model": "m", "messages": [{}], "max_completion_tokens": 5, "top_p": 1}),
+    (CHAT, {"model": "m", "messages": [{"role": "user"}], "max_completion_tokens": 5, "top_p": 1}),
     (COMPLETIONS, {"model": "m", "prompt": [1, 2, 3]}),
     (EMBEDDINGS, {"model": "m", "input": ["a", "b"]}),
     (RESPONSES, {"model": "m", "input": "x", "temperature": 2}),
     (RESPONSES, {"model": "m", "previous_response_id": "resp_1", "input": "y"}),
     (MESSAGES, {"model": "m", "max_tokens": 5, "messages": [{}], "system": "s", "top_k": 3}),
     # JSON has one kind of number: an integer may come as 5.0.
-    (CHAT, {"model": "m", "messages": [{}], "max_tokens": 5.0, "n": 1.0, "seed": 7.0}),
+    (
+        CHAT,
+        {"model": "m", "messages": [{"role": "user"}], "max_tokens": 5.0, "n": 1.0, "seed": 7.0},
+    ),
     # Scoring a prompt: no token generated.
     (COMPLETIONS, {"model": "m", "prompt": "x", "max_tokens": 0, "echo": True}),
     (COMPLETIONS, {"model": "m", "prompt": ""}),
@@ -113,7 +116,7 @@ GOOD = [
     (RESPONSES, {"model": "m", "previous_response_id": "resp_1", "input": []}),
     (RESPONSES, {"model": "m", "conversation": "conv_1"}),
     # Unknown fields are a server's business, not the edge's.
-    (CHAT, {"model": "m", "messages": [{}], "chat_template_kwargs": {"x": 1}}),
+    (CHAT, {"model": "m", "messages": [{"role": "user"}], "chat_template_kwargs": {"x": 1}}),
 ]
 
 

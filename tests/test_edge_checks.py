@@ -46,6 +46,33 @@ BAD = [
     (CHAT, {"max_tokens": -1}, "max_tokens", "invalid_value"),
     (CHAT, {"n": 0}, "n", "invalid_value"),
     (CHAT, {"messages": "bad"}, "messages", "invalid_type"),
+    # A chat request with no conversation: llama.cpp answered it 200, OpenAI refuses it.
+    (CHAT, {"messages": DROP}, "messages", "missing_required_parameter"),
+    (CHAT, {"messages": ["hi"]}, "messages[0]", "invalid_type"),
+    (CHAT, {"messages": [*HI, {"content": "x"}]}, "messages[1].role", "missing_required_parameter"),
+    (CHAT, {"messages": [{"role": 1, "content": "x"}]}, "messages[0].role", "invalid_type"),
+    (CHAT, {"model": 5}, "model", "invalid_type"),
+    (CHAT, {"stream": "yes"}, "stream", "invalid_type"),
+    (CHAT, {"top_p": "x"}, "top_p", "invalid_type"),
+    (CHAT, {"max_tokens": 2.5}, "max_tokens", "invalid_type"),
+    (CHAT, {"max_completion_tokens": "4"}, "max_completion_tokens", "invalid_type"),
+    (CHAT, {"n": 1.5}, "n", "invalid_type"),
+    (CHAT, {"seed": "1"}, "seed", "invalid_type"),
+    (CHAT, {"stop": 5}, "stop", "invalid_type"),
+    (CHAT, {"stop": ["a", 1]}, "stop[1]", "invalid_type"),
+    (CHAT, {"tools": {"type": "function"}}, "tools", "invalid_type"),
+    (CHAT, {"tools": ["f"]}, "tools[0]", "invalid_type"),
+    (CHAT, {"tool_choice": 1}, "tool_choice", "invalid_type"),
+    (CHAT, {"response_format": "json"}, "response_format", "invalid_type"),
+    (CHAT, {"stream_options": True}, "stream_options", "invalid_type"),
+    (CHAT, {"user": 5}, "user", "invalid_type"),
+    (CHAT, {"logprobs": "yes"}, "logprobs", "invalid_type"),
+    (CHAT, {"top_logprobs": "2"}, "top_logprobs", "invalid_type"),
+    (CHAT, {"top_logprobs": -1}, "top_logprobs", "invalid_value"),
+    (CHAT, {"presence_penalty": "x"}, "presence_penalty", "invalid_type"),
+    (CHAT, {"frequency_penalty": [1]}, "frequency_penalty", "invalid_type"),
+    (CHAT, {"logit_bias": []}, "logit_bias", "invalid_type"),
+    (CHAT, {"parallel_tool_calls": "no"}, "parallel_tool_calls", "invalid_type"),
     (COMPLETIONS, {"temperature": "hot"}, "temperature", "invalid_type"),
     (COMPLETIONS, {"prompt": []}, "prompt", "empty_array"),
     (COMPLETIONS, {"model": DROP}, "model", "missing_required_parameter"),
@@ -68,6 +95,38 @@ BAD = [
     (EMBEDDINGS, {"model": DROP}, "model", "missing_required_parameter"),
     (EMBEDDINGS, {"dimensions": 0}, "dimensions", "invalid_value"),
 ]
+
+
+# A chat request with every typed field given, each well: nothing of it is refused.
+FULL_CHAT: dict[str, Any] = {
+    "model": "fake-llm",
+    "messages": [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+        {"role": "ipython", "content": "a role of a chat template's own"},
+    ],
+    "stream": False,
+    "temperature": 0,
+    "top_p": 1.0,
+    "max_tokens": 4,
+    "max_completion_tokens": 4,
+    "n": 1,
+    "seed": 7,
+    "stop": ["\n\n", "END"],
+    "user": "u-1",
+    "metadata": {"k": "v"},
+    "tool_choice": "none",
+    "response_format": {"type": "text"},
+    "stream_options": None,
+    "logprobs": False,
+    "top_logprobs": 0,
+    "presence_penalty": 0.5,
+    "frequency_penalty": -1,
+    "logit_bias": {"50256": -100},
+    "parallel_tool_calls": True,
+    "store": False,
+    "reasoning_effort": "low",
+}
 
 
 def bad_body(path: str, change: dict[str, Any]) -> dict[str, Any]:
@@ -114,7 +173,11 @@ async def test_each_apis_refused_bodies_get_400_in_its_shape_and_no_region_hears
         for path, body in GOOD.items():
             async with client.post(proxy.url + path, json=body) as resp:
                 assert resp.status == 200, (path, await resp.text())
-    assert sum(region.requests_by_path.values()) == len(GOOD)
+        async with client.post(proxy.url + CHAT, json=FULL_CHAT) as resp:
+            assert resp.status == 200, await resp.text()
+        async with client.post(proxy.url + CHAT, json={**FULL_CHAT, "stop": "END"}) as resp:
+            assert resp.status == 200, await resp.text()
+    assert sum(region.requests_by_path.values()) == len(GOOD) + 2
 
 
 async def test_refused_bodies_are_charged_to_no_rate_limit(
@@ -167,6 +230,16 @@ async def test_the_openai_sdk_raises_bad_request_on_each_refused_body(
             ),
             lambda: client.chat.completions.create(model="fake-llm", messages=[]),
             lambda: client.chat.completions.create(model=openai.omit, messages=HI),  # type: ignore[arg-type]
+            lambda: client.chat.completions.create(model="fake-llm", messages=openai.omit),  # type: ignore[arg-type]
+            lambda: client.chat.completions.create(
+                model="fake-llm",
+                messages=[{"content": "hi"}],  # type: ignore[list-item]
+            ),
+            lambda: client.chat.completions.create(
+                model="fake-llm",
+                messages=HI,  # type: ignore[arg-type]
+                stream="yes",  # type: ignore[call-overload]
+            ),
             lambda: client.chat.completions.create(
                 model="fake-llm",
                 messages=HI,  # type: ignore[arg-type]

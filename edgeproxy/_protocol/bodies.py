@@ -270,9 +270,11 @@ def _too_deep() -> ProxyError:
 
 def body_error(path: str, body: dict[str, Any]) -> ProxyError | None:
     """The 400 every server of the API ``path`` names would answer ``body`` with (a field of
-    the wrong type, a missing model, an empty conversation, a parameter out of its range:
-    its dialect's :meth:`~edgeproxy._protocol.dialects.Dialect.check`); None for a body
-    some server may take, or a path of no API the proxy knows."""
+    the wrong type, a missing model or conversation, an empty one, a chat message that is
+    no object with a role, a parameter out of its range: its dialect's
+    :meth:`~edgeproxy._protocol.dialects.Dialect.check`), in OpenAI's error shape with
+    ``param`` naming the field (Anthropic's, on its paths, when the error is written); None
+    for a body some server may take, or a path of no API the proxy knows."""
     dialect = dialect_for(path)
     if dialect is OPENAI:
         return None

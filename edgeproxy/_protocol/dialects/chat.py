@@ -20,6 +20,7 @@ from edgeproxy._protocol.dialects._base import (
     Piece,
     Seam,
     StreamWriter,
+    _kind,
     asks_usage,
     loads,
     words,
@@ -173,18 +174,94 @@ class ChatDialect(Dialect):
     continuation: ClassVar[str | None] = REGION_METHOD
     seam = ChatSeam
     writer = ChatWriter
-    minimums: ClassVar[dict[str, int]] = {"n": 1}
+    required: ClassVar[tuple[str, ...]] = ("model", "messages")
+    minimums: ClassVar[dict[str, int]] = {"n": 1, "top_logprobs": 0}
+    # The documented fields of OpenAI's chat completions and their types; vLLM, SGLang and
+    # llama.cpp read the same fields with the same types, or ignore them.
     types: ClassVar[dict[str, tuple[type, ...]]] = {
         **Dialect.types,
         "max_completion_tokens": (int,),
         "stream_options": (dict,),
         "response_format": (dict,),
         "tool_choice": (str, dict),
+        "parallel_tool_calls": (bool,),
+        "functions": (list,),
+        "function_call": (str, dict),
         "logit_bias": (dict,),
         "logprobs": (bool,),
+        "top_logprobs": (int,),
         "presence_penalty": (int, float),
         "frequency_penalty": (int, float),
+        "store": (bool,),
+        "modalities": (list,),
+        "audio": (dict,),
+        "prediction": (dict,),
+        "reasoning_effort": (str,),
+        "service_tier": (str,),
+        "web_search_options": (dict,),
+        "prompt_cache_key": (str,),
+        "safety_identifier": (str,),
+        "verbosity": (str,),
     }
+
+    def check(self, body: dict[str, Any]) -> ProxyError | None:
+        """The base checks, then the items of the lists every server reads item by item:
+        each message an object with a string ``role`` (its content and the role's value
+        are left to the server: chat templates know roles of their own), each ``stop`` a
+        string, each tool an object. A missing ``messages`` is refused here too: llama.cpp
+        answered such a request 200, with an answer to no question."""
+        err = super().check(body)
+        if err is not None:
+            return err
+        if self.chat:
+            err = self._messages(body.get("messages"))
+            if err is None:
+                err = self._items(body.get("tools"), "tools", dict)
+        if err is None:
+            err = self._items(body.get("stop"), "stop", str)
+        return err
+
+    def _messages(self, messages: Any) -> ProxyError | None:
+        if not isinstance(messages, list):
+            return None  # absent where allowed; its type was checked before
+        for index, message in enumerate(messages):
+            if type(message) is not dict:
+                return self.invalid(
+                    f"Invalid type for 'messages[{index}]': expected an object, but got "
+                    f"{_kind(message)}.",
+                    f"messages[{index}]",
+                    "invalid_type",
+                )
+            role = message.get("role")
+            if type(role) is str:
+                continue
+            if role is None:
+                return self.invalid(
+                    f"Missing required parameter: 'messages[{index}].role'.",
+                    f"messages[{index}].role",
+                    "missing_required_parameter",
+                )
+            return self.invalid(
+                f"Invalid type for 'messages[{index}].role': expected a string, but got "
+                f"{_kind(role)}.",
+                f"messages[{index}].role",
+                "invalid_type",
+            )
+        return None
+
+    def _items(self, value: Any, key: str, kind: type) -> ProxyError | None:
+        """The first item of the list ``value`` (the field ``key``) not of ``kind``."""
+        if not isinstance(value, list):
+            return None
+        for index, item in enumerate(value):
+            if type(item) is not kind:
+                return self.invalid(
+                    f"Invalid type for '{key}[{index}]': expected "
+                    f"{'a string' if kind is str else 'an object'}, but got {_kind(item)}.",
+                    f"{key}[{index}]",
+                    "invalid_type",
+                )
+        return None
 
     def answer_id(self) -> str:
         return openai.completion_id(chat=True)
@@ -295,6 +372,7 @@ class CompletionsDialect(ChatDialect):
 
     name = "completions"
     chat: ClassVar[bool] = False
+    required: ClassVar[tuple[str, ...]] = ("model",)
     max_tokens_keys: ClassVar[tuple[str, ...]] = ("max_tokens",)
     prompt_keys: ClassVar[tuple[str, ...]] = ("prompt",)
     turns: ClassVar[str | None] = None
