@@ -108,7 +108,9 @@ async def test_an_unknown_model_is_a_404_in_the_apis_shape_without_asking_a_regi
     assert (status, region) == (404, "none")
     assert body == {
         "error": {
-            "message": "The model `gamma` does not exist or you do not have access to it.",
+            "message": "The model `gamma` does not exist or you do not have access to it. "
+            "The models served here are `alpha` and `beta`; an operator can map another name "
+            "to one of them with the region's model_aliases.",
             "type": "invalid_request_error",
             "param": "model",
             "code": "model_not_found",

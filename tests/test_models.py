@@ -276,7 +276,9 @@ async def test_an_unknown_model_is_a_404_before_any_upstream_work(
         assert headers["X-Edgeproxy-Region"] == "none"
         assert orjson.loads(answer) == {
             "error": {
-                "message": "The model `gpt-5` does not exist or you do not have access to it.",
+                "message": "The model `gpt-5` does not exist or you do not have access to it. "
+                "The models served here are `m1` and `m2*`; an operator can map another name "
+                "to one of them with the region's model_aliases.",
                 "type": "invalid_request_error",
                 "param": "model",
                 "code": "model_not_found",

@@ -5,8 +5,10 @@ before left, never reordering them (ordering is
 :mod:`edgeproxy._stages.ranking`'s):
 
 1. :class:`ServesModel`: the regions serving the request's model
-   (:class:`~edgeproxy._stages.models.ModelCatalog`), whatever their health;
-   a model no region serves is a 404 (:class:`~edgeproxy._stages.models.ModelError`);
+   (:class:`~edgeproxy._stages.models.ModelCatalog`), whatever their health:
+   those that list it, and only for a name none lists, those that answer any
+   name (llama.cpp's servers, ``serves_any_model``); a model no region serves
+   is a 404 (:class:`~edgeproxy._stages.models.ModelError`) naming those served;
 2. :class:`Resident`: under a residency rule, only the regions it allows;
 3. :class:`Owner`: for a request that only one region can answer (the owner of
    a stateful exchange), that region alone; unavailable, it is a 503
@@ -79,7 +81,10 @@ class Eligibility(Protocol):
 
 
 class ServesModel:
-    """The regions serving the request's model; raises the catalog's 400 or 404."""
+    """The regions serving the request's model; raises the catalog's 400 or 404.
+
+    The catalog alone decides which regions those are (the exact listers of a name before
+    the regions that answer any name); this keeps them in the order the router has them."""
 
     __slots__ = ("catalog",)
 

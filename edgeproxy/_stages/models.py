@@ -4,7 +4,9 @@
 ``fnmatch`` globs); a region that lists none learns them from its own
 ``GET /v1/models`` (``learn_models``, :mod:`edgeproxy._upstream.catalog`), and
 serves every model until its list is known, or always with ``learn_models =
-false``. ``model_aliases`` maps a client's model name to the region's own.
+false``. ``model_aliases`` maps a client's model name to the region's own. A region
+that answers any model name (``serves_any_model``, or recognised from its list: llama.cpp's
+servers) serves, besides the names it lists, every name no region lists.
 :class:`ModelCatalog` answers, for the router, which regions serve the model a
 request names; the answer is cached per model name until a learnt list changes.
 :class:`ModelList` is the proxy's own answer to ``GET /v1/models`` (and
@@ -18,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
 
@@ -38,7 +41,7 @@ from edgeproxy._protocol.models import (
     parse_model_list,
 )
 from edgeproxy._stages.failover import Failover, Failure
-from edgeproxy._upstream.catalog import NoModelList, read_model_list
+from edgeproxy._upstream.catalog import NoModelList, few_names, read_model_list
 from edgeproxy._upstream.pool import UpstreamError
 
 if TYPE_CHECKING:
@@ -63,13 +66,22 @@ class ModelError(ProxyError):
     name. Only the 404 may go down the degradation ladder, and only to the local model."""
 
 
-def model_not_found(model: str) -> ModelError:
-    """OpenAI's 404 for a model no region serves."""
+def model_not_found(model: str, served: Sequence[str] = ()) -> ModelError:
+    """OpenAI's 404 for a model no region serves; ``served``: the names the regions do
+    serve, the first few of which it names, with the key that maps a name to one."""
     shown = model if len(model) <= _ECHO_LIMIT else model[:_ECHO_LIMIT] + "..."
+    # OpenAI's sentence first, as clients may match it; then what a client could name
+    # instead, and how an operator makes this name one of them.
+    message = f"The model `{shown}` does not exist or you do not have access to it."
+    if served:
+        message += (
+            f" The models served here are {few_names(served)}; an operator can map "
+            "another name to one of them with the region's model_aliases."
+        )
     return ModelError(
         404,
         "invalid_request_error",
-        f"The model `{shown}` does not exist or you do not have access to it.",
+        message,
         code="model_not_found",
         param="model",
     )
@@ -85,21 +97,36 @@ class ModelCatalog:
     lists or learns models, so a model may be served by only some regions, or by none
     (404). A learning region whose list is not known yet serves every model: a model is
     served by none only once every such list is known.
+
+    A region that answers any model name (``serves_any_model = true``, or, unset, a server
+    its learnt list shows to be one: :func:`~edgeproxy._upstream.catalog.answers_any_name`)
+    serves the names it lists as any region does, and the names no region lists besides:
+    a name some region lists goes to the regions listing it, never to one that would answer
+    it with another model.
     """
 
     def __init__(self, regions: list[RegionConfig], learner: ModelLearner | None = None) -> None:
         learned = {r.name: r.learned for r in learner.regions} if learner is not None else {}
         # Per region: its name, a matcher of its models (None: every model, or what it
-        # learns), its aliases, what it learnt of its models (None: it does not learn).
+        # learns), its aliases, what it learnt of its models (None: it does not learn),
+        # serves_any_model (None: as its learnt list shows).
         self._regions = tuple(
             (
                 r.name,
                 ModelMatcher(r.models) if r.models else None,
                 frozenset(r.model_aliases),
                 learned.get(r.name),
+                r.serves_any_model,
             )
             for r in regions
         )
+        for r in regions:
+            if r.serves_any_model:
+                logger.info(
+                    "region %s serves any model name (serves_any_model): it is sent the names "
+                    "no region lists",
+                    r.name,
+                )
         self._learner = learner if learned else None
         self.restricts = any(r.models for r in regions) or bool(learned)
         self.active = self.restricts or any(r.model_aliases for r in regions)
@@ -109,6 +136,11 @@ class ModelCatalog:
         # Forgotten whenever a learnt list changes (the learner's version).
         self._served: dict[str, frozenset[str] | None] = {}
         self._version = 0
+        # The names the regions serve, for a 404's message: (learner version, names).
+        self._names: tuple[int, tuple[str, ...]] | None = None
+        self._configured = frozenset(
+            name for r in regions for name in (*r.models, *r.model_aliases)
+        )
 
     def serving(self, model: str) -> frozenset[str] | None:
         """The names of the regions that serve ``model`` (maybe none); None: every region."""
@@ -120,16 +152,26 @@ class ModelCatalog:
             return self._served[model]
         except KeyError:
             pass
-        names = frozenset(
-            name
-            for name, matcher, aliases, learned in self._regions
-            if model in aliases
-            or (
-                matcher.matches(model)
-                if matcher is not None
-                else learned is None or learned.serves(model)
-            )
-        )
+        # Those that list the name, those that serve every model (no list, or none known
+        # yet), and those that answer any name, the last only for names no region lists.
+        listing: list[str] = []
+        every: list[str] = []
+        any_name: list[str] = []
+        for name, matcher, aliases, learned, any_model in self._regions:
+            if model in aliases:
+                listing.append(name)
+            elif matcher is not None:
+                if matcher.matches(model):
+                    listing.append(name)
+                elif any_model:
+                    any_name.append(name)
+            elif learned is None or not learned.known:
+                every.append(name)
+            elif model in learned.models:
+                listing.append(name)
+            elif any_model or (any_model is None and learned.any_name is not None):
+                any_name.append(name)
+        names = frozenset((*listing, *every) if listing else (*every, *any_name))
         served = None if len(names) == len(self._regions) else names
         if len(self._served) >= _CACHE_SIZE:
             self._served.clear()
@@ -164,8 +206,22 @@ class ModelCatalog:
             return None
         served = self.serving(model)
         if served is not None and not served:
-            raise model_not_found(model)
+            raise model_not_found(model, self.served_names())
         return served
+
+    def served_names(self) -> tuple[str, ...]:
+        """The names the regions serve, sorted: their ``models`` (globs as written), their
+        aliases' names and their learnt lists; remembered until a learnt list changes."""
+        version = self._learner.version if self._learner is not None else 0
+        if self._names is not None and self._names[0] == version:
+            return self._names[1]
+        found = set(self._configured)
+        for _, matcher, _, learned, _ in self._regions:
+            if matcher is None and learned is not None and learned.known:
+                found.update(learned.models)
+        names = tuple(sorted(found))
+        self._names = (version, names)
+        return names
 
 
 class ModelList:
@@ -225,7 +281,7 @@ class ModelList:
         else:
             body = next((entry for entry in data if entry["id"] == wanted), None)
             if body is None:
-                raise model_not_found(wanted)
+                raise model_not_found(wanted, [entry["id"] for entry in data])
         return Response(body=orjson.dumps(body), content_type="application/json")
 
     async def models(self) -> list[dict[str, Any]]:

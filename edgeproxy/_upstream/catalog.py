@@ -11,6 +11,13 @@ list shape (``{"data": [{"id": ...}, ...]}``, read by
 :class:`LearnedModels`, which the model catalog (:mod:`edgeproxy._stages.models`) routes
 by.
 
+Some servers answer any model name with the one model they hold, whatever their list says;
+:func:`answers_any_name` recognises them by their list (llama-cpp-python's server, which
+lists ``owned_by: "me"`` and the model file's path as its id; llama.cpp's ``llama-server``
+holding one model, ``owned_by: "llamacpp"``), and the catalog makes such a region a
+candidate for the names no region lists (``[[regions]] serves_any_model`` decides instead
+when set).
+
 Until a region's list is known, it serves every model, as a region with no list does: a
 region whose ``/v1/models`` never answers (a gateway without one, a region down since the
 start) is routed to as before. A fetch that fails once the list is known (no answer in
@@ -27,6 +34,8 @@ import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
+import orjson
+
 from edgeproxy._protocol.models import MAX_MODEL_LIST_BYTES, ModelListError, parse_model_list
 from edgeproxy._upstream.endpoint import Endpoint, RegionEndpoints
 from edgeproxy._upstream.pool import UpstreamError
@@ -35,24 +44,91 @@ from edgeproxy._upstream.regiontasks import RegionTasks
 if TYPE_CHECKING:
     from edgeproxy._core.config import RegionConfig
 
-__all__ = ["MODELS_PATH", "LearnedModels", "LearningRegion", "ModelLearner"]
+__all__ = [
+    "MODELS_PATH",
+    "LearnedModels",
+    "LearningRegion",
+    "ModelLearner",
+    "answers_any_name",
+    "few_names",
+]
 
 logger = logging.getLogger("edgeproxy.regions")
 
 MODELS_PATH = "/v1/models"
 # A reason kept for /status is cut to this length.
 _REASON_LIMIT = 200
+# Names a log line or an error message shows before "and N more"; each cut to this length.
+_FEW = 5
+_NAME_LIMIT = 128
+
+
+def few_names(names: Iterable[str], limit: int = _FEW) -> str:
+    """```a`, `b` and 3 more``: the first ``limit`` of ``names``, in backquotes, each cut
+    short; "none" for none. What a log line or an error shows of a list of models."""
+    names = list(names)
+    if not names:
+        return "none"
+    shown = [
+        f"`{name}`" if len(name) <= _NAME_LIMIT else f"`{name[:_NAME_LIMIT]}...`"
+        for name in names[:limit]
+    ]
+    more = len(names) - len(shown)
+    if more:
+        return f"{', '.join(shown)} and {more} more"
+    if len(shown) == 1:
+        return shown[0]
+    return f"{', '.join(shown[:-1])} and {shown[-1]}"
+
+
+def answers_any_name(entries: list[dict[str, Any]], body: bytes) -> str | None:
+    """The server a ``/v1/models`` answer comes from, when that server answers any model
+    name (with the one model it holds); None otherwise. ``entries``: the answer as
+    :func:`~edgeproxy._protocol.models.parse_model_list` read it; ``body``: its bytes.
+
+    - llama-cpp-python's server lists each model it may load with ``owned_by: "me"`` (its
+      id the model file's path unless given ``--model_alias``), and answers a name it does
+      not list with its first model.
+    - llama.cpp's ``llama-server`` lists its one model with ``owned_by: "llamacpp"`` and
+      answers any name with it; in router mode (several models, each listed with a
+      ``status``) it routes by the name, so it does not answer any name.
+    """
+    if not entries:
+        return None
+    owners = {entry.get("owned_by") for entry in entries}
+    if owners == {"me"}:
+        return "llama-cpp-python's server"
+    if owners == {"llamacpp"} and len(entries) == 1 and not _router_mode(body):
+        return "llama.cpp's llama-server"
+    return None
+
+
+def _router_mode(body: bytes) -> bool:
+    """Whether a llama-server list comes from its router mode (its entries have a
+    ``status``), read again from the bytes: the parsed entries keep no more than routing
+    needs, and this is asked of one list a minute at most."""
+    try:
+        value = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return False
+    data = value.get("data") if isinstance(value, dict) else None
+    return isinstance(data, list) and any(
+        isinstance(item, dict) and "status" in item for item in data
+    )
 
 
 class LearnedModels:
     """What one region's ``GET /v1/models`` said: the models it serves, each with what its
     entry told (``id``, and ``created``, ``owned_by``, ``max_model_len`` when given), and
-    how the fetches went. ``known``: a list came; before, the region serves every model."""
+    how the fetches went. ``known``: a list came; before, the region serves every model.
+    ``any_name``: the server its list shows it to be, when that server answers any model
+    name (:func:`answers_any_name`); None otherwise."""
 
     __slots__ = (
         "learns",
         "models",
         "known",
+        "any_name",
         "stamp",
         "fetches_total",
         "failures_total",
@@ -64,6 +140,7 @@ class LearnedModels:
         self.learns = learns
         self.models: Mapping[str, Mapping[str, Any]] = {}
         self.known = False
+        self.any_name: str | None = None
         self.stamp = 0.0
         self.fetches_total = 0
         self.failures_total = 0
@@ -82,15 +159,19 @@ class LearnedModels:
         window = entry.get("max_model_len") if entry is not None else None
         return window if isinstance(window, int) else None
 
-    def learned(self, entries: list[dict[str, Any]], now: float) -> bool:
-        """A list came at ``now``; True when it changed what is known."""
+    def learned(
+        self, entries: list[dict[str, Any]], now: float, any_name: str | None = None
+    ) -> bool:
+        """A list came at ``now`` (from a server answering any name when ``any_name``);
+        True when it changed what is known."""
         models = {entry["id"]: entry for entry in entries}
         self.fetches_total += 1
         self.stamp = now
         self.last_error = None
-        if self.known and models == self.models:
+        if self.known and models == self.models and any_name == self.any_name:
             return False
         self.models = models
+        self.any_name = any_name
         self.known = True
         self.changes_total += 1
         return True
@@ -170,7 +251,8 @@ class ModelLearner:
         learned = region.learned
         try:
             async with asyncio.timeout(self.timeout):
-                entries = parse_model_list(await self._fetch(region))
+                body = await self._fetch(region)
+            entries = parse_model_list(body)
         except (TimeoutError, UpstreamError, ModelListError, _NoList) as exc:
             reason = (
                 f"no answer within {self.timeout:g}s"
@@ -186,12 +268,30 @@ class ModelLearner:
                 "region %s: GET %s failed unexpectedly", region.name, MODELS_PATH, exc_info=True
             )
             return False
-        if learned.learned(entries, self.clock()):
+        any_name = answers_any_name(entries, body)
+        if learned.learned(entries, self.clock(), any_name):
             self.version += 1
-            logger.info(
-                "region %s serves %d models (from its %s)", region.name, len(entries), MODELS_PATH
-            )
+            self._log_learnt(region, entries, any_name)
         return True
+
+    @staticmethod
+    def _log_learnt(
+        region: LearningRegion, entries: list[dict[str, Any]], any_name: str | None
+    ) -> None:
+        # Named, not counted: "serves 1 models" left an operator guessing what to ask for.
+        count = len(entries)
+        names = few_names(entry["id"] for entry in entries)
+        said = f"region {region.name} serves {count} model{'' if count == 1 else 's'} "
+        said += f"(from its {MODELS_PATH}): {names}"
+        setting = region.config.serves_any_model
+        if any_name is not None and setting is not False:
+            said += (
+                f"; it is {any_name}, which answers any model name: it is sent the names "
+                "no region lists (serves_any_model = false stops that)"
+            )
+        elif setting:
+            said += "; serves_any_model: it is sent the names no region lists"
+        logger.info("%s", said)
 
     async def _fetch(self, region: LearningRegion) -> bytes:
         """The body of the region's /v1/models, from its first endpoint that answers 200

@@ -135,6 +135,14 @@ class RegionConfig(Section):
         "404 model_not_found. Unset: true when models is empty; true with models listed is "
         "an error.",
     )
+    serves_any_model: bool | None = Field(
+        None,
+        description="The region answers any model name with a model of its own, as llama.cpp's "
+        "servers do: it is a candidate for every model name no region lists (by models, "
+        "model_aliases or a learnt list), after those that list the name. Unset: recognised "
+        "from the region's GET /v1/models (llama-cpp-python's server, llama-server with one "
+        "model); false: never, whatever its list says.",
+    )
     models_refresh: float | None = Field(
         None,
         gt=0,
