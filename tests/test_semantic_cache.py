@@ -94,7 +94,7 @@ async def test_a_paraphrase_is_a_semantic_hit_and_a_near_miss_goes_upstream(
     assert headers["X-Edgeproxy-Cache"] == "MISS"
     assert calls(region) == 2
     semantic = semantic_status(proxy)
-    assert semantic["hits"] == 1 and semantic["rejected"].get("antonym", 0) >= 1
+    assert semantic["hits"] == 1 and semantic["rejected"].get("word", 0) >= 1
 
 
 @pytest.mark.parametrize(
@@ -182,6 +182,6 @@ async def test_metrics_count_hits_misses_rejections_and_lookup_time(
         text = await resp.text()
     assert "edgeproxy_semantic_cache_hits_total 1.0" in text
     assert "edgeproxy_semantic_cache_lookups_total 3.0" in text
-    assert 'edgeproxy_semantic_cache_rejected_total{reason="antonym"}' in text
+    assert 'edgeproxy_semantic_cache_rejected_total{reason="word"}' in text
     assert 'edgeproxy_semantic_cache_lookup_seconds_bucket{le="+Inf"} 3.0' in text
     assert "edgeproxy_semantic_cache_lookup_seconds_count 3.0" in text

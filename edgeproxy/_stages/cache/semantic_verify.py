@@ -1,33 +1,38 @@
 """The semantic cache's verifier: between "similar" and "hit".
 
-An embedding sees that "enable two-factor authentication" and "disable two-factor
-authentication" are about the same thing; it cannot see that their answers are
-opposite. A candidate above the similarity threshold is served only if none of these
-rules finds a difference, each of which changes an answer while barely moving an
-embedding:
+An embedding sees that "ibuprofen's maximum dose" and "acetaminophen's maximum dose" are
+about the same thing; it cannot see that their answers differ. Lists of the differences
+that matter (antonyms, drug names, languages) never end: the next user asks about two
+diets, two git commands or two cities written in lower case. So the rule here does not
+depend on having seen a word before. It aligns the two questions and serves a candidate
+only when every word that carries meaning is accounted for:
 
-* **negation**: the negators each side uses (not, no, never, without, ...), contractions
+* **every content word of each side is matched in the other**: the same word, the same
+  lemma (an inflection: "reverse" and "reversing", "policy" and "policies"), a closed
+  compound ("e-mail", "email"), or a near-synonym from a small table of general words
+  (fix/repair, big/large). Close embeddings are never a match: co-hyponyms (ibuprofen,
+  acetaminophen) sit close in every embedding space. Words that only frame a question
+  (how, explain, please, the way to) and function words may differ freely;
+* **negation**: the negators each side uses (not, no, never, without...), contractions
   expanded first;
-* **antonym and direction pairs**: enable/disable, upload/download, ascending/descending,
-  to/from, increase/decrease, before/after, min/max, ...: a side using one member of a
-  pair where the other uses the other, or only one side naming the pair at all;
-* **numbers**: every number, with the unit or percent sign after it (number words read as
-  digits), as a multiset;
-* **names**: words capitalised in mid-sentence, acronyms, identifiers (digits,
-  underscores, dots, camelCase), quoted strings and e-mail addresses: each must appear in
-  the other side too, case aside;
-* **language**: the languages named (translate into French, answer in Spanish);
-* **format**: the shape asked for (word, sentence, paragraph, bullet, list, table, JSON,
-  YAML, CSV, code, poem...).
+* **numbers**: every number with its unit or percent sign (number words read as digits),
+  as a multiset;
+* **direction, order and roles**: a word after a directional preposition (from, to,
+  into, than, by) must have the same one in the other question ("migrate MySQL to
+  PostgreSQL" is not "PostgreSQL to MySQL"), words with no such role must keep their
+  order around the words between them ("dog chases cat" is not "cat chases dog"), and
+  the members of a direction pair (in/out, up/down, before/after...) must agree.
 
 It errs on the side of a miss: a paraphrase it rejects costs one upstream call; a near
-miss it passed would serve a wrong answer.
+miss it passed would serve a wrong answer with confidence.
 """
 
 from __future__ import annotations
 
 import re
 from collections import Counter
+from collections.abc import Callable
+from functools import lru_cache
 from typing import Final
 
 __all__ = ["differences"]
@@ -37,58 +42,176 @@ _CONTRACTIONS: Final = (
     (re.compile(r"\bwon't\b"), "will not"),
     (re.compile(r"\bshan't\b"), "shall not"),
     (re.compile(r"n't\b"), " not"),
+    (re.compile(r"'re\b"), " are"),
+    (re.compile(r"'ve\b"), " have"),
+    (re.compile(r"'ll\b"), " will"),
+    (re.compile(r"'d\b"), " would"),
+    (re.compile(r"'m\b"), " am"),
+    (re.compile(r"\b(what|that|it|where|how|who|there|here|he|she)'s\b"), r"\1 is"),
+    (re.compile(r"'s\b"), ""),
+)
+# Ways of saying one thing, read as one word: a paraphrase using either is no difference.
+_PHRASES: Final = (
+    (re.compile(r"\b(turn|switch)(ed|ing|s)? on\b|\bactivat(e|ed|es|ing)\b"), "enable"),
+    (re.compile(r"\b(turn|switch)(ed|ing|s)? off\b|\bdeactivat(e|ed|es|ing)\b"), "disable"),
+    (re.compile(r"\b(log|sign)(ged|ging|s)? ?in(to)?\b"), "login"),
+    (re.compile(r"\b(log|sign)(ged|ging|s)? ?out\b"), "logout"),
+    (re.compile(r"\bsign(ed|ing|s)? ?up\b"), "register"),
+    (re.compile(r"\bset(ting|s)? ?up\b"), "setup"),
+    (re.compile(r"\b(look(ed|ing|s)? up|find(ing|s)? out|figur(e|ed|ing|es) out)\b"), "find"),
+    (re.compile(r"\bspeed(ing|s)? up\b"), "accelerate"),
+    (re.compile(r"\bin order to\b|\bso as to\b"), "to"),
+    (re.compile(r"\bhow (can|do|should|would|could) (i|you|we|one)\b"), "how"),
+    (re.compile(r"\b(is|are) there (a|an|any)\b"), "how"),
+    (re.compile(r"\bwhat is the (best |right |correct |proper )?way to\b"), "how to"),
+    (re.compile(r"\b(could|can|would|will) you (please )?(tell|show|explain to) me\b"), "how"),
+    (re.compile(r"\bi (want|would like|need|wish) to (know|learn|understand)\b"), "how"),
+    (re.compile(r"\bwhat (causes|makes|is the reason|are the reasons)\b"), "why"),
+    (re.compile(r"\bwhat (is|are) the (causes?|reasons?) (of|for)\b"), "why"),
+    (
+        re.compile(r"^\W*(list|name|give me|tell me|show me|calculate|compute|determine)\b"),
+        "what",
+    ),
+    (re.compile(r"\b(stands?|short) for\b"), "meaning"),
+    (re.compile(r"\b(does|do|did) (\w+) differ from\b"), r"is the difference between \2 and"),
+    (re.compile(r"\bdiffer(s|ed|ing)?( from)?\b"), "difference"),
+    (re.compile(r"\blooks? like\b"), ""),
+    (re.compile(r"\bbiggest\b|\bgreatest\b"), "largest"),
+    (re.compile(r"\bmax\b"), "maximum"),
+    (re.compile(r"\bmin\b"), "minimum"),
 )
 _NEGATORS: Final = frozenset(
     {"not", "no", "never", "without", "none", "nothing", "neither", "nor", "nobody", "nowhere"}
 )
+# Prepositions that give the word after them a role: where from, where to, compared with
+# what, done by whom. Swapping two words' roles swaps the answer.
+_DIRECTIONAL: Final = frozenset({"from", "to", "into", "onto", "toward", "towards", "than", "by"})
+# Pairs whose members are function words (in, on, up...) or words a question can drop
+# ("the first", "the last"): one side naming one member where the other names the other.
 _PAIRS: Final = (
-    ("enable", "disable"),
-    ("enabled", "disabled"),
-    ("enabling", "disabling"),
-    ("on", "off"),
-    ("upload", "download"),
-    ("uploading", "downloading"),
-    ("ascending", "descending"),
-    ("asc", "desc"),
-    ("increase", "decrease"),
-    ("increasing", "decreasing"),
-    ("before", "after"),
-    ("min", "max"),
-    ("minimum", "maximum"),
-    ("smallest", "largest"),
-    ("lowest", "highest"),
-    ("first", "last"),
-    ("add", "remove"),
-    ("install", "uninstall"),
-    ("encrypt", "decrypt"),
-    ("encode", "decode"),
-    ("import", "export"),
-    ("open", "close"),
-    ("start", "stop"),
-    ("lock", "unlock"),
-    ("show", "hide"),
-    ("allow", "deny"),
-    ("accept", "reject"),
-    ("push", "pull"),
-    ("buy", "sell"),
-    ("left", "right"),
     ("in", "out"),
-    ("north", "south"),
-    ("east", "west"),
+    ("on", "off"),
+    ("up", "down"),
+    ("over", "under"),
     ("above", "below"),
     ("inside", "outside"),
+    ("before", "after"),
+    ("first", "last"),
     ("more", "less"),
-    ("better", "worse"),
-    ("pros", "cons"),
-    ("advantages", "disadvantages"),
-    ("true", "false"),
-    ("input", "output"),
-    ("client", "server"),
-    ("celsius", "fahrenheit"),
+    ("most", "least"),
     ("to", "from"),
     ("into", "from"),
+    ("with", "without"),
+    ("show", "hide"),
 )
-_DIRECTIONAL: Final = {word: pair for pair in _PAIRS for word in pair}
+# Function words and the words that frame a question without changing what it asks:
+# either side may have them where the other has none.
+_FUNCTION: Final = frozenset(
+    """a an the this that these those there here it its itself some any each every
+    i me my mine myself we us our ours you your yours yourself he him his she her hers
+    they them their theirs one ones someone somebody something anything thing things
+    of in on at for with about as into onto over under up down out off via per
+    and or but if then so also just too very really actually basically exactly
+    is are was were be been being am do does did doing done have has had having
+    can could would should shall may might must will
+    how what which whats please kindly thanks thank hi hello hey
+    explain explanation describe description tell show give provide know want need like
+    wonder wondering curious help let understand learn
+    way ways method methods step steps process procedure approach
+    best good proper correct recommended possible possibly
+    question mean meaning definition define work works happen happens purpose
+    between many much using command commands
+    guide tutorial instructions overview introduction information info details
+    say told go get getting""".split()
+)
+# General near-synonyms, one group a line: a content word matches any of its group.
+_SYNONYM_GROUPS: Final = """
+fix repair resolve solve
+create make build
+delete remove erase
+begin start commence
+end finish
+big large
+small little tiny
+fast quick rapid speedy
+buy purchase
+car automobile
+use utilize employ
+difference distinction
+earth world
+symptom sign
+cause reason
+cheap inexpensive affordable
+expensive costly pricey
+price cost
+choose select pick
+change modify alter
+improve enhance boost
+obtain retrieve fetch
+check verify
+find locate
+run execute
+install setup
+problem issue trouble
+simple easy
+hard difficult
+often frequently
+usually typically generally normally
+kid child
+doctor physician
+medicine medication
+illness disease sickness
+job occupation
+salary pay wage
+house home
+picture photo image
+film movie
+program software application app
+computer pc
+phone smartphone mobile cellphone
+website site webpage
+email mail
+answer reply respond response
+write compose
+country nation
+amount quantity
+near nearby close
+allow permit
+prevent avoid
+decrease reduce
+increase raise
+kill terminate
+benefit advantage
+drawback disadvantage downside
+example instance
+author writer
+important significant
+safe secure
+dangerous unsafe hazardous
+wrong incorrect
+journey trip
+healthy nutritious
+compute calculate
+dict dictionary
+repo repository
+db database
+config configuration
+env environment
+k8s kubernetes
+js javascript
+ts typescript
+"""
+
+
+def _synonyms() -> dict[str, int]:
+    table: dict[str, int] = {}
+    for group, line in enumerate(_SYNONYM_GROUPS.strip().splitlines()):
+        for word in line.split():
+            table[word] = group
+    return table
+
+
+_SYNONYM_OF: Final = _synonyms()
 _NUMBER_WORDS: Final = {
     word: str(i)
     for i, word in enumerate(
@@ -99,59 +222,65 @@ _NUMBER_WORDS: Final = {
 # "one" is a pronoun as often as a number ("one line at a time"): not read as 1.
 del _NUMBER_WORDS["_"]
 _NUMBER_WORDS.update({"thirty": "30", "forty": "40", "fifty": "50", "hundred": "100"})
-_LANGUAGES: Final = frozenset(
-    "english french german spanish italian portuguese dutch russian chinese mandarin "
-    "cantonese japanese korean arabic hindi bengali turkish polish swedish norwegian danish "
-    "finnish greek hebrew czech hungarian romanian ukrainian vietnamese thai indonesian "
-    "malay swahili latin persian urdu tamil".split()
+_UNITS: Final = frozenset(
+    "% km m cm mm mi miles km/h mph kg g mg lb lbs oz l ml gb mb kb tb gib mib ms s sec "
+    "seconds minutes hours days weeks months years h min usd eur gbp dollars euros c f "
+    "degrees px pt em".split()
 )
-_FORMATS: Final = frozenset(
-    "word words sentence sentences paragraph paragraphs bullet bullets bulleted table "
-    "json yaml csv xml markdown html essay summary haiku poem tweet email letter outline "
-    "one-liner numbered".split()
-)
-_TOKEN: Final = re.compile(r"[A-Za-z0-9_@.\-/+#%$€£:]+")
-_NUMBER: Final = re.compile(r"(?<![A-Za-z])[-+]?\d+(?:[.,:/]\d+)*")
-_QUOTED: Final = re.compile(r"\"([^\"]+)\"|'([^']+)'|`([^`]+)`|“([^”]+)”")
-_EMAIL: Final = re.compile(r"[\w.+-]+@[\w-]+\.[\w.]+")
-_IDENTIFIER: Final = re.compile(r"[A-Za-z]*\d[\w.\-]*|\w+_\w+|\w+\.\w+|[a-z]+[A-Z]\w*|[A-Z]{2,}\w*")
-_UNIT_AFTER: Final = re.compile(r"\s*(%|percent|[a-zA-Z]{1,12})?")
+_TOKEN: Final = re.compile(r"[a-z0-9_@.+#%$€£/]+(?:-[a-z0-9_@.+#%$€£/]+)*")
+_NUMBER: Final = re.compile(r"(?<![a-z])[-+]?\d+(?:[.,:/]\d+)*")
+_UNIT_AFTER: Final = re.compile(r"\s*(%|percent|[a-z]{1,12})?")
+_PERCENT: Final = frozenset({"percent", "%"})
+# The parts of speech whose lemmas make two words one: an adjective's ("better" is a form
+# of "good") would merge words a question tells apart.
+_LEMMA_POS: Final = ("NOUN", "VERB", "AUX")
 
 
-# Ways of saying one member of a pair, read as that member: a paraphrase using one is no
-# difference.
-_SYNONYMS: Final = (
-    (re.compile(r"\b(turn|switch) on\b|\bactivate\b|\bswitch on\b"), "enable"),
-    (re.compile(r"\b(turn|switch) off\b|\bdeactivate\b"), "disable"),
-    (re.compile(r"\b(turned|switched) on\b|\bactivated\b"), "enabled"),
-    (re.compile(r"\b(turned|switched) off\b|\bdeactivated\b"), "disabled"),
-    (re.compile(r"\bbiggest\b"), "largest"),
-    (re.compile(r"\bgreatest\b"), "largest"),
-    (re.compile(r"\braise\b"), "increase"),
-    (re.compile(r"\blower\b"), "decrease"),
-)
+def _lemmatizer() -> Callable[[str], dict[str, tuple[str, ...]]] | None:
+    try:
+        from lemminflect import getAllLemmas
+    except ImportError:  # the semantic extra is not installed: inflections are not merged
+        return None
+    return getAllLemmas  # type: ignore[no-any-return]
 
 
-def _lower(text: str) -> str:
-    text = text.lower().replace("’", "'")
+_LEMMAS: Final = _lemmatizer()
+
+
+@lru_cache(maxsize=65536)
+def _forms(word: str) -> frozenset[str]:
+    """The word and its lemmas as a noun or a verb (``policies``: policy; ``ran``: run)."""
+    forms = {word}
+    if _LEMMAS is not None and word.isalpha():
+        known = _LEMMAS(word)
+        for pos, lemmas in known.items():
+            if pos in _LEMMA_POS:
+                forms.update(lemmas)
+        if not known and len(word) > 3 and word[-1] == "s" and word[-2] != "s":
+            forms.add(word[:-1])  # a plural the lemmatizer does not know: "apis", "gpus"
+    return frozenset(forms)
+
+
+def _normal(text: str) -> str:
+    text = text.lower().replace("’", "'").replace("‘", "'")
     for pattern, replacement in _CONTRACTIONS:
         text = pattern.sub(replacement, text)
-    for pattern, replacement in _SYNONYMS:
+    for pattern, replacement in _PHRASES:
         text = pattern.sub(replacement, text)
     return text
 
 
 def _words(text: str) -> list[str]:
-    words = [w.strip(".,;:!?()[]{}'\"") for w in _TOKEN.findall(text)]
+    words = [w.strip(".,;:!?()[]{}'\"`/") for w in _TOKEN.findall(text)]
     return [_NUMBER_WORDS.get(w, w) for w in words if w]
 
 
-def _numbers(text: str) -> Counter[str]:
-    """Numbers with what follows them (a unit, a percent sign), number words as digits."""
-    words = " ".join(_words(text))
+def _numbers(words: list[str]) -> Counter[str]:
+    """Numbers with what follows them (a unit, a percent sign)."""
+    joined = " ".join(words)
     found: Counter[str] = Counter()
-    for match in _NUMBER.finditer(words):
-        unit = _UNIT_AFTER.match(words, match.end())
+    for match in _NUMBER.finditer(joined):
+        unit = _UNIT_AFTER.match(joined, match.end())
         after = unit.group(1) if unit is not None and unit.group(1) else ""
         value = match.group().replace(",", "")
         if after in ("percent", "%"):
@@ -162,103 +291,152 @@ def _numbers(text: str) -> Counter[str]:
     return found
 
 
-_UNITS: Final = frozenset(
-    "% km m cm mm mi miles km/h mph kg g mg lb lbs oz l ml gb mb kb tb gib mib ms s sec "
-    "seconds minutes hours days weeks months years h min usd eur gbp dollars euros c f "
-    "degrees px pt em".split()
+class _Content:
+    """One content word of a question: where it stands, its forms, and its role (the
+    directional preposition it follows, "" for none)."""
+
+    __slots__ = ("word", "at", "forms", "role")
+
+    def __init__(self, word: str, at: int, role: str) -> None:
+        self.word = word
+        self.at = at
+        self.forms = _forms(word)
+        self.role = role
+
+
+def _content(words: list[str]) -> list[_Content]:
+    """The words that carry meaning, in order, each with its role. A role lasts from its
+    preposition to the next function word that is not an article or determiner. A "to"
+    after a function word ("how to", "steps to") marks an infinitive, not a direction."""
+    out: list[_Content] = []
+    role = ""
+    for at, word in enumerate(words):
+        if word in _DIRECTIONAL:
+            infinitive = word == "to" and (at == 0 or words[at - 1] in _FUNCTION)
+            role = "" if infinitive else word
+            continue
+        if word in _NEGATORS or word in _PERCENT or _NUMBER.match(word):
+            continue  # the negation and number rules compare these
+        if word in _FUNCTION:
+            if word not in _DETERMINERS:
+                role = ""
+            continue
+        out.append(_Content(word, at, role))
+    return out
+
+
+_DETERMINERS: Final = frozenset(
+    "a an the this that these those my your our their his her its some any each every".split()
 )
 
 
-def _names(text: str) -> set[str]:
-    """Names a question is about: mid-sentence capitals, acronyms, identifiers, quoted
-    strings, e-mail addresses (lower-cased)."""
-    names: set[str] = set()
-    for match in _QUOTED.finditer(text):
-        names.add(next(g for g in match.groups() if g).strip().lower())
-    for email in _EMAIL.findall(text):
-        names.add(email.lower())
-    for sentence in re.split(r"(?<=[.!?])\s+", text):
-        tokens = sentence.split()
-        for i, raw in enumerate(tokens):
-            token = raw.strip(".,;:!?()[]{}\"'`“”").removesuffix("'s")
-            if not token:
-                continue
-            if i > 0 and token[0].isupper() and token.lower() not in _SMALL_CAPITALS:
-                names.add(token.lower())
-            elif _IDENTIFIER.fullmatch(token) and not token.isdigit():
-                names.add(token.lower())
-    return names
-
-
-# Capitalised words that say nothing about what is asked.
-_SMALL_CAPITALS: Final = frozenset({"i", "i'm", "i've", "i'd", "i'll"})
-
-
-def _mentions(name: str, text: str) -> bool:
-    return name in text
-
-
-def _ordered(words: list[str]) -> list[str]:
-    """The order in which a question names languages and units: "from English to
-    Spanish" and "from Spanish to English" name the same two, the other way round."""
-    return [w for w in words if w in _LANGUAGES or w in _ORDERED_UNITS]
-
-
-_ORDERED_UNITS: Final = frozenset(
-    "celsius fahrenheit kelvin km kilometres kilometers miles mile metres meters feet inches "
-    "cm mm kg pounds lb grams ounces oz usd eur gbp dollars euros pounds yen".split()
-)
-
-
-def _lookalike(a: str, b: str) -> bool:
-    """Two different words a letter or two apart, not the same word inflected: ethanol
-    and methanol, Austria and Australia."""
-    if a[:4] == b[:4] and (a.startswith(b) or b.startswith(a)):
+def _same(a: _Content, b: _Content) -> bool:
+    if a.forms & b.forms:
+        return True
+    group = _SYNONYM_OF.get(a.word)
+    if group is None:
+        group = next((g for f in a.forms if (g := _SYNONYM_OF.get(f)) is not None), None)
+    if group is None:
         return False
-    if abs(len(a) - len(b)) > 2:
-        return False
-    previous = list(range(len(b) + 1))
-    for i, x in enumerate(a, 1):
-        current = [i]
-        for j, y in enumerate(b, 1):
-            current.append(min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (x != y)))
-        previous = current
-    return previous[-1] <= 2
+    return any(_SYNONYM_OF.get(f) == group for f in b.forms)
+
+
+def _align(ours: list[_Content], theirs: list[_Content]) -> tuple[list[int], list[_Content]]:
+    """For each of ``ours``, the index of its match in ``theirs`` (-1: none), and those of
+    ``theirs`` nothing matched. A word may also match two adjacent words written apart
+    ("e-mail", "e mail", "email")."""
+    matched = [-1] * len(ours)
+    used = [False] * len(theirs)
+    for i, word in enumerate(ours):
+        for j, other in enumerate(theirs):
+            if not used[j] and _same(word, other):
+                matched[i], used[j] = j, True
+                break
+    joined = {o.word.replace("-", ""): j for j, o in enumerate(theirs)}
+    for i, word in enumerate(ours):
+        if matched[i] == -1:
+            j = joined.get(word.word.replace("-", ""), -1)
+            if j >= 0 and not used[j]:
+                matched[i], used[j] = j, True
+    left = [o for j, o in enumerate(theirs) if not used[j]]
+    return matched, _compounds(ours, matched, left)
+
+
+def _compounds(ours: list[_Content], matched: list[int], left: list[_Content]) -> list[_Content]:
+    """``left`` less the words that, two by two, spell one of ``ours`` ("data base")."""
+    if not left:
+        return left
+    spelled = {o.word.replace("-", "") for o in ours}
+    out: list[_Content] = []
+    skip = False
+    for k, word in enumerate(left):
+        if skip:
+            skip = False
+            continue
+        nxt = left[k + 1] if k + 1 < len(left) else None
+        if nxt is not None and nxt.at == word.at + 1 and word.word + nxt.word in spelled:
+            skip = True
+            continue
+        out.append(word)
+    return out
+
+
+def _unmatched(ours: list[_Content], matched: list[int], theirs: list[_Content]) -> list[str]:
+    spelled = {
+        theirs[k].word + theirs[k + 1].word
+        for k in range(len(theirs) - 1)
+        if theirs[k + 1].at == theirs[k].at + 1
+    }
+    return [
+        o.word
+        for i, o in enumerate(ours)
+        if matched[i] == -1 and o.word.replace("-", "") not in spelled
+    ]
+
+
+def _swapped(ours: list[_Content], matched: list[int], theirs: list[_Content]) -> bool:
+    """Whether two words without a role swap sides around a third matched word: "dog
+    chases cat" against "cat chases dog"."""
+    pairs = [(i, matched[i]) for i in range(len(ours)) if matched[i] >= 0]
+    positions = [(ours[i].at, theirs[j].at) for i, j in pairs]
+    bare = [k for k, (i, j) in enumerate(pairs) if not ours[i].role and not theirs[j].role]
+    for x in range(len(positions)):
+        qx, cx = positions[x]
+        for a in bare:
+            qa, ca = positions[a]
+            for b in bare:
+                qb, cb = positions[b]
+                if a == b or x in (a, b):
+                    continue
+                if qa < qx < qb and cb < cx < ca:
+                    return True
+    return False
 
 
 def differences(query: str, candidate: str) -> list[str]:
     """Why ``candidate``'s answer must not be served for ``query`` (short codes:
-    ``negation``, ``antonym:<pair>``, ``number``, ``entity``, ``language``, ``format``);
-    empty when no rule finds a difference."""
+    ``negation``, ``number``, ``word:<w>`` for a content word the other side does not
+    match, ``role:<w>``, ``order``, ``antonym:<pair>``); empty when the two ask the same."""
     reasons: list[str] = []
-    low_q, low_c = _lower(query), _lower(candidate)
-    words_q, words_c = _words(low_q), _words(low_c)
-    set_q, set_c = set(words_q), set(words_c)
+    words_q, words_c = _words(_normal(query)), _words(_normal(candidate))
     if sorted(w for w in words_q if w in _NEGATORS) != sorted(w for w in words_c if w in _NEGATORS):
         reasons.append("negation")
+    if _numbers(words_q) != _numbers(words_c):
+        reasons.append("number")
+    set_q, set_c = set(words_q), set(words_c)
     for pair in _PAIRS:
-        used_q = set_q.intersection(pair)
-        used_c = set_c.intersection(pair)
-        # One side naming one member where the other names the other; a side naming
-        # neither is wording ("the right way", "remove" for "delete"), left to the rest.
+        used_q, used_c = set_q.intersection(pair), set_c.intersection(pair)
         if used_q and used_c and used_q != used_c:
             reasons.append(f"antonym:{pair[0]}/{pair[1]}")
             break
-    if _ordered(words_q) != _ordered(words_c):
-        reasons.append("antonym:order")
-    if _numbers(low_q) != _numbers(low_c):
-        reasons.append("number")
-    names_q, names_c = _names(query), _names(candidate)
-    if any(not _mentions(n, low_c) for n in names_q) or any(
-        not _mentions(n, low_q) for n in names_c
-    ):
-        reasons.append("entity")
-    only_q = {w for w in set_q - set_c if len(w) >= 5 and w.isalpha()}
-    only_c = {w for w in set_c - set_q if len(w) >= 5 and w.isalpha()}
-    if "entity" not in reasons and any(_lookalike(a, b) for a in only_q for b in only_c):
-        reasons.append("entity")
-    if set_q & _LANGUAGES != set_c & _LANGUAGES:
-        reasons.append("language")
-    if set_q & _FORMATS != set_c & _FORMATS:
-        reasons.append("format")
+    content_q, content_c = _content(words_q), _content(words_c)
+    matched, left = _align(content_q, content_c)
+    missing = _unmatched(content_q, matched, content_c)
+    reasons.extend(f"word:{w}" for w in [*missing, *(o.word for o in left)])
+    for i, j in enumerate(matched):
+        if j >= 0 and content_q[i].role != content_c[j].role:
+            reasons.append(f"role:{content_q[i].word}")
+            break
+    if _swapped(content_q, matched, content_c):
+        reasons.append("order")
     return reasons
