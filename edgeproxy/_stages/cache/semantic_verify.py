@@ -30,7 +30,6 @@ miss it passed would serve a wrong answer with confidence.
 from __future__ import annotations
 
 import re
-from collections import Counter
 from collections.abc import Callable
 from functools import lru_cache
 from typing import Final
@@ -66,15 +65,21 @@ _PHRASES: Final = (
     (re.compile(r"\bwhat is the (best |right |correct |proper )?way to\b"), "how to"),
     (re.compile(r"\b(could|can|would|will) you (please )?(tell|show|explain to) me\b"), "how"),
     (re.compile(r"\bi (want|would like|need|wish) to (know|learn|understand)\b"), "how"),
-    (re.compile(r"\bwhat (causes|makes|is the reason|are the reasons)\b"), "why"),
+    (re.compile(r"\bwhat (causes|caused|makes|made|is the reason|are the reasons)\b"), "why"),
+    (re.compile(r"\bwhat (is|are|was|were) the (function|role|purpose|job)s? of\b"), "what does"),
     (re.compile(r"\bwhat (is|are) the (causes?|reasons?) (of|for)\b"), "why"),
     (
         re.compile(r"^\W*(list|name|give me|tell me|show me|calculate|compute|determine)\b"),
         "what",
     ),
     (re.compile(r"\b(stands?|short) for\b"), "meaning"),
-    (re.compile(r"\b(does|do|did) (\w+) differ from\b"), r"is the difference between \2 and"),
-    (re.compile(r"\bdiffer(s|ed|ing)?( from)?\b"), "difference"),
+    (re.compile(r"\bdiffer(s|ed|ing)?( from)?\b|\bdifferent (from|than|to)\b"), "difference"),
+    (
+        re.compile(r"\b(vs\.?|versus|compared (to|with)|in comparison (to|with))(?=\s)"),
+        "difference",
+    ),
+    (re.compile(r"\b(in )?(what|which) year\b"), "when"),
+    (re.compile(r"\bhow many people live (in|on)\b"), "population of"),
     (re.compile(r"\blooks? like\b"), ""),
     (re.compile(r"\bbiggest\b|\bgreatest\b"), "largest"),
     (re.compile(r"\bmax\b"), "maximum"),
@@ -120,14 +125,16 @@ _FUNCTION: Final = frozenset(
     way ways method methods step steps process procedure approach
     best good proper correct recommended possible possibly
     question mean meaning definition define work works happen happens purpose
-    between many much using command commands
+    between many much using command commands people all whether if required allowed able
     guide tutorial instructions overview introduction information info details
     say told go get getting""".split()
 )
 # General near-synonyms, one group a line: a content word matches any of its group.
 _SYNONYM_GROUPS: Final = """
 fix repair resolve solve
-create make build
+create make build generate
+view see
+write draft
 delete remove erase
 begin start commence
 end finish
@@ -212,16 +219,50 @@ def _synonyms() -> dict[str, int]:
 
 
 _SYNONYM_OF: Final = _synonyms()
-_NUMBER_WORDS: Final = {
-    word: str(i)
+_UNITS_WORDS: Final = {
+    word: i
     for i, word in enumerate(
         "zero _ two three four five six seven eight nine ten eleven twelve thirteen "
-        "fourteen fifteen sixteen seventeen eighteen nineteen twenty".split()
+        "fourteen fifteen sixteen seventeen eighteen nineteen".split()
     )
+    if word != "_"
 }
-# "one" is a pronoun as often as a number ("one line at a time"): not read as 1.
-del _NUMBER_WORDS["_"]
-_NUMBER_WORDS.update({"thirty": "30", "forty": "40", "fifty": "50", "hundred": "100"})
+# "one" is a pronoun as often as a number ("one line at a time"): alone, not read as 1.
+_TENS: Final = {
+    word: 10 * i
+    for i, word in enumerate("_ _ twenty thirty forty fifty sixty seventy eighty ninety".split())
+    if word != "_"
+}
+_SCALES: Final = {"hundred": 100, "thousand": 1000, "million": 1_000_000}
+
+
+def _spelled(words: list[str]) -> list[str]:
+    """Number words read as digits: "thirty-nine", "one hundred forty-four", "eighty"."""
+    out: list[str] = []
+    value: int | None = None
+    for word in words:
+        parts = word.split("-") if "-" in word else [word]
+        if all(p in _UNITS_WORDS or p in _TENS or p in _SCALES or p == "one" for p in parts):
+            if parts == ["one"] and value is None:
+                out.append(word)
+                continue
+            total = value or 0
+            for part in parts:
+                if part in _SCALES:
+                    total = max(total, 1) * _SCALES[part]
+                else:
+                    total += _UNITS_WORDS.get(part, _TENS.get(part, 1))
+            value = total
+            continue
+        if value is not None:
+            out.append(str(value))
+            value = None
+        out.append(word)
+    if value is not None:
+        out.append(str(value))
+    return out
+
+
 _UNITS: Final = frozenset(
     "% km m cm mm mi miles km/h mph kg g mg lb lbs oz l ml gb mb kb tb gib mib ms s sec "
     "seconds minutes hours days weeks months years h min usd eur gbp dollars euros c f "
@@ -272,13 +313,14 @@ def _normal(text: str) -> str:
 
 def _words(text: str) -> list[str]:
     words = [w.strip(".,;:!?()[]{}'\"`/") for w in _TOKEN.findall(text)]
-    return [_NUMBER_WORDS.get(w, w) for w in words if w]
+    return _spelled([w for w in words if w])
 
 
-def _numbers(words: list[str]) -> Counter[str]:
-    """Numbers with what follows them (a unit, a percent sign)."""
+def _numbers(words: list[str]) -> list[str]:
+    """Numbers with what follows them (a unit, a percent sign), in order: "12 divided by 4"
+    is not "4 divided by 12"."""
     joined = " ".join(words)
-    found: Counter[str] = Counter()
+    found: list[str] = []
     for match in _NUMBER.finditer(joined):
         unit = _UNIT_AFTER.match(joined, match.end())
         after = unit.group(1) if unit is not None and unit.group(1) else ""
@@ -287,8 +329,14 @@ def _numbers(words: list[str]) -> Counter[str]:
             after = "%"
         elif after and after not in _UNITS:
             after = ""
-        found[f"{value}{after}"] += 1
+        found.append(f"{value}{after}")
     return found
+
+
+def _infinitive(words: list[str], at: int) -> bool:
+    """Whether the "to" at ``at`` marks an infinitive ("how to", "steps to"), not a
+    direction: it follows a function word, or opens the question."""
+    return at == 0 or words[at - 1] in _FUNCTION
 
 
 class _Content:
@@ -312,8 +360,7 @@ def _content(words: list[str]) -> list[_Content]:
     role = ""
     for at, word in enumerate(words):
         if word in _DIRECTIONAL:
-            infinitive = word == "to" and (at == 0 or words[at - 1] in _FUNCTION)
-            role = "" if infinitive else word
+            role = "" if word == "to" and _infinitive(words, at) else word
             continue
         if word in _NEGATORS or word in _PERCENT or _NUMBER.match(word):
             continue  # the negation and number rules compare these
@@ -423,12 +470,14 @@ def differences(query: str, candidate: str) -> list[str]:
         reasons.append("negation")
     if _numbers(words_q) != _numbers(words_c):
         reasons.append("number")
-    set_q, set_c = set(words_q), set(words_c)
+    set_q, set_c = _paired(words_q), _paired(words_c)
     for pair in _PAIRS:
         used_q, used_c = set_q.intersection(pair), set_c.intersection(pair)
         if used_q and used_c and used_q != used_c:
             reasons.append(f"antonym:{pair[0]}/{pair[1]}")
             break
+    if _scope(words_q) * _scope(words_c) < 0:
+        reasons.append("scope")
     content_q, content_c = _content(words_q), _content(words_c)
     matched, left = _align(content_q, content_c)
     missing = _unmatched(content_q, matched, content_c)
@@ -437,6 +486,26 @@ def differences(query: str, candidate: str) -> list[str]:
         if j >= 0 and content_q[i].role != content_c[j].role:
             reasons.append(f"role:{content_q[i].word}")
             break
-    if _swapped(content_q, matched, content_c):
+    # A comparison ("the difference between A and B", "A versus B") names its two sides
+    # in either order.
+    symmetric = "difference" in words_q and "difference" in words_c
+    if not symmetric and _swapped(content_q, matched, content_c):
         reasons.append("order")
     return reasons
+
+
+_UNIVERSAL: Final = frozenset({"all", "every", "each", "always"})
+_PARTIAL: Final = frozenset({"some", "few", "several", "sometimes"})
+
+
+def _scope(words: list[str]) -> int:
+    """Whether a question is about all of something (1), some of it (-1), or says neither
+    (0): the quantifiers are function words, but "delete all" is not "delete some"."""
+    universal = any(w in _UNIVERSAL for w in words)
+    partial = any(w in _PARTIAL for w in words)
+    return 0 if universal == partial else (1 if universal else -1)
+
+
+def _paired(words: list[str]) -> set[str]:
+    """The words of a question that may be members of a pair: an infinitive's "to" is not."""
+    return {w for at, w in enumerate(words) if not (w == "to" and _infinitive(words, at))}
