@@ -67,32 +67,27 @@ exception, the client leaving, the proxy shutting down):
 :class:`Failure`; no exception carries live work.
 
 An attempt's task that is cancelled lets go of its response itself
-(``_Attempt.run``); one that had finished is let go by its owner.
+(:meth:`Attempt.run <edgeproxy._stages.attempt.Attempt.run>`); one that had finished is let go by its owner.
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
-import itertools
 import logging
 import math
 import random
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from edgeproxy._core.errors import ProxyError
-from edgeproxy._core.types import Headers
-from edgeproxy._protocol.dialects import Dialect, dialect_named
-from edgeproxy._protocol.endpoints import endpoint_suffixes
-from edgeproxy._protocol.models import model_from_body
 from edgeproxy._protocol.refusals import error_message
-from edgeproxy._protocol.sse import SSEEventTooLarge, SSEReader
+from edgeproxy._stages.attempt import LLM_SUFFIXES, Attempt, AttemptResponse, model_of
+from edgeproxy._stages.budget import Budget
 from edgeproxy._stages.deadlines import Deadlines
-from edgeproxy._stages.poison import Poison, caller_key
+from edgeproxy._stages.failure import DeadlineExceeded, Failure, FailureKind, no_region
+from edgeproxy._stages.poison import Poison
 from edgeproxy._upstream.cooldown import retry_after_seconds, soonest
-from edgeproxy._upstream.health import CAPACITY_STATUSES
 from edgeproxy._upstream.pool import (
     UpstreamConnectError,
     UpstreamError,
@@ -101,7 +96,6 @@ from edgeproxy._upstream.pool import (
     UpstreamTimeout,
 )
 from edgeproxy._upstream.regions import Endpoint, Region, RegionSet
-from edgeproxy._upstream.reported import LOAD_FORMAT_HEADER, without_load_header
 
 if TYPE_CHECKING:
     from edgeproxy._core.config import Config
@@ -123,499 +117,10 @@ __all__ = [
 logger = logging.getLogger("edgeproxy")
 
 IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE", "TRACE"})
-# OpenAI-style endpoints where a repeated POST only costs compute: nothing
-# was returned, so nothing can be applied twice.
-LLM_SUFFIXES = endpoint_suffixes("retry_safe")
 # Hedging waits for this much history before trusting a region's p95.
 HEDGE_MIN_SAMPLES = 20
-# A non-streamed LLM answer up to this size is read whole inside its attempt (see
-# _Attempt._read_whole); a larger one streams through and a break in it is final.
-WHOLE_BODY_LIMIT = 8 * 1024 * 1024
-# The opening events of a stream held until one commits it to its region (_until_content).
-HOLD_LIMIT = 64 * 1024
-_NO_BODY = frozenset({204, 304})
 # The backoff before a lone region is retried itself: doubled per attempt, with jitter.
 SAME_REGION_BACKOFF = 0.25
-_ids = itertools.count(1)
-
-
-def model_of(ctx: RequestContext) -> str:
-    """The model a region is asked for, for its cooldowns ("" for a request with none)."""
-    model = ctx.model
-    if model is None:
-        named = model_from_body(ctx.json) if ctx.body_read else None
-        model = named if isinstance(named, str) else ""
-    return model
-
-
-class Budget:
-    """Extra work allowed over a sliding window: ``ratio`` of requests, plus ``min_per_s``.
-
-    Counted in ten buckets across the window, so old traffic stops counting
-    smoothly rather than all at once.
-    """
-
-    __slots__ = ("ratio", "reserve", "slot", "_requests", "_spent", "_epoch")
-
-    def __init__(self, ratio: float, min_per_s: float, window: float) -> None:
-        self.ratio = ratio
-        self.reserve = min_per_s * window
-        self.slot = window / 10
-        self._requests = [0] * 10
-        self._spent = [0] * 10
-        self._epoch = 0
-
-    def _advance(self, now: float) -> int:
-        epoch = int(now / self.slot)
-        if epoch != self._epoch:
-            for e in range(max(self._epoch + 1, epoch - 9), epoch + 1):
-                self._requests[e % 10] = 0
-                self._spent[e % 10] = 0
-            self._epoch = epoch
-        return epoch % 10
-
-    def deposit(self, now: float | None = None) -> None:
-        """Count one request."""
-        if now is None:
-            now = time.monotonic()
-        epoch = int(now / self.slot)
-        # _advance() only when a bucket ends: most requests land in the current one.
-        self._requests[(epoch if epoch == self._epoch else self._advance(now)) % 10] += 1
-
-    def available(self, now: float | None = None) -> float:
-        self._advance(time.monotonic() if now is None else now)
-        return self.reserve + self.ratio * sum(self._requests) - sum(self._spent)
-
-    def try_spend(self, now: float | None = None) -> bool:
-        """Take one unit of extra work if the budget allows it."""
-        now = time.monotonic() if now is None else now
-        if self.available(now) < 1:
-            return False
-        self._spent[self._advance(now)] += 1
-        return True
-
-
-class _Attempt:
-    """One request to one region, from sending to the first body byte, and its accounting."""
-
-    __slots__ = (
-        "failover",
-        "region",
-        "endpoint",
-        "kind",
-        "id",
-        "started",
-        "headers_at",
-        "response",
-        "iterator",
-        "first",
-        "eof",
-        "error",
-        "failed_status",
-        "sse",
-        "neutral",
-        "rejected",
-        "_released",
-    )
-
-    def __init__(self, failover: Failover, region: Region, kind: str, tried: set[Endpoint]) -> None:
-        self.failover = failover
-        self.region = region
-        self.endpoint: Endpoint = region.pick_endpoint(exclude=tried)
-        tried.add(self.endpoint)
-        self.kind = kind
-        self.id = next(_ids)
-        self.started = 0.0
-        self.headers_at = 0.0
-        self.response: UpstreamResponse | None = None
-        self.iterator: AsyncIterator[bytes] | None = None
-        self.first: bytes | None = None
-        self.eof = False
-        self.error: UpstreamError | None = None
-        self.failed_status = 0
-        self.sse = False
-        # A 5xx the caller caused (Health.blame): nothing of it counts against the region.
-        self.neutral = False
-        # The 502 of a request whose body this 5xx made poison: not tried further.
-        self.rejected: ProxyError | None = None
-        # Nothing to release until run() counts the attempt: a task cancelled before
-        # it started must not uncount anything.
-        self._released = True
-
-    @property
-    def ok(self) -> bool:
-        return self.response is not None and not self.failed_status and self.error is None
-
-    async def run(self, request: Exchange | None, ctx: RequestContext) -> None:
-        """Send, wait for the headers and (for a 2xx) the first body chunk."""
-        region, endpoint = self.region, self.endpoint
-        now = self.started = time.monotonic()
-        region.attempt_started(endpoint, self.id, self.kind, now)
-        self._released = False
-        failover = self.failover
-        try:
-            response = self.response = await failover.upstream.send(request, ctx, region, endpoint)
-            self.headers_at = time.monotonic()
-            if region.reads_load:
-                # The load the region reports (ORCA endpoint-load-metrics), kept off the
-                # client's answer when the proxy asked for it and the client did not.
-                region.reported.from_headers(response.headers, failover.regions.clock)
-                if region.asks_load and LOAD_FORMAT_HEADER not in ctx.headers:
-                    response.headers = without_load_header(response.headers)
-            status = response.status
-            if status in failover.retry_statuses or status in CAPACITY_STATUSES:
-                self.failed_status = status
-            elif 200 <= status < 300 and status not in _NO_BODY and ctx.method != "HEAD":
-                self.sse = _is_sse(response.headers)
-                self.iterator = response.aiter_bytes().__aiter__()
-                try:
-                    self.first = await anext(self.iterator)
-                except StopAsyncIteration:
-                    self.eof = True
-                else:
-                    if not self.sse and ctx.method == "POST" and ctx.path.endswith(LLM_SUFFIXES):
-                        await self._read_whole()
-                    elif self.sse:
-                        facts = ctx.facts
-                        if facts is not None and facts.dialect is not None:
-                            await self._until_content(dialect_named(facts.dialect))
-        except UpstreamError as exc:
-            self.error = exc
-        except BaseException:
-            # Cancelled (a hedge lost, the client left, the deadline, shutdown) or a
-            # plugin failed: this task lets go of the attempt itself.
-            region.attempt_answered(self.id)
-            await self.discard()
-            raise
-        now = time.monotonic()
-        region.attempt_answered(self.id)
-        if self.error is not None or self.failed_status:
-            self._failed(now, ctx)
-            return
-        failed = self.response is not None and self.response.status >= 500
-        if failed and not self._blamed(ctx):
-            self.neutral = True  # the caller's own 5xx, relayed: the region is not judged
-            return
-        if not failed:
-            # Evidence, should another caller's 5xx come, that the region serves.
-            failover.health.served(region, caller_key(ctx, failover.poison.key_header))
-            if region.cooldowns:
-                region.cooldowns.answered(model_of(ctx))
-        region.ttfb.add(now - self.started)
-        if self.sse or self.eof:
-            region.latency.observe(now - self.started, now)
-        failover.health.record(region, failed=failed)
-
-    async def _read_whole(self) -> None:
-        """Read a non-streamed LLM answer to its end (up to ``WHOLE_BODY_LIMIT``) before it
-        counts as an answer: a region that breaks mid-body has then sent the client nothing,
-        and the request can go whole to the next region."""
-        assert self.iterator is not None and self.first is not None
-        parts = [self.first]
-        size = len(self.first)
-        async for chunk in self.iterator:
-            parts.append(chunk)
-            size += len(chunk)
-            if size > WHOLE_BODY_LIMIT:
-                break  # too big to hold: the rest streams as it comes, as before
-        else:
-            self.eof = True
-        self.first = b"".join(parts)
-
-    def _blamed(self, ctx: RequestContext) -> bool:
-        """This attempt's 5xx: whether it counts against the region (several callers got
-        them, :meth:`Health.blame`); if not, whether it made the request's body poison (a
-        region failing for everyone is an outage, never a reason to reject a body)."""
-        failover, region = self.failover, self.region
-        assert self.response is not None
-        status = self.response.status
-        if failover.health.blame(
-            region, caller_key(ctx, failover.poison.key_header), status=status
-        ):
-            return True
-        self.rejected = failover.poison.failed(ctx, region.name, self.response.status)
-        return False
-
-    async def _until_content(self, dialect: Dialect) -> None:
-        """Hold a stream's opening events (chat's role delta, ``response.created``,
-        ``message_start``) until one that commits it comes, as its dialect says (its first
-        content, its end, an error), up to ``HOLD_LIMIT`` bytes: a region that breaks before
-        has sent the client nothing, and the request goes whole to the next region. They go
-        out together, in order."""
-        assert self.iterator is not None and self.first is not None
-        reader = SSEReader(max_event=HOLD_LIMIT)
-        commits = dialect.commits
-        held = [self.first]
-        size = len(self.first)
-        try:
-            if any(commits(event) for event in reader.feed(self.first)):
-                return
-            async for chunk in self.iterator:
-                held.append(chunk)
-                size += len(chunk)
-                if size > HOLD_LIMIT or any(commits(event) for event in reader.feed(chunk)):
-                    break
-            else:
-                self.eof = True
-        except SSEEventTooLarge:
-            pass  # held no further: what came so far goes out as it came
-        finally:
-            self.first = b"".join(held)
-
-    def _failed(self, now: float, ctx: RequestContext) -> None:
-        region, failover = self.region, self.failover
-        status = self.failed_status
-        if status in CAPACITY_STATUSES:
-            failover.cool(region, ctx, status, self.response)
-            if status == 429:
-                # Busy for this model, not broken: held off for it, nothing else judged.
-                return
-        elif status and not self._blamed(ctx):
-            # A 5xx this caller alone gets: not the region's failure, nor a slow answer.
-            self.neutral = True
-            return
-        region.record_error()
-        failover.health.record(region, failed=True, now=now)
-        elapsed = now - self.started
-        # A failure counts as a slow answer, so that traffic leaves before the
-        # ejection threshold is reached; a fast refusal must not look attractive.
-        penalty = max(elapsed, 2 * region.latency.value) if region.latency.samples else elapsed
-        penalty = max(penalty, region.geo_rtt)
-        region.latency.observe(penalty, now)
-        failover.health.penalized(region, penalty, failover.regions.clock())
-        exc = self.error
-        if isinstance(exc, UpstreamConnectError) or (
-            isinstance(exc, UpstreamTimeout) and exc.phase == "connect"
-        ):
-            self.endpoint.mark_down(str(exc))
-            failover.regions.schedule_rewarm(self.endpoint)
-
-    def body_done(self) -> None:
-        """The whole body arrived: a non-streamed answer's latency is its total time."""
-        if not self.sse and not self.eof and not self.neutral:
-            now = time.monotonic()
-            self.region.latency.observe(now - self.started, now)
-
-    def broke(self, exc: UpstreamError) -> None:
-        """The body failed after the first byte: no retry, but it counts against the region."""
-        self.region.record_error()
-        self.failover.health.record(self.region, failed=True)
-
-    def release(self) -> None:
-        if not self._released:
-            self._released = True
-            self.region.attempt_released(self.endpoint)
-
-    async def discard(self) -> None:
-        """Cancel whatever is left upstream and stop counting this attempt (idempotent)."""
-        try:
-            iterator = self.iterator
-            if iterator is not None and hasattr(iterator, "aclose"):
-                try:
-                    await iterator.aclose()
-                except RuntimeError:
-                    pass  # still running in a task being cancelled: aclose() below resets it
-            if self.response is not None:
-                await self.response.aclose()
-        finally:
-            self.release()
-
-
-class AttemptResponse:
-    """The winning attempt's response, as the stream stage reads it.
-
-    Replays the first chunk read while racing, records the region's latency
-    when a non-streamed body ends, and on :meth:`aclose` releases the
-    region's in-flight slot (and cancels the upstream if the body did not end).
-
-    It also says how it was obtained, for the obtain path to record on the request
-    (:func:`edgeproxy._obtain.record`): the region that answered, the ``attempts`` it
-    took (this one included), whether a hedge was sent (``hedged``), and ``ttfb``, the
-    seconds from sending this attempt to its response's headers.
-    """
-
-    __slots__ = (
-        "attempt",
-        "region",
-        "status",
-        "headers",
-        "http_version",
-        "attempts",
-        "hedged",
-        "ttfb",
-        "other_model",
-    )
-
-    def __init__(self, attempt: _Attempt, attempts: int, *, hedged: bool = False) -> None:
-        response = attempt.response
-        assert response is not None
-        self.attempt = attempt
-        self.region = attempt.region
-        self.attempts = attempts
-        self.hedged = hedged
-        self.ttfb = attempt.headers_at - attempt.started
-        self.status = response.status
-        self.headers: Headers = list(response.headers)
-        self.http_version = response.http_version
-        self.other_model: RequestContext | None = None
-        """Another model's request, when it answered instead of the requested model: a
-        lighter one (the ladder's ``lighter`` rung) or a larger one (a context window
-        too small, the route's ``larger_models``)."""
-
-    async def aiter_bytes(self) -> AsyncIterator[bytes]:
-        attempt = self.attempt
-        if attempt.iterator is None:
-            assert attempt.response is not None
-            attempt.iterator = attempt.response.aiter_bytes().__aiter__()
-        elif attempt.first is not None:
-            first, attempt.first = attempt.first, None
-            if first:
-                yield first
-        if attempt.eof:
-            return
-        try:
-            async for chunk in attempt.iterator:
-                yield chunk
-        except UpstreamError as exc:
-            attempt.broke(exc)
-            raise
-        attempt.body_done()
-
-    async def read_more(self, limit: int) -> bytes:
-        """The body's beginning, read on until it holds ``limit`` bytes or ended, and kept
-        to be relayed as it came: what a stage must see of a non-streamed answer before it
-        goes out. Raises the :class:`UpstreamError` of a body that broke meanwhile (counted
-        against the region)."""
-        attempt = self.attempt
-        first = attempt.first
-        if first is None or attempt.iterator is None or attempt.eof:
-            return first or b""
-        parts = [first]
-        size = len(first)
-        try:
-            while size < limit:
-                try:
-                    chunk = await anext(attempt.iterator)
-                except StopAsyncIteration:
-                    attempt.eof = True
-                    break
-                parts.append(chunk)
-                size += len(chunk)
-        except UpstreamError as exc:
-            attempt.broke(exc)
-            raise
-        finally:
-            attempt.first = b"".join(parts)
-        return attempt.first
-
-    async def read_error(self, limit: int) -> bytes:
-        """A refusal's body (a 4xx), read whole up to ``limit`` bytes and kept to be relayed
-        as it came, for the obtain path to read its reason; what is past ``limit`` streams
-        after it. Raises the :class:`UpstreamError` of a body that broke meanwhile."""
-        attempt = self.attempt
-        if attempt.iterator is None:
-            assert attempt.response is not None
-            attempt.iterator = attempt.response.aiter_bytes().__aiter__()
-            attempt.first = b""
-        return await self.read_more(limit)
-
-    async def aclose(self) -> None:
-        await self.attempt.discard()
-
-
-class DeadlineExceeded(ProxyError):
-    """504 ``deadline_exceeded``: no first byte by the route's deadline."""
-
-    def __init__(self, deadline: float, *, headers: dict[str, str]) -> None:
-        super().__init__(
-            504,
-            "upstream_timeout",
-            f"no region answered within the route's deadline of {deadline:g}s",
-            code="deadline_exceeded",
-            headers=headers,
-        )
-
-
-def no_region() -> ProxyError:
-    """The 503 of a request no region may serve."""
-    return ProxyError(503, "no_region", "no region may serve this request", code="no_region")
-
-
-class FailureKind(enum.Enum):
-    """Why no region answered a request, which decides what may still answer it."""
-
-    NO_REGION = "no_region"
-    """No region may serve it (none configured for it, or none left to try)."""
-    OVERLOADED = "overloaded"
-    """Admission shed it, or every region it may use is at its concurrency limit."""
-    DEADLINE = "deadline"
-    """No first byte by the route's deadline."""
-    UPSTREAM = "upstream"
-    """Every attempt failed: a transport error, or a status the route retries."""
-    MODEL_UNKNOWN = "model_unknown"
-    """No region serves the request's model (404): only the local model may answer."""
-    RESIDENCY = "residency"
-    """A residency rule allows no available region: refused, never degraded."""
-    BAD_REQUEST = "bad_request"
-    """The request cannot be routed as sent (a model that is not a name): never degraded."""
-    OWNER_UNAVAILABLE = "owner_unavailable"
-    """The one region holding the request's state is unavailable: 503, never another
-    region (it would answer 404), never degraded."""
-    REJECTED = "rejected"
-    """Two regions answered this request's body with 5xx (a poison request, see
-    :mod:`edgeproxy._stages.poison`): 502, never tried further, never degraded."""
-
-
-class Failure:
-    """A request the regions could not answer: its kind, the error it gets if nothing else
-    answers, and the attempts still running past the deadline (``deadline_action =
-    "race"``), which this value owns: :meth:`aclose` cancels them, and its holder calls it
-    on every way out (it is idempotent).
-
-    It also says what was tried, for the obtain path to record on the request
-    (:func:`edgeproxy._obtain.record`): the ``attempts`` sent, the ``region`` the latest
-    of them went to (None when none was sent), and whether a hedge was (``hedged``).
-    """
-
-    __slots__ = ("error", "kind", "pending", "attempts", "region", "hedged")
-
-    def __init__(
-        self,
-        kind: FailureKind,
-        error: ProxyError,
-        pending: PendingUpstream | None = None,
-        *,
-        attempts: int = 0,
-        region: str | None = None,
-        hedged: bool = False,
-    ) -> None:
-        self.kind = kind
-        self.error = error
-        self.pending = pending
-        self.attempts = attempts
-        self.region = region
-        self.hedged = hedged
-
-    def with_error(self, error: ProxyError) -> Failure:
-        """The same failure (what was tried) answered with ``error`` instead; it holds
-        no pending attempts (those stay this value's to close)."""
-        return Failure(
-            self.kind, error, attempts=self.attempts, region=self.region, hedged=self.hedged
-        )
-
-    @property
-    def status(self) -> int:
-        """The status of :attr:`error`."""
-        return self.error.status
-
-    def __repr__(self) -> str:
-        return f"Failure({self.kind.name}, {self.error.status} {self.error.code})"
-
-    async def aclose(self) -> None:
-        """Cancel the attempts still running, if any; idempotent."""
-        pending, self.pending = self.pending, None
-        if pending is not None:
-            await pending.aclose()
 
 
 class PendingUpstream:
@@ -628,10 +133,10 @@ class PendingUpstream:
 
     __slots__ = ("_plan", "_running", "_winner")
 
-    def __init__(self, plan: _Plan, running: dict[asyncio.Task[None], _Attempt]) -> None:
+    def __init__(self, plan: _Plan, running: dict[asyncio.Task[None], Attempt]) -> None:
         self._plan = plan
         self._running = running
-        self._winner: _Attempt | None = None
+        self._winner: Attempt | None = None
 
     async def ready(self) -> bool:
         """Wait until an attempt has its first byte (True) or every one failed (False).
@@ -668,26 +173,19 @@ class PendingUpstream:
         await _cancel(running)
 
 
-async def _cancel(running: dict[asyncio.Task[None], _Attempt]) -> None:
+async def _cancel(running: dict[asyncio.Task[None], Attempt]) -> None:
     """Cancel the attempts of ``running`` upstream and stop counting them; it is emptied."""
     attempts = list(running.items())
     running.clear()
     for task, _ in attempts:
         task.cancel()
     # A task that had already finished holds its attempt's response: let go of it here. A
-    # cancelled one lets go of its own (_Attempt.run); one that never started holds nothing.
+    # cancelled one lets go of its own (Attempt.run); one that never started holds nothing.
     for task, attempt in attempts:
         if task.done():
             await attempt.discard()
     if attempts:
         await asyncio.gather(*(task for task, _ in attempts), return_exceptions=True)
-
-
-def _is_sse(headers: Headers) -> bool:
-    for name, value in headers:
-        if name.lower() == "content-type":
-            return value.startswith("text/event-stream")
-    return False
 
 
 class Failover:
@@ -817,7 +315,7 @@ class _Plan:
         # deadline_action = "race": attempts outlive the deadline, for the fallback to race.
         self.keep_late = keep_late
         self.overloaded = 0
-        self.last: _Attempt | None = None
+        self.last: Attempt | None = None
         # What the values returned say of the attempts: the region the latest went to,
         # whether a hedge was sent (the count is `tried`).
         self.latest: Region | None = None
@@ -827,10 +325,10 @@ class _Plan:
         self.cooling: list[Region] = []
         self.lone = len(candidates) == 1
 
-    def attempt(self, region: Region, kind: str) -> _Attempt:
+    def attempt(self, region: Region, kind: str) -> Attempt:
         self.tried += 1
         self.latest = region
-        return _Attempt(self.failover, region, kind, self.tried_endpoints)
+        return Attempt(self.failover, region, kind, self.tried_endpoints)
 
     def next_region(self) -> Region | None:
         """The next candidate whose circuit breaker lets a request through and that is not
@@ -867,13 +365,13 @@ class _Plan:
             return None
         return min(waits, key=lambda pair: pair[1])
 
-    def may_retry(self, failed: _Attempt) -> bool:
+    def may_retry(self, failed: Attempt) -> bool:
         if not self.replayable or self.tried > self.ctx.route.retries:
             return False
         certainly_unseen = isinstance(failed.error, UpstreamError) and failed.error.retryable
         return self.retry_safe or certainly_unseen
 
-    async def keep_failure(self, attempt: _Attempt) -> None:
+    async def keep_failure(self, attempt: Attempt) -> None:
         """Remember the latest failure for the error; let go of the one before.
 
         A region with another endpoint this request has not tried goes back to
@@ -900,7 +398,7 @@ class _Plan:
         """One attempt at a time: the next candidate only after a failure."""
         # The attempt in flight, when it runs as a task (keep_late: it may outlive the
         # deadline); whatever is left here on the way out is cancelled.
-        running: dict[asyncio.Task[None], _Attempt] = {}
+        running: dict[asyncio.Task[None], Attempt] = {}
         try:
             while True:
                 if self.tried and (self.last is None or not self.may_retry(self.last)):
@@ -961,7 +459,7 @@ class _Plan:
         ctx, failover = self.ctx, self.failover
         deadline = time.monotonic() + remaining
         # The attempts in flight; whatever is left here on the way out is cancelled.
-        running: dict[asyncio.Task[None], _Attempt] = {}
+        running: dict[asyncio.Task[None], Attempt] = {}
         loop = asyncio.get_running_loop()
 
         def start(region: Region, kind: str) -> None:
@@ -1010,7 +508,7 @@ class _Plan:
             await _cancel(running)
             await self.drop_failure()
 
-    def win(self, attempt: _Attempt) -> AttemptResponse:
+    def win(self, attempt: Attempt) -> AttemptResponse:
         """``attempt`` answered: the response the caller owns from now on."""
         return AttemptResponse(attempt, self.tried, hedged=self.hedged)
 
@@ -1032,7 +530,7 @@ class _Plan:
             return {"X-Edgeproxy-Attempts": str(self.tried)}
         return {}
 
-    def deadline_failure(self, running: dict[asyncio.Task[None], _Attempt]) -> Failure:
+    def deadline_failure(self, running: dict[asyncio.Task[None], Attempt]) -> Failure:
         """The failure (a 504) of a request with no first byte by the route's deadline.
 
         With ``keep_late``, the attempts still ``running`` move into the

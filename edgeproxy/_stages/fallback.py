@@ -58,7 +58,8 @@ from edgeproxy._protocol.models import model_from_body
 
 if TYPE_CHECKING:
     from edgeproxy._core.context import RequestContext
-    from edgeproxy._stages.failover import AttemptResponse, PendingUpstream
+    from edgeproxy._stages.attempt import AttemptResponse
+    from edgeproxy._stages.failure import Pending
 
 __all__ = ["Degraded", "FallbackStage", "Rung", "UpstreamWon"]
 
@@ -171,7 +172,7 @@ class FallbackStage:
         err: ProxyError,
         rung: Rung,
         *,
-        pending: PendingUpstream | None = None,
+        pending: Pending | None = None,
     ) -> Degraded | UpstreamWon:
         """The degraded answer for a request the regions could not answer (``err``), once
         the ``edgeproxy_fallback`` hook had its say about ``rung``'s.
@@ -212,7 +213,7 @@ class FallbackStage:
         self.served[verdict.kind] += 1
         return verdict
 
-    async def _upstream_first(self, answer: LocalAnswer, pending: PendingUpstream) -> bool:
+    async def _upstream_first(self, answer: LocalAnswer, pending: Pending) -> bool:
         """Race the local model's first token against the pending attempts' first byte.
 
         True when an attempt had its first byte first (a tie goes to the local model).
