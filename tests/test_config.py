@@ -137,7 +137,7 @@ def test_environment_override_errors_name_the_key(tmp_path: Path) -> None:
 
 def test_config_in_code_without_a_file() -> None:
     config = Config(regions=[RegionConfig(name="r", url="https://r.example")])
-    assert config.upstream.http2 is True
+    assert config.upstream.http2 == "auto"
     assert config.regions[0].url == "https://r.example"
 
 

@@ -56,8 +56,8 @@ from edgeproxy._upstream.h2fields import (
 )
 from edgeproxy._upstream.h2stream import H2Response, Stream, timeout_waiter
 from edgeproxy._upstream.pool import (
-    UpstreamConnectError,
     UpstreamError,
+    UpstreamNotHTTP2,
     UpstreamProtocolError,
 )
 
@@ -385,6 +385,11 @@ class Connection(asyncio.Protocol):
     def max_streams(self) -> int:
         return self.h2.remote_settings.max_concurrent_streams
 
+    @property
+    def unparsed(self) -> bytes:
+        """What the server sent that is not a whole frame yet (all of it, when HTTP/1.x)."""
+        return self._inbuf
+
     # -- asyncio.Protocol ------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -402,9 +407,10 @@ class Connection(asyncio.Protocol):
             if chosen != "h2":
                 # Not a word of HTTP/2 to a server that did not agree to it.
                 self.ready.set_result(
-                    UpstreamConnectError(
-                        f"{self.pool.origin} did not negotiate HTTP/2 via ALPN (got {chosen!r});"
-                        " the server must support h2 and the SSL context must offer it"
+                    UpstreamNotHTTP2(
+                        self.pool.origin,
+                        f"ALPN chose {chosen!r}, not h2" if chosen else "ALPN agreed on no h2",
+                        http1=chosen in (None, "http/1.1"),
                     )
                 )
                 return
@@ -436,6 +442,8 @@ class Connection(asyncio.Protocol):
         try:
             events = self.h2.receive_data(frames)
         except h2.exceptions.ProtocolError as exc:
+            if not self.ready.done():
+                self.ready.set_result(UpstreamNotHTTP2.from_reply(self.pool.origin, frames))
             # h2 has queued a GOAWAY naming the error; close() writes it out
             # before closing, since the connection state can't be trusted.
             self.close(UpstreamProtocolError(f"HTTP/2 protocol error from upstream: {exc}"))
@@ -502,7 +510,8 @@ class Connection(asyncio.Protocol):
             reason = f": {exc}" if exc else ""
             error = UpstreamProtocolError(f"upstream connection lost{reason}")
         else:
-            error = UpstreamConnectError(f"upstream closed the connection during setup: {exc}")
+            # Before the server's SETTINGS: it refused the preface (or its TLS said no h2).
+            error = UpstreamNotHTTP2.from_reply(self.pool.origin, self._inbuf, exc)
             self.ready.set_result(error)
         for stream in list(self.streams.values()):
             stream.fail(error)

@@ -46,8 +46,10 @@ from edgeproxy._upstream.pool import (
     PoolStats,
     UpstreamConnectError,
     UpstreamError,
+    UpstreamNotHTTP2,
     UpstreamProtocolError,
     UpstreamTimeout,
+    copy_error,
 )
 
 __all__ = ["H2Pool", "H2Response"]
@@ -79,16 +81,6 @@ def _stream_limit(conn: Connection) -> int:
     # Before the server's SETTINGS its limit is unknown (h2 assumes none): one
     # stream, so a server with a small limit never refuses what we sent early.
     return conn.max_streams if conn.ready.done() else 1
-
-
-def _copy_error(err: UpstreamError) -> UpstreamError:
-    # One failed connect wakes many waiters; each gets its own instance so that
-    # tracebacks and __context__ do not get stitched together across tasks.
-    if isinstance(err, UpstreamTimeout):
-        return UpstreamTimeout(str(err), phase=err.phase)
-    if isinstance(err, UpstreamProtocolError):
-        return UpstreamProtocolError(str(err), retryable=err.retryable)
-    return type(err)(str(err))
 
 
 class _Backoff:
@@ -188,12 +180,14 @@ class H2Pool:
 
     # -- public API ------------------------------------------------------
 
-    async def start(self) -> None:
+    async def start(self, *, at_least: int = 0) -> None:
+        """Open ``warm_connections`` connections, or ``at_least`` (whoever must know the
+        origin speaks HTTP/2 asks for one), each once the server's SETTINGS came."""
         if self._closed:
             raise UpstreamProtocolError(f"pool for {self.origin} is closed")
         self._started = True
         self._ensure_maintenance()
-        warm = max(0, min(self.limits.warm_connections, self.limits.max_connections))
+        warm = max(at_least, min(self.limits.warm_connections, self.limits.max_connections))
         missing = warm - sum(1 for c in self._conns if not c.draining)
         if missing <= 0:
             return
@@ -217,7 +211,7 @@ class H2Pool:
                 else UpstreamConnectError(f"cannot connect to {self.origin}: {err}")
             )
             # Maintenance must not retry at once what just failed.
-            self._connect_failed(_copy_error(error), asyncio.get_running_loop().time())
+            self._connect_failed(copy_error(error), asyncio.get_running_loop().time())
             if error is err:
                 raise error
             raise error from err
@@ -447,7 +441,7 @@ class H2Pool:
             ):
                 # Nothing live can free a slot and the connect we waited for
                 # failed: report it now rather than at pool_timeout.
-                raise _copy_error(self._connect_error)
+                raise copy_error(self._connect_error)
 
     def _maybe_connect(self, demand: int) -> None:
         live = [c for c in self._conns if not c.draining and not c.lost]
@@ -507,6 +501,9 @@ class H2Pool:
                     raise error
         except TimeoutError as exc:
             conn.abort(UpstreamConnectError("connect timed out"))
+            if conn.unparsed.startswith(b"HTTP/"):
+                # An HTTP/1.x server that answered the preface and kept the connection.
+                raise UpstreamNotHTTP2.from_reply(self.origin, conn.unparsed) from exc
             raise UpstreamTimeout(
                 f"timed out connecting to {self.origin}", phase="connect"
             ) from exc

@@ -122,9 +122,11 @@ class AiohttpPool:
             )
         return self._session
 
-    async def start(self) -> None:
+    async def start(self, *, at_least: int = 0) -> None:
+        """Open ``warm_connections`` connections, or ``at_least`` (whoever must know the
+        origin answers HTTP/1.1 asks for one), each with a request answered."""
         session = self._ensure_session()
-        warm = max(0, min(self.limits.warm_connections, self.limits.http1_max_connections))
+        warm = max(at_least, min(self.limits.warm_connections, self.limits.http1_max_connections))
         if warm == 0:
             return
         # A cheap request per connection proves the origin answers and leaves

@@ -23,13 +23,20 @@ from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 from edgeproxy._core.config import Config, RegionConfig
+from edgeproxy._core.config.upstream import HTTP2Mode
 from edgeproxy._upstream.affinity import PrefixIndex
 from edgeproxy._upstream.catalog import LearnedModels, ModelLearner
 from edgeproxy._upstream.cooldown import Cooldowns
 from edgeproxy._upstream.endpoint import Endpoint
 from edgeproxy._upstream.factory import make_pool
 from edgeproxy._upstream.health import Health, RegionHealth
-from edgeproxy._upstream.pool import PoolLimits, UpstreamError, UpstreamPool, split_origin
+from edgeproxy._upstream.pool import (
+    PoolLimits,
+    PoolStats,
+    UpstreamError,
+    UpstreamPool,
+    split_origin,
+)
 from edgeproxy._upstream.reported import LoadScraper, ReportedLoad
 
 __all__ = ["Endpoint", "LatencyWindow", "PeakEwma", "Region", "RegionSet"]
@@ -40,13 +47,41 @@ _REWARM_INTERVAL = 2.0
 _SHARE_DECAY = 10.0
 
 
-def _ssl_context(config: Config, http2: bool) -> ssl.SSLContext:
+def _ssl_context(config: Config, alpn: list[str]) -> ssl.SSLContext:
     ctx = ssl.create_default_context(cafile=config.upstream.ca_file)
     if not config.upstream.verify_tls:
         ctx.check_hostname = False
         ctx.verify_mode = ssl.CERT_NONE
-    ctx.set_alpn_protocols(["h2"] if http2 else ["http/1.1"])
+    ctx.set_alpn_protocols(alpn)
     return ctx
+
+
+def _make_pool(
+    config: Config, name: str, url: str, http2: HTTP2Mode, limits: PoolLimits
+) -> UpstreamPool:
+    origin, _ = split_origin(url)
+    tls = http1_tls = None
+    if origin.startswith("https:"):
+        if http2 == "auto":
+            # The server picks; the HTTP/1.1 pool it may pick offers nothing else, so that
+            # no connection of that pool could turn out to be HTTP/2.
+            tls = _ssl_context(config, ["h2", "http/1.1"])
+            http1_tls = _ssl_context(config, ["http/1.1"])
+        else:
+            tls = _ssl_context(config, ["h2"] if http2 else ["http/1.1"])
+    return make_pool(
+        origin,
+        http2=http2,
+        limits=limits,
+        ssl_context=tls,
+        http1_ssl_context=http1_tls,
+        label=f"region {name} ({url})",
+    )
+
+
+def _versions(stats: list[PoolStats]) -> str:
+    """The versions of a region's endpoints, each once, in their order."""
+    return ", ".join(dict.fromkeys(s.http_version for s in stats))
 
 
 class PeakEwma:
@@ -117,7 +152,7 @@ class Region:
         config: RegionConfig,
         endpoints: list[Endpoint],
         *,
-        http2: bool,
+        http2: HTTP2Mode,
         decay: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
         prefix_index: PrefixIndex | None = None,
@@ -311,7 +346,8 @@ class Region:
                 else 0.0,
             },
             "pool": {
-                "http_version": pools[0].http_version,
+                "http2": self.http2,
+                "http_version": _versions(pools),
                 "connections_open": sum(p.connections_open for p in pools),
                 "streams_in_use": sum(p.streams_in_use for p in pools),
                 "requests_total": sum(p.requests_total for p in pools),
@@ -322,8 +358,10 @@ class Region:
                     "state": e.state,
                     "last_error": e.last_error,
                     "in_flight": e.in_flight,
+                    "http_version": p.http_version,
+                    "http_version_detected": p.detected,
                 }
-                for e in self.endpoints
+                for e, p in zip(self.endpoints, pools, strict=True)
             ],
         }
 
@@ -361,9 +399,7 @@ class RegionSet:
             http2 = up.http2 if rc.http2 is None else rc.http2
             endpoints = []
             for url in [rc.url, *rc.urls]:
-                origin, _ = split_origin(url)
-                tls = _ssl_context(config, http2) if origin.startswith("https:") else None
-                pool = make_pool(origin, http2=http2, limits=limits, ssl_context=tls)
+                pool = _make_pool(config, rc.name, url, http2, limits)
                 endpoints.append(Endpoint(rc.name, url, pool, rc.host_header))
             self.regions.append(
                 Region(

@@ -13,8 +13,10 @@ from pydantic import Field, ValidationInfo, field_validator
 from edgeproxy._core.config.base import Section
 from edgeproxy._core.config.models import check_model_aliases, check_model_names
 
-__all__ = ["ContinuationMethod", "RegionConfig", "ServerKind", "UpstreamConfig"]
+__all__ = ["ContinuationMethod", "HTTP2Mode", "RegionConfig", "ServerKind", "UpstreamConfig"]
 
+# [upstream] http2 and a region's: force HTTP/2 or HTTP/1.1, or find which a region speaks.
+HTTP2Mode = bool | Literal["auto"]
 ServerKind = Literal["generic", "openai", "vllm", "sglang", "llama.cpp"]
 ContinuationMethod = Literal["auto", "off", "continue_final_message", "prefill", "reissue"]
 # What continuation = "auto" means for each kind of server.
@@ -28,8 +30,14 @@ _AUTO_CONTINUATION: dict[str, str] = {
 class UpstreamConfig(Section):
     """Pool defaults for every region; a region may override ``http2``."""
 
-    http2: bool = Field(
-        True, description="Talk HTTP/2 to regions (h2c for http://, ALPN for https://)."
+    http2: HTTP2Mode = Field(
+        "auto",
+        description='HTTP version to regions. "auto" finds it per endpoint on its first '
+        "connection: over https:// ALPN picks (h2 or http/1.1); over http:// HTTP/2 with prior "
+        "knowledge (h2c) is tried, and an endpoint that refuses it (as llama.cpp's and other "
+        "uvicorn servers do) is spoken HTTP/1.1 from then on. true forces HTTP/2, false "
+        "HTTP/1.1; an endpoint that refuses the version forced is unreachable, and its error "
+        "says so.",
     )
     max_connections: int = Field(
         8,
@@ -86,8 +94,14 @@ class RegionConfig(Section):
     name: str = Field(
         ..., min_length=1, description="Unique region name, sent in X-Edgeproxy-Region."
     )
-    url: str = Field(..., description="Base URL of the region: http:// (h2c) or https:// (ALPN).")
-    http2: bool | None = Field(None, description="Override [upstream] http2 for this region.")
+    url: str = Field(
+        ...,
+        description="Base URL of the region: http:// (cleartext: h2c or HTTP/1.1) or https:// "
+        "(TLS; the version by ALPN).",
+    )
+    http2: HTTP2Mode | None = Field(
+        None, description='Override [upstream] http2 for this region: true, false or "auto".'
+    )
     urls: list[str] = Field(
         default_factory=list,
         description=(
