@@ -1,6 +1,7 @@
 """The semantic cache on questions nobody tuned it on: the held-out set of bench/heldout/.
 
-    python bench/semantic_heldout.py [--old-rev 40275a3] [--threshold 0.68]
+    python bench/semantic_heldout.py [--set heldout2 heldout2gen] [--name round2]
+                                     [--old-rev 40275a3] [--threshold 0.68]
 
 The set was written blind to the verifier (bench/heldout/README.md) and the verifier was
 frozen (its commit) before this ran. For each pair ``b`` is the new question and ``a`` the
@@ -32,17 +33,20 @@ sys.path.insert(0, str(ROOT))
 
 from edgeproxy._stages.cache.semantic_verify import differences  # noqa: E402
 
-HELDOUT = HERE / "heldout"
 VERIFIER = "edgeproxy/_stages/cache/semantic_verify.py"
 Verifier = Callable[[str, str], list[str]]
 
 
-def load() -> list[dict[str, Any]]:
+def load(folders: list[Path]) -> list[dict[str, Any]]:
     pairs = []
-    for name in ("pairs.jsonl", "generated.jsonl"):
-        for line in (HELDOUT / name).read_text().splitlines():
-            if line.strip():
-                pairs.append(json.loads(line))
+    for folder in folders:
+        for name in ("pairs.jsonl", "generated.jsonl"):
+            path = folder / name
+            if not path.exists():
+                continue
+            for line in path.read_text().splitlines():
+                if line.strip():
+                    pairs.append(json.loads(line))
     return pairs
 
 
@@ -154,16 +158,18 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--old-rev", default="40275a3", help="the verifier to compare with")
     parser.add_argument("--threshold", type=float, default=0.68)
-    parser.add_argument("--set", default="heldout", help="the folder of bench/ with the set")
+    parser.add_argument(
+        "--set", nargs="+", default=["heldout"], help="the folders of bench/ with the set"
+    )
+    parser.add_argument("--name", default="heldout", help="the results file's suffix")
     args = parser.parse_args()
-    global HELDOUT
-    HELDOUT = HERE / args.set
-    pairs = load()
+    pairs = load([HERE / name for name in args.set])
     sims = asyncio.run(similarities(pairs))
     verifiers = {"old": old_verifier(args.old_rev), "new": differences}
     labels = list(verifiers)
     out = [
-        f"Held-out set: {len(pairs)} pairs (bench/{args.set}/), threshold {args.threshold}, "
+        f"Held-out set: {len(pairs)} pairs ({', '.join(f'bench/{n}/' for n in args.set)}), "
+        f"threshold {args.threshold}, "
         f"old verifier {args.old_rev}, new verifier at HEAD.\n"
     ]
     summary = [
@@ -203,7 +209,7 @@ def main() -> int:
     text = "\n".join(out)
     print(text)
     (HERE / "results").mkdir(exist_ok=True)
-    (HERE / "results" / f"semantic_{args.set}.md").write_text(text)
+    (HERE / "results" / f"semantic_{args.name}.md").write_text(text)
     return 0
 
 
