@@ -263,7 +263,17 @@ async def test_the_demo_banner_steps_give_the_local_model_then_the_regions_again
         assert url and chat and len(loops) == 2, banner
         fail, repair = loops
         body = json.loads(chat.group(2))
+        admin = re.search(r"^\s*admin\s+(\S+)", banner, re.M)
+        assert admin
         async with aiohttp.ClientSession() as client:
+            # The local model loads in the background: the steps start once it is ready.
+            for _ in range(1200):
+                async with client.get(admin.group(1) + "/status") as resp:
+                    state = (await resp.json())["fallback"]["local_model"]["state"]
+                if state not in ("idle", "loading"):
+                    break
+                await asyncio.sleep(0.1)
+            assert state == "ready", state
             for region in fail[0].split():
                 async with client.post(region + "/_control", data=fail[1]) as resp:
                     assert resp.status == 200
