@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import importlib.util
 import json
+import math
 import subprocess
 import sys
 import time
@@ -32,6 +33,9 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
 from edgeproxy._stages.cache.semantic_verify import differences  # noqa: E402
+
+sys.path.insert(0, str(HERE))
+from bench_semantic_cache import similarities  # noqa: E402
 
 VERIFIER = "edgeproxy/_stages/cache/semantic_verify.py"
 Verifier = Callable[[str, str], list[str]]
@@ -51,7 +55,7 @@ def load(folders: list[Path]) -> list[dict[str, Any]]:
 
 
 def old_verifier(rev: str) -> Verifier:
-    """``differences`` as the verifier was at ``rev``."""
+    """``differences`` as the verifier was at ``rev`` (read from git)."""
     source = subprocess.run(
         ["git", "show", f"{rev}:{VERIFIER}"], cwd=ROOT, capture_output=True, text=True, check=True
     ).stdout
@@ -62,18 +66,6 @@ def old_verifier(rev: str) -> Verifier:
     return module.differences  # type: ignore[no-any-return]
 
 
-async def similarities(pairs: list[dict[str, Any]]) -> list[float]:
-    from edgeproxy._core.config import config_from_mapping
-    from edgeproxy._stages.cache.semantic_embed import make_embedder
-
-    config = config_from_mapping({"regions": [{"name": "r", "url": "http://127.0.0.1:1"}]})
-    embedder = make_embedder(config.cache, config.base_dir)
-    texts = sorted({p["a"] for p in pairs} | {p["b"] for p in pairs})
-    vectors = await embedder.embed(texts)
-    by_text = dict(zip(texts, vectors, strict=True))
-    return [float(by_text[p["a"]] @ by_text[p["b"]]) for p in pairs]
-
-
 def upper_bound(k: int, n: int, confidence: float = 0.95) -> float:
     """The exact one-sided Clopper-Pearson upper bound of a rate seen k times in n."""
     if n == 0:
@@ -82,12 +74,15 @@ def upper_bound(k: int, n: int, confidence: float = 0.95) -> float:
         return 1.0
     alpha = 1.0 - confidence
 
-    def cdf(p: float) -> float:  # P(X <= k) for X ~ Binomial(n, p)
-        total, term = 0.0, (1.0 - p) ** n
-        for i in range(k + 1):
-            total += term
-            term *= (n - i) / (i + 1) * p / (1.0 - p) if p < 1.0 else 0.0
-        return total
+    def cdf(p: float) -> float:  # P(X <= k) for X ~ Binomial(n, p), in log space
+        log_p, log_q = math.log(p), math.log1p(-p)
+        head = math.lgamma(n + 1)
+        return sum(
+            math.exp(
+                head - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * log_p + (n - i) * log_q
+            )
+            for i in range(k + 1)
+        )
 
     low, high = k / n, 1.0
     for _ in range(60):
@@ -162,15 +157,17 @@ def main() -> int:
         "--set", nargs="+", default=["heldout"], help="the folders of bench/ with the set"
     )
     parser.add_argument("--name", default="heldout", help="the results file's suffix")
+    parser.add_argument("--new-rev", help="the verifier to measure, if not the checkout's")
     args = parser.parse_args()
     pairs = load([HERE / name for name in args.set])
     sims = asyncio.run(similarities(pairs))
-    verifiers = {"old": old_verifier(args.old_rev), "new": differences}
+    new = differences if args.new_rev is None else old_verifier(args.new_rev)
+    verifiers = {"old": old_verifier(args.old_rev), "new": new}
     labels = list(verifiers)
     out = [
         f"Held-out set: {len(pairs)} pairs ({', '.join(f'bench/{n}/' for n in args.set)}), "
         f"threshold {args.threshold}, "
-        f"old verifier {args.old_rev}, new verifier at HEAD.\n"
+        f"old verifier {args.old_rev}, new verifier {args.new_rev or 'of the checkout'}.\n"
     ]
     summary = [
         "| verifier | what | n | alone | alone 95% upper | cache | cache 95% upper |",

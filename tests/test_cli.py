@@ -111,8 +111,9 @@ url = "{region.url}"
     await eventually(lambda: region.in_flight == 0)
 
 
-async def test_demo_serves_on_embedded_defaults() -> None:
-    proc = await asyncio.create_subprocess_exec(
+async def start_demo(*, stderr: int = asyncio.subprocess.PIPE) -> asyncio.subprocess.Process:
+    """``edgeproxy demo`` on free ports, fast regions, stopped after two minutes at most."""
+    return await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
         "edgeproxy",
@@ -126,11 +127,16 @@ async def test_demo_serves_on_embedded_defaults() -> None:
         "--inter-token-delay",
         "0.001",
         "--duration",
-        "60",
+        "120",
+        stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
+        stderr=stderr,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
+
+
+async def test_demo_serves_on_embedded_defaults() -> None:
+    proc = await start_demo()
     try:
         assert proc.stdout is not None
         url = admin = page = None
@@ -228,26 +234,7 @@ async def test_the_demo_banner_steps_give_the_local_model_then_the_regions_again
 
     if importlib.util.find_spec("llama_cpp") is None or importlib.util.find_spec("gguf") is None:
         pytest.skip("the demo's local model needs llama-cpp-python, gguf and numpy")
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "edgeproxy",
-        "demo",
-        "--port",
-        "0",
-        "--admin-port",
-        "0",
-        "--ttft",
-        "0.01",
-        "--inter-token-delay",
-        "0.001",
-        "--duration",
-        "120",
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.DEVNULL,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+    proc = await start_demo(stderr=asyncio.subprocess.DEVNULL)
     try:
         assert proc.stdout is not None
         banner = ""
