@@ -5,8 +5,8 @@ request/response, with its disconnect and fault plumbing, is an
 :class:`~edgeproxy.testing._exchange.Exchange`.
 
 Chat, completions, Responses and Messages requests also go through the region's model of an
-LLM server (:meth:`RegionApp._generate`): a FIFO queue in front of
-``max_running`` generation slots and a prefix (KV) cache
+LLM server (:class:`~edgeproxy.testing._generation.GenerationModel`): a FIFO queue in front
+of ``max_running`` generation slots and a prefix (KV) cache
 (:mod:`edgeproxy.testing._kv`) whose hits make the first token come sooner;
 the load is reported as vLLM reports it (:mod:`edgeproxy.testing._load`).
 
@@ -20,13 +20,13 @@ import asyncio
 import random
 import threading
 from collections import deque
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from types import MappingProxyType
 from typing import Any, Final
 
 from edgeproxy.testing import _answers as answers
 from edgeproxy.testing._behavior import Behavior, Fault, behavior_from_mapping
+from edgeproxy.testing._counters import Counters
 from edgeproxy.testing._exchange import (
     BadRequest,
     ClientGone,
@@ -40,8 +40,9 @@ from edgeproxy.testing._exchange import (
     json_reply,
     parse_json_object,
 )
+from edgeproxy.testing._generation import GenerationModel
 from edgeproxy.testing._hypercorn import HTTP_1_1_REQUIRED, REFUSED_STREAM, StreamHandle
-from edgeproxy.testing._kv import KVCache, blocks_for, read_prompt
+from edgeproxy.testing._kv import KVCache
 from edgeproxy.testing._load import (
     ORCA_FORMAT_HEADER,
     ORCA_HEADER,
@@ -58,133 +59,9 @@ from edgeproxy.testing._messages import SeenHeaders
 from edgeproxy.testing._objects import ObjectStore
 from edgeproxy.testing._responses import DEFAULT_CAPACITY, ResponseStore
 
+__all__ = ["Counters", "RegionApp"]
+
 _CONNECTIONS_PRUNE_AT: Final = 512
-
-
-@dataclass(frozen=True, slots=True)
-class Counters:
-    """A snapshot of what a region has seen since it was built or last reset.
-
-    Requests to ``/_control`` are not counted anywhere.
-    """
-
-    requests_total: int = 0
-    """Requests that reached the application (refused streams excluded)."""
-    requests_by_path: Mapping[str, int] = field(default_factory=dict)
-    requests_by_http_version: Mapping[str, int] = field(default_factory=dict)
-    """Keyed by ASGI ``http_version``: ``"1.1"`` or ``"2"``."""
-    in_flight: int = 0
-    """Requests being answered now (a gauge; a reset does not zero it)."""
-    peak_in_flight: int = 0
-    cancelled_total: int = 0
-    """Requests whose client went away before the response was complete."""
-    faults_total: int = 0
-    """Requests that got the configured fault (a GOAWAY counts once)."""
-    refused_total: int = 0
-    """HTTP/2 streams refused (REFUSED_STREAM) after this region sent GOAWAY,
-    or because the region is HTTP/1.1-only."""
-    connections_total: int = 0
-    """Distinct client connections that carried at least one request. A
-    connection is identified by the client's (host, port)."""
-    peak_streams_per_connection: int = 0
-    """Most requests seen in flight at once on one connection."""
-
-    # The LLM server model: chat and completions requests only.
-    requests_running: int = 0
-    """Requests holding a generation slot now (a gauge)."""
-    requests_waiting: int = 0
-    """Requests queued for a slot now (a gauge; only with ``max_running``)."""
-    peak_requests_waiting: int = 0
-    queue_rejected_total: int = 0
-    """Requests turned away because ``max_queue`` requests were waiting."""
-    prompt_tokens_total: int = 0
-    """Prompt tokens of the requests that got a slot, by the KV model's tokeniser."""
-    cached_tokens_total: int = 0
-    """Of those, the tokens found in the prefix cache."""
-    generation_tokens_total: int = 0
-    """Completion tokens of the requests that got a slot."""
-    tokens_sent_total: int = 0
-    """Completion tokens that left the region: the token events a stream wrote
-    (a stream reset after *k* tokens counts *k*), a JSON answer's tokens once
-    its body was written whole."""
-    modelled_ttft_seconds_total: float = 0.0
-    """Sum of the modelled TTFTs (``x-fake-ttft-ms``; queue time excluded)."""
-    kv_cache_blocks: int = 0
-    """Blocks in the prefix cache now (a gauge)."""
-    kv_blocks_in_use: int = 0
-    """Blocks held by the running requests now (a gauge)."""
-    kv_cache_usage: float = 0.0
-    """``kv_blocks_in_use / kv_capacity_blocks``, at most 1 (a gauge; 0 without a cache)."""
-    kv_evicted_blocks_total: int = 0
-
-    # The Responses API's store (see edgeproxy.testing._responses).
-    responses_stored: int = 0
-    """Responses in the store now (a gauge; a reset does not zero it)."""
-    responses_stored_total: int = 0
-    """Responses stored (written whole, with ``store`` not false)."""
-    responses_evicted_total: int = 0
-    """Stored responses dropped because the store was full."""
-    previous_response_hits_total: int = 0
-    """``previous_response_id`` values found in the store."""
-    previous_response_misses_total: int = 0
-    """``previous_response_id`` values not found (answered 404)."""
-    response_lookups_total: int = 0
-    """``GET``/``DELETE /v1/responses/{id}``, ``input_items`` and ``cancel`` that found it."""
-    response_lookup_misses_total: int = 0
-    """Those that did not (answered 404)."""
-
-    # Conversations, files, batches and vector stores (see edgeproxy.testing._objects).
-    objects_stored: int = 0
-    """Objects of the four kinds stored now (a gauge)."""
-    object_lookups_total: int = 0
-    """Requests naming one of them (by path, or a body's file ids) that found it."""
-    object_lookup_misses_total: int = 0
-    """Those that did not (answered the API's 404)."""
-
-    @property
-    def kv_hit_rate(self) -> float:
-        """``cached_tokens_total / prompt_tokens_total`` (0.0 before any prompt)."""
-        return (
-            self.cached_tokens_total / self.prompt_tokens_total if self.prompt_tokens_total else 0.0
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "requests_total": self.requests_total,
-            "requests_by_path": dict(self.requests_by_path),
-            "requests_by_http_version": dict(self.requests_by_http_version),
-            "in_flight": self.in_flight,
-            "peak_in_flight": self.peak_in_flight,
-            "cancelled_total": self.cancelled_total,
-            "faults_total": self.faults_total,
-            "refused_total": self.refused_total,
-            "connections_total": self.connections_total,
-            "peak_streams_per_connection": self.peak_streams_per_connection,
-            "requests_running": self.requests_running,
-            "requests_waiting": self.requests_waiting,
-            "peak_requests_waiting": self.peak_requests_waiting,
-            "queue_rejected_total": self.queue_rejected_total,
-            "prompt_tokens_total": self.prompt_tokens_total,
-            "cached_tokens_total": self.cached_tokens_total,
-            "kv_hit_rate": self.kv_hit_rate,
-            "generation_tokens_total": self.generation_tokens_total,
-            "tokens_sent_total": self.tokens_sent_total,
-            "modelled_ttft_seconds_total": self.modelled_ttft_seconds_total,
-            "kv_cache_blocks": self.kv_cache_blocks,
-            "kv_blocks_in_use": self.kv_blocks_in_use,
-            "kv_cache_usage": self.kv_cache_usage,
-            "kv_evicted_blocks_total": self.kv_evicted_blocks_total,
-            "responses_stored": self.responses_stored,
-            "responses_stored_total": self.responses_stored_total,
-            "responses_evicted_total": self.responses_evicted_total,
-            "previous_response_hits_total": self.previous_response_hits_total,
-            "previous_response_misses_total": self.previous_response_misses_total,
-            "response_lookups_total": self.response_lookups_total,
-            "response_lookup_misses_total": self.response_lookup_misses_total,
-            "objects_stored": self.objects_stored,
-            "object_lookups_total": self.object_lookups_total,
-            "object_lookup_misses_total": self.object_lookup_misses_total,
-        }
 
 
 class _Connection:
@@ -210,11 +87,7 @@ class _Connection:
         self.handle: StreamHandle | None = None
 
 
-class _QueueFull(Exception):
-    """``max_queue`` requests are already waiting."""
-
-
-class RegionApp:
+class RegionApp(GenerationModel):
     """The ASGI application of one fake region."""
 
     def __init__(
@@ -643,109 +516,6 @@ class RegionApp:
             await self._generate(ex, reply, behavior, fault)
         else:
             await ex.send_reply(reply, fault, behavior)
-
-    # -- the LLM server model ------------------------------------------------
-
-    async def _generate(
-        self, ex: Exchange, reply: Reply, behavior: Behavior, fault: Fault | None
-    ) -> None:
-        """Queue for a slot, look the prompt up in the KV cache, answer after the modelled TTFT."""
-        generation = reply.generation
-        assert generation is not None
-        block_size = self.kv_block_size
-        caching = self._kv.capacity > 0
-        prompt = read_prompt(
-            generation.request, chat=generation.chat, block_size=block_size, hashed=caching
-        )
-        loop = asyncio.get_running_loop()
-        arrived = loop.time()
-        try:
-            await self._admit()
-        except _QueueFull:
-            status = self.queue_full_status
-            message = f"fake region {self.name}: {self.max_queue} requests already waiting"
-            kind = "server_error" if status >= 500 else "rate_limit_error"
-            rejected = answers.error_for(ex.path, status, message, kind)
-            rejected.late_headers = lambda: self._orca_headers(ex, behavior)
-            await ex.send_reply(rejected, fault, behavior)
-            return
-        # From here to the ``try``, nothing awaits: the slot and the blocks are
-        # always given back.
-        queued = loop.time() - arrived
-        held = (
-            blocks_for(prompt.tokens + generation.completion_tokens, block_size) if caching else 0
-        )
-        # vLLM recomputes at least the last prompt token, so a prompt that is
-        # all cached blocks still misses its last block.
-        eligible = (prompt.tokens - 1) // block_size if prompt.tokens else 0
-        with self._lock:
-            cached = self._kv.lookup(prompt.blocks, eligible) * block_size
-            self._kv.insert(prompt.blocks)
-            self._kv_held += held
-            uncached = prompt.tokens - cached
-            ttft = (
-                behavior.ttft
-                + uncached * behavior.ttft_per_uncached_token
-                + cached * behavior.ttft_per_cached_token
-            )
-            self._prompt_tokens += prompt.tokens
-            self._cached_tokens += cached
-            self._generation_tokens += generation.completion_tokens
-            self._modelled_ttft += ttft
-        try:
-            if reply.with_cache is not None:
-                reply.with_cache(cached)
-            reply.first_delay = ttft
-            reply.headers.extend(
-                [
-                    (b"x-fake-kv-prompt-tokens", str(prompt.tokens).encode()),
-                    (b"x-fake-kv-cached-tokens", str(cached).encode()),
-                    (b"x-fake-ttft-ms", f"{ttft * 1000:.3f}".encode()),
-                    (b"x-fake-queue-ms", f"{queued * 1000:.3f}".encode()),
-                ]
-            )
-            reply.late_headers = lambda: self._orca_headers(ex, behavior)
-            await ex.send_reply(reply, fault, behavior)
-        finally:
-            with self._lock:
-                self._kv_held -= held
-                self._tokens_sent += ex.tokens_sent
-            self._release()
-
-    async def _admit(self) -> None:
-        """Take a generation slot, waiting in FIFO order; ``_QueueFull`` past ``max_queue``."""
-        with self._lock:
-            if self.max_running <= 0 or (self._running < self.max_running and not self._waiting):
-                self._running += 1
-                return
-            if self.max_queue is not None and len(self._waiting) >= self.max_queue:
-                self._queue_rejected += 1
-                raise _QueueFull
-            turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self._waiting.append(turn)
-            self._peak_waiting = max(self._peak_waiting, len(self._waiting))
-        try:
-            await turn
-        except BaseException:
-            if turn.done() and not turn.cancelled():
-                self._release()  # the slot was handed over just as we were cancelled
-            else:
-                with self._lock:
-                    try:
-                        self._waiting.remove(turn)
-                    except ValueError:
-                        pass
-            raise
-
-    def _release(self) -> None:
-        """Give a slot back: to the first request still waiting, if any."""
-        with self._lock:
-            while self._waiting:
-                turn = self._waiting.popleft()
-                if not turn.done():
-                    turn.set_result(None)  # the slot passes on; ``_running`` stays
-                    return
-            self._running -= 1
 
     def _orca_headers(self, ex: Exchange, behavior: Behavior) -> Headers:
         """The ``endpoint-load-metrics`` header, if the request (or the region) asks for it."""
