@@ -241,10 +241,9 @@ def lookup_cost(entries: int, scopes: int, *, repeat: int = 300) -> dict[str, fl
         out[f"{name}_p99_us"] = round(1e6 * values[int(len(values) * 0.99)], 1)
     out["recall_at_1"] = round(found / repeat, 3)
     out["add_us"] = round(add_us, 1)
-    tables = index._scopes.values()
-    held = sum(t.graph.memory_usage if hasattr(t, "graph") else t.matrix.nbytes for t in tables)
-    # + the key's place in the table and in its scope's list (measured: ~120 B)
-    out["index_bytes_per_entry"] = round(held / entries + 120, 1)
+    # The vectors alone (arena, matrices, graphs); bench/semantic_memory.py measures the
+    # whole entry, its keys and question included.
+    out["index_bytes_per_entry"] = round(index.nbytes() / entries, 1)
     return out
 
 
