@@ -84,13 +84,22 @@ class Pipeline:
         self.regions = regions
         self.plugins = plugins
         self.router = Router(config, regions)
-        self.cache = CacheStage(config, plugins, refresh=True, regions=regions)
+        self.fallback = FallbackStage(config, plugins)
+        # The semantic cache's model verifier asks the local model, or a model of the
+        # regions the catalog says serve it.
+        self.cache = CacheStage(
+            config,
+            plugins,
+            refresh=True,
+            regions=regions,
+            local_model=self.fallback.local,
+            serving=self.router.models.serving,
+        )
         self.upstream = UpstreamStage(config, plugins)
         # Poison bodies and the callers who send them: failover finds them, admission
         # limits their callers.
         self.poison = Poison(config, clock=regions.clock)
         self.failover = Failover(config, regions, self.upstream, poison=self.poison)
-        self.fallback = FallbackStage(config, plugins)
         self.continuation = ContinuationStage()
         # The one path from a request to its answer: route, failover, fallback.
         self.obtainer = Obtainer(

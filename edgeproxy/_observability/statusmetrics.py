@@ -22,6 +22,7 @@ from prometheus_client.metrics_core import (
     HistogramMetricFamily,
     InfoMetricFamily,
     Metric,
+    SummaryMetricFamily,
 )
 
 __all__ = ["InfoOnly", "StatusCollector", "StatusSample", "flatten_status", "gauge_combination"]
@@ -269,6 +270,29 @@ def semantic_families(semantic: dict[str, Any]) -> Iterator[Metric]:
             float(semantic.get("lookup_seconds_sum", 0.0)),
         )
         yield histogram
+    model = semantic.get("model_verifier")
+    if isinstance(model, dict):
+        yield from _model_verifier_families(name, model)
+
+
+def _model_verifier_families(name: str, model: dict[str, Any]) -> Iterator[Metric]:
+    """The model verifier's verdicts (``yes`` keeps a hit; ``no``, ``unclear``,
+    ``error`` and ``timeout`` make it a miss) and the time they took."""
+    verdicts = model.get("verdicts")
+    counts = verdicts if isinstance(verdicts, dict) else {}
+    family = CounterMetricFamily(
+        f"{name}_model_verdicts",
+        "Verdicts of the semantic cache's model verifier on candidates the rules passed.",
+        labels=["verdict"],
+    )
+    for verdict, count in counts.items():
+        family.add_metric([str(verdict)[:16]], float(count))
+    yield family
+    seconds = SummaryMetricFamily(
+        f"{name}_model_verifier_seconds", "Time the model verifier took for a verdict."
+    )
+    seconds.add_metric([], int(sum(counts.values())), float(model.get("seconds_sum", 0.0)))
+    yield seconds
 
 
 class InfoOnly:

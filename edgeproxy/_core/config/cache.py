@@ -152,6 +152,27 @@ class CacheConfig(Section):
         "module) and is not a cluster, search the shared entries there, found at start; "
         "otherwise, and with 'off', each worker searches its own index.",
     )
+    semantic_model_verifier: Literal["off", "local", "region"] = Field(
+        "off",
+        description="A model's cross-check of semantic hits, after the rule verifier passed "
+        "one: asked whether the two questions have the same answer (temperature 0, a few "
+        "tokens), a 'no', an unclear answer, a failure or no answer within "
+        "semantic_verifier_timeout makes the lookup a miss. 'local': the [local_model]; "
+        "'region': the model semantic_verifier_model, through the regions serving it; 'off': "
+        "the rule verifier alone.",
+    )
+    semantic_verifier_model: str = Field(
+        "",
+        description="For semantic_model_verifier 'region', the model asked, sent over the warm "
+        "pools of the regions that serve it (as a request for it would be routed).",
+    )
+    semantic_verifier_timeout: float = Field(
+        1.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Longest wait for the model verifier's verdict on one candidate (a local "
+        "model's queue included); past it the lookup is a miss and the request goes upstream.",
+    )
     coalesce: bool = Field(
         True,
         description="Identical cacheable requests arriving while one is in flight wait for its "
@@ -200,6 +221,8 @@ class CacheConfig(Section):
             raise ValueError(f"semantic_embedder {self.semantic_embedder!r} needs {key}")
         if self.semantic_embedder == "region" and not self.semantic_embedder_model:
             raise ValueError("semantic_embedder 'region' needs semantic_embedder_model")
+        if self.semantic_model_verifier == "region" and not self.semantic_verifier_model:
+            raise ValueError("semantic_model_verifier 'region' needs semantic_verifier_model")
         return self
 
     @model_validator(mode="after")

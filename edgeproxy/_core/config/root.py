@@ -201,6 +201,14 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
+    def _check_verifier_model(self) -> Config:
+        if self.cache.semantic_model_verifier == "local" and not self.local_model.path:
+            raise ValueError(
+                "cache.semantic_model_verifier 'local' needs the local model ([local_model] path)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _check_residency(self) -> Config:
         known = {r.name for r in self.regions}
         for region in self.regions:

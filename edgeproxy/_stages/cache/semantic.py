@@ -15,9 +15,11 @@ scope, and each one above the route's ``semantic_threshold`` goes to the verifie
 (:mod:`~edgeproxy._stages.cache.semantic_verify`), which rejects it for any difference
 that changes the answer (negation, numbers, names, direction, target language, format).
 The first candidate that passes, and whose entry is still fresh, answers: replayed in the
-client's API like an exact hit, marked ``SEMANTIC-HIT`` with its similarity. A semantic
-hit is never stored. What the request then stores upstream joins the index under its own
-key. In shadow mode a would-be hit is counted and logged, never served.
+client's API like an exact hit, marked ``SEMANTIC-HIT`` with its similarity. With a model
+verifier (:mod:`~edgeproxy._stages.cache.semantic_model`), that candidate is first put to
+a model, whose ``yes`` alone keeps the hit. A semantic hit is never stored. What the
+request then stores upstream joins the index under its own key. In shadow mode a would-be
+hit is counted and logged, never served.
 
 With a Redis backend (and ``semantic_share``), each question that joins the index is also
 stored in Redis beside its answer (:mod:`~edgeproxy._stages.cache.semantic_share`): a
@@ -44,11 +46,14 @@ from edgeproxy._stages.cache.backends import RedisTier
 from edgeproxy._stages.cache.entry import Entry
 from edgeproxy._stages.cache.keys import KeyHeaders, semantic_scope
 from edgeproxy._stages.cache.plan import CachePlan
+from edgeproxy._stages.cache.semantic_model import ModelVerifier, make_model_verifier
 from edgeproxy._stages.cache.semantic_share import SharedQuestion, SharedQuestions, poll_forever
 from edgeproxy._stages.cache.semantic_verify import differences
 from edgeproxy._upstream.endpoint import RegionEndpoints
 
 if TYPE_CHECKING:
+    from edgeproxy._local.model import LocalModel
+
     # numpy, and so the index, only once a route asks for the semantic cache: the plain
     # install has no numpy.
     from edgeproxy._stages.cache.semantic_index import SemanticIndex
@@ -140,8 +145,10 @@ class SemanticCache:
         max_entries: int = 100_000,
         shadow: bool = False,
         shared: SharedQuestions | None = None,
+        model_verifier: ModelVerifier | None = None,
     ) -> None:
         self.embedder = embedder
+        self.model_verifier = model_verifier
         self.max_entries = max_entries
         # Made with the first vector: a model's dimensions are known once it has embedded.
         self.index: SemanticIndex | None = None
@@ -275,6 +282,11 @@ class SemanticCache:
                 continue
             if stage.clock() >= entry.fresh_until:
                 continue
+            verifier = self.model_verifier
+            if verifier is not None and not await verifier.same(question, text):
+                # One model call a lookup at most: the other candidates are less similar
+                # than the one it turned down, and each call costs a round trip.
+                return None
             if self.shadow:
                 self.stats.shadow_hits += 1
                 logger.info(
@@ -323,6 +335,8 @@ class SemanticCache:
         }
         if self.shared is not None:
             out["shared"] = {**self.shared.status(), "warmed": self.warmed}
+        if self.model_verifier is not None:
+            out["model_verifier"] = self.model_verifier.snapshot()
         return out
 
     def forget(self, key: str) -> None:
@@ -353,17 +367,27 @@ def open_semantic(
     regions: Iterable[RegionEndpoints],
     *,
     spawn: Callable[[Any], None],
+    local_model: LocalModel | None = None,
+    serving: Callable[[str], frozenset[str] | None] | None = None,
 ) -> SemanticCache | None:
     """The semantic cache ``config`` asks for, or None (logged) when its embedder cannot
     load: the exact cache goes on without it. ``spawn`` runs its background work (the
-    cache stage's, which cancels it when the stage closes)."""
+    cache stage's, which cancels it when the stage closes). ``local_model`` and
+    ``serving`` (the model catalog's regions for a model name) are for its model
+    verifier, when one is asked for."""
     cache = config.cache
+    regions = list(regions)
     try:
         from edgeproxy._stages.cache.semantic_embed import make_embedder
 
         embedder = make_embedder(cache, config.base_dir, regions)
     except Exception as exc:  # noqa: BLE001 - a missing extra or model turns this part off
         logger.warning("semantic cache off: its embedder did not load (%s)", exc)
+        return None
+    try:
+        verifier = make_model_verifier(cache, regions, local_model=local_model, serving=serving)
+    except Exception as exc:  # noqa: BLE001 - serving no hit beats serving unchecked ones
+        logger.warning("semantic cache off: its model verifier is missing (%s)", exc)
         return None
     tier = _redis_tier(backend)
     shared = (
@@ -383,4 +407,5 @@ def open_semantic(
         shadow=cache.semantic_shadow,
         shared=shared,
         spawn=spawn,
+        model_verifier=verifier,
     )

@@ -38,6 +38,7 @@ __all__ = [
     "RegionEmbedder",
     "StaticEmbedder",
     "make_embedder",
+    "post_json",
 ]
 
 # The most a region's embeddings answer may hold (a few questions' vectors).
@@ -184,7 +185,7 @@ class RegionEmbedder:
             async with asyncio.timeout(self.timeout):
                 for endpoint in endpoints:
                     try:
-                        raw = await _post(endpoint, headers, body)
+                        raw = await post_json(endpoint, headers, body)
                     except Exception as exc:  # noqa: BLE001 - the next endpoint, then an error
                         failure = f"{type(exc).__name__}: {exc}"
                         continue
@@ -197,10 +198,18 @@ class RegionEmbedder:
         return None
 
 
-async def _post(endpoint: Endpoint, headers: list[tuple[str, str]], body: bytes) -> bytes:
+async def post_json(
+    endpoint: Endpoint,
+    headers: list[tuple[str, str]],
+    body: bytes,
+    path: str = "/v1/embeddings",
+) -> bytes:
+    """POST ``body`` to ``path`` of ``endpoint`` over its warm pool; the answer's bytes
+    (raises :class:`EmbedderError` for a status other than 200, or an answer too large).
+    The model verifier asks a region's ``/v1/chat/completions`` through it too."""
     resp = await endpoint.pool.request(
         "POST",
-        endpoint.base_path + "/v1/embeddings",
+        endpoint.base_path + path,
         headers,
         body,
         authority=endpoint.authority,

@@ -73,6 +73,7 @@ from edgeproxy._stages.compression import Compression
 from edgeproxy._upstream.endpoint import RegionEndpoints
 
 if TYPE_CHECKING:
+    from edgeproxy._local.model import LocalModel
     from edgeproxy._plugins import Plugins
 
 __all__ = ["CachePlan", "CacheRecorder", "CacheStage"]
@@ -136,6 +137,8 @@ class CacheStage:
         refresh: bool = False,
         clock: Callable[[], float] = time.time,
         regions: Iterable[RegionEndpoints] = (),
+        local_model: LocalModel | None = None,
+        serving: Callable[[str], frozenset[str] | None] | None = None,
     ) -> None:
         self.config = config.cache
         self.key_headers = KeyHeaders(config)
@@ -150,7 +153,14 @@ class CacheStage:
         self.stats = CacheStats()
         # Routes asking for it share one semantic cache (its index is this worker's).
         self.semantic: SemanticCache | None = (
-            open_semantic(config, self.backend, regions, spawn=self.spawn)
+            open_semantic(
+                config,
+                self.backend,
+                regions,
+                spawn=self.spawn,
+                local_model=local_model,
+                serving=serving,
+            )
             if self.backend is not None and any(r.semantic_cache for r in config.routes)
             else None
         )
