@@ -18,7 +18,9 @@ API's (its dialect's ``continuable``, ``continuation`` and ``continuation_body``
   a ``seed``: the original request again, its first characters skipped);
 * Anthropic Messages by an assistant prefill on any region not set to ``off``: the
   conversation plus the partial answer as a final assistant message (its trailing
-  whitespace left out, as Anthropic requires), which the API continues natively;
+  whitespace left out, as Anthropic requires), which the API continues natively; a region
+  the request is translated for (it speaks chat completions only) continues it as it
+  continues a chat, by its own method;
 * the Responses API by a reissue, on any region not set to ``off``, of a deterministic
   request (``temperature`` 0) that neither stores nor refers to state (a reissue would
   store a second response); any other Responses stream is not continued.
@@ -374,6 +376,8 @@ class ContinuationStage:
                 continue
             config = region.config
             method = continued_by(config.continuation, config.continuation_method)
+            if method is not None and region.apis.lacking:
+                method = _translated_method(splice.dialect, region, method)
             if method is None:
                 continue
             if method == "reissue" and not splice.deterministic:
@@ -395,6 +399,18 @@ class ContinuationStage:
         for (_, _, _, outcome), n in self.counts.items():
             outcomes[outcome] += n
         return dict(outcomes)
+
+
+def _translated_method(dialect: Dialect, region: Region, method: str) -> str | None:
+    """How ``region`` continues a stream of ``dialect`` when its requests of that API are
+    translated to chat completions: a prefill (Messages') as it continues a chat, by its
+    own method (the final assistant message, with vLLM's switches where it takes them; a
+    region that continues no chat continues none); a reissue as any region does."""
+    if not region.apis.translates(dialect.name) or method != "prefill":
+        return method
+    config = region.config
+    chat = CHAT.continued_by(config.continuation, config.continuation_method)
+    return "reissue" if chat == "reissue" else None if chat is None else "prefill"
 
 
 def _spend_tokens(body: dict[str, Any], splice: Splice) -> None:

@@ -2,7 +2,9 @@
 
 Eligibility (:mod:`edgeproxy._stages.eligibility`) decides which regions may
 answer; ranking puts those in order, best first. Priority tiers
-(``[[regions]] priority``) always come first. Within a tier the policies
+(``[[regions]] priority``) always come first, then, while some region lacks an API, the
+regions speaking the request's API before those it is translated for
+(:mod:`edgeproxy._stages.apis`). Within a tier the policies
 ``[routing] rank`` lists decide in turn, each breaking the ties the ones
 before it leave (by default ``["reported_load", "affinity", "latency"]``):
 
@@ -53,12 +55,14 @@ import random
 from typing import TYPE_CHECKING, Any, Protocol
 
 from edgeproxy._stages.affinity import Affinity
+from edgeproxy._stages.apis import tiers
 
 if TYPE_CHECKING:
     from edgeproxy._core.config import Config, RoutingConfig
     from edgeproxy._stages.affinity import AffinityPlan
     from edgeproxy._stages.eligibility import RouteQuery
     from edgeproxy._stages.loadview import LoadView
+    from edgeproxy._upstream.apis import ApiBook
     from edgeproxy._upstream.regions import Region, RegionSet
 
 __all__ = [
@@ -369,7 +373,7 @@ def _reachable_then_score(pair: tuple[float, Region]) -> tuple[bool, float]:
 class Ranking:
     """The eligible regions of one request, best first, by the ``[routing] rank`` policies."""
 
-    __slots__ = ("scorer", "policies", "latency")
+    __slots__ = ("scorer", "policies", "latency", "apis")
 
     def __init__(
         self,
@@ -378,8 +382,11 @@ class Ranking:
         affinity: Affinity | None,
         *,
         seed: int | None = None,
+        apis: ApiBook | None = None,
     ) -> None:
         self.scorer = scorer
+        # Whether some region lacks an API: then those speaking the request's come first.
+        self.apis = apis
         policies: list[RankPolicy] = []
         for name in routing.rank:
             if name == "reported_load":
@@ -401,7 +408,13 @@ class Ranking:
         if query.panic:
             # Nothing is known to work, so try everything, reachable first.
             return [r for _, r in sorted(scored, key=_reachable_then_score)]
-        columns = []
+        columns: list[list[float]] = []
+        apis = self.apis
+        if apis is not None and apis.partial:
+            # The API tier, after the priority tier: native, then translated.
+            api_tiers = tiers(query.ctx, [region for _, region in scored])
+            if api_tiers is not None:
+                columns.append([float(tier) for tier in api_tiers])
         for policy in self.policies:
             column = policy.keys(query, scored, plan)
             if column is not None:

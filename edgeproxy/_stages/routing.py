@@ -8,9 +8,11 @@ For each request :meth:`Router.route`:
    which decide which regions may answer: the model catalog, residency, the
    owner of a stateful request, the regions the caller excludes, and health
    (with the panic when none is available, and residency's 503 when no
-   allowed region is);
+   allowed region is); then, while some region lacks an API, not the regions
+   that cannot answer the request's (:mod:`edgeproxy._stages.apis`);
 3. ranks what is left (:mod:`edgeproxy._stages.ranking`) by the policies
-   ``[routing] rank`` lists: load tiers from fresh reports, prefix affinity,
+   ``[routing] rank`` lists (after the regions speaking the request's API natively,
+   before those it is translated for): load tiers from fresh reports, prefix affinity,
    and the score (peak-EWMA and geo prior, requests in flight over the shared
    load view, the reported load) with the power of two choices among equals;
 4. returns one :class:`~edgeproxy._stages.routeplan.RoutePlan`: the regions
@@ -27,6 +29,7 @@ from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING
 
 from edgeproxy._stages.affinity import Affinity, AffinityPlan
+from edgeproxy._stages.apis import served
 from edgeproxy._stages.eligibility import (
     Eligibility,
     Healthy,
@@ -89,7 +92,9 @@ class Router:
         self.in_flight = self.scorer.in_flight
         self.load = self.scorer.load
         self.score = self.scorer.score
-        self.ranking = Ranking(routing, self.scorer, self.affinity, seed=seed)
+        self.ranking = Ranking(routing, self.scorer, self.affinity, seed=seed, apis=regions.apis)
+        # Whether any region lacks an API (asked before any region is).
+        self.apis = regions.apis
         # In this order: the model's 404 comes before residency's 503, and health judges
         # only what the others left (so that its panic never leaves their bounds).
         catalog: list[Eligibility] = [ServesModel(self.models)] if self.models.active else []
@@ -160,6 +165,9 @@ class Router:
         filters = self.filters if owner or exclude else self._plain_filters
         for eligible in filters:
             regions = eligible.keep(query, regions)
+        if self.apis.partial and len(regions) > 1:
+            # Not those lacking the request's API when it cannot be translated for them.
+            regions = served(ctx, regions)
         if len(regions) != 1 or query.panic:  # one eligible region: nothing to rank
             regions = self.ranking.order(query, regions, plan)
         return route_plan(tuple(regions), plan, query.panic, self.clock)

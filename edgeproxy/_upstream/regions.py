@@ -25,6 +25,7 @@ from typing import Any
 from edgeproxy._core.config import Config, RegionConfig
 from edgeproxy._core.config.upstream import HTTP2Mode
 from edgeproxy._upstream.affinity import PrefixIndex
+from edgeproxy._upstream.apis import ApiBook, SpokenApis
 from edgeproxy._upstream.catalog import LearnedModels, ModelLearner
 from edgeproxy._upstream.cooldown import Cooldowns
 from edgeproxy._upstream.endpoint import Endpoint
@@ -190,6 +191,8 @@ class Region:
         self.prefix_index = prefix_index or PrefixIndex(32768, 300.0)
         # The models it serves by its own /v1/models, when it lists none in the config.
         self.learned = LearnedModels(config.learns_models)
+        # The APIs it speaks (configured or learnt), and its requests translated for it.
+        self.apis = SpokenApis(config.apis)
         self.affinity_requests_total = 0
         self.affinity_hits_total = 0
         self.affinity_balanced_total = 0
@@ -413,6 +416,8 @@ class RegionSet:
                 )
             )
         self.by_name = {r.name: r for r in self.regions}
+        # Whether any region lacks an API: routing asks this before asking each region.
+        self.apis = ApiBook.of(self.regions)
         self.health = Health(config.health, self.regions, clock=clock)
         self.scraper = LoadScraper(
             self.regions,
@@ -505,6 +510,7 @@ class RegionSet:
                 now, self.config.routing.load_report_max_age
             )
             data["models"] = region.learned.snapshot(now)
+            data["apis"] = region.apis.snapshot()
             data["cooldowns"] = region.cooldowns.snapshot(now)
             out.append(data)
         return out

@@ -19,6 +19,8 @@ __all__ = ["ContinuationMethod", "HTTP2Mode", "RegionConfig", "ServerKind", "Ups
 HTTP2Mode = bool | Literal["auto"]
 ServerKind = Literal["generic", "openai", "vllm", "sglang", "llama.cpp"]
 ContinuationMethod = Literal["auto", "off", "continue_final_message", "prefill", "reissue"]
+# The APIs a region may speak ([[regions]] apis).
+ApiName = Literal["chat", "completions", "embeddings", "moderations", "responses", "messages"]
 # What continuation = "auto" means for each kind of server.
 _AUTO_CONTINUATION: dict[str, str] = {
     "vllm": "continue_final_message",
@@ -205,8 +207,26 @@ class RegionConfig(Section):
         "continues), 'reissue' (deterministic requests only: the original request again, the "
         "text already sent skipped), 'off'; 'auto' picks from server (vllm and sglang: "
         "continue_final_message, llama.cpp: prefill, others: off). Messages and Responses "
-        "streams go on by their API's own method on any region not set to 'off'.",
+        "streams go on by their API's own method on any region not set to 'off' (a "
+        "Messages stream translated for the region: by its chat method).",
     )
+
+    apis: list[ApiName] | None = Field(
+        None,
+        description="The APIs the region speaks: 'chat', 'completions', 'embeddings', "
+        "'moderations', 'responses', 'messages' (with its count_tokens). A Messages or "
+        "stateless Responses request to a region that speaks 'chat' but not its API is "
+        "translated to chat completions, and regions speaking the API are preferred. Unset: "
+        "unknown, learnt per API from a 404 or 405 on its first use (the request is then "
+        "translated at once) and shown on /status.",
+    )
+
+    @field_validator("apis")
+    @classmethod
+    def _check_apis(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and len(set(value)) != len(value):
+            raise ValueError("names an API twice")
+        return value
 
     @field_validator("url")
     @classmethod

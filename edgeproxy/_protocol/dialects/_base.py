@@ -16,7 +16,7 @@ share; Responses and Messages override what differs.
 from __future__ import annotations
 
 import re
-from typing import Any, ClassVar, Final
+from typing import Any, ClassVar, Final, NamedTuple
 
 import orjson
 
@@ -31,6 +31,7 @@ __all__ = [
     "Piece",
     "Seam",
     "StreamWriter",
+    "ToolCall",
     "asks_usage",
     "named_event",
     "counted_io",
@@ -103,13 +104,23 @@ def counted_io(usage: dict[str, Any], prompt: int) -> dict[str, Any]:
     }
 
 
-class AnswerText:
-    """An answer the proxy writes itself (the cache's replay, the local model's), in any API:
-    its id, model, creation time, text, why it ended and its usage (chat's fields), and the
-    client's stop sequence that ended it, if one did (for an API that says which: Messages;
-    a stream's writer reads it when it closes)."""
+class ToolCall(NamedTuple):
+    """A function the answer calls, as chat completions name it: the call's id, the
+    function's name and its arguments (a JSON text)."""
 
-    __slots__ = ("id", "model", "created", "text", "finish", "usage", "stop_sequence")
+    id: str
+    name: str
+    arguments: str
+
+
+class AnswerText:
+    """An answer the proxy writes itself (the cache's replay, the local model's, a region's
+    translated from chat completions), in any API: its id, model, creation time, text, the
+    functions it calls, why it ended and its usage (chat's fields), and the client's stop
+    sequence that ended it, if one did (for an API that says which: Messages; a stream's
+    writer reads it when it closes)."""
+
+    __slots__ = ("id", "model", "created", "text", "finish", "usage", "stop_sequence", "calls")
 
     def __init__(
         self,
@@ -120,6 +131,7 @@ class AnswerText:
         finish: str | None = "stop",
         usage: dict[str, Any] | None = None,
         stop_sequence: str | None = None,
+        calls: tuple[ToolCall, ...] = (),
     ) -> None:
         self.id = id
         self.model = model
@@ -128,16 +140,26 @@ class AnswerText:
         self.finish = finish  # chat's names: "stop", "length", "tool_calls"...
         self.usage = usage
         self.stop_sequence = stop_sequence
+        self.calls = calls
 
 
 class StreamWriter:
     """Writes one streamed answer of a dialect, piece by piece: :meth:`open`, any number of
-    :meth:`piece`, then :meth:`close` (the events of each, as bytes). The base writes
-    nothing; each streaming dialect has its own."""
+    :meth:`piece` and :meth:`tool`, then :meth:`close` (the events of each, as bytes). The
+    base writes nothing; each streaming dialect has its own.
 
-    def __init__(self, answer: AnswerText, *, include_usage: bool = False) -> None:
+    ``text_first``: the stream opens its text at once (the proxy's own answers, which are
+    text); False opens a text block or item with the first text, as a region's answer
+    translated from chat completions may start with a tool call instead. ``usage`` of the
+    answer, when given, is the prompt's as known when the stream opens; None: it is known
+    only at the end, and :meth:`close` says it."""
+
+    def __init__(
+        self, answer: AnswerText, *, include_usage: bool = False, text_first: bool = True
+    ) -> None:
         self.answer = answer
         self.include_usage = include_usage
+        self.text_first = text_first
         self.text: list[str] = []
 
     def open(self) -> bytes:
@@ -145,6 +167,11 @@ class StreamWriter:
 
     def piece(self, text: str) -> bytes:
         self.text.append(text)
+        return b""
+
+    def tool(self, index: int, call_id: str | None, name: str | None, arguments: str) -> bytes:
+        """A piece of the function call ``index`` (chat's ``tool_calls`` index): its id and
+        name with its first piece, then its arguments as they come."""
         return b""
 
     def close(self, finish: str | None, usage: dict[str, Any] | None) -> bytes:
@@ -660,11 +687,13 @@ class Dialect:
         return self.written(text, include_usage=include_usage) if text is not None else None
 
     def written(self, text: AnswerText, *, include_usage: bool = False) -> list[bytes]:
-        """``text`` as its :attr:`writer` streams it, a word at a time: its events, one
-        each, in order."""
+        """``text`` as its :attr:`writer` streams it, a word at a time, then its calls: its
+        events, one each, in order."""
         writer = self.writer(text, include_usage=include_usage)
+        writer.text_first = not text.calls
         steps = [writer.open()]
         steps.extend(writer.piece(word) for word in words(text.text))
+        steps.extend(writer.tool(i, *call) for i, call in enumerate(text.calls))
         steps.append(writer.close(text.finish, text.usage))
         reader = SSEReader()
         return [event.raw for step in steps for event in reader.feed(step)]

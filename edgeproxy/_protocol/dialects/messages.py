@@ -41,6 +41,7 @@ __all__ = [
     "MessagesWriter",
     "anthropic_error_type",
     "message_id",
+    "tool_use_id",
 ]
 
 PING: Final = b'event: ping\ndata: {"type": "ping"}\n\n'
@@ -65,6 +66,10 @@ _FINISH: Final = {
     "max_tokens": "length",
     "tool_use": "tool_calls",
 }
+_TEXT_DELTA: Final = (
+    b'event: content_block_delta\ndata: {"type":"content_block_delta","index":%d,'
+    b'"delta":{"type":"text_delta","text":%s}}\n\n'
+)
 _COMMITS: Final = frozenset({"content_block_delta", "message_delta", "message_stop", "error"})
 
 
@@ -74,6 +79,10 @@ def anthropic_error_type(status: int) -> str:
 
 def message_id() -> str:
     return "msg_" + secrets.token_hex(12)
+
+
+def tool_use_id() -> str:
+    return "toolu_" + secrets.token_hex(12)
 
 
 def _stop(finish: str | None, sequence: str | None) -> tuple[str, str | None]:
@@ -97,7 +106,16 @@ def messages_usage(usage: dict[str, Any] | None) -> dict[str, Any]:
 
 
 class MessagesWriter(StreamWriter):
-    """A message as events: start, one text block, the stop reason and usage, stop."""
+    """A message as events: start, its content blocks (text, and ``tool_use`` blocks whose
+    input comes as ``input_json_delta`` pieces), the stop reason and usage, stop."""
+
+    def __init__(
+        self, answer: AnswerText, *, include_usage: bool = False, text_first: bool = True
+    ) -> None:
+        super().__init__(answer, include_usage=include_usage, text_first=text_first)
+        self.blocks = 0  # the blocks started
+        self.kind: str | None = None  # the type of the block open now (the last started)
+        self.tools: dict[int, int] = {}  # chat's index of each call -> its block's index
 
     def _message(self, usage: dict[str, Any]) -> dict[str, Any]:
         return {
@@ -111,44 +129,69 @@ class MessagesWriter(StreamWriter):
             "usage": usage,
         }
 
+    def _start(self, block: dict[str, Any]) -> bytes:
+        """Stop the open block, if any, and start ``block`` after it."""
+        out = self._stop()
+        self.kind = block["type"]
+        self.blocks += 1
+        start = {"type": "content_block_start", "index": self.blocks - 1, "content_block": block}
+        return out + named_event("content_block_start", start)
+
+    def _stop(self) -> bytes:
+        if self.kind is None:
+            return b""
+        self.kind = None
+        return named_event(
+            "content_block_stop", {"type": "content_block_stop", "index": self.blocks - 1}
+        )
+
     def open(self) -> bytes:
         # The input side as counted (cache reads and writes included); no output yet.
         usage = {"input_tokens": 0, **messages_usage(self.answer.usage), "output_tokens": 0}
-        start = self._message(usage)
-        return named_event(
-            "message_start", {"type": "message_start", "message": start}
-        ) + named_event(
-            "content_block_start",
-            {
-                "type": "content_block_start",
-                "index": 0,
-                "content_block": {"type": "text", "text": ""},
-            },
+        start = named_event(
+            "message_start", {"type": "message_start", "message": self._message(usage)}
         )
+        return start + self._start({"type": "text", "text": ""}) if self.text_first else start
 
     def piece(self, text: str) -> bytes:
         self.text.append(text)
-        return named_event(
-            "content_block_delta",
-            {
-                "type": "content_block_delta",
-                "index": 0,
-                "delta": {"type": "text_delta", "text": text},
-            },
+        # named_event's bytes for the delta, from a template: a stream writes one per token.
+        delta = _TEXT_DELTA % (self.blocks - 1, orjson.dumps(text)) if self.kind == "text" else b""
+        if delta:
+            return delta
+        out = self._start({"type": "text", "text": ""})
+        return out + _TEXT_DELTA % (self.blocks - 1, orjson.dumps(text))
+
+    def tool(self, index: int, call_id: str | None, name: str | None, arguments: str) -> bytes:
+        out = b""
+        block = self.tools.get(index)
+        if block is None:
+            tool = {"type": "tool_use", "id": call_id or tool_use_id(), "name": name or ""}
+            out = self._start({**tool, "input": {}})
+            block = self.tools[index] = self.blocks - 1
+        if not arguments:
+            return out
+        delta = {"type": "input_json_delta", "partial_json": arguments}
+        return out + named_event(
+            "content_block_delta", {"type": "content_block_delta", "index": block, "delta": delta}
         )
 
     def close(self, finish: str | None, usage: dict[str, Any] | None) -> bytes:
         final = messages_usage(usage)
         reason, sequence = _stop(finish, self.answer.stop_sequence)
+        counts = {"output_tokens": final.get("output_tokens", 0)}
+        if self.answer.usage is None and usage is not None:
+            # The stream opened before its prompt was counted: the total comes here.
+            counts = {"input_tokens": final.get("input_tokens", 0), **counts}
         return b"".join(
             (
-                named_event("content_block_stop", {"type": "content_block_stop", "index": 0}),
+                self._stop(),
                 named_event(
                     "message_delta",
                     {
                         "type": "message_delta",
                         "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                        "usage": {"output_tokens": final.get("output_tokens", 0)},
+                        "usage": counts,
                     },
                 ),
                 named_event("message_stop", {"type": "message_stop"}),
@@ -282,6 +325,19 @@ _SEAM_EVENTS: Final = frozenset(
         "message_stop",
     }
 )
+
+
+def _content(text: AnswerText) -> list[dict[str, Any]]:
+    """A message's content blocks: its text (unless it only calls functions), then a
+    ``tool_use`` block per call, its arguments parsed as the input."""
+    blocks: list[dict[str, Any]] = []
+    if text.text or not text.calls:
+        blocks.append({"type": "text", "text": text.text})
+    for call in text.calls:
+        parsed = loads(call.arguments.encode()) if call.arguments else {}
+        tool = {"type": "tool_use", "id": call.id or tool_use_id(), "name": call.name}
+        blocks.append({**tool, "input": parsed if isinstance(parsed, dict) else {}})
+    return blocks
 
 
 def _index(obj: dict[str, Any]) -> int:
@@ -454,7 +510,7 @@ class MessagesDialect(Dialect):
             "type": "message",
             "role": "assistant",
             "model": text.model,
-            "content": [{"type": "text", "text": text.text}],
+            "content": _content(text),
             "stop_reason": reason,
             "stop_sequence": sequence,
             "usage": messages_usage(text.usage),

@@ -17,7 +17,6 @@ with an ``error`` event.
 
 from __future__ import annotations
 
-import secrets
 from typing import Any, ClassVar, Final
 
 from edgeproxy._core.errors import ProxyError
@@ -26,13 +25,21 @@ from edgeproxy._protocol.dialects._base import (
     Dialect,
     Piece,
     Seam,
-    StreamWriter,
     counted_io,
     loads,
     named_event,
     plain_text,
     text_parts,
     tokens,
+)
+from edgeproxy._protocol.dialects.responses_stream import (
+    INCOMPLETE,
+    ResponsesWriter,
+    ResponseText,
+    output_items,
+    response_id,
+    response_object,
+    responses_usage,
 )
 from edgeproxy._protocol.objects import CONVERSATIONS, FILES, VECTOR_STORES
 from edgeproxy._protocol.sse import SSEEvent
@@ -44,6 +51,7 @@ __all__ = [
     "ResponsesSeam",
     "ResponsesWriter",
     "response_id",
+    "response_object",
 ]
 
 _ENDS: Final = frozenset({"response.completed", "response.incomplete", "response.failed"})
@@ -66,141 +74,6 @@ _CLOSING: Final = frozenset(
 
 # Input items, their parts and tools read for the stored objects they name.
 _MAX_SCANNED: Final = 1_000
-# Chat's finish reasons as a response's status and why it is incomplete.
-_INCOMPLETE: Final = {"length": "max_output_tokens", "content_filter": "content_filter"}
-
-
-def response_id() -> str:
-    return "resp_" + secrets.token_hex(24)
-
-
-def responses_usage(usage: dict[str, Any] | None) -> dict[str, Any] | None:
-    """Chat's ``usage`` in the Responses API's shape (its own fields, when it has them)."""
-    if usage is None:
-        return None
-    if "input_tokens" in usage:
-        return usage
-    prompt = usage.get("prompt_tokens", 0)
-    completion = usage.get("completion_tokens", 0)
-    return {
-        "input_tokens": prompt,
-        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
-        "output_tokens": completion,
-        "output_tokens_details": {"reasoning_tokens": 0},
-        "total_tokens": prompt + completion,
-    }
-
-
-class ResponseText(AnswerText):
-    """What a whole response says, with the response itself and its message item's id: a
-    stream written of it ends with that very response, and its events name that item."""
-
-    __slots__ = ("response", "item_id")
-
-    def __init__(
-        self, *args: Any, response: dict[str, Any], item_id: str | None, **kwargs: Any
-    ) -> None:
-        super().__init__(*args, **kwargs)
-        self.response = response
-        self.item_id = item_id
-
-
-class ResponsesWriter(StreamWriter):
-    """A response as events: created, in progress, one message item of output text, the end.
-
-    Each event's ``sequence_number`` is the next from 0; every event names the response's
-    one id and its message item's."""
-
-    def __init__(self, answer: AnswerText, *, include_usage: bool = False) -> None:
-        super().__init__(answer, include_usage=include_usage)
-        self.sequence = 0
-        given = answer.item_id if isinstance(answer, ResponseText) else None
-        self.item_id = given or "msg_" + secrets.token_hex(24)
-
-    def _next(self, name: str, fields: dict[str, Any]) -> bytes:
-        data = {"type": name, "sequence_number": self.sequence, **fields}
-        self.sequence += 1
-        return named_event(name, data)
-
-    def _response(self, status: str, output: list[Any], usage: Any) -> dict[str, Any]:
-        answer = self.answer
-        if isinstance(answer, ResponseText):
-            # The response as it was, before it had any output.
-            return {
-                **answer.response,
-                "status": status,
-                "incomplete_details": None,
-                "output": output,
-                "usage": responses_usage(usage),
-            }
-        return RESPONSES.response_object(answer, status, output, usage)
-
-    def _item(self, status: str, text: str | None) -> dict[str, Any]:
-        content = [] if text is None else [_text_part(text)]
-        return {
-            "id": self.item_id,
-            "type": "message",
-            "status": status,
-            "role": "assistant",
-            "content": content,
-        }
-
-    def open(self) -> bytes:
-        created = self._response("in_progress", [], None)
-        where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
-        return b"".join(
-            (
-                self._next("response.created", {"response": created}),
-                self._next("response.in_progress", {"response": created}),
-                self._next(
-                    "response.output_item.added",
-                    {"output_index": 0, "item": self._item("in_progress", None)},
-                ),
-                self._next("response.content_part.added", {**where, "part": _text_part("")}),
-            )
-        )
-
-    def piece(self, text: str) -> bytes:
-        self.text.append(text)
-        return self._next(
-            "response.output_text.delta",
-            {
-                "item_id": self.item_id,
-                "output_index": 0,
-                "content_index": 0,
-                "delta": text,
-                "logprobs": [],
-            },
-        )
-
-    def close(self, finish: str | None, usage: dict[str, Any] | None) -> bytes:
-        text = "".join(self.text)
-        where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
-        item = self._item("completed", text)
-        reason = _INCOMPLETE.get(finish or "")
-        answer = self.answer
-        if isinstance(answer, ResponseText) and text == answer.text and finish == answer.finish:
-            # The stream of a whole response ends with that response, as it was.
-            done = answer.response
-            item = done["output"][0]
-        else:
-            done = self._response("incomplete" if reason else "completed", [item], usage)
-            if reason:
-                done["incomplete_details"] = {"reason": reason}
-        return b"".join(
-            (
-                self._next("response.output_text.done", {**where, "text": text, "logprobs": []}),
-                self._next("response.content_part.done", {**where, "part": _text_part(text)}),
-                self._next("response.output_item.done", {"output_index": 0, "item": item}),
-                self._next(
-                    "response.incomplete" if reason else "response.completed", {"response": done}
-                ),
-            )
-        )
-
-
-def _text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
 class ResponsesSeam(Seam):
@@ -664,38 +537,12 @@ class ResponsesDialect(Dialect):
     def response_object(
         self, text: AnswerText, status: str, output: list[Any], usage: Any
     ) -> dict[str, Any]:
-        return {
-            "id": text.id,
-            "object": "response",
-            "created_at": text.created,
-            "status": status,
-            "background": False,
-            "error": None,
-            "incomplete_details": None,
-            "instructions": None,
-            "max_output_tokens": None,
-            "metadata": {},
-            "model": text.model,
-            "output": output,
-            "parallel_tool_calls": True,
-            "previous_response_id": None,
-            "store": False,
-            "temperature": None,
-            "text": {"format": {"type": "text"}},
-            "tool_choice": "auto",
-            "tools": [],
-            "top_p": None,
-            "truncation": "disabled",
-            "usage": responses_usage(usage),
-        }
+        return response_object(text, status, output, usage)
 
     def answer(self, text: AnswerText) -> dict[str, Any]:
-        writer = ResponsesWriter(text)
-        item = writer._item("completed", text.text)
-        reason = _INCOMPLETE.get(text.finish or "")
-        out = self.response_object(
-            text, "incomplete" if reason else "completed", [item], text.usage
-        )
+        reason = INCOMPLETE.get(text.finish or "")
+        status = "incomplete" if reason else "completed"
+        out = response_object(text, status, output_items(text), text.usage)
         if reason:
             out["incomplete_details"] = {"reason": reason}
         return out
