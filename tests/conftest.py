@@ -472,3 +472,140 @@ async def llama_servers(tmp_path: Path) -> AsyncIterator[LlamaServers]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+# -- real llama.cpp regions: llama.cpp's C++ llama-server --------------------------------
+
+
+def llama_server_binary() -> Path | str:
+    """The C++ ``llama-server`` for the tests: ``$EDGEPROXY_LLAMA_SERVER``, else the one
+    ``.ci/build-llama-server`` caches for the installed llama-cpp-python; or why there is
+    none (a string)."""
+    named = os.environ.get("EDGEPROXY_LLAMA_SERVER")
+    if named:
+        path = Path(named)
+        if path.is_file() and os.access(path, os.X_OK):
+            return path
+        return f"$EDGEPROXY_LLAMA_SERVER ({named}) is not an executable file"
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        installed = version("llama-cpp-python")
+    except PackageNotFoundError:
+        return "llama-cpp-python is not installed: no llama-server version to look for"
+    cache = os.environ.get("EDGEPROXY_LLAMA_SERVER_DIR") or str(
+        Path.home() / ".cache" / "edgeproxy" / "llama-server"
+    )
+    path = Path(cache) / installed / "llama-server"
+    if path.is_file() and os.access(path, os.X_OK):
+        return path
+    return f"no llama-server binary at {path} (.ci/build-llama-server builds it)"
+
+
+async def _llama_cpp_server_up(url: str, proc: subprocess.Popen[bytes], log: Path) -> bool:
+    """Wait until llama-server at ``url`` answers ``GET /health`` with 200 (its model is
+    loaded); False when it exited first because its port was taken, an error for any other
+    exit."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5.0)) as client:
+        for _ in range(1200):
+            if proc.poll() is not None:
+                if "couldn't bind" in log.read_text("utf-8", "replace").lower():
+                    return False
+                raise AssertionError(
+                    f"llama-server for {url} exited with {proc.returncode}:\n{_tail(log)}"
+                )
+            try:
+                async with client.get(url + "/health") as resp:
+                    if resp.status == 200:
+                        return True
+            except (aiohttp.ClientError, TimeoutError):
+                pass
+            await asyncio.sleep(0.05)
+    raise AssertionError(f"llama-server at {url} did not start:\n{_tail(log)}")
+
+
+class LlamaCppServers:
+    """The C++ ``llama-server`` processes of one test (the ``llama_cpp_server`` fixture)."""
+
+    def __init__(self, binary: Path, folder: Path) -> None:
+        self.binary = binary
+        self.folder = folder
+        self.processes: dict[str, subprocess.Popen[bytes]] = {}
+
+    async def __call__(
+        self, model: Path | None = None, *, n_ctx: int = 256, args: Sequence[str] = ()
+    ) -> str:
+        """Start one on a free port; its URL once its model is loaded."""
+        from edgeproxy.testing import tiny_llama_gguf
+
+        path = model if model is not None else tiny_llama_gguf("Q8_0")
+        for _ in range(3):
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            log = self.folder / f"llama-cpp-server-{port}.log"
+            with log.open("wb") as stderr:
+                proc = subprocess.Popen(
+                    [
+                        str(self.binary),
+                        "--model",
+                        str(path),
+                        "--host",
+                        "127.0.0.1",
+                        "--port",
+                        str(port),
+                        "--ctx-size",
+                        str(n_ctx),
+                        "--parallel",
+                        "1",
+                        "--threads",
+                        "1",
+                        "--no-webui",
+                        *args,
+                    ],
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=stderr,
+                )
+            self.processes[url] = proc
+            if await _llama_cpp_server_up(url, proc, log):
+                return url
+        raise AssertionError("no free port for llama-server in 3 tries")
+
+    def kill(self, url: str) -> None:
+        """SIGKILL the server at ``url``, as a crash would end it."""
+        proc = self.processes[url]
+        proc.kill()
+        proc.wait()
+
+    def stop(self) -> None:
+        for proc in self.processes.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.processes.values():
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture
+def llama_cpp_server(tmp_path: Path) -> Iterator[LlamaCppServers]:
+    """Start llama.cpp's C++ ``llama-server`` as a real region: ``await llama_cpp_server()``
+    returns its URL once its ``/health`` answers 200 (``asyncio.gather`` starts several at
+    once), ``llama_cpp_server.kill(url)`` kills one; all are stopped after the test. Skips,
+    saying why, when there is no binary (:func:`llama_server_binary`; run
+    ``.ci/build-llama-server``).
+
+    Defaults: the tiny generated model (Q8_0), a context of 256 tokens, one slot, one
+    thread, no web UI; ``args`` are more of the server's flags. Its log is kept in the
+    test's ``tmp_path`` and shown when it fails to start.
+    """
+    binary = llama_server_binary()
+    if isinstance(binary, str):
+        pytest.skip(binary)
+    servers = LlamaCppServers(binary, tmp_path)
+    try:
+        yield servers
+    finally:
+        servers.stop()
