@@ -29,8 +29,8 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from edgeproxy._core.config import LimitsConfig
 from edgeproxy._core.errors import ProxyError
-from edgeproxy._server.headchecks import check_request_head
 from edgeproxy._server.handler import _parser_reason
+from edgeproxy._server.headchecks import check_request_head
 
 # The parser's payload streams want a loop; it never runs.
 _LOOP = asyncio.new_event_loop()
