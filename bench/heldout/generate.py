@@ -12,6 +12,7 @@ file, checks pairs.jsonl, and prints counts per category and per domain.
     python3 bench/heldout/generate.py            # write generated.jsonl + counts
     python3 bench/heldout/generate.py --check    # only validate and print counts
 """
+
 import argparse
 import collections
 import itertools
@@ -24,8 +25,19 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SEED = 20240611
 CAP = 1000  # total generated pairs, spread evenly over domains
 
-PAIR_CATEGORIES = ("paraphrase", "negation", "antonym", "numbers", "entity", "sibling",
-                   "direction", "target-language", "format", "time", "scope")
+PAIR_CATEGORIES = (
+    "paraphrase",
+    "negation",
+    "antonym",
+    "numbers",
+    "entity",
+    "sibling",
+    "direction",
+    "target-language",
+    "format",
+    "time",
+    "scope",
+)
 
 
 def load(name):
@@ -127,8 +139,15 @@ def generate(siblings, templates, existing):
                         continue
                     taken.add((a, b))
                     taken.add((b, a))
-                    picked.append({"a": a, "b": b, "expect": "miss",
-                                   "category": "sibling-substitution", "domain": dom})
+                    picked.append(
+                        {
+                            "a": a,
+                            "b": b,
+                            "expect": "miss",
+                            "category": "sibling-substitution",
+                            "domain": dom,
+                        }
+                    )
         out.extend(picked)
     return out
 
@@ -145,10 +164,16 @@ def table(title, counter):
 def counts(pairs, generated):
     parts = []
     parts.append(table("pairs.jsonl by expect", collections.Counter(p["expect"] for p in pairs)))
-    parts.append(table("pairs.jsonl by category", collections.Counter(p["category"] for p in pairs)))
+    parts.append(
+        table("pairs.jsonl by category", collections.Counter(p["category"] for p in pairs))
+    )
     parts.append(table("pairs.jsonl by domain", collections.Counter(p["domain"] for p in pairs)))
-    parts.append(table("generated.jsonl by domain (all sibling-substitution, expect miss)",
-                       collections.Counter(p["domain"] for p in generated)))
+    parts.append(
+        table(
+            "generated.jsonl by domain (all sibling-substitution, expect miss)",
+            collections.Counter(p["domain"] for p in generated),
+        )
+    )
     return "\n\n".join(parts)
 
 

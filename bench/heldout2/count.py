@@ -2,13 +2,14 @@
 
 Usage: python3 bench/heldout2/count.py [path]
 """
+
 import collections
 import json
 import os
 import sys
 
 path = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "pairs.jsonl")
-rows = [json.loads(l) for l in open(path, encoding="utf-8") if l.strip()]
+rows = [json.loads(line) for line in open(path, encoding="utf-8") if line.strip()]
 
 problems = []
 seen = set()

@@ -8,6 +8,7 @@ Each pair is one question template filled with two different sibling terms
 (same kind, different correct answers), so the expected cache result is a
 miss. Stdlib only, fixed seed, deterministic output.
 """
+
 import collections
 import itertools
 import json
@@ -30,13 +31,13 @@ def fill(template, term):
 def style(q, rng):
     """Vary surface form a little, like real user input."""
     r = rng.random()
-    if r < 0.45:                       # "What is ...?"
+    if r < 0.45:  # "What is ...?"
         return q[0].upper() + q[1:] + "?"
-    if r < 0.75:                       # "what is ..."
+    if r < 0.75:  # "what is ..."
         return q
-    if r < 0.90:                       # "what is ...?"
+    if r < 0.90:  # "what is ...?"
         return q + "?"
-    return q[0].upper() + q[1:]        # "What is ..."
+    return q[0].upper() + q[1:]  # "What is ..."
 
 
 def main():
@@ -51,10 +52,12 @@ def main():
 
     rows = []
     for d in domains:
-        cands = [(t, g, a, b)
-                 for t in templates[d]
-                 for g, grp in enumerate(siblings[d])
-                 for a, b in itertools.combinations(grp, 2)]
+        cands = [
+            (t, g, a, b)
+            for t in templates[d]
+            for g, grp in enumerate(siblings[d])
+            for a, b in itertools.combinations(grp, 2)
+        ]
         rng.shuffle(cands)
         # spread over groups first: round-robin by group so no group dominates
         by_group = collections.defaultdict(list)
@@ -69,11 +72,15 @@ def main():
         for t, _, x, y in picked:
             if rng.random() < 0.5:
                 x, y = y, x
-            rows.append({"a": style(fill(t, x), rng),
-                         "b": style(fill(t, y), rng),
-                         "expect": "miss",
-                         "category": "sibling-substitution",
-                         "domain": d})
+            rows.append(
+                {
+                    "a": style(fill(t, x), rng),
+                    "b": style(fill(t, y), rng),
+                    "expect": "miss",
+                    "category": "sibling-substitution",
+                    "domain": d,
+                }
+            )
     rng.shuffle(rows)
     with open(os.path.join(HERE, "generated.jsonl"), "w") as f:
         for r in rows:

@@ -67,7 +67,8 @@ exception, the client leaving, the proxy shutting down):
 :class:`Failure`; no exception carries live work.
 
 An attempt's task that is cancelled lets go of its response itself
-(:meth:`Attempt.run <edgeproxy._stages.attempt.Attempt.run>`); one that had finished is let go by its owner.
+(:meth:`Attempt.run <edgeproxy._stages.attempt.Attempt.run>`); one that had finished is let
+go by its owner.
 """
 
 from __future__ import annotations
