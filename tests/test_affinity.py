@@ -19,7 +19,7 @@ from edgeproxy._protocol.headers import trace_context
 from edgeproxy._protocol.prefix import PromptKey, prompt_key
 from edgeproxy._stages.affinity import Affinity
 from edgeproxy._stages.routing import Router
-from edgeproxy._upstream.affinity import PrefixIndex
+from edgeproxy._upstream.prefixindex import PrefixIndex
 from edgeproxy._upstream.regions import RegionSet
 from edgeproxy.testing import Behavior, FakeRegion
 

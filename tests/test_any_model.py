@@ -77,7 +77,7 @@ VLLM: dict[str, Any] = {
 
 
 def entries(listing: dict[str, Any]) -> tuple[list[dict[str, Any]], bytes]:
-    from edgeproxy._protocol.models import parse_model_list
+    from edgeproxy._protocol.modelnames import parse_model_list
 
     body = orjson.dumps(listing)
     return parse_model_list(body), body

@@ -20,7 +20,7 @@ import pytest
 
 from edgeproxy import Config, EdgeProxy
 from edgeproxy._core.config import ConfigError
-from edgeproxy._protocol.models import ModelListError, parse_model_list
+from edgeproxy._protocol.modelnames import ModelListError, parse_model_list
 from edgeproxy.testing import FakeRegion
 
 from .conftest import ProxyFactory, eventually, proxy_config

@@ -21,7 +21,7 @@ import pytest
 
 from edgeproxy import Config, EdgeProxy, RequestContext, hookimpl
 from edgeproxy._core.config import ConfigError
-from edgeproxy._protocol.models import ModelMatcher, ModelRewriter
+from edgeproxy._protocol.modelnames import ModelMatcher, ModelRewriter
 from edgeproxy.testing import FakeRegion
 
 from .conftest import ProxyFactory, eventually, proxy_config

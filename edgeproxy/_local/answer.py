@@ -17,9 +17,9 @@ from edgeproxy._core.errors import ProxyError
 from edgeproxy._core.exchange import Exchange
 from edgeproxy._core.response import StreamResponse
 from edgeproxy._local.binding import _Slot
-from edgeproxy._local.generation import _Generation
 from edgeproxy._local.prompt import _Prepared
 from edgeproxy._local.request import GenerationRequest
+from edgeproxy._local.sampling import _Generation
 from edgeproxy._protocol.dialects import AnswerText, StreamWriter
 from edgeproxy._protocol.openai import usage
 

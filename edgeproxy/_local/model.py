@@ -32,11 +32,11 @@ from edgeproxy._core.config import LocalModelConfig
 from edgeproxy._core.errors import ProxyError
 from edgeproxy._local.answer import LocalAnswer
 from edgeproxy._local.binding import _log_state, _recent_errors, _Slot, load_context
-from edgeproxy._local.generation import _Generation
 from edgeproxy._local.prompt import prepare_prompt
 from edgeproxy._local.request import GenerationRequest, parse_generation_request
+from edgeproxy._local.sampling import _Generation
 from edgeproxy._protocol.endpoints import dialect_for, endpoint_has
-from edgeproxy._protocol.models import ModelMatcher
+from edgeproxy._protocol.modelnames import ModelMatcher
 
 if TYPE_CHECKING:
     from edgeproxy._core.context import RequestContext

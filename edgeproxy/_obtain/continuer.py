@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from edgeproxy._core.errors import ProxyError
 from edgeproxy._protocol.endpoints import dialect_for
-from edgeproxy._protocol.models import model_from_body
+from edgeproxy._protocol.modelnames import model_from_body
 from edgeproxy._protocol.refusals import REFUSAL_READ_LIMIT, error_message
 from edgeproxy._protocol.sse import SSEEventTooLarge, SSEReader
 from edgeproxy._stages.continuation import (

@@ -43,7 +43,7 @@ from edgeproxy._core.errors import ProxyError
 from edgeproxy._obtain.continuer import Continuer
 from edgeproxy._protocol.bodies import estimate_prompt_tokens
 from edgeproxy._protocol.endpoints import dialect_for
-from edgeproxy._protocol.models import model_from_body
+from edgeproxy._protocol.modelnames import model_from_body
 from edgeproxy._protocol.refusals import REFUSAL_READ_LIMIT, TOO_LONG_STATUSES, too_long
 from edgeproxy._stages.continuation import (
     ContinuationStage,
@@ -56,7 +56,7 @@ from edgeproxy._stages.failover import (
     no_region,
 )
 from edgeproxy._stages.fallback import Degraded, FallbackStage, UpstreamWon
-from edgeproxy._stages.models import ModelError
+from edgeproxy._stages.modelcatalog import ModelError
 from edgeproxy._stages.routeplan import RoutePlan
 from edgeproxy._upstream.pool import UpstreamError
 

@@ -23,13 +23,13 @@ from jh2.hyperframe.frame import GoAwayFrame
 
 from edgeproxy._core.exchange import TlsInfo
 from edgeproxy._server.guard import ConnectionGuard
-from edgeproxy._server.h2engine import MalformedRequest, SelfDependent, ServerEngine
 from edgeproxy._server.h2exchange import H2Exchange
 from edgeproxy._server.h2flow import FlowSite, H2Flow
 from edgeproxy._server.h2frames import TOO_LARGE, FrameReader
 from edgeproxy._server.h2limits import H2Limits
 from edgeproxy._server.h2request import head_refusal, header_list_size, request_fields
-from edgeproxy._upstream.h2engine import (
+from edgeproxy._server.h2serverengine import MalformedRequest, SelfDependent, ServerEngine
+from edgeproxy._upstream.h2clientengine import (
     engine_config,
     peer_defaults,
     received_end_stream,

@@ -19,8 +19,8 @@ import jh2.exceptions
 import jh2.stream
 
 from edgeproxy._server.guard import ConnectionGuard
-from edgeproxy._server.h2engine import ServerEngine
 from edgeproxy._server.h2exchange import H2Exchange
+from edgeproxy._server.h2serverengine import ServerEngine
 from edgeproxy._upstream.h2fields import FRAME_HEADER, header_frames
 
 __all__ = ["CONNECTION_BUFFER", "STREAM_BUFFER", "FlowSite", "H2Flow"]

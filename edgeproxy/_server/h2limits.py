@@ -17,8 +17,8 @@ import jh2.errors
 import jh2.exceptions
 
 from edgeproxy._server.guard import ConnectionGuard
-from edgeproxy._server.h2engine import ServerEngine
 from edgeproxy._server.h2frames import FrameReader
+from edgeproxy._server.h2serverengine import ServerEngine
 
 __all__ = ["H2Limits"]
 

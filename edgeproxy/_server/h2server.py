@@ -55,7 +55,7 @@ The listener's parts: :mod:`~edgeproxy._server.h2front` tells a new connection's
 apart; :mod:`~edgeproxy._server.h2connection` runs one HTTP/2 connection and its streams'
 lifecycle, with :mod:`~edgeproxy._server.h2flow` (the answers, flow control) and
 :mod:`~edgeproxy._server.h2limits` (abuse, deadlines, idle) as its base classes, on
-:mod:`~edgeproxy._server.h2engine` (jh2 with per-stream errors);
+:mod:`~edgeproxy._server.h2serverengine` (jh2 with per-stream errors);
 :mod:`~edgeproxy._server.h2exchange` is one stream as the pipeline's exchange. This module
 is the site that serves them.
 """

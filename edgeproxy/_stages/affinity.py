@@ -4,7 +4,7 @@ With ``[routing] prefix_affinity`` on, the router ranks the candidates of a
 chat or completions request by a weighted sum, highest first, of
 
 * the **prefix match**: how much of the request's prompt the region was
-  recently sent (its :class:`~edgeproxy._upstream.affinity.PrefixIndex`),
+  recently sent (its :class:`~edgeproxy._upstream.prefixindex.PrefixIndex`),
   as matched blocks over the prompt's blocks, 0 to 1, weight
   ``prefix_weight`` (3);
 * the **load**: the best candidate's score over the region's (the

@@ -24,7 +24,7 @@ from edgeproxy._core.errors import ProxyError
 from edgeproxy._core.types import Headers
 from edgeproxy._protocol.dialects import Dialect, dialect_named
 from edgeproxy._protocol.endpoints import endpoint_suffixes
-from edgeproxy._protocol.models import model_from_body
+from edgeproxy._protocol.modelnames import model_from_body
 from edgeproxy._protocol.sse import SSEEventTooLarge, SSEReader
 from edgeproxy._stages.poison import Poison, caller_key
 from edgeproxy._upstream.health import CAPACITY_STATUSES, Health

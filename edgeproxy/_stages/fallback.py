@@ -54,7 +54,7 @@ from edgeproxy._core.response import StreamResponse
 from edgeproxy._local.model import LocalAnswer, LocalModel
 from edgeproxy._plugins import Plugins, hook_answer
 from edgeproxy._protocol.dialects import tokens
-from edgeproxy._protocol.models import model_from_body
+from edgeproxy._protocol.modelnames import model_from_body
 
 if TYPE_CHECKING:
     from edgeproxy._core.context import RequestContext

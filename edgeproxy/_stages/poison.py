@@ -36,7 +36,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from edgeproxy._core.errors import ProxyError
-from edgeproxy._protocol.models import model_from_body
+from edgeproxy._protocol.modelnames import model_from_body
 from edgeproxy._stages.ratelimit import api_key, identities
 
 if TYPE_CHECKING:

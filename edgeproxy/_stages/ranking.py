@@ -4,7 +4,7 @@ Eligibility (:mod:`edgeproxy._stages.eligibility`) decides which regions may
 answer; ranking puts those in order, best first. Priority tiers
 (``[[regions]] priority``) always come first, then, while some region lacks an API, the
 regions speaking the request's API before those it is translated for
-(:mod:`edgeproxy._stages.apis`). Within a tier the policies
+(:mod:`edgeproxy._stages.apitiers`). Within a tier the policies
 ``[routing] rank`` lists decide in turn, each breaking the ties the ones
 before it leave (by default ``["reported_load", "affinity", "latency"]``):
 
@@ -55,7 +55,7 @@ import random
 from typing import TYPE_CHECKING, Any, Protocol
 
 from edgeproxy._stages.affinity import Affinity
-from edgeproxy._stages.apis import tiers
+from edgeproxy._stages.apitiers import tiers
 
 if TYPE_CHECKING:
     from edgeproxy._core.config import Config, RoutingConfig

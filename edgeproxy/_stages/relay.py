@@ -6,7 +6,7 @@ recorder the same way, and writes nothing.
 
 A region that knows the client's model under its own name (``[[regions]]
 model_aliases``) answers with that name: the body is renamed back to the
-client's as it passes (:class:`~edgeproxy._protocol.models.ModelRewriter`),
+client's as it passes (:class:`~edgeproxy._protocol.modelnames.ModelRewriter`),
 before the hooks and the cache see it, and is sent chunked.
 """
 
@@ -27,7 +27,7 @@ from edgeproxy._local.model import LocalAnswer
 from edgeproxy._plugins import PluginError, Plugins
 from edgeproxy._protocol.endpoints import dialect_for
 from edgeproxy._protocol.headers import strip_hop_by_hop
-from edgeproxy._protocol.models import ModelRewriter
+from edgeproxy._protocol.modelnames import ModelRewriter
 from edgeproxy._protocol.usage import UsageTracker
 from edgeproxy._stages.cache.stage import CacheRecorder
 from edgeproxy._stages.compression import Compression, EncodedResponse

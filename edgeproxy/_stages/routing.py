@@ -9,7 +9,7 @@ For each request :meth:`Router.route`:
    owner of a stateful request, the regions the caller excludes, and health
    (with the panic when none is available, and residency's 503 when no
    allowed region is); then, while some region lacks an API, not the regions
-   that cannot answer the request's (:mod:`edgeproxy._stages.apis`);
+   that cannot answer the request's (:mod:`edgeproxy._stages.apitiers`);
 3. ranks what is left (:mod:`edgeproxy._stages.ranking`) by the policies
    ``[routing] rank`` lists (after the regions speaking the request's API natively,
    before those it is translated for): load tiers from fresh reports, prefix affinity,
@@ -29,7 +29,7 @@ from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING
 
 from edgeproxy._stages.affinity import Affinity, AffinityPlan
-from edgeproxy._stages.apis import served
+from edgeproxy._stages.apitiers import served
 from edgeproxy._stages.eligibility import (
     Eligibility,
     Healthy,
@@ -40,7 +40,7 @@ from edgeproxy._stages.eligibility import (
     ServesModel,
 )
 from edgeproxy._stages.geo import GeoResolver, Residency
-from edgeproxy._stages.models import ModelCatalog
+from edgeproxy._stages.modelcatalog import ModelCatalog
 from edgeproxy._stages.ranking import Ranking, Scorer, great_circle_km
 from edgeproxy._stages.routeplan import RoutePlan, route_plan
 from edgeproxy._upstream.regions import Region, RegionSet
@@ -135,7 +135,7 @@ class Router:
         ``affinity``: the request's prompt key made beforehand (by default, made here).
         Raises a 503 :class:`ProxyError` when a residency rule applies and none
         of the regions it allows is available, and a
-        :class:`~edgeproxy._stages.models.ModelError` (404) when no region
+        :class:`~edgeproxy._stages.modelcatalog.ModelError` (404) when no region
         serves the request's model. Only the regions serving the model are
         candidates, whatever their health.
         """

@@ -35,7 +35,7 @@ from edgeproxy._protocol.headers import (
     append_via,
     connection_tokens,
 )
-from edgeproxy._protocol.models import model_from_body
+from edgeproxy._protocol.modelnames import model_from_body
 from edgeproxy._protocol.objects import RESPONSES, object_path
 from edgeproxy._protocol.refusals import REFUSAL_READ_LIMIT
 from edgeproxy._protocol.translate import TRANSLATED, Translation, cannot_store, translate

@@ -6,9 +6,9 @@ every ``models_refresh`` seconds by one background task of its own
 (:class:`~edgeproxy._upstream.regiontasks.RegionTasks`), through its warm pools and with
 its credentials, bounded by ``[routing] models_fetch_timeout``. Its answer, in OpenAI's
 list shape (``{"data": [{"id": ...}, ...]}``, read by
-:func:`~edgeproxy._protocol.models.parse_model_list`; vLLM adds each model's
+:func:`~edgeproxy._protocol.modelnames.parse_model_list`; vLLM adds each model's
 ``max_model_len``, kept as its context window), becomes the region's
-:class:`LearnedModels`, which the model catalog (:mod:`edgeproxy._stages.models`) routes
+:class:`LearnedModels`, which the model catalog (:mod:`edgeproxy._stages.modelcatalog`) routes
 by.
 
 Some servers answer any model name with the one model they hold, whatever their list says;
@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 
-from edgeproxy._protocol.models import MAX_MODEL_LIST_BYTES, ModelListError, parse_model_list
+from edgeproxy._protocol.modelnames import MAX_MODEL_LIST_BYTES, ModelListError, parse_model_list
 from edgeproxy._upstream.endpoint import Endpoint, RegionEndpoints
 from edgeproxy._upstream.pool import UpstreamError
 from edgeproxy._upstream.regiontasks import RegionTasks
@@ -84,7 +84,7 @@ def few_names(names: Iterable[str], limit: int = _FEW) -> str:
 def answers_any_name(entries: list[dict[str, Any]], body: bytes) -> str | None:
     """The server a ``/v1/models`` answer comes from, when that server answers any model
     name (with the one model it holds); None otherwise. ``entries``: the answer as
-    :func:`~edgeproxy._protocol.models.parse_model_list` read it; ``body``: its bytes.
+    :func:`~edgeproxy._protocol.modelnames.parse_model_list` read it; ``body``: its bytes.
 
     - llama-cpp-python's server lists each model it may load with ``owned_by: "me"`` (its
       id the model file's path unless given ``--model_alias``), and answers a name it does

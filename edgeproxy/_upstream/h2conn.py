@@ -14,13 +14,13 @@
   *stream* error: that stream is reset with PROTOCOL_ERROR and its request
   fails, while the connection and its other streams carry on. h2's own checks
   would make each of these a connection error, so they are turned off and
-  done here and in :mod:`~edgeproxy._upstream.h2engine`, per stream
+  done here and in :mod:`~edgeproxy._upstream.h2clientengine`, per stream
   (:func:`~edgeproxy._upstream.h2fields.parse_fields`, the engine's stream class).
 * h2 remembers how each of the last 65,536 closed streams closed (about 7 MB
   per long-lived connection); only streams closed by RST_STREAM are kept, and
   only the last :data:`RESET_STREAMS_KEPT` of them (:class:`ResetStreams`).
 
-With :mod:`~edgeproxy._upstream.h2engine`, this is the only module of the upstream layer
+With :mod:`~edgeproxy._upstream.h2clientengine`, this is the only module of the upstream layer
 that imports the HTTP/2 protocol engine (``h2`` and ``hpack``): replacing the engine
 touches these two and nothing else.
 """
@@ -45,8 +45,8 @@ import jh2.utilities
 from jh2.hpack import NeverIndexedHeaderTuple
 
 # The tests check the fast path's stream ends against it, by this module's name.
-from edgeproxy._upstream.h2engine import _CLOSED_BY_END_STREAM as _CLOSED_BY_END_STREAM
-from edgeproxy._upstream.h2engine import (
+from edgeproxy._upstream.h2clientengine import _CLOSED_BY_END_STREAM as _CLOSED_BY_END_STREAM
+from edgeproxy._upstream.h2clientengine import (
     RESET_STREAMS_KEPT,
     ClientEngine,
     MalformedData,

@@ -7,7 +7,7 @@ latency, a window of recent times to first byte (for hedging), the requests
 in flight and those still waiting for their first byte, its
 :class:`~edgeproxy._upstream.health.RegionHealth`, the load it reports itself
 (:class:`~edgeproxy._upstream.reported.ReportedLoad`), the prompt prefixes
-recently routed to it (:class:`~edgeproxy._upstream.affinity.PrefixIndex`) and the
+recently routed to it (:class:`~edgeproxy._upstream.prefixindex.PrefixIndex`) and the
 models its own ``/v1/models`` says it serves
 (:class:`~edgeproxy._upstream.catalog.LearnedModels`).
 """
@@ -24,7 +24,6 @@ from typing import Any
 
 from edgeproxy._core.config import Config, RegionConfig
 from edgeproxy._core.config.upstream import HTTP2Mode
-from edgeproxy._upstream.affinity import PrefixIndex
 from edgeproxy._upstream.apis import ApiBook, SpokenApis
 from edgeproxy._upstream.catalog import LearnedModels, ModelLearner
 from edgeproxy._upstream.cooldown import Cooldowns
@@ -38,6 +37,7 @@ from edgeproxy._upstream.pool import (
     UpstreamPool,
     split_origin,
 )
+from edgeproxy._upstream.prefixindex import PrefixIndex
 from edgeproxy._upstream.reported import LoadScraper, ReportedLoad
 
 __all__ = ["Endpoint", "LatencyWindow", "PeakEwma", "Region", "RegionSet"]

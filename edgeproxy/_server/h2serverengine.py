@@ -11,7 +11,7 @@ import jh2.connection
 import jh2.events
 import jh2.stream
 
-from edgeproxy._upstream.h2engine import RESET_STREAMS_KEPT, ResetStreams
+from edgeproxy._upstream.h2clientengine import RESET_STREAMS_KEPT, ResetStreams
 
 __all__ = ["MalformedRequest", "SelfDependent", "ServerEngine"]
 

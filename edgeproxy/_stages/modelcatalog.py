@@ -34,7 +34,7 @@ from edgeproxy._core.response import Response
 from edgeproxy._plugins import PluginError
 from edgeproxy._protocol.endpoints import endpoint_has
 from edgeproxy._protocol.headers import request_id, trace_context
-from edgeproxy._protocol.models import (
+from edgeproxy._protocol.modelnames import (
     ModelListError,
     ModelMatcher,
     model_from_body,
