@@ -29,7 +29,8 @@ import numpy as np
 
 from edgeproxy._core.config import CacheConfig
 from edgeproxy._local.binding import new_llama
-from edgeproxy._upstream.endpoint import Endpoint, RegionEndpoints
+from edgeproxy._stages.cache.regionpost import post_json
+from edgeproxy._upstream.endpoint import RegionEndpoints
 
 __all__ = [
     "Embedder",
@@ -38,11 +39,9 @@ __all__ = [
     "RegionEmbedder",
     "StaticEmbedder",
     "make_embedder",
-    "post_json",
 ]
 
 # The most a region's embeddings answer may hold (a few questions' vectors).
-_MAX_ANSWER_BYTES = 4 * 2**20
 
 
 class EmbedderError(RuntimeError):
@@ -196,37 +195,6 @@ class RegionEmbedder:
 
     async def close(self) -> None:
         return None
-
-
-async def post_json(
-    endpoint: Endpoint,
-    headers: list[tuple[str, str]],
-    body: bytes,
-    path: str = "/v1/embeddings",
-) -> bytes:
-    """POST ``body`` to ``path`` of ``endpoint`` over its warm pool; the answer's bytes
-    (raises :class:`EmbedderError` for a status other than 200, or an answer too large).
-    The model verifier asks a region's ``/v1/chat/completions`` through it too."""
-    resp = await endpoint.pool.request(
-        "POST",
-        endpoint.base_path + path,
-        headers,
-        body,
-        authority=endpoint.authority,
-    )
-    try:
-        chunks: list[bytes] = []
-        size = 0
-        async for chunk in resp.aiter_bytes():
-            size += len(chunk)
-            if size > _MAX_ANSWER_BYTES:
-                raise EmbedderError(f"answer over {_MAX_ANSWER_BYTES} bytes")
-            chunks.append(chunk)
-    finally:
-        await resp.aclose()
-    if resp.status != 200:
-        raise EmbedderError(f"status {resp.status}")
-    return b"".join(chunks)
 
 
 def _embeddings_of(raw: bytes, count: int) -> list[Any]:

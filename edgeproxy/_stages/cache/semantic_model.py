@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from edgeproxy._core.config import CacheConfig
-from edgeproxy._stages.cache.semantic_embed import post_json
+from edgeproxy._stages.cache.regionpost import post_json
 from edgeproxy._upstream.endpoint import RegionEndpoints
 
 if TYPE_CHECKING:
