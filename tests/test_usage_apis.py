@@ -298,3 +298,23 @@ async def test_a_tokens_per_minute_limit_holds_on_responses_and_messages(
     finally:
         await oa.close()
         await an.close()
+
+
+def test_a_chat_stream_with_no_usage_is_counted_by_estimate() -> None:
+    """llama-cpp-python's server never sends usage in a stream: a token per content event,
+    the prompt estimated, and the count marked as an estimate."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "hello there, how are you"}]}
+    tracker = UsageTracker.for_response("/v1/chat/completions", "text/event-stream", 200, body)
+    assert tracker is not None
+    for word in ("one", "two", "three"):
+        tracker.feed(b'data: {"choices":[{"delta":{"content":"' + word.encode() + b'"}}]}\n\n')
+    tracker.feed(b"data: [DONE]\n\n")
+    usage = tracker.result()
+    assert usage is not None and usage["estimated"] is True
+    assert usage["completion_tokens"] == 3 and usage["prompt_tokens"] > 0
+    # A stream that counts itself is taken at its word.
+    counted = UsageTracker.for_response("/v1/chat/completions", "text/event-stream", 200, body)
+    assert counted is not None
+    counted.feed(b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n')
+    counted.feed(b'data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":1}}\n\n')
+    assert counted.result() == {"prompt_tokens": 5, "completion_tokens": 1}

@@ -11,6 +11,11 @@ second); the API's own fields are kept beside them.
 * the Responses API: in the JSON answer, or in the ``response`` of ``response.completed``;
 * Anthropic Messages: in the JSON answer; streamed, split over ``message_start`` and
   ``message_delta``.
+
+A chat or completions stream that carries no usage (llama-cpp-python's server never
+sends it) is counted by estimate: a token per content event, and the prompt as
+:func:`~edgeproxy._protocol.bodies.estimate_prompt_tokens` estimates it, marked
+``"estimated": true``.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Any
 
 import orjson
 
+from edgeproxy._protocol.bodies import estimate_prompt_tokens
 from edgeproxy._protocol.dialects import CHAT, Dialect
 from edgeproxy._protocol.endpoints import openai_endpoint
 from edgeproxy._protocol.sse import SSEEventTooLarge, SSEReader
@@ -37,30 +43,40 @@ class UsageTracker:
     parsed at the end.
     """
 
-    __slots__ = ("_reader", "_dialect", "_buf", "_usage", "_overflow")
+    __slots__ = ("_reader", "_dialect", "_buf", "_usage", "_overflow", "_body", "_deltas")
 
-    def __init__(self, *, sse: bool, dialect: Dialect = CHAT) -> None:
+    def __init__(self, *, sse: bool, dialect: Dialect = CHAT, body: Any = None) -> None:
         self._reader: SSEReader | None = SSEReader() if sse else None
         self._dialect = dialect
         self._buf = b""
         self._usage: dict[str, Any] | None = None
         self._overflow = False
+        # For a stream with no usage of its own: the request, and its content events.
+        self._body = body
+        self._deltas = 0
 
     @classmethod
-    def for_response(cls, path: str, content_type: str, status: int) -> UsageTracker | None:
+    def for_response(
+        cls, path: str, content_type: str, status: int, body: Any = None
+    ) -> UsageTracker | None:
+        """The tracker of an answer of ``status`` and ``content_type`` to ``path``; ``body``:
+        the request's JSON, for the estimate of a stream that counts nothing."""
         if status != 200:
             return None
         endpoint = openai_endpoint(path)
         if endpoint is None or not endpoint.usage:
             return None
         if content_type.startswith("text/event-stream"):
-            return cls(sse=True, dialect=endpoint.dialect)
+            return cls(sse=True, dialect=endpoint.dialect, body=body)
         if "json" in content_type:
             return cls(sse=False, dialect=endpoint.dialect)
         return None
 
     def feed(self, chunk: bytes) -> None:
         reader = self._reader
+        if reader is not None and self._usage is None:
+            # A count in C, for the estimate should the stream carry no usage.
+            self._deltas += chunk.count(b'"content":"') + chunk.count(b'"text":"')
         if reader is None:
             if not self._overflow:
                 if len(self._buf) + len(chunk) > _JSON_LIMIT:
@@ -98,4 +114,16 @@ class UsageTracker:
             self._take(self._buf)
             self._buf = b""
         usage = self._usage
-        return self._dialect.counted(usage) if usage is not None else None
+        if usage is not None:
+            return self._dialect.counted(usage)
+        if self._reader is None or not self._deltas or not isinstance(self._body, dict):
+            return None
+        if self._dialect is not CHAT and self._dialect.name != "completions":
+            return None  # the other APIs' servers always count their streams
+        prompt = estimate_prompt_tokens(self._body)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": self._deltas,
+            "total_tokens": prompt + self._deltas,
+            "estimated": True,
+        }

@@ -149,7 +149,7 @@ class StreamStage:
         ):
             resp.content_length = content_length
         ctx.response_is_sse = content_type.startswith("text/event-stream")
-        usage = UsageTracker.for_response(ctx.path, content_type, reply.status)
+        usage = UsageTracker.for_response(ctx.path, content_type, reply.status, ctx.json)
         try:
             # Inside the try: the client may already be gone when headers go out.
             await resp.prepare(request)
@@ -219,7 +219,7 @@ class StreamStage:
             )
             return resp
         ctx.status = 200
-        usage = UsageTracker.for_response(ctx.path, content_type, 200)
+        usage = UsageTracker.for_response(ctx.path, content_type, 200, ctx.json)
         splice: Splice | None = None
         if legs is not None:
             splice = legs.splice(ctx, 200, content_type)
