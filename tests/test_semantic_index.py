@@ -156,3 +156,21 @@ def test_an_exact_scope_compacts_into_a_tighter_matrix() -> None:
         index.remove(f"k{i}")
     assert index.nbytes() < big / 2
     assert listed(index, "s") == {f"k{i}" for i in range(50, 60)}
+
+
+def test_a_graph_gives_similarities_close_to_the_exact_ones() -> None:
+    pytest.importorskip("usearch", reason="usearch is not installed")
+    rng = np.random.default_rng(5)
+    rows = rng.standard_normal((300, DIMS)).astype(np.float32)
+    rows /= np.linalg.norm(rows, axis=1, keepdims=True)
+    index = SemanticIndex(DIMS, graph_from=64)
+    for i, row in enumerate(rows):
+        index.add("g", f"k{i}", row)
+    assert index.graphs() == 1
+    for i in range(0, 300, 15):
+        near = rows[i] + 0.05 * rng.standard_normal(DIMS).astype(np.float32)
+        near /= np.linalg.norm(near)
+        found = index.search("g", near, k=4)
+        assert found and found[0][0] == f"k{i}"
+        for key, similarity in found:
+            assert similarity == pytest.approx(float(rows[int(key[1:])] @ near), abs=0.03)
