@@ -59,14 +59,15 @@ async def post_retrying(
     client: aiohttp.ClientSession, proxy: EdgeProxy, body: dict[str, Any]
 ) -> tuple[int, dict[str, Any], Any]:
     """``post`` as an SDK sends it: a retryable 503 (owners not looked up in time, on a
-    machine starved of CPU) is sent again, up to three times; a 404 never is, and is
-    recorded."""
-    for _ in range(3):
+    machine starved of CPU) is sent again after its Retry-After, up to five times; a 404
+    never is, and is recorded."""
+    for _ in range(5):
         status, answer, headers = await post(client, proxy, body)
         if status == 404:
             wrong_404s.append(answer)
         if status != 503 or "Retry-After" not in headers:
             break
+        await asyncio.sleep(min(float(headers["Retry-After"]), 3.0))
     return status, answer, headers
 
 
