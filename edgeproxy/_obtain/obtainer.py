@@ -164,12 +164,16 @@ class Obtainer:
                 # Before the ladder: its hooks, and the error answer, see what was tried.
                 record(ctx, sent)
                 if not isinstance(sent, Failure):
-                    if sent.status in TOO_LONG_STATUSES and ctx.route.larger_models:
-                        if request is not None and degrade:
-                            larger = await self._larger(request, ctx, sent)
-                            if larger is not None:
-                                await sent.aclose()
-                                return larger
+                    if (
+                        sent.status in TOO_LONG_STATUSES
+                        and ctx.route.larger_models
+                        and request is not None
+                        and degrade
+                    ):
+                        larger = await self._larger(request, ctx, sent)
+                        if larger is not None:
+                            await sent.aclose()
+                            return larger
                     return sent
                 failure = sent
         if not degrade or request is None or not self._degradable(ctx, failure):

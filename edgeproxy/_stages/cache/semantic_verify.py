@@ -406,10 +406,10 @@ def _align(ours: list[_Content], theirs: list[_Content]) -> tuple[list[int], lis
             if j >= 0 and not used[j]:
                 matched[i], used[j] = j, True
     left = [o for j, o in enumerate(theirs) if not used[j]]
-    return matched, _compounds(ours, matched, left)
+    return matched, _compounds(ours, left)
 
 
-def _compounds(ours: list[_Content], matched: list[int], left: list[_Content]) -> list[_Content]:
+def _compounds(ours: list[_Content], left: list[_Content]) -> list[_Content]:
     """``left`` less the words that, two by two, spell one of ``ours`` ("data base")."""
     if not left:
         return left
