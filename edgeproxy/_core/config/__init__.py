@@ -9,8 +9,8 @@ One module per concern: ``server`` (``[server]``, ``[admin]``, ``[pop]``,
 ``[limits]``), ``upstream`` (``[upstream]``, ``[[regions]]``), ``routes``,
 ``routing`` (``[routing]``, ``[health]``), ``geo``, ``admission``, ``cache``,
 ``observability`` (``[metrics]``, ``[tracing]``, ``[access_log]``),
-``local_model``, ``plugins``, ``sharedload`` (``[shared_load]``); ``redis`` holds
-``[redis]`` and the connection keys every Redis-using section shares; ``root``
+``local_model``, ``plugins``, ``sharedload`` (``[shared_load]``), ``stateful``; ``redis``
+holds ``[redis]``, its named connections and the base of every Redis-using section; ``root``
 holds :class:`Config` and ``Config.from_mapping``; ``loader`` reads TOML files,
 ``env`` applies environment overrides, ``errors`` formats problems, ``docs``
 renders the key reference and ``checks`` holds the field checks several
@@ -34,7 +34,13 @@ from edgeproxy._core.config.observability import (
     TracingConfig,
 )
 from edgeproxy._core.config.plugins import PluginsConfig
-from edgeproxy._core.config.redis import RedisConfig, RedisSettings, redis_settings
+from edgeproxy._core.config.redis import (
+    RedisConfig,
+    RedisConnection,
+    RedisSection,
+    RedisSettings,
+    redis_settings,
+)
 from edgeproxy._core.config.root import Config
 from edgeproxy._core.config.routes import DEFAULT_FALLBACK, FallbackRung, RouteConfig
 from edgeproxy._core.config.routing import HealthConfig, RoutingConfig
@@ -64,6 +70,8 @@ __all__ = [
     "PluginsConfig",
     "PopConfig",
     "RedisConfig",
+    "RedisConnection",
+    "RedisSection",
     "RedisSettings",
     "RegionConfig",
     "RouteConfig",

@@ -2,29 +2,15 @@
 
 from __future__ import annotations
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field, field_validator
 
-from edgeproxy._core.config.base import Section
-from edgeproxy._core.config.checks import check_header_name, check_networks, check_redis_url
-from edgeproxy._core.config.redis import (
-    RedisCluster,
-    RedisPassword,
-    RedisPasswordEnv,
-    RedisSettings,
-    RedisTls,
-    RedisTlsCaFile,
-    RedisTlsCertFile,
-    RedisTlsKeyFile,
-    RedisTlsVerify,
-    RedisUsername,
-    check_redis_cluster,
-    redis_settings,
-)
+from edgeproxy._core.config.checks import check_header_name, check_networks
+from edgeproxy._core.config.redis import RedisSection, redis_url_field
 
 __all__ = ["AdmissionConfig"]
 
 
-class AdmissionConfig(Section):
+class AdmissionConfig(RedisSection):
     """Admission control: rate limits, in-flight caps, the priority queue and load shedding.
 
     A request passes, in order: the token buckets of its API key or tenant
@@ -114,22 +100,10 @@ class AdmissionConfig(Section):
         "agree when both are set). Networks (CIDR) of proxies in front of this one: "
         "X-Forwarded-For is believed only from them when finding the client IP.",
     )
-    redis_url: str = Field(
-        "",
-        description="Share the buckets between workers and PoPs through this Redis: "
-        "redis://host[:port][/db], rediss:// (TLS) or unix:///path/to/redis.sock[?db=N]; '' "
-        "keeps them in the process. Unset: [redis] url.",
-        repr=False,
+    redis_url: str = redis_url_field(
+        "Share the buckets between workers and PoPs through this Redis",
+        off="keeps them in the process",
     )
-    redis_cluster: RedisCluster = False
-    redis_username: RedisUsername = None
-    redis_password: RedisPassword = None
-    redis_password_env: RedisPasswordEnv = None
-    redis_tls: RedisTls = False
-    redis_tls_ca_file: RedisTlsCaFile = None
-    redis_tls_cert_file: RedisTlsCertFile = None
-    redis_tls_key_file: RedisTlsKeyFile = None
-    redis_tls_verify: RedisTlsVerify = True
     redis_prefix: str = Field(
         "edgeproxy:rl:",
         description="Prefix of the bucket keys in Redis. Each key carries its identity as a "
@@ -163,17 +137,3 @@ class AdmissionConfig(Section):
     @classmethod
     def _check_networks(cls, value: list[str]) -> list[str]:
         return check_networks(value)
-
-    @field_validator("redis_url")
-    @classmethod
-    def _check_redis_url(cls, value: str) -> str:
-        return check_redis_url(value, allow_empty=True)
-
-    @field_validator("redis_cluster")
-    @classmethod
-    def _check_redis_cluster(cls, value: bool, info: ValidationInfo) -> bool:
-        return check_redis_cluster(value, info.data.get("redis_url"))
-
-    def redis_settings(self) -> RedisSettings:
-        """Where the buckets' Redis is and how to log in."""
-        return redis_settings(self)

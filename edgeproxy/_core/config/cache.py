@@ -3,36 +3,25 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Literal
+from typing import ClassVar, Literal
 
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from edgeproxy._core.config.base import Section
-from edgeproxy._core.config.checks import check_header_name, check_redis_url
-from edgeproxy._core.config.redis import (
-    RedisCluster,
-    RedisPassword,
-    RedisPasswordEnv,
-    RedisSettings,
-    RedisTls,
-    RedisTlsCaFile,
-    RedisTlsCertFile,
-    RedisTlsKeyFile,
-    RedisTlsVerify,
-    RedisUsername,
-    check_redis_cluster,
-    redis_settings,
-)
+from edgeproxy._core.config.checks import check_header_name
+from edgeproxy._core.config.redis import RedisSection, redis_settings, redis_url_field
 
 __all__ = ["CacheConfig"]
 
 
-class CacheConfig(Section):
+class CacheConfig(RedisSection):
     """The hot-answer cache: where entries live, their bounds, and how Redis faults are contained.
 
     Per-route freshness (``cache``, ``cache_ttl``, ``stale_while_revalidate``,
     ``stale_if_error``) lives on ``[[routes]]``.
     """
+
+    # The redis and tiered backends need a Redis: with none named, the local one.
+    redis_optional: ClassVar[bool] = False
 
     enabled: bool = Field(True, description="Look up and store cacheable answers.")
     backend: Literal["memory", "redis", "tiered"] = Field(
@@ -40,26 +29,13 @@ class CacheConfig(Section):
         description="Where entries live: 'memory' (this process, LRU-bounded), 'redis' (shared "
         "by every PoP and worker) or 'tiered' (memory, then Redis; a Redis hit fills memory).",
     )
-    redis_url: str = Field(
-        "redis://127.0.0.1:6379/0",
-        description="Redis for the redis and tiered backends: redis:// or rediss:// (TLS), "
-        "optionally with user:password@ and a /db number, or unix:///path/to/redis.sock[?db=N]. "
-        "Unset: [redis] url, if set.",
-        repr=False,
+    redis_url: str = redis_url_field(
+        "Redis for the redis and tiered backends", default="redis://127.0.0.1:6379/0"
     )
-    redis_cluster: RedisCluster = False
     key_prefix: str = Field(
         "edgeproxy:",
         description="Prefix of every key the cache writes, so deployments can share one Redis.",
     )
-    redis_username: RedisUsername = None
-    redis_password: RedisPassword = None
-    redis_password_env: RedisPasswordEnv = None
-    redis_tls: RedisTls = False
-    redis_tls_ca_file: RedisTlsCaFile = None
-    redis_tls_cert_file: RedisTlsCertFile = None
-    redis_tls_key_file: RedisTlsKeyFile = None
-    redis_tls_verify: RedisTlsVerify = True
     redis_timeout: float = Field(
         0.25,
         gt=0,
@@ -203,16 +179,6 @@ class CacheConfig(Section):
             names.append(check_header_name(name.strip()).lower())
         return names
 
-    @field_validator("redis_url")
-    @classmethod
-    def _check_redis_url(cls, value: str) -> str:
-        return check_redis_url(value)
-
-    @field_validator("redis_cluster")
-    @classmethod
-    def _check_redis_cluster(cls, value: bool, info: ValidationInfo) -> bool:
-        return check_redis_cluster(value, info.data.get("redis_url"))
-
     @model_validator(mode="after")
     def _check_embedder(self) -> CacheConfig:
         needs = {"gguf": "semantic_embedder_model", "region": "semantic_embedder_region"}
@@ -234,7 +200,3 @@ class CacheConfig(Section):
     def resolved_redis_password(self, environ: Mapping[str, str] | None = None) -> str | None:
         """``redis_password``, else the variable ``redis_password_env`` names, else None."""
         return redis_settings(self, environ).password
-
-    def redis_settings(self) -> RedisSettings:
-        """Where the cache's Redis is and how to log in."""
-        return redis_settings(self)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import typing
 from collections.abc import Iterator
 
@@ -23,19 +24,27 @@ def iter_config_keys() -> Iterator[tuple[str, str, str, str]]:
         assert isinstance(model, type) and issubclass(model, BaseModel), section
         sections.append((section, model))
     for section, model in sections:
-        for name, field in model.model_fields.items():
-            annotation = field.annotation
-            type_name = getattr(annotation, "__name__", None) or str(annotation)
-            type_name = (
-                str(annotation).replace("typing.", "") if "[" in str(annotation) else type_name
-            )
-            if field.is_required():
-                default = "required"
-            elif field.default_factory is not None:
-                default = repr(field.default_factory())  # type: ignore[call-arg]
-            else:
-                default = repr(field.default)
-            yield f"{section}.{name}", type_name, default, field.description or ""
+        yield from _model_keys(section, model)
+
+
+def _model_keys(prefix: str, model: type[BaseModel]) -> Iterator[tuple[str, str, str, str]]:
+    """The keys of one table; a table of named tables (``[redis.connections.<name>]``) has
+    its entries' keys listed under ``<name>``."""
+    for name, field in model.model_fields.items():
+        annotation = field.annotation
+        type_name = getattr(annotation, "__name__", None) or str(annotation)
+        if "[" in str(annotation):
+            type_name = re.sub(r"\b(typing|edgeproxy\._core\.config\.\w+)\.", "", str(annotation))
+        if field.is_required():
+            default = "required"
+        elif field.default_factory is not None:
+            default = repr(field.default_factory())  # type: ignore[call-arg]
+        else:
+            default = repr(field.default)
+        yield f"{prefix}.{name}", type_name, default, field.description or ""
+        entry = typing.get_args(annotation)[-1] if typing.get_origin(annotation) is dict else None
+        if isinstance(entry, type) and issubclass(entry, BaseModel):
+            yield from _model_keys(f"{prefix}.{name}.<name>", entry)
 
 
 def config_docs_markdown() -> str:

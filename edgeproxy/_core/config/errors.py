@@ -71,6 +71,8 @@ def format_errors(
             variable = _origin(origins, path)
             if variable is not None:
                 loc = f"{loc} (from the environment variable {variable})"
+            elif not loc:
+                msg = _named_origin(origins, msg)
         if loc:
             lines.append(f"{loc}: {msg}")
         else:
@@ -85,6 +87,16 @@ def _origin(origins: Mapping[tuple[Any, ...], str], path: tuple[Any, ...]) -> st
         if found is not None:
             return found
     return None
+
+
+def _named_origin(origins: Mapping[tuple[Any, ...], str], msg: str) -> str:
+    """A check of the whole config names its key first (``cache.redis: ...``): the variable
+    that set that key, if one did, goes beside it as beside a field's."""
+    key, sep, reason = msg.partition(": ")
+    variable = origins.get(tuple(key.split("."))) if sep and " " not in key else None
+    if variable is None:
+        return msg
+    return f"{key} (from the environment variable {variable}): {reason}"
 
 
 def _echoes(kind: str) -> bool:

@@ -20,7 +20,7 @@ from edgeproxy._core.config.geo import GeoConfig
 from edgeproxy._core.config.local_model import LocalModelConfig
 from edgeproxy._core.config.observability import AccessLogConfig, MetricsConfig, TracingConfig
 from edgeproxy._core.config.plugins import PluginsConfig
-from edgeproxy._core.config.redis import RedisConfig, inherit_redis
+from edgeproxy._core.config.redis import RedisConfig, RedisSection, resolve_redis
 from edgeproxy._core.config.routes import RouteConfig
 from edgeproxy._core.config.routing import HealthConfig, RoutingConfig
 from edgeproxy._core.config.server import AdminConfig, LimitsConfig, PopConfig, ServerConfig
@@ -52,7 +52,9 @@ class Config(Section):
     )
     redis: RedisConfig = Field(
         default_factory=RedisConfig,
-        description="The Redis of the cache, the rate limits and the shared load view.",
+        description="The Redis connections of the cache, the rate limits, the shared load view "
+        "and the owners of stored objects: [redis] itself, named 'default', and "
+        "[redis.connections.<name>].",
     )
     cache: CacheConfig = Field(default_factory=CacheConfig, description="Hot-answer cache.")
     plugins: PluginsConfig = Field(default_factory=PluginsConfig, description="Plugins.")
@@ -154,13 +156,14 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
-    def _inherit_redis(self) -> Config:
-        for name in ("cache", "admission", "shared_load", "stateful"):
+    def _resolve_redis(self) -> Config:
+        for name in type(self).model_fields:
             section = getattr(self, name)
-            merged = inherit_redis(name, section, self.redis)
-            if merged is not section:
-                # Through __dict__: validate_assignment would run this validator again.
-                self.__dict__[name] = merged
+            if isinstance(section, RedisSection):
+                resolved = resolve_redis(name, section, self.redis)
+                if resolved is not section:
+                    # Through __dict__: validate_assignment would run this validator again.
+                    self.__dict__[name] = resolved
         return self
 
     @model_validator(mode="after")

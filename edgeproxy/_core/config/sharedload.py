@@ -2,29 +2,14 @@
 
 from __future__ import annotations
 
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, model_validator
 
-from edgeproxy._core.config.base import Section
-from edgeproxy._core.config.checks import check_redis_url
-from edgeproxy._core.config.redis import (
-    RedisCluster,
-    RedisPassword,
-    RedisPasswordEnv,
-    RedisSettings,
-    RedisTls,
-    RedisTlsCaFile,
-    RedisTlsCertFile,
-    RedisTlsKeyFile,
-    RedisTlsVerify,
-    RedisUsername,
-    check_redis_cluster,
-    redis_settings,
-)
+from edgeproxy._core.config.redis import RedisSection, redis_url_field
 
 __all__ = ["SharedLoadConfig"]
 
 
-class SharedLoadConfig(Section):
+class SharedLoadConfig(RedisSection):
     """Each process's load per region, published to Redis and read back from every other.
 
     A background task publishes, every ``interval``, this process's requests
@@ -34,22 +19,9 @@ class SharedLoadConfig(Section):
     data older than ``ttl`` (Redis down or slow) means local values only.
     """
 
-    redis_url: str = Field(
-        "",
-        description="Share the load view through this Redis: redis://host[:port][/db], "
-        "rediss:// (TLS) or unix:///path/to/redis.sock[?db=N]; '' keeps the view local. "
-        "Unset: [redis] url.",
-        repr=False,
+    redis_url: str = redis_url_field(
+        "Share the load view through this Redis", off="keeps the view local"
     )
-    redis_cluster: RedisCluster = False
-    redis_username: RedisUsername = None
-    redis_password: RedisPassword = None
-    redis_password_env: RedisPasswordEnv = None
-    redis_tls: RedisTls = False
-    redis_tls_ca_file: RedisTlsCaFile = None
-    redis_tls_cert_file: RedisTlsCertFile = None
-    redis_tls_key_file: RedisTlsKeyFile = None
-    redis_tls_verify: RedisTlsVerify = True
     redis_prefix: str = Field(
         "edgeproxy:load:",
         description="Prefix of the load keys: one hash per region, <prefix>{<region>}, a field "
@@ -83,16 +55,6 @@ class SharedLoadConfig(Section):
         "interval up to this).",
     )
 
-    @field_validator("redis_url")
-    @classmethod
-    def _check_redis_url(cls, value: str) -> str:
-        return check_redis_url(value, allow_empty=True)
-
-    @field_validator("redis_cluster")
-    @classmethod
-    def _check_redis_cluster(cls, value: bool, info: ValidationInfo) -> bool:
-        return check_redis_cluster(value, info.data.get("redis_url"))
-
     @model_validator(mode="after")
     def _check_ttl(self) -> SharedLoadConfig:
         if self.ttl <= self.interval:
@@ -102,7 +64,3 @@ class SharedLoadConfig(Section):
     @property
     def enabled(self) -> bool:
         return bool(self.redis_url)
-
-    def redis_settings(self) -> RedisSettings:
-        """Where the load view's Redis is and how to log in."""
-        return redis_settings(self)

@@ -3,29 +3,14 @@
 
 from __future__ import annotations
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field
 
-from edgeproxy._core.config.base import Section
-from edgeproxy._core.config.checks import check_redis_url
-from edgeproxy._core.config.redis import (
-    RedisCluster,
-    RedisPassword,
-    RedisPasswordEnv,
-    RedisSettings,
-    RedisTls,
-    RedisTlsCaFile,
-    RedisTlsCertFile,
-    RedisTlsKeyFile,
-    RedisTlsVerify,
-    RedisUsername,
-    check_redis_cluster,
-    redis_settings,
-)
+from edgeproxy._core.config.redis import RedisSection, redis_url_field
 
 __all__ = ["StatefulConfig"]
 
 
-class StatefulConfig(Section):
+class StatefulConfig(RedisSection):
     """Stateful requests go to the region that holds their state.
 
     A region that answers a request creating a stored object (a Responses API response
@@ -41,22 +26,9 @@ class StatefulConfig(Section):
         description="Send requests that refer to a stored object to the region that made it "
         "(off: they are routed like any other).",
     )
-    redis_url: str = Field(
-        "",
-        description="Share the owners of stored objects through this Redis: "
-        "redis://host[:port][/db], rediss:// (TLS) or unix:///path/to/redis.sock[?db=N]; '' "
-        "keeps them in this process. Unset: [redis] url.",
-        repr=False,
+    redis_url: str = redis_url_field(
+        "Share the owners of stored objects through this Redis", off="keeps them in this process"
     )
-    redis_cluster: RedisCluster = False
-    redis_username: RedisUsername = None
-    redis_password: RedisPassword = None
-    redis_password_env: RedisPasswordEnv = None
-    redis_tls: RedisTls = False
-    redis_tls_ca_file: RedisTlsCaFile = None
-    redis_tls_cert_file: RedisTlsCertFile = None
-    redis_tls_key_file: RedisTlsKeyFile = None
-    redis_tls_verify: RedisTlsVerify = True
     redis_prefix: str = Field(
         "edgeproxy:owner:", description="Prefix of the owner keys: <prefix><object id>."
     )
@@ -120,17 +92,3 @@ class StatefulConfig(Section):
         description="Retry-After seconds of the 503 a request gets while the region holding "
         "its state is unavailable.",
     )
-
-    @field_validator("redis_url")
-    @classmethod
-    def _check_redis_url(cls, value: str) -> str:
-        return check_redis_url(value, allow_empty=True)
-
-    @field_validator("redis_cluster")
-    @classmethod
-    def _check_redis_cluster(cls, value: bool, info: ValidationInfo) -> bool:
-        return check_redis_cluster(value, info.data.get("redis_url"))
-
-    def redis_settings(self) -> RedisSettings:
-        """Where the owners' Redis is and how to log in."""
-        return redis_settings(self)
