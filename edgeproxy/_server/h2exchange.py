@@ -35,20 +35,11 @@ class ExchangeConnection(Protocol):
     (:class:`~edgeproxy._server.h2connection.H2Connection`): a Protocol, as the
     connection's module imports this one to open streams."""
 
-    @property
-    def loop(self) -> asyncio.AbstractEventLoop: ...
-
-    @property
-    def guard(self) -> ConnectionGuard: ...
-
-    @property
-    def ip(self) -> str: ...
-
-    @property
-    def tls(self) -> TlsInfo | None: ...
-
-    @property
-    def server_header(self) -> bytes: ...
+    loop: asyncio.AbstractEventLoop
+    guard: ConnectionGuard
+    ip: str
+    tls: TlsInfo | None
+    server_header: bytes
 
     def encode_head(self, fields: list[tuple[bytes, bytes, bool]]) -> bytes: ...
 
@@ -258,10 +249,15 @@ class H2Exchange(Exchange):
             conn.send_head(self, end=self.bodiless)
         return self.write
 
-    async def write(self, data: bytes) -> None:
+    def _has_body(self) -> bool:
+        """Whether the answer takes body bytes (not to HEAD, nor a 204 or a 304); raises
+        once the client reset the stream."""
         if self.gone:
             raise ConnectionResetError("the client reset the stream")
-        if self.bodiless:
+        return not self.bodiless
+
+    async def write(self, data: bytes) -> None:
+        if not self._has_body():
             return
         conn = self._conn
         if self._head:
@@ -280,9 +276,7 @@ class H2Exchange(Exchange):
             await conn.wait_room(self)
 
     async def end(self, data: bytes = b"") -> None:
-        if self.gone:
-            raise ConnectionResetError("the client reset the stream")
-        if self.bodiless:
+        if not self._has_body():
             return
         conn = self._conn
         if self._head:
