@@ -234,7 +234,8 @@ class Stream:
         the DATA frames that arrived in one read are relayed in one write, not one each.
         """
         chunks = self.chunks
-        if not chunks:
+        deadline: float | None = None
+        while not chunks:
             if self.error is not None:
                 self.finished = True
                 raise self.error
@@ -242,17 +243,10 @@ class Stream:
                 self.finished = True
                 self.stop_timer()
                 return None
-            deadline = self.conn.loop.time() + read_timeout
-            while not chunks:
-                if self.error is not None:
-                    self.finished = True
-                    raise self.error
-                if self.remote_ended:
-                    self.finished = True
-                    self.stop_timer()
-                    return None
-                if not await self.wait(deadline):
-                    raise UpstreamTimeout("upstream response body timed out", phase="read")
+            if deadline is None:
+                deadline = self.conn.loop.time() + read_timeout
+            if not await self.wait(deadline):
+                raise UpstreamTimeout("upstream response body timed out", phase="read")
         data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         chunks.clear()
         flow, self.unacked = self.unacked, 0
