@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field, field_validator
 
-from edgeproxy._core.config.checks import check_header_name, check_networks
+from edgeproxy._core.config.checks import Networks, check_header_name
 from edgeproxy._core.config.redis import RedisSection, redis_url_field
 
 __all__ = ["AdmissionConfig"]
@@ -91,7 +91,7 @@ class AdmissionConfig(RedisSection):
         description="LLM tokens per minute per client IP, settled like key_tokens_per_minute; "
         "0 means no limit.",
     )
-    trusted_proxies: list[str] = Field(
+    trusted_proxies: Networks = Field(
         default_factory=list,
         # Out of dumps: what it said is in server.trusted_proxies once loaded, and a dump
         # validated again (a worker's config) must not warn of it again.
@@ -132,8 +132,3 @@ class AdmissionConfig(RedisSection):
     @classmethod
     def _check_header_name(cls, value: str) -> str:
         return check_header_name(value)
-
-    @field_validator("trusted_proxies")
-    @classmethod
-    def _check_networks(cls, value: list[str]) -> list[str]:
-        return check_networks(value)

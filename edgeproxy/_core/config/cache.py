@@ -21,7 +21,7 @@ class CacheConfig(RedisSection):
     """
 
     # The redis and tiered backends need a Redis: with none named, the local one.
-    redis_optional: ClassVar[bool] = False
+    url_optional: ClassVar[bool] = False
 
     enabled: bool = Field(True, description="Look up and store cacheable answers.")
     backend: Literal["memory", "redis", "tiered"] = Field(

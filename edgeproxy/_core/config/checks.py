@@ -1,12 +1,23 @@
-"""Field checks shared by several sections: header names, networks and Redis URLs."""
+"""Field checks shared by several sections: header names, networks, paths and URLs."""
 
 from __future__ import annotations
 
 import ipaddress
 import re
-from urllib.parse import parse_qs, urlsplit
+from typing import Annotated
+from urllib.parse import SplitResult, parse_qs, urlsplit
 
-__all__ = ["REDIS_SCHEMES", "check_header_name", "check_networks", "check_redis_url"]
+from pydantic import AfterValidator
+
+__all__ = [
+    "REDIS_SCHEMES",
+    "Networks",
+    "check_header_name",
+    "check_host_port",
+    "check_networks",
+    "check_path",
+    "check_redis_url",
+]
 
 # RFC 9110 field-name token.
 _HEADER_NAME_RE = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
@@ -29,6 +40,27 @@ def check_networks(value: list[str]) -> list[str]:
             ipaddress.ip_network(entry, strict=False)
         except ValueError:
             raise ValueError(f"{entry!r} is not an IP address or CIDR network") from None
+    return value
+
+
+Networks = Annotated[list[str], AfterValidator(check_networks)]
+"""A list of IP addresses and CIDR networks, each checked."""
+
+
+def check_host_port(parts: SplitResult) -> None:
+    """A URL's host and port: ``ValueError`` if it has no host or an invalid port."""
+    if not parts.hostname:
+        raise ValueError("has no host")
+    try:
+        parts.port  # noqa: B018 - raises on an invalid port
+    except ValueError as exc:
+        raise ValueError(f"has an invalid port ({exc})") from None
+
+
+def check_path(value: str) -> str:
+    """``value`` if it is an absolute URL path; else ``ValueError``."""
+    if not value.startswith("/"):
+        raise ValueError("must start with '/'")
     return value
 
 
@@ -65,12 +97,7 @@ def check_redis_url(value: str, *, allow_empty: bool = False, cluster: bool = Fa
             )
         db = ",".join(query.pop("db", []))
     else:
-        if not parts.hostname:
-            raise ValueError("has no host")
-        try:
-            parts.port  # noqa: B018 - raises on an invalid port
-        except ValueError as exc:
-            raise ValueError(f"has an invalid port ({exc})") from None
+        check_host_port(parts)
         db = parts.path.strip("/")
     if query:
         names = ", ".join(sorted(query))

@@ -7,7 +7,7 @@ from typing import Final
 from pydantic import Field, field_validator, model_validator
 
 from edgeproxy._core.config.base import Section
-from edgeproxy._core.config.checks import check_networks
+from edgeproxy._core.config.checks import Networks
 
 __all__ = ["BUILTIN_GROUPS", "GeoConfig"]
 
@@ -31,7 +31,7 @@ class GeoConfig(Section):
         "X-Client-Geo",
         description="Header holding the client's 'lat,lon' in degrees; '' to ignore it.",
     )
-    trusted_peers: list[str] = Field(
+    trusted_peers: Networks = Field(
         default_factory=list,
         # Out of dumps, as admission.trusted_proxies: server.trusted_proxies holds it.
         exclude=True,
@@ -55,11 +55,6 @@ class GeoConfig(Section):
         description="More country groups for residency keys, name -> country codes ('EU' and "
         "'EEA' are built in).",
     )
-
-    @field_validator("trusted_peers")
-    @classmethod
-    def _check_peers(cls, value: list[str]) -> list[str]:
-        return check_networks(value)
 
     @field_validator("country_groups")
     @classmethod

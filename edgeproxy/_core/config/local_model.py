@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from edgeproxy._core.config.base import Section
-from edgeproxy._core.config.models import check_model_names
+from edgeproxy._core.config.models import ModelNames
 
 __all__ = ["LocalModelConfig"]
 
@@ -46,7 +46,7 @@ class LocalModelConfig(Section):
     model_name: str = Field(
         "", description="Model name in answers; empty means 'local/<file name without .gguf>'."
     )
-    models: list[str] = Field(
+    models: ModelNames = Field(
         default_factory=list,
         description="The client model names (exact, or fnmatch globs) the local model may "
         "answer for; a request for another model gets the next rung of the ladder.",
@@ -78,11 +78,6 @@ class LocalModelConfig(Section):
         False,
         description="Keep /readyz at 503 until the local model is loaded (and while it failed).",
     )
-
-    @field_validator("models")
-    @classmethod
-    def _check_models(cls, value: list[str]) -> list[str]:
-        return check_model_names(value)
 
     @field_validator("serve_all_models")
     @classmethod

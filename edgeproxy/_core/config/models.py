@@ -7,8 +7,17 @@ A model name is matched exactly, or as an ``fnmatch``-style glob (``*``, ``?``,
 from __future__ import annotations
 
 import fnmatch
+from typing import Annotated
 
-__all__ = ["GLOB_CHARS", "check_model_aliases", "check_model_names", "is_model_glob"]
+from pydantic import AfterValidator
+
+__all__ = [
+    "GLOB_CHARS",
+    "ModelNames",
+    "check_model_aliases",
+    "check_model_names",
+    "is_model_glob",
+]
 
 GLOB_CHARS = frozenset("*?[")
 """The characters that make a model name a glob."""
@@ -78,3 +87,7 @@ def check_model_aliases(aliases: dict[str, str], models: list[str] | None) -> di
                 "which is not among this region's models"
             )
     return aliases
+
+
+ModelNames = Annotated[list[str], AfterValidator(check_model_names)]
+"""A list of model names, each non-empty and listed once."""

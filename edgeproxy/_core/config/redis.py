@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Final, TypeVar, cast
@@ -91,6 +92,19 @@ def check_redis_cluster(cluster: bool, url: str | None, *, key: str = "redis_url
     return cluster
 
 
+def _url_checks(url: str, cluster: str) -> tuple[Any, Any]:
+    """The checks of a URL key and of its cluster key, for a class whose ``url_optional``
+    says whether the URL may be ''."""
+
+    def check_url(cls: type[Any], value: str) -> str:
+        return check_redis_url(value, allow_empty=cls.url_optional)
+
+    def check_cluster(cls: type[Any], value: bool, info: ValidationInfo) -> bool:
+        return check_redis_cluster(value, info.data.get(url), key=url)
+
+    return field_validator(url)(check_url), field_validator(cluster)(check_cluster)
+
+
 class RedisConnection(Section):
     """One Redis and how to log in: a ``[redis.connections.<name>]`` table.
 
@@ -115,7 +129,7 @@ class RedisConnection(Section):
     )
     tls: bool = Field(False, description="Use TLS for a redis:// URL too (rediss:// does).")
     tls_ca_file: str | None = Field(
-        None, description="CA bundle that verifies the Redis server; the system's if unset."
+        None, description="CA bundle that verifies the Redis server; none is the system's."
     )
     tls_cert_file: str | None = Field(
         None, description="Client certificate for Redis mutual TLS (PEM)."
@@ -128,15 +142,7 @@ class RedisConnection(Section):
     # Whether url may be '' (no Redis): for [redis] alone, whose url is optional.
     url_optional: ClassVar[bool] = False
 
-    @field_validator("url")
-    @classmethod
-    def _check_url(cls, value: str) -> str:
-        return check_redis_url(value, allow_empty=cls.url_optional)
-
-    @field_validator("cluster")
-    @classmethod
-    def _check_cluster(cls, value: bool, info: ValidationInfo) -> bool:
-        return check_redis_cluster(value, info.data.get("url"), key="url")
+    _check_url, _check_cluster = _url_checks("url", "cluster")
 
 
 # The keys of a connection, each spelt "redis_" + key in a section (the older spelling).
@@ -215,6 +221,23 @@ def redis_url_field(purpose: str, default: str = "", off: str | None = None) -> 
     )
 
 
+# The keys a connection's descriptions name, which a section spells "redis_" + key.
+_NAMED_KEYS: Final = re.compile(r"\b(url|password_env|tls_\w+)\b")
+_LOGIN_UNSET: Final = "[redis] password and password_env, if {} is unset too"
+
+
+def _older(key: str, unset: str | None = None) -> Any:
+    """A section's ``redis_<key>``, the older spelling of its connection's ``key``: the same
+    default, described as the connection's key is, with where an unset one comes from."""
+    field = RedisConnection.model_fields[key]
+    described = _NAMED_KEYS.sub(r"redis_\1", field.description or "")
+    return Field(
+        field.default,
+        description=f"{described} Unset: {unset or f'[redis] {key}'}.",
+        repr=field.repr,
+    )
+
+
 class RedisSection(Section):
     """A section that talks to Redis: the connection its ``redis`` key names, or, in the
     older spelling, its own ``redis_<key>`` keys over ``[redis]``'s.
@@ -231,58 +254,20 @@ class RedisSection(Section):
         "older spelling) if it sets any; setting both is an error.",
     )
     redis_url: str = redis_url_field("This section's Redis", off="keeps it local")
-    redis_cluster: bool = Field(
-        False,
-        description="redis_url is one node of a Redis Cluster (as a connection's cluster). "
-        "Unset: [redis] cluster.",
-    )
-    redis_username: str | None = Field(
-        None, description="Redis ACL user name (AUTH). Unset: [redis] username."
-    )
-    redis_password: str | None = Field(
-        None,
-        description="Redis password (AUTH). Prefer redis_password_env. Unset, with "
-        "redis_password_env unset too: [redis] password and password_env.",
-        repr=False,
-    )
-    redis_password_env: str | None = Field(
-        None,
-        description="Name of the environment variable that holds the Redis password. Unset, "
-        "with redis_password unset too: [redis] password and password_env.",
-    )
-    redis_tls: bool = Field(
-        False, description="Use TLS for a redis:// URL too (rediss:// does). Unset: [redis] tls."
-    )
-    redis_tls_ca_file: str | None = Field(
-        None,
-        description="CA bundle that verifies the Redis server; the system's if unset here and "
-        "in [redis] (tls_ca_file).",
-    )
-    redis_tls_cert_file: str | None = Field(
-        None,
-        description="Client certificate for Redis mutual TLS (PEM). Unset: [redis] tls_cert_file.",
-    )
-    redis_tls_key_file: str | None = Field(
-        None, description="Private key of redis_tls_cert_file (PEM). Unset: [redis] tls_key_file."
-    )
-    redis_tls_verify: bool = Field(
-        True,
-        description="Verify the Redis server's certificate and host name. Unset: [redis] "
-        "tls_verify.",
-    )
+    redis_cluster: bool = _older("cluster")
+    redis_username: str | None = _older("username")
+    redis_password: str | None = _older("password", _LOGIN_UNSET.format("redis_password_env"))
+    redis_password_env: str | None = _older("password_env", _LOGIN_UNSET.format("redis_password"))
+    redis_tls: bool = _older("tls")
+    redis_tls_ca_file: str | None = _older("tls_ca_file")
+    redis_tls_cert_file: str | None = _older("tls_cert_file")
+    redis_tls_key_file: str | None = _older("tls_key_file")
+    redis_tls_verify: bool = _older("tls_verify")
 
     # Whether redis_url may be '' (no Redis: the section keeps its state in the process).
-    redis_optional: ClassVar[bool] = True
+    url_optional: ClassVar[bool] = True
 
-    @field_validator("redis_url")
-    @classmethod
-    def _check_redis_url(cls, value: str) -> str:
-        return check_redis_url(value, allow_empty=cls.redis_optional)
-
-    @field_validator("redis_cluster")
-    @classmethod
-    def _check_redis_cluster(cls, value: bool, info: ValidationInfo) -> bool:
-        return check_redis_cluster(value, info.data.get("redis_url"))
+    _check_url, _check_cluster = _url_checks("redis_url", "redis_cluster")
 
     @model_serializer(mode="wrap")
     def _dump(self, handler: SerializerFunctionWrapHandler) -> Any:

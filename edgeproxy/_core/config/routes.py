@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from edgeproxy._core.config.base import Section
+from edgeproxy._core.config.checks import check_path
 
 __all__ = ["DEFAULT_FALLBACK", "PASSABLE_RESPONSE_HEADERS", "FallbackRung", "RouteConfig"]
 
@@ -245,9 +246,7 @@ class RouteConfig(Section):
     @field_validator("path")
     @classmethod
     def _check_path(cls, value: str) -> str:
-        if not value.startswith("/"):
-            raise ValueError("must start with '/'")
-        return value
+        return check_path(value)
 
     @field_validator("methods")
     @classmethod

@@ -10,7 +10,7 @@ from typing import Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from edgeproxy._core.config.base import Section
-from edgeproxy._core.config.checks import check_networks
+from edgeproxy._core.config.checks import Networks
 
 __all__ = ["AdminConfig", "LimitsConfig", "PopConfig", "ServerConfig"]
 
@@ -44,7 +44,7 @@ class ServerConfig(Section):
         "",
         description="Pseudonym used in the Via header; empty means the PoP name.",
     )
-    trusted_proxies: list[str] = Field(
+    trusted_proxies: Networks = Field(
         default_factory=list,
         description="Addresses or CIDR networks of the proxies, load balancers and CDNs in "
         "front of this one (like uvicorn's forwarded_allow_ips): from them X-Forwarded-For is "
@@ -140,11 +140,6 @@ class ServerConfig(Section):
     @classmethod
     def _check_tls_key(cls, value: str | None, info: ValidationInfo) -> str | None:
         return _check_key(value, info)
-
-    @field_validator("trusted_proxies")
-    @classmethod
-    def _check_trusted_proxies(cls, value: list[str]) -> list[str]:
-        return check_networks(value)
 
     @field_validator("server_header")
     @classmethod

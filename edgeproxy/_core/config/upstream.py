@@ -11,7 +11,8 @@ from urllib.parse import urlsplit
 from pydantic import Field, ValidationInfo, field_validator
 
 from edgeproxy._core.config.base import Section
-from edgeproxy._core.config.models import check_model_aliases, check_model_names
+from edgeproxy._core.config.checks import check_host_port, check_path
+from edgeproxy._core.config.models import ModelNames, check_model_aliases
 
 __all__ = ["ContinuationMethod", "HTTP2Mode", "RegionConfig", "ServerKind", "UpstreamConfig"]
 
@@ -131,7 +132,7 @@ class RegionConfig(Section):
         description="Priority tier: tier 0 serves first; a higher tier gets requests only when "
         "no region of a lower tier is available, or as a failover target.",
     )
-    models: list[str] = Field(
+    models: ModelNames = Field(
         default_factory=list,
         description="The model names the region serves, exact or as fnmatch globs "
         "('llama-3*'); requests for other models go elsewhere. Empty: every model.",
@@ -234,12 +235,7 @@ class RegionConfig(Section):
         parts = urlsplit(value)
         if parts.scheme not in ("http", "https"):
             raise ValueError("must be an http:// or https:// URL")
-        if not parts.hostname:
-            raise ValueError("has no host")
-        try:
-            parts.port  # noqa: B018 - raises on an invalid port
-        except ValueError as exc:
-            raise ValueError(f"has an invalid port ({exc})") from None
+        check_host_port(parts)
         if parts.query or parts.fragment:
             raise ValueError("must not have a query or fragment")
         if parts.username is not None or parts.password is not None:
@@ -258,11 +254,6 @@ class RegionConfig(Section):
                 # By position, not by value: the URL itself may hold a secret.
                 raise ValueError(f"entry {index} {exc}") from None
         return value
-
-    @field_validator("models")
-    @classmethod
-    def _check_models(cls, value: list[str]) -> list[str]:
-        return check_model_names(value)
 
     @field_validator("model_aliases")
     @classmethod
@@ -326,22 +317,16 @@ class RegionConfig(Section):
     @field_validator("metrics_path")
     @classmethod
     def _check_metrics_path(cls, value: str) -> str:
-        if not value.startswith("/"):
-            raise ValueError("must start with '/'")
-        return value
+        return check_path(value)
 
-    @field_validator("lat")
+    @field_validator("lat", "lon")
     @classmethod
-    def _check_lat(cls, value: float) -> float:
-        if not (math.isfinite(value) and -90.0 <= value <= 90.0):
-            raise ValueError(f"must be a latitude in degrees between -90 and 90, not {value}")
-        return value
-
-    @field_validator("lon")
-    @classmethod
-    def _check_lon(cls, value: float) -> float:
-        if not (math.isfinite(value) and -180.0 <= value <= 180.0):
-            raise ValueError(f"must be a longitude in degrees between -180 and 180, not {value}")
+    def _check_position(cls, value: float, info: ValidationInfo) -> float:
+        kind, bound = ("latitude", 90.0) if info.field_name == "lat" else ("longitude", 180.0)
+        if not (math.isfinite(value) and -bound <= value <= bound):
+            raise ValueError(
+                f"must be a {kind} in degrees between -{bound:g} and {bound:g}, not {value}"
+            )
         return value
 
     @field_validator("weight")
