@@ -1,9 +1,14 @@
 """The one way the proxy opens a Redis client: standalone or Redis Cluster, TCP, TLS or a socket.
 
-The cache, the shared rate limits and the shared load view each build their
-client here from their section's :class:`~edgeproxy._core.config.RedisSettings`,
-so AUTH, TLS and cluster mode mean the same everywhere. What differs between
-them (timeouts, pool size, whether a busy pool waits) are arguments.
+The cache, the shared rate limits, the shared load view and the owners of
+stored objects each build their client here from their section's
+:class:`~edgeproxy._core.config.RedisSettings`: those of the Redis connection
+the section names (``redis = "<name>"``), or of its own ``redis_*`` keys, as the
+config resolved them. So AUTH, TLS and cluster mode mean the same everywhere.
+What differs between them (timeouts, pool size, whether a busy pool waits) are
+arguments. Sections that name the same connection share its settings, not a
+client: each opens and closes its own pool with its own socket timeouts, and a
+pool is bound to the event loop that opened it.
 
 On a Redis Cluster (``redis_cluster = true``) the URL names one node; redis-py's
 ``RedisCluster`` discovers the others and sends each command to the master of
