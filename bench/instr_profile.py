@@ -223,6 +223,7 @@ def native_component(ob: str, fl: str, fn: str) -> str:
 _PY_GROUPS = [
     ("/bench/reference_proxy.py", "reference handler"),
     ("/edgeproxy/_upstream/h2", "edgeproxy HTTP/2 connection (h2conn, h2stream, h2pool)"),
+    ("/edgeproxy/_http2/", "edgeproxy HTTP/2 connection (h2conn, h2stream, h2pool)"),
     ("/edgeproxy/_upstream/http1.py", "edgeproxy HTTP/1.1 upstream (http1.py)"),
     ("/edgeproxy/_upstream/", "routing: regions, health, load (_upstream)"),
     ("/edgeproxy/_stages/admission", "stage: admission"),
@@ -259,7 +260,7 @@ _NATIVE_BUILTINS = ("uvloop", "aiohttp.", "multidict", "yarl", "jh2", "_asyncio"
 # once, and cProfile does not see it as a call of its own): kernel time, which callgrind
 # does not count, so they are left out of the shares.
 _WRITES = (("/aiohttp/http_writer.py", "_write"), ("/aiohttp/http_writer.py", "_writelines"))
-_WRITES_H2 = ("/edgeproxy/_upstream/h2conn.py", "flush")
+_WRITES_H2 = ("/edgeproxy/_http2/writes.py", "flush")
 
 
 def python_component(filename: str) -> str:

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from edgeproxy import EdgeProxy
-from edgeproxy._server import h2frames
+from edgeproxy._http2 import frames as http2_frames
 from edgeproxy._server.h2server import H2Connection
 from edgeproxy.testing import H2Attacker
 from edgeproxy.testing._h2attack import (
@@ -161,14 +161,14 @@ async def test_bytes_trickling_in_cost_the_same_per_byte(
     """A request of three full DATA frames fed to the listener a byte at a time: every byte
     is framed once, not once per read as when the unfinished frame was copied each time."""
     framed = 0
-    split = h2frames.split_frames
+    split = http2_frames.split_frames
 
     def counting(buf: Any, *args: Any, **kwargs: Any) -> int:
         nonlocal framed
         framed += len(buf)
         return split(buf, *args, **kwargs)
 
-    monkeypatch.setattr(h2frames, "split_frames", counting)
+    monkeypatch.setattr(http2_frames, "split_frames", counting)
     client = await H2Attacker.open(proxy.url)
     await served(client)
     (conn,) = h2_connections(proxy)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hyperframe.frame
 
-from edgeproxy._upstream.h2fields import header_frames
+from edgeproxy._http2.frames import header_frames
 from tests.test_h2pool import hypercorn_server, limits, open_pool
 
 

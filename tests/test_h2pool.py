@@ -38,7 +38,8 @@ import pytest
 from hypercorn.asyncio import serve
 from hypercorn.config import Config
 
-from edgeproxy._upstream import h2conn, h2fields
+from edgeproxy._http2 import engine, fields
+from edgeproxy._upstream import h2conn
 from edgeproxy._upstream.h2pool import H2Pool
 from edgeproxy._upstream.pool import (
     PoolLimits,
@@ -1020,7 +1021,7 @@ async def test_ping_flood_while_our_replies_go_unread_closes_the_connection() ->
     ],
 )
 def test_well_formed_response_fields_pass(block: list[tuple[bytes, bytes]]) -> None:
-    status, headers, _ = h2fields.parse_fields(block, trailers=False)
+    status, headers, _ = fields.parse_fields(block, trailers=False)
     assert status == int(block[0][1])
     assert len(headers) == len(block) - 1
 
@@ -1042,14 +1043,14 @@ def test_well_formed_response_fields_pass(block: list[tuple[bytes, bytes]]) -> N
     ],
 )
 def test_malformed_response_fields_are_named(block: list[tuple[bytes, bytes]], reason: str) -> None:
-    with pytest.raises(h2fields.Malformed, match=reason):
-        h2fields.parse_fields(block, trailers=False)
+    with pytest.raises(fields.Malformed, match=reason):
+        fields.parse_fields(block, trailers=False)
 
 
 def test_trailers_may_not_carry_pseudo_headers() -> None:
-    assert h2fields.parse_fields([(b"x-t", b"1")], trailers=True)[1] == [("x-t", "1")]
-    with pytest.raises(h2fields.Malformed, match="in trailers"):
-        h2fields.parse_fields([(b":status", b"200")], trailers=True)
+    assert fields.parse_fields([(b"x-t", b"1")], trailers=True)[1] == [("x-t", "1")]
+    with pytest.raises(fields.Malformed, match="in trailers"):
+        fields.parse_fields([(b":status", b"200")], trailers=True)
 
 
 # --------------------------------------------------------------------------
@@ -1257,7 +1258,7 @@ async def test_a_last_data_frame_closes_the_stream_in_h2_too(last: bytes) -> Non
     assert stream_id not in conn.streams  # released: the request had ended, the response too
     h2stream = conn.h2.streams[stream_id]
     assert h2stream.closed
-    assert h2stream.closed_by is h2conn._CLOSED_BY_END_STREAM
+    assert h2stream.closed_by is engine.CLOSED_BY_END_STREAM
     # h2 forgets it as it forgets any stream that ended, without remembering it.
     assert conn.h2.open_outbound_streams == 0
     assert stream_id not in conn.h2.streams
@@ -1269,4 +1270,4 @@ def test_the_byte_tests_of_field_values_agree_with_the_rfc_pattern() -> None:
     for size in range(5):
         for parts in itertools.product(alphabet, repeat=size):
             value = b"".join(parts)
-            assert h2fields._bad_value(value) == bool(h2fields._BAD_VALUE.search(value)), value
+            assert fields._bad_value(value) == bool(fields._BAD_VALUE.search(value)), value

@@ -22,25 +22,16 @@ import jh2.stream
 from jh2.hyperframe.frame import GoAwayFrame
 
 from edgeproxy._core.exchange import TlsInfo
+from edgeproxy._http2.engine import engine_config, peer_defaults, received_end_stream
+from edgeproxy._http2.fields import Malformed, field_name, field_value
+from edgeproxy._http2.frames import FRAME_HEADER, TOO_LARGE, FrameReader
+from edgeproxy._http2.windows import take_data
 from edgeproxy._server.guard import ConnectionGuard
 from edgeproxy._server.h2exchange import H2Exchange
 from edgeproxy._server.h2flow import FlowSite, H2Flow
-from edgeproxy._server.h2frames import TOO_LARGE, FrameReader
 from edgeproxy._server.h2limits import H2Limits
 from edgeproxy._server.h2request import head_refusal, header_list_size, request_fields
 from edgeproxy._server.h2serverengine import MalformedRequest, SelfDependent, ServerEngine
-from edgeproxy._upstream.h2clientengine import (
-    engine_config,
-    peer_defaults,
-    received_end_stream,
-    take_data,
-)
-from edgeproxy._upstream.h2fields import (
-    FRAME_HEADER,
-    Malformed,
-    field_name,
-    field_value,
-)
 
 __all__ = ["ConnectionSite", "H2Connection"]
 

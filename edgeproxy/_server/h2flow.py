@@ -18,10 +18,13 @@ import jh2.errors
 import jh2.exceptions
 import jh2.stream
 
+from edgeproxy._http2.engine import queue_headers
+from edgeproxy._http2.frames import FRAME_HEADER
+from edgeproxy._http2.windows import queue_data
+from edgeproxy._http2.writes import QueuedWrites
 from edgeproxy._server.guard import ConnectionGuard
 from edgeproxy._server.h2exchange import H2Exchange
 from edgeproxy._server.h2serverengine import ServerEngine
-from edgeproxy._upstream.h2fields import FRAME_HEADER, header_frames
 
 __all__ = ["CONNECTION_BUFFER", "STREAM_BUFFER", "FlowSite", "H2Flow"]
 
@@ -36,10 +39,7 @@ _STREAM_FLOOR: Final = 2 * 2**14
 _CANCEL: Final = jh2.errors.ErrorCodes.CANCEL
 _INTERNAL: Final = jh2.errors.ErrorCodes.INTERNAL_ERROR
 _SEND_HEADERS: Final = jh2.connection.ConnectionInputs.SEND_HEADERS
-_STREAM_SEND_HEADERS: Final = jh2.stream.StreamInputs.SEND_HEADERS
 _STREAM_SEND_END_STREAM: Final = jh2.stream.StreamInputs.SEND_END_STREAM
-_SEND_DATA: Final = jh2.connection.ConnectionInputs.SEND_DATA
-_STREAM_SEND_DATA: Final = jh2.stream.StreamInputs.SEND_DATA
 _SERVER_OPEN: Final = jh2.connection.ConnectionState.SERVER_OPEN
 # Stream states a DATA frame from the server leaves as they are.
 _SENDING: Final = frozenset(
@@ -54,7 +54,7 @@ class FlowSite(Protocol):
     def send_stall_timeout(self) -> float: ...
 
 
-class H2Flow:
+class H2Flow(QueuedWrites):
     """The answers' framing, buffering and flow control, and the connection's writes."""
 
     # The connection's, set as it starts (H2Connection.__init__).
@@ -90,11 +90,9 @@ class H2Flow:
         if h2stream is None:
             return
         h2.state_machine.process_input(_SEND_HEADERS)
-        h2stream.state_machine.process_input(_STREAM_SEND_HEADERS)
+        queue_headers(h2, h2stream, block, end)
         if end:
-            h2stream.state_machine.process_input(_STREAM_SEND_END_STREAM)
             self._finished(stream)
-        h2._data_to_send += header_frames(stream.id, block, end, h2.max_outbound_frame_size)
         self.flush_soon()
         if end:
             self._drop(stream)
@@ -163,21 +161,13 @@ class H2Flow:
         size = len(out)
         sent = 0
         frame = h2.max_outbound_frame_size
-        buffer = h2._data_to_send
         while sent < size:
             window = min(h2stream.outbound_flow_control_window, h2.outbound_flow_control_window)
             if window <= 0:
                 break
             piece = min(window, frame, size - sent)
             last = stream.end_requested and sent + piece == size
-            h2.state_machine.process_input(_SEND_DATA)
-            h2stream.state_machine.process_input(_STREAM_SEND_DATA)
-            if last:
-                h2stream.state_machine.process_input(_STREAM_SEND_END_STREAM)
-            h2stream.outbound_flow_control_window -= piece
-            h2.outbound_flow_control_window -= piece
-            buffer += FRAME_HEADER.pack(piece >> 16, piece & 0xFFFF, 0, 1 if last else 0, stream.id)
-            buffer += out[sent : sent + piece]
+            queue_data(h2, h2stream, out[sent : sent + piece], last)
             sent += piece
             self._earned += 1
         if sent:
@@ -186,10 +176,7 @@ class H2Flow:
             self._taken(sent)
         if not out and stream.end_requested and not stream.answered:
             if not sent:  # nothing left to carry END_STREAM: an empty DATA frame does
-                h2.state_machine.process_input(_SEND_DATA)
-                h2stream.state_machine.process_input(_STREAM_SEND_DATA)
-                h2stream.state_machine.process_input(_STREAM_SEND_END_STREAM)
-                buffer += FRAME_HEADER.pack(0, 0, 0, 1, stream.id)
+                queue_data(h2, h2stream, b"", True)
             self._finished(stream)
         if out or (stream.end_requested and not stream.answered):
             self.blocked.add(stream)
@@ -289,16 +276,3 @@ class H2Flow:
         with contextlib.suppress(jh2.exceptions.ProtocolError):
             self.h2.acknowledge_received_data(size, stream_id)
         self.flush_soon()
-
-    def flush_soon(self) -> None:
-        """Write what jh2 queued at the end of this loop turn: the frames of every stream
-        and reply made meanwhile go out in one write."""
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            self.loop.call_soon(self.flush)
-
-    def flush(self) -> None:
-        self._flush_scheduled = False
-        data = self.h2.data_to_send()
-        if data and not self.transport.is_closing():
-            self.transport.write(data)

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Final
 import jh2.errors
 import jh2.exceptions
 
+from edgeproxy._http2.frames import FrameReader
 from edgeproxy._server.guard import ConnectionGuard
-from edgeproxy._server.h2frames import FrameReader
 from edgeproxy._server.h2serverengine import ServerEngine
 
 __all__ = ["H2Limits"]

@@ -15,7 +15,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from edgeproxy._core.config import LimitsConfig
 from edgeproxy._core.errors import ProxyError
-from edgeproxy._upstream.h2fields import Malformed, field_name, field_value
+from edgeproxy._http2.fields import Malformed, field_name, field_value
 
 __all__ = [
     "BadUpgrade",

@@ -36,7 +36,7 @@ when its client resets the stream or leaves. On top of jh2, with the limits of
   pipeline's write waits and the proxy stops reading the region; a stream whose client
   takes nothing for ``server.h2_send_stall_timeout`` is reset (``CANCEL``), counted as
   ``h2_send_stalls``; a socket the client does not read stops every stream's writes;
-* **framing** (:mod:`~edgeproxy._server.h2frames`): a frame declared past
+* **framing** (:mod:`~edgeproxy._http2.frames`): a frame declared past
   SETTINGS_MAX_FRAME_SIZE gets GOAWAY ``FRAME_SIZE_ERROR`` as its header arrives; of a
   frame not yet whole only what came is held, and a read costs what its bytes do;
 * **the head deadline**: a header block must be whole within ``header_timeout`` once its
@@ -57,7 +57,8 @@ lifecycle, with :mod:`~edgeproxy._server.h2flow` (the answers, flow control) and
 :mod:`~edgeproxy._server.h2limits` (abuse, deadlines, idle) as its base classes, on
 :mod:`~edgeproxy._server.h2serverengine` (jh2 with per-stream errors);
 :mod:`~edgeproxy._server.h2exchange` is one stream as the pipeline's exchange. This module
-is the site that serves them.
+is the site that serves them. What the listener shares with the upstream pools (frames,
+fields, the engine's setup, flow control) is :mod:`edgeproxy._http2`.
 """
 
 from __future__ import annotations

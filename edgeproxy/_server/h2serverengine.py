@@ -6,12 +6,11 @@ from __future__ import annotations
 
 from typing import Any, Final, cast
 
-import jh2.config
 import jh2.connection
 import jh2.events
 import jh2.stream
 
-from edgeproxy._upstream.h2clientengine import RESET_STREAMS_KEPT, ResetStreams
+from edgeproxy._http2.engine import Engine, EngineStream
 
 __all__ = ["MalformedRequest", "SelfDependent", "ServerEngine"]
 
@@ -31,7 +30,7 @@ class SelfDependent(MalformedRequest):
     itself: that stream's error (RFC 7540 §5.3.1), which jh2 makes the connection's."""
 
 
-class _H2Stream(jh2.stream.H2Stream):
+class _H2Stream(EngineStream):
     """A jh2 stream whose malformed requests are stream errors (RFC 9113 §8.1.1);
     ``content-length`` is checked by
     :class:`~edgeproxy._server.h2connection.H2Connection`, per stream."""
@@ -57,18 +56,13 @@ class _H2Stream(jh2.stream.H2Stream):
             machine.process_input(_RECV_HEADERS)  # open, so that it can be reset
         return [], [MalformedRequest(self.stream_id, reason)]
 
-    def _initialize_content_length(self, headers: Any) -> None:
-        self._expected_content_length = None
 
-
-class ServerEngine(jh2.connection.H2Connection):
+class ServerEngine(Engine):
     """jh2's server connection: streams of :class:`_H2Stream`, closed ones forgotten as
     they end, and no cap on open streams of its own (the listener refuses a stream past
     its cap with REFUSED_STREAM; jh2 would end the connection)."""
 
-    def __init__(self, config: jh2.config.H2Configuration) -> None:
-        super().__init__(config)
-        self._closed_streams = ResetStreams(size_limit=RESET_STREAMS_KEPT)
+    stream_class = _H2Stream
 
     @property
     def open_inbound_streams(self) -> int:
@@ -86,11 +80,6 @@ class ServerEngine(jh2.connection.H2Connection):
             return cast("tuple[list[Any], list[Any]]", super()._receive_priority_frame(frame))
         events = self.state_machine.process_input(jh2.connection.ConnectionInputs.RECV_PRIORITY)
         return [], [*events, SelfDependent(frame.stream_id, "a stream depends on itself")]
-
-    def _begin_new_stream(self, stream_id: int, allowed_ids: Any) -> Any:
-        stream = super()._begin_new_stream(stream_id, allowed_ids)
-        stream.__class__ = _H2Stream
-        return stream
 
     def forget(self, stream_id: int) -> None:
         """A closed stream leaves the table (jh2 sweeps it only when counting streams)."""

@@ -15,25 +15,25 @@
   fails, while the connection and its other streams carry on. h2's own checks
   would make each of these a connection error, so they are turned off and
   done here and in :mod:`~edgeproxy._upstream.h2clientengine`, per stream
-  (:func:`~edgeproxy._upstream.h2fields.parse_fields`, the engine's stream class).
+  (:func:`~edgeproxy._http2.fields.parse_fields`, the engine's stream class).
 * h2 remembers how each of the last 65,536 closed streams closed (about 7 MB
   per long-lived connection); only streams closed by RST_STREAM are kept, and
-  only the last :data:`RESET_STREAMS_KEPT` of them (:class:`ResetStreams`).
+  only the last :data:`~edgeproxy._http2.engine.RESET_STREAMS_KEPT` of them
+  (:class:`~edgeproxy._http2.engine.ResetStreams`).
 
 With :mod:`~edgeproxy._upstream.h2clientengine`, this is the only module of the upstream layer
-that imports the HTTP/2 protocol engine (``h2`` and ``hpack``): replacing the engine
-touches these two and nothing else.
+that imports the HTTP/2 protocol engine (``h2`` and ``hpack``); what the listener shares of
+it is :mod:`edgeproxy._http2`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import socket
-import struct
 from typing import Final, Protocol, cast
 
-# The protocol engine, jh2 (see h2engine): the fast paths here touch its internals too, one
-# more reason its version is pinned to a tested range in setup.cfg.
+# The protocol engine, jh2 (see edgeproxy._http2.engine): the fast paths here touch its
+# internals too, one more reason its version is pinned to a tested range in setup.cfg.
 import jh2 as h2
 import jh2.connection
 import jh2.errors
@@ -44,29 +44,19 @@ import jh2.stream
 import jh2.utilities
 from jh2.hpack import NeverIndexedHeaderTuple
 
-# The tests check the fast path's stream ends against it, by this module's name.
-from edgeproxy._upstream.h2clientengine import _CLOSED_BY_END_STREAM as _CLOSED_BY_END_STREAM
-from edgeproxy._upstream.h2clientengine import (
+from edgeproxy._http2.engine import (
     RESET_STREAMS_KEPT,
-    ClientEngine,
-    MalformedData,
-    MalformedHeaders,
-    ResetStreams,
     engine_config,
     peer_defaults,
+    queue_headers,
     received_end_stream,
-    take_data,
 )
-from edgeproxy._upstream.h2fields import (
-    Malformed,
-    header_frames,
-    parse_fields,
-    request_method,
-    set_response_headers,
-    split_frames,
-    window_update_due,
-)
-from edgeproxy._upstream.h2stream import H2Response, Stream, timeout_waiter
+from edgeproxy._http2.fields import Malformed, parse_fields, request_method
+from edgeproxy._http2.frames import split_frames
+from edgeproxy._http2.windows import queue_data, take_data, window_update_due
+from edgeproxy._http2.writes import QueuedWrites
+from edgeproxy._upstream.h2clientengine import ClientEngine, MalformedData, MalformedHeaders
+from edgeproxy._upstream.h2stream import H2Response, Stream, set_response_headers, timeout_waiter
 from edgeproxy._upstream.pool import (
     UpstreamError,
     UpstreamNotHTTP2,
@@ -78,13 +68,7 @@ __all__ = [
     "ConnectionPool",
     "H2Response",
     "NeverIndexedHeaderTuple",
-    "RESET_STREAMS_KEPT",
     "RefusedStream",
-    "ResetStreams",
-    "engine_config",
-    "peer_defaults",
-    "received_end_stream",
-    "take_data",
     "Stream",
     "timeout_waiter",
 ]
@@ -102,14 +86,8 @@ _REFUSED: Final = h2.errors.ErrorCodes.REFUSED_STREAM
 # Frames we must answer; at most this many while the peer reads none of our data.
 _ANSWERED: Final = (h2.events.PingReceived, h2.events.RemoteSettingsChanged)
 _MAX_UNREAD_REPLIES: Final = 1000
-# The 9-byte frame header (RFC 9113 §4.1): length (24 bits), type, flags, stream id.
-_FRAME_HEADER: Final = struct.Struct(">BHBBL")
 _CLIENT_OPEN: Final = h2.connection.ConnectionState.CLIENT_OPEN
 _SEND_HEADERS: Final = h2.connection.ConnectionInputs.SEND_HEADERS
-_STREAM_SEND_HEADERS: Final = h2.stream.StreamInputs.SEND_HEADERS
-_STREAM_SEND_END_STREAM: Final = h2.stream.StreamInputs.SEND_END_STREAM
-_SEND_DATA: Final = h2.connection.ConnectionInputs.SEND_DATA
-_STREAM_SEND_DATA: Final = h2.stream.StreamInputs.SEND_DATA
 _CLIENT_IDS: Final = h2.connection.AllowedStreamIDs.ODD
 # jh2 encodes (name, value, never indexed) byte triples with its compiled HPACK; without
 # it (a pure-Python fallback) h2's own send_headers is used.
@@ -141,14 +119,14 @@ class ConnectionPool(Protocol):
     def _connection_gone(self, conn: Connection) -> None: ...
 
 
-class Connection(asyncio.Protocol):
+class Connection(QueuedWrites, asyncio.Protocol):
     """One HTTP/2 connection: h2 state, its transport and its live streams."""
 
     def __init__(self, pool: ConnectionPool, loop: asyncio.AbstractEventLoop) -> None:
         self.pool = pool
         self.loop = loop
         # Responses are checked per stream here (parse_fields).
-        self.h2 = ClientEngine(engine_config(client_side=True), RESET_STREAMS_KEPT)
+        self.h2: ClientEngine = ClientEngine(engine_config(client_side=True), RESET_STREAMS_KEPT)
         self.h2.local_settings = h2.settings.Settings(
             client=True,
             initial_values={
@@ -510,20 +488,16 @@ class Connection(asyncio.Protocol):
             raise h2.exceptions.TooManyStreamsError(f"Max outbound streams is {limit}")
         h2conn.state_machine.process_input(_SEND_HEADERS)
         stream = h2conn._begin_new_stream(stream_id, _CLIENT_IDS)
-        stream.state_machine.process_input(_STREAM_SEND_HEADERS)
+        # Encoded first: the stream's state machine, new, takes HEADERS whatever comes.
         block = h2conn.encoder.encode(
             [
                 (f[0].encode(), f[1].encode(), isinstance(f, NeverIndexedHeaderTuple))
                 for f in headers
             ]
         )
-        if end_stream:
-            stream.state_machine.process_input(_STREAM_SEND_END_STREAM)
         stream._authority = h2.utilities.authority_from_headers(headers)
         stream.request_method = h2.utilities.extract_method_header(headers)
-        h2conn._data_to_send += header_frames(
-            stream_id, block, end_stream, stream.max_outbound_frame_size
-        )
+        queue_headers(h2conn, stream, block, end_stream)
 
     def send_data(self, stream_id: int, data: memoryview, end_stream: bool) -> None:
         """h2's ``send_data`` without its frame objects: h2's checks, state transitions
@@ -539,15 +513,7 @@ class Connection(asyncio.Protocol):
         ):
             h2conn.send_data(stream_id, data, end_stream=end_stream)  # raises as h2 does
             return
-        h2conn.state_machine.process_input(_SEND_DATA)
-        stream.state_machine.process_input(_STREAM_SEND_DATA)
-        if end_stream:
-            stream.state_machine.process_input(_STREAM_SEND_END_STREAM)
-        stream.outbound_flow_control_window -= size
-        h2conn.outbound_flow_control_window -= size
-        out = h2conn._data_to_send
-        out += _FRAME_HEADER.pack(size >> 16, size & 0xFFFF, 0, 1 if end_stream else 0, stream_id)
-        out += data
+        queue_data(h2conn, stream, data, end_stream)
 
     def start_draining(self) -> None:
         if not self.draining:
@@ -606,18 +572,6 @@ class Connection(asyncio.Protocol):
         self.ping_sent_at = self.loop.time()
         self.h2.ping(self._ping_seq.to_bytes(8, "big"))
         self.flush_soon()
-
-    def flush_soon(self) -> None:
-        # Requests started in the same loop turn share one write() call.
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            self.loop.call_soon(self.flush)
-
-    def flush(self) -> None:
-        self._flush_scheduled = False
-        data = self.h2.data_to_send()
-        if data and self.transport is not None and not self.transport.is_closing():
-            self.transport.write(data)
 
     def close(self, error: UpstreamError | None = None) -> None:
         """GOAWAY, fail what is left with ``error`` and close the transport."""

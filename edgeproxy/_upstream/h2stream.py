@@ -1,18 +1,26 @@
 """One HTTP/2 request/response exchange (:class:`Stream`) and the response it gives the
-pool's caller (:class:`H2Response`). The frames themselves are the connection's
-(:mod:`edgeproxy._upstream.h2conn`, the one module that imports the protocol engine).
+pool's caller (:class:`H2Response`), with the response's head as the stream takes it. The
+frames themselves are the connection's (:mod:`edgeproxy._upstream.h2conn`).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import Final, Protocol
+from typing import Any, Final, Protocol
 
 from edgeproxy._core.types import Body, Headers
+from edgeproxy._http2.fields import Malformed, parse_fields
 from edgeproxy._upstream.pool import UpstreamError, UpstreamTimeout
 
-__all__ = ["CANCEL", "H2Response", "Stream", "StreamConnection", "timeout_waiter"]
+__all__ = [
+    "CANCEL",
+    "H2Response",
+    "Stream",
+    "StreamConnection",
+    "set_response_headers",
+    "timeout_waiter",
+]
 
 
 class _FlowWindows(Protocol):
@@ -306,3 +314,15 @@ class H2Response:
                 stream.close()
         except Exception:  # pragma: no cover - interpreter shutdown, odd states
             pass
+
+
+def set_response_headers(stream: Stream, raw: list[Any]) -> None:
+    """Take the final response's header block; raises :class:`Malformed`."""
+    status, headers, length = parse_fields(raw, trailers=False)
+    if status < 200:
+        raise Malformed(f"informational :status {status} where the final one was due")
+    stream.headers = headers
+    stream.status = status
+    # A response to HEAD, a 204 and a 304 have no content whatever
+    # Content-Length says (RFC 9110 §6.4.1).
+    stream.expected_length = 0 if stream.head or status in (204, 304) else length
