@@ -45,7 +45,6 @@ import contextlib
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import Final, cast
 from urllib.parse import parse_qsl, urlsplit
 
@@ -57,6 +56,8 @@ import h2.exceptions
 import h2.settings
 import hyperframe.frame
 from hpack import NeverIndexedHeaderTuple
+
+from edgeproxy.testing._served import Served
 
 __all__ = ["HOSTILE_BEHAVIORS", "MALFORMED_RESPONSES", "HostileCounters", "HostileRegion"]
 
@@ -645,7 +646,7 @@ _HANDLERS: Final[dict[str, Handler]] = {
 assert set(_HANDLERS) == HOSTILE_BEHAVIORS
 
 
-class HostileRegion:
+class HostileRegion(Served):
     """An h2c server whose every request may ask it to break HTTP/2 in a chosen way.
 
     Args:
@@ -763,18 +764,6 @@ class HostileRegion:
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
         await server.wait_closed()
-
-    async def __aenter__(self) -> HostileRegion:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.stop()
 
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"

@@ -10,7 +10,6 @@ import ssl
 import sys
 import threading
 from collections.abc import Callable
-from types import TracebackType
 from typing import Any, Final, cast
 
 from edgeproxy.testing._app import Counters, RegionApp
@@ -21,6 +20,7 @@ from edgeproxy.testing._load import (
     LoadMetricsFormat,
     MetricsFlavor,
 )
+from edgeproxy.testing._served import Served
 
 try:
     from hypercorn.asyncio import serve
@@ -75,7 +75,7 @@ def _check_llm_model(
         raise ValueError(f"metrics_flavor must be vllm or sglang, not {metrics_flavor!r}")
 
 
-class FakeRegion:
+class FakeRegion(Served):
     """A fake OpenAI-compatible regional cluster listening on a real TCP port.
 
     The server runs hypercorn on a dedicated thread with its own event loop,
@@ -463,18 +463,6 @@ class FakeRegion:
     def stop_sync(self, grace: float | None = None, timeout: float = 30.0) -> None:
         """:meth:`stop` for code without an event loop."""
         self._halt(self.shutdown_grace if grace is None else grace, timeout)
-
-    async def __aenter__(self) -> FakeRegion:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.stop()
 
     def __repr__(self) -> str:
         where = self.url if self._port else "not started"

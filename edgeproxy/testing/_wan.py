@@ -18,8 +18,9 @@ import socket
 from collections import deque
 from collections.abc import Coroutine
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Final
+
+from edgeproxy.testing._served import Served
 
 _CHUNK: Final = 65536
 # Bytes a direction may hold in flight before the relay stops reading from the sender;
@@ -126,7 +127,7 @@ class _Pipe:
             self.room.set()
 
 
-class WanLink:
+class WanLink(Served):
     """A TCP relay on 127.0.0.1 standing for a wide-area link to ``target_host:target_port``.
 
     Each chunk read from one side is written to the other after the one-way delay
@@ -279,18 +280,6 @@ class WanLink:
         if pending:
             await asyncio.gather(*pending, return_exceptions=True)
         await server.wait_closed()
-
-    async def __aenter__(self) -> WanLink:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.stop()
 
     def drop_all(self) -> int:
         """Reset every open connection, both sides at once; returns how many there were."""
