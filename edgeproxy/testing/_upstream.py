@@ -425,12 +425,7 @@ class FakeRegion(Served):
         ``stall`` and ``stall_body``) are aborted at once. Does nothing if the
         region is not running.
         """
-        done = self._request_stop(self.shutdown_grace if grace is None else grace)
-        if done is not None:
-            try:
-                await asyncio.wrap_future(done)
-            finally:
-                self._join()
+        await self._halted(self._request_stop(self.shutdown_grace if grace is None else grace))
 
     async def kill(self) -> None:
         """Emulate a dead region: close the listener and drop every connection now.
@@ -438,7 +433,10 @@ class FakeRegion(Served):
         In-flight requests get no response. :meth:`restart` brings the region
         back on the same port.
         """
-        done = self._request_stop(None)
+        await self._halted(self._request_stop(None))
+
+    async def _halted(self, done: concurrent.futures.Future[None] | None) -> None:
+        """Wait for the stop that ``done`` reports (None: the region was not running)."""
         if done is not None:
             try:
                 await asyncio.wrap_future(done)
