@@ -16,11 +16,21 @@ Fault = Literal["5xx", "reset", "stall", "stall_body", "slow_headers", "goaway",
 FAULTS: Final[frozenset[str]] = frozenset(get_args(Fault))
 
 
-def _duration(name: str, value: object) -> float:
+def seconds(name: str, value: object) -> float:
+    """``value`` as a duration, checked: a finite number of seconds, at least 0."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise TypeError(f"{name} must be a number of seconds, not {value!r}")
     if not math.isfinite(value) or value < 0:
-        raise ValueError(f"{name} must be a finite number >= 0, not {value!r}")
+        raise ValueError(f"{name} must be a finite number of seconds >= 0, not {value!r}")
+    return float(value)
+
+
+def probability(name: str, value: object) -> float:
+    """``value`` as a probability, checked: a number from 0 to 1."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a probability (a number), not {value!r}")
+    if not math.isfinite(value) or not 0 <= value <= 1:
+        raise ValueError(f"{name} must be a probability between 0 and 1, not {value!r}")
     return float(value)
 
 
@@ -38,29 +48,16 @@ def _flag(name: str, value: object) -> bool:
     return value
 
 
-def _fault(name: str, value: object) -> Fault | None:
-    if value is None:
-        return None
-    if value not in FAULTS:
-        choices = ", ".join(sorted(FAULTS))
-        raise ValueError(f"{name} must be None or one of {choices}, not {value!r}")
-    return value  # type: ignore[return-value]  # narrowed by the membership test
+def _one_of(choices: frozenset[str]) -> Callable[[str, object], object]:
+    """A check that a value is None or one of ``choices``."""
 
+    def check(name: str, value: object) -> object:
+        if value is not None and value not in choices:
+            listed = ", ".join(sorted(choices))
+            raise ValueError(f"{name} must be None or one of {listed}, not {value!r}")
+        return value
 
-def _load_metrics_fault(name: str, value: object) -> LoadMetricsFault | None:
-    if value is None:
-        return None
-    if value not in LOAD_METRICS_FAULTS:
-        choices = ", ".join(sorted(LOAD_METRICS_FAULTS))
-        raise ValueError(f"{name} must be None or one of {choices}, not {value!r}")
-    return value  # type: ignore[return-value]  # narrowed by the membership test
-
-
-def _rate(name: str, value: object) -> float:
-    rate = _duration(name, value)
-    if rate > 1:
-        raise ValueError(f"{name} must be between 0 and 1, not {value!r}")
-    return rate
+    return check
 
 
 def _status(name: str, value: object) -> int:
@@ -91,21 +88,21 @@ def _text(name: str, value: object) -> str | None:
 
 
 _VALIDATORS: Final[dict[str, Callable[[str, object], object]]] = {
-    "ttft": _duration,
-    "inter_token_delay": _duration,
+    "ttft": seconds,
+    "inter_token_delay": seconds,
     "tokens": lambda n, v: _count(n, v, 0),
-    "fault": _fault,
-    "fault_rate": _rate,
+    "fault": _one_of(FAULTS),
+    "fault_rate": probability,
     "fault_status": _status,
     "fault_after_tokens": lambda n, v: _count(n, v, 0),
     "fault_after_tokens_random": _flag,
     "fault_paths": _paths,
     "fault_body": _text,
-    "slow_headers_delay": _duration,
+    "slow_headers_delay": seconds,
     "goaway_after": lambda n, v: _count(n, v, 1),
-    "ttft_per_uncached_token": _duration,
-    "ttft_per_cached_token": _duration,
-    "load_metrics_fault": _load_metrics_fault,
+    "ttft_per_uncached_token": seconds,
+    "ttft_per_cached_token": seconds,
+    "load_metrics_fault": _one_of(LOAD_METRICS_FAULTS),
     "continuation_overlap": lambda n, v: _count(n, v, 0),
     "fault_retry_after": _text,
     "fault_count": lambda n, v: None if v is None else _count(n, v, 1),

@@ -20,28 +20,13 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Final
 
+from edgeproxy.testing._behavior import probability, seconds
 from edgeproxy.testing._served import Served
 
 _CHUNK: Final = 65536
 # Bytes a direction may hold in flight before the relay stops reading from the sender;
 # TCP's window does the same, and without it a fast sender would fill memory.
 _MAX_QUEUED: Final = 4 * 1024 * 1024
-
-
-def _seconds(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"{name} must be a number of seconds, not {value!r}")
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"{name} must be a finite number of seconds >= 0, not {value!r}")
-    return float(value)
-
-
-def _probability(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"{name} must be a probability (a number), not {value!r}")
-    if not math.isfinite(value) or not 0 <= value <= 1:
-        raise ValueError(f"{name} must be a probability between 0 and 1, not {value!r}")
-    return float(value)
 
 
 def _bandwidth(value: object) -> float | None:
@@ -178,7 +163,7 @@ class WanLink(Served):
             raise ValueError(f"port must be between 0 and 65535, not {port!r}")
         self.target_host = target_host
         self.target_port = target_port
-        base = _seconds("delay", delay)
+        base = seconds("delay", delay)
         self.up_delay = base
         self.down_delay = base
         self.jitter = 0.0
@@ -220,17 +205,17 @@ class WanLink(Served):
 
         ``bandwidth=None`` removes the cap; leaving it out keeps the current one.
         """
-        up = self.up_delay if delay is None else _seconds("delay", delay)
+        up = self.up_delay if delay is None else seconds("delay", delay)
         down = up if delay is not None else self.down_delay
-        up = up if up_delay is None else _seconds("up_delay", up_delay)
-        down = down if down_delay is None else _seconds("down_delay", down_delay)
-        new_jitter = self.jitter if jitter is None else _seconds("jitter", jitter)
+        up = up if up_delay is None else seconds("up_delay", up_delay)
+        down = down if down_delay is None else seconds("down_delay", down_delay)
+        new_jitter = self.jitter if jitter is None else seconds("jitter", jitter)
         new_bandwidth = self.bandwidth if bandwidth is False else _bandwidth(bandwidth)
-        new_loss = self.loss if loss is None else _probability("loss", loss)
+        new_loss = self.loss if loss is None else probability("loss", loss)
         new_conn_loss = (
             self.connection_loss
             if connection_loss is None
-            else _probability("connection_loss", connection_loss)
+            else probability("connection_loss", connection_loss)
         )
         self.up_delay, self.down_delay = up, down
         self.jitter = new_jitter
