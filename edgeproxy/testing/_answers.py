@@ -11,12 +11,12 @@ request it cannot answer raises :class:`~edgeproxy.testing._exchange.BadRequest`
 from __future__ import annotations
 
 import math
-import secrets
 import time
 from collections.abc import Callable
 from typing import Any, Final, TypeVar
 from urllib.parse import parse_qs
 
+from edgeproxy._protocol.openai import completion_id
 from edgeproxy.testing import _content as content
 from edgeproxy.testing import _messages as messages
 from edgeproxy.testing import _objects
@@ -135,7 +135,7 @@ def _completion(
     generation = Generation(request, chat, len(words))
     usage = content.usage(max(1, content.count_words(prompt)), len(words))
     created = int(time.time())
-    id_ = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+    id_ = completion_id(chat=chat)
 
     if not stream:
         text = "".join(words)
@@ -164,8 +164,7 @@ def _completion(
     parts.append(content.sse_event(final))
     options = request.get("stream_options")
     if isinstance(options, dict) and options.get("include_usage") is True:
-        obj = "chat.completion.chunk" if chat else "text_completion"
-        parts.append(content.usage_chunk(id_, created, model, obj, usage))
+        parts.append(content.usage_chunk(id_, created, model, chat=chat, usage_=usage))
     parts.append(content.SSE_DONE)
     headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 

@@ -13,6 +13,12 @@ from typing import Any, Final
 
 import orjson
 
+from edgeproxy._protocol import openai
+from edgeproxy._protocol.openai import SSE_DONE as SSE_DONE
+from edgeproxy._protocol.openai import AnswerHead
+from edgeproxy._protocol.openai import sse_event as sse_event
+from edgeproxy._protocol.openai import usage as usage
+
 _VOCABULARY: Final = (
     "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike "
     "november oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee "
@@ -96,14 +102,6 @@ def embedding(value: object) -> list[float]:
     ]
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
 def error_body(
     message: str,
     *,
@@ -117,35 +115,22 @@ def error_body(
     )
 
 
-def sse_event(payload: object) -> bytes:
-    return b"data: " + orjson.dumps(payload) + b"\n\n"
-
-
 def sse_named_event(event: str, payload: object) -> bytes:
     """An SSE event with an ``event:`` line, as the Responses and Messages APIs send them."""
     return b"event: " + event.encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
 
 
-SSE_DONE: Final = b"data: [DONE]\n\n"
-
-
+# Each object's head (its fields, in OpenAI's order) is the proxy's own; the fake's chat
+# choices carry no ``logprobs``, unlike the proxy's.
 def chat_completion(
     id_: str, created: int, model: str, text: str, usage_: dict[str, int]
 ) -> dict[str, Any]:
-    return {
-        "id": id_,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": "stop",
-            }
-        ],
-        "usage": usage_,
+    choice = {
+        "index": 0,
+        "message": {"role": "assistant", "content": text},
+        "finish_reason": "stop",
     }
+    return openai.completion(AnswerHead(id_, created, model, chat=True), [choice], usage_)
 
 
 def chat_chunk(
@@ -155,48 +140,24 @@ def chat_chunk(
     delta: dict[str, str],
     finish_reason: str | None = None,
 ) -> dict[str, Any]:
-    return {
-        "id": id_,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}],
-    }
+    choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+    return openai.chunk(AnswerHead(id_, created, model, chat=True), [choice])
 
 
 def text_completion(
     id_: str, created: int, model: str, text: str, usage_: dict[str, int]
 ) -> dict[str, Any]:
-    return {
-        "id": id_,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": "stop"}],
-        "usage": usage_,
-    }
+    choice = openai.text_choice(0, text, "stop")
+    return openai.completion(AnswerHead(id_, created, model, chat=False), [choice], usage_)
 
 
 def text_chunk(
     id_: str, created: int, model: str, text: str, finish_reason: str | None = None
 ) -> dict[str, Any]:
-    return {
-        "id": id_,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-    }
-
-
-def usage_chunk(id_: str, created: int, model: str, obj: str, usage_: dict[str, int]) -> bytes:
-    return sse_event(
-        {
-            "id": id_,
-            "object": obj,
-            "created": created,
-            "model": model,
-            "choices": [],
-            "usage": usage_,
-        }
+    return openai.chunk(
+        AnswerHead(id_, created, model, chat=False), [openai.text_choice(0, text, finish_reason)]
     )
+
+
+def usage_chunk(id_: str, created: int, model: str, *, chat: bool, usage_: dict[str, int]) -> bytes:
+    return sse_event(openai.usage_chunk(AnswerHead(id_, created, model, chat=chat), usage_))

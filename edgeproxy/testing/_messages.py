@@ -30,6 +30,8 @@ import secrets
 from dataclasses import dataclass
 from typing import Any, Final
 
+from edgeproxy._protocol.dialects.messages import anthropic_error_type as error_type
+from edgeproxy._protocol.dialects.messages import message_id
 from edgeproxy.testing import _content as content
 from edgeproxy.testing._behavior import Behavior
 from edgeproxy.testing._exchange import (
@@ -45,22 +47,6 @@ from edgeproxy.testing._kv import read_prompt
 
 MAX_TOKENS: Final = 100_000
 _SSE_HEADERS: Final = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
-_ERROR_TYPES: Final = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    503: "overloaded_error",
-    529: "overloaded_error",
-}
-
-
-def error_type(status: int) -> str:
-    """Anthropic's error ``type`` for a status."""
-    default = "api_error" if status >= 500 else "invalid_request_error"
-    return _ERROR_TYPES.get(status, default)
 
 
 def error_body(status: int, message: str) -> dict[str, Any]:
@@ -189,7 +175,7 @@ def create(request: dict[str, Any], behavior: Behavior, region_model: str) -> Re
     words, stop = _cut_at_stop(words, stops)
     if stop is not None:
         stop_reason = "stop_sequence"
-    id_ = "msg_" + secrets.token_hex(12)
+    id_ = message_id()
     chat_request = {"messages": convo, "max_tokens": len(words)}
     prompt_tokens = _prompt_tokens(convo)
     cached = 0
