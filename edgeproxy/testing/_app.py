@@ -123,16 +123,9 @@ class RegionApp(GenerationModel):
         self._region_header = (b"x-fake-region", name.encode("utf-8"))
         self._lock = threading.Lock()
         self._epoch = 0
-        self._requests_total = 0
         self._by_path: dict[str, int] = {}
         self._by_version: dict[str, int] = {}
         self._in_flight = 0
-        self._peak_in_flight = 0
-        self._cancelled = 0
-        self._faults = 0
-        self._refused = 0
-        self._connections_seen = 0
-        self._peak_streams = 0
         self._connections: dict[object, _Connection] = {}
         self._background: set[asyncio.Task[None]] = set()
         self._stopping = False
@@ -144,13 +137,7 @@ class RegionApp(GenerationModel):
         self._running = 0
         self._waiting: deque[asyncio.Future[None]] = deque()
         self._kv_held = 0
-        self._peak_waiting = 0
-        self._queue_rejected = 0
-        self._prompt_tokens = 0
-        self._cached_tokens = 0
-        self._generation_tokens = 0
-        self._tokens_sent = 0
-        self._modelled_ttft = 0.0
+        self._zero_counters()
         # The stateful APIs: stored responses, the Anthropic headers last seen.
         self.responses = ResponseStore(responses_capacity)
         self.objects = ObjectStore()  # conversations, files, batches, vector stores
@@ -260,25 +247,30 @@ class RegionApp(GenerationModel):
     def reset_counters(self) -> None:
         with self._lock:
             self._epoch += 1
-            self._requests_total = 0
-            self._by_path.clear()
-            self._by_version.clear()
-            self._peak_in_flight = self._in_flight
-            self._cancelled = 0
-            self._faults = 0
-            self._refused = 0
-            self._connections_seen = 0
-            self._peak_streams = 0
-            self._peak_waiting = len(self._waiting)
-            self._queue_rejected = 0
-            self._prompt_tokens = 0
-            self._cached_tokens = 0
-            self._generation_tokens = 0
-            self._tokens_sent = 0
-            self._modelled_ttft = 0.0
-            self._kv.evicted_total = 0
+            self._zero_counters()
         self.responses.reset_counters()
         self.objects.reset_counters()
+
+    def _zero_counters(self) -> None:
+        # The totals start again from zero and the peaks from what holds now: a new region's
+        # counters and reset ones are one state.
+        self._requests_total = 0
+        self._by_path.clear()
+        self._by_version.clear()
+        self._peak_in_flight = self._in_flight
+        self._cancelled = 0
+        self._faults = 0
+        self._refused = 0
+        self._connections_seen = 0
+        self._peak_streams = 0
+        self._peak_waiting = len(self._waiting)
+        self._queue_rejected = 0
+        self._prompt_tokens = 0
+        self._cached_tokens = 0
+        self._generation_tokens = 0
+        self._tokens_sent = 0
+        self._modelled_ttft = 0.0
+        self._kv.evicted_total = 0
 
     def clear_kv_cache(self) -> None:
         """Empty the prefix cache (blocks held by running requests stay held)."""
