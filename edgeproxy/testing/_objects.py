@@ -33,12 +33,14 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 from edgeproxy.testing._exchange import BadRequest, Exchange, Reply, json_reply, parse_json_object
 from edgeproxy.testing._responses import read_input
 
 __all__ = ["ObjectCounters", "ObjectStore", "route"]
+
+_T = TypeVar("_T")
 
 COLLECTIONS: Final = ("/v1/conversations", "/v1/files", "/v1/batches", "/v1/vector_stores")
 """The paths this module answers, and everything under them."""
@@ -122,38 +124,29 @@ class ObjectStore:
 
     # -- lookups (404 when missing) -------------------------------------------------------
 
-    def _found(self, found: bool) -> None:
+    def _stored(self, table: dict[str, _T], key: str, missing: str, param: str | None = None) -> _T:
+        """``table[key]``, counted as a lookup; a 404 saying ``missing`` when it is not there."""
+        found = table.get(key)
         with self.lock:
-            self._lookups += found
-            self._misses += not found
+            self._lookups += found is not None
+            self._misses += found is None
+        if found is None:
+            raise BadRequest(missing, status=404, param=param)
+        return found
 
     def conversation(self, conversation_id: str) -> Conversation:
-        found = self.conversations.get(conversation_id)
-        self._found(found is not None)
-        if found is None:
-            raise BadRequest(f"Conversation with id '{conversation_id}' not found.", status=404)
-        return found
+        missing = f"Conversation with id '{conversation_id}' not found."
+        return self._stored(self.conversations, conversation_id, missing)
 
     def file(self, file_id: str) -> StoredFile:
-        found = self.files.get(file_id)
-        self._found(found is not None)
-        if found is None:
-            raise BadRequest(f"No such File object: {file_id}", status=404, param="id")
-        return found
+        return self._stored(self.files, file_id, f"No such File object: {file_id}", "id")
 
     def batch(self, batch_id: str) -> dict[str, Any]:
-        found = self.batches.get(batch_id)
-        self._found(found is not None)
-        if found is None:
-            raise BadRequest(f"No batch found with id '{batch_id}'.", status=404)
-        return found
+        return self._stored(self.batches, batch_id, f"No batch found with id '{batch_id}'.")
 
     def vector_store(self, store_id: str) -> VectorStore:
-        found = self.vector_stores.get(store_id)
-        self._found(found is not None)
-        if found is None:
-            raise BadRequest(f"No vector store found with id '{store_id}'.", status=404)
-        return found
+        missing = f"No vector store found with id '{store_id}'."
+        return self._stored(self.vector_stores, store_id, missing)
 
     # -- conversations, for the Responses API ---------------------------------------------
 
