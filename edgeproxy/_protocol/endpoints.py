@@ -14,7 +14,7 @@ wins, so ``/v1/chat/completions`` is chat, never text completions.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from typing import Any, Final, Literal
 
@@ -73,89 +73,51 @@ class OpenAIEndpoint:
     streams and errors read and are written."""
 
 
-CHAT_COMPLETIONS: Final = OpenAIEndpoint(
-    "chat.completions",
-    "/chat/completions",
-    json_body=True,
-    usage=True,
-    retry_safe=True,
-    cacheable=True,
-    deterministic=False,
-    local=True,
-    dialect=CHAT,
-)
-COMPLETIONS: Final = OpenAIEndpoint(
-    "completions",
-    "/completions",
-    json_body=True,
-    usage=True,
-    retry_safe=True,
-    cacheable=True,
-    deterministic=False,
-    local=True,
-    dialect=COMPLETIONS_DIALECT,
-)
-EMBEDDINGS: Final = OpenAIEndpoint(
-    "embeddings",
-    "/embeddings",
-    json_body=True,
-    usage=True,
-    retry_safe=True,
-    cacheable=True,
-    deterministic=True,
-    local=False,
-    dialect=EMBEDDINGS_DIALECT,
+def _charged(
+    name: str, suffix: str, dialect: Dialect, *, deterministic: bool = False, local: bool = True
+) -> OpenAIEndpoint:
+    """An endpoint a model answers and charges tokens for: a JSON body with ``usage`` in its
+    answers, retried when nothing came back, cacheable."""
+    return OpenAIEndpoint(
+        name,
+        suffix,
+        json_body=True,
+        usage=True,
+        retry_safe=True,
+        cacheable=True,
+        deterministic=deterministic,
+        local=local,
+        dialect=dialect,
+    )
+
+
+def _uncharged(
+    name: str, suffix: str, *, deterministic: bool, dialect: Dialect = OPENAI
+) -> OpenAIEndpoint:
+    """An endpoint whose answers cost no tokens: as a charged one, but without ``usage``,
+    never cached and never answered locally."""
+    endpoint = _charged(name, suffix, dialect, deterministic=deterministic, local=False)
+    return replace(endpoint, usage=False, cacheable=False)
+
+
+CHAT_COMPLETIONS: Final = _charged("chat.completions", "/chat/completions", CHAT)
+COMPLETIONS: Final = _charged("completions", "/completions", COMPLETIONS_DIALECT)
+EMBEDDINGS: Final = _charged(
+    "embeddings", "/embeddings", EMBEDDINGS_DIALECT, deterministic=True, local=False
 )
 # Cacheable only when nothing is stored or referred to (``store: false``, no
 # previous_response_id, no conversation): the dialect says which. The local model answers
 # only a request that refers to no stored state, and stores nothing.
-RESPONSES: Final = OpenAIEndpoint(
-    "responses",
-    "/responses",
-    json_body=True,
-    usage=True,
-    retry_safe=True,
-    cacheable=True,
-    deterministic=False,
-    local=True,
-    dialect=RESPONSES_DIALECT,
-)
+RESPONSES: Final = _charged("responses", "/responses", RESPONSES_DIALECT)
 # Answers carry no token usage: a moderation is not charged against token limits.
-MODERATIONS: Final = OpenAIEndpoint(
-    "moderations",
-    "/moderations",
-    json_body=True,
-    usage=False,
-    retry_safe=True,
-    cacheable=False,
-    deterministic=False,
-    local=False,
-)
+MODERATIONS: Final = _uncharged("moderations", "/moderations", deterministic=False)
 
 # Anthropic's Messages API. Its path is matched whole from /v1 on: the Assistants API's
 # /v1/threads/{id}/messages creates objects, and a retry would create two.
-MESSAGES: Final = OpenAIEndpoint(
-    "messages",
-    "/v1/messages",
-    json_body=True,
-    usage=True,
-    retry_safe=True,
-    cacheable=True,
-    deterministic=False,
-    local=True,
-    dialect=MESSAGES_DIALECT,
-)
+MESSAGES: Final = _charged("messages", "/v1/messages", MESSAGES_DIALECT)
 # Counting a Messages request's tokens costs no tokens: passed through, never charged.
-MESSAGES_COUNT_TOKENS: Final = OpenAIEndpoint(
-    "messages.count_tokens",
-    "/v1/messages/count_tokens",
-    json_body=True,
-    usage=False,
-    retry_safe=True,
-    cacheable=False,
-    deterministic=True,
-    local=False,
-    dialect=COUNT_TOKENS,
+MESSAGES_COUNT_TOKENS: Final = _uncharged(
+    "messages.count_tokens", "/v1/messages/count_tokens", deterministic=True, dialect=COUNT_TOKENS
 )
 
 ENDPOINTS: Final[tuple[OpenAIEndpoint, ...]] = (
