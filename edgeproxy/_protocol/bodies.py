@@ -34,11 +34,6 @@ __all__ = [
 ]
 
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
-# Methods a reverse proxy must not forward: CONNECT would tunnel, TRACE reflects
-# the request (cookies and credentials included) back to a script (XST).
-_REFUSED_METHODS = frozenset({"CONNECT", "TRACE"})
-# Codings a server may receive in Transfer-Encoding; the proxy only decodes chunked.
-_KNOWN_CODINGS = frozenset({"chunked", "gzip", "x-gzip", "deflate", "compress", "identity"})
 # Error messages echo at most this much of what the client sent.
 _ECHO_LIMIT = 120
 
