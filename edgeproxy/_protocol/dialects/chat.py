@@ -225,13 +225,9 @@ class ChatDialect(Dialect):
         if not isinstance(messages, list):
             return None  # absent where allowed; its type was checked before
         for index, message in enumerate(messages):
-            if type(message) is not dict:
-                return self.invalid(
-                    f"Invalid type for 'messages[{index}]': expected an object, but got "
-                    f"{_kind(message)}.",
-                    f"messages[{index}]",
-                    "invalid_type",
-                )
+            err = self._item(message, "messages", index, dict)
+            if err is not None:
+                return err
             role = message.get("role")
             if type(role) is str:
                 continue
@@ -254,14 +250,21 @@ class ChatDialect(Dialect):
         if not isinstance(value, list):
             return None
         for index, item in enumerate(value):
-            if type(item) is not kind:
-                return self.invalid(
-                    f"Invalid type for '{key}[{index}]': expected "
-                    f"{'a string' if kind is str else 'an object'}, but got {_kind(item)}.",
-                    f"{key}[{index}]",
-                    "invalid_type",
-                )
+            err = self._item(item, key, index, kind)
+            if err is not None:
+                return err
         return None
+
+    def _item(self, item: Any, key: str, index: int, kind: type) -> ProxyError | None:
+        """The 400 for ``item``, at ``index`` in the list ``key``, when it is not of ``kind``."""
+        if type(item) is kind:
+            return None
+        return self.invalid(
+            f"Invalid type for '{key}[{index}]': expected "
+            f"{'a string' if kind is str else 'an object'}, but got {_kind(item)}.",
+            f"{key}[{index}]",
+            "invalid_type",
+        )
 
     def answer_id(self) -> str:
         return openai.completion_id(chat=True)
