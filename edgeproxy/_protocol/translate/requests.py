@@ -8,6 +8,7 @@ Responses request's ``reasoning``, ``include``, ``truncation``) is left out.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Final
 
 import orjson
@@ -167,23 +168,46 @@ def _messages_turns(body: dict[str, Any]) -> list[dict[str, Any]]:
     return turns
 
 
-def _messages_tools(body: dict[str, Any], out: dict[str, Any]) -> None:
+def _chat_tools(
+    body: dict[str, Any],
+    out: dict[str, Any],
+    kinds: tuple[str | None, ...],
+    other: str,
+    function: Callable[[dict[str, Any], str], dict[str, Any]],
+) -> None:
+    """``body``'s tools as chat's functions (each made by ``function``) in ``out``; a tool
+    of any type but ``kinds`` (an ``other`` tool, run by the API's server) cannot be."""
     tools = body.get("tools")
-    if isinstance(tools, list) and tools:
-        functions = []
-        for j, tool in enumerate(tools):
-            where = f"tools[{j}]"
-            if not isinstance(tool, dict) or tool.get("type") not in (None, "custom"):
-                kind = tool.get("type") if isinstance(tool, dict) else None
-                raise Untranslatable(
-                    f"{where}: the server tool {kind!r} cannot be translated", where
-                )
-            function: dict[str, Any] = {"name": _text(tool.get("name"), where + ".name")}
-            if isinstance(tool.get("description"), str):
-                function["description"] = tool["description"]
-            function["parameters"] = tool.get("input_schema") or {"type": "object"}
-            functions.append({"type": "function", "function": function})
-        out["tools"] = functions
+    if not isinstance(tools, list) or not tools:
+        return
+    functions = []
+    for j, tool in enumerate(tools):
+        where = f"tools[{j}]"
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or kind not in kinds:
+            raise Untranslatable(f"{where}: the {other} tool {kind!r} cannot be translated", where)
+        functions.append({"type": "function", "function": function(tool, where)})
+    out["tools"] = functions
+
+
+def _messages_function(tool: dict[str, Any], where: str) -> dict[str, Any]:
+    function: dict[str, Any] = {"name": _text(tool.get("name"), where + ".name")}
+    if isinstance(tool.get("description"), str):
+        function["description"] = tool["description"]
+    function["parameters"] = tool.get("input_schema") or {"type": "object"}
+    return function
+
+
+def _responses_function(tool: dict[str, Any], where: str) -> dict[str, Any]:
+    function = {"name": _text(tool.get("name"), where + ".name")}
+    for key in ("description", "parameters", "strict"):
+        if tool.get(key) is not None:
+            function[key] = tool[key]
+    return function
+
+
+def _messages_tools(body: dict[str, Any], out: dict[str, Any]) -> None:
+    _chat_tools(body, out, (None, "custom"), "server", _messages_function)
     choice = body.get("tool_choice")
     if isinstance(choice, dict):
         kind = choice.get("type")
@@ -300,22 +324,7 @@ def _responses_turns(body: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _responses_tools(body: dict[str, Any], out: dict[str, Any]) -> None:
-    tools = body.get("tools")
-    if isinstance(tools, list) and tools:
-        functions = []
-        for j, tool in enumerate(tools):
-            where = f"tools[{j}]"
-            kind = tool.get("type") if isinstance(tool, dict) else None
-            if kind != "function":
-                raise Untranslatable(
-                    f"{where}: the built-in tool {kind!r} cannot be translated", where
-                )
-            function = {"name": _text(tool.get("name"), where + ".name")}
-            for key in ("description", "parameters", "strict"):
-                if tool.get(key) is not None:
-                    function[key] = tool[key]
-            functions.append({"type": "function", "function": function})
-        out["tools"] = functions
+    _chat_tools(body, out, ("function",), "built-in", _responses_function)
     choice = body.get("tool_choice")
     if isinstance(choice, str):
         out["tool_choice"] = choice
