@@ -158,13 +158,7 @@ class UpstreamStage:
                 aliased = orjson.dumps({**ctx.json, "model": target})
         headers = self.headers(request, ctx, region, aliased)
         if "edgeproxy_upstream_request" in self.plugins.active:
-            await self.plugins.call_all(
-                "edgeproxy_upstream_request",
-                request=request,
-                ctx=ctx,
-                region=region,
-                headers=headers,
-            )
+            await self._upstream_request_hook(request, ctx, region, headers)
         authority = ctx.host if self.config.server.preserve_host else endpoint.authority
         upstream = await endpoint.pool.request(
             ctx.method,
@@ -179,6 +173,13 @@ class UpstreamStage:
             return await self._learn(request, ctx, region, endpoint, upstream)
         return upstream
 
+    async def _upstream_request_hook(
+        self, request: Exchange | None, ctx: RequestContext, region: Region, headers: Headers
+    ) -> None:
+        await self.plugins.call_all(
+            "edgeproxy_upstream_request", request=request, ctx=ctx, region=region, headers=headers
+        )
+
     # send()'s own path, for the requests it sends besides the client's (inlined there, as
     # every request takes it).
     async def _request(
@@ -192,13 +193,7 @@ class UpstreamStage:
         body: Body,
     ) -> UpstreamResponse:
         if "edgeproxy_upstream_request" in self.plugins.active:
-            await self.plugins.call_all(
-                "edgeproxy_upstream_request",
-                request=request,
-                ctx=ctx,
-                region=region,
-                headers=headers,
-            )
+            await self._upstream_request_hook(request, ctx, region, headers)
         authority = ctx.host if self.config.server.preserve_host else endpoint.authority
         upstream = await endpoint.pool.request(
             ctx.method, target, headers, body, authority=authority
