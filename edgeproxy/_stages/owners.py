@@ -101,24 +101,20 @@ _CLOSE_WAIT = 1.0
 def owner_unavailable(retry_after: int) -> ProxyError:
     """The 503 of a request whose owner region cannot answer now: no other region may, as
     it would answer 404. No address or region detail reaches the client."""
-    return ProxyError(
-        503,
-        "service_unavailable",
-        "the region holding this request's state is unavailable; retry later",
-        code="owner_unavailable",
-        headers={"Retry-After": str(retry_after)},
-    )
+    message = "the region holding this request's state is unavailable; retry later"
+    return _retry_later(message, "owner_unavailable", retry_after)
 
 
 def lookup_failed(retry_after: int) -> ProxyError:
     """The 503 of a request whose objects' owners could not be looked up now (the shared
     map did not answer): the objects may well exist, so never the API's 404."""
+    message = "where this request's state is held cannot be looked up now; retry later"
+    return _retry_later(message, "owner_lookup_failed", retry_after)
+
+
+def _retry_later(message: str, code: str, retry_after: int) -> ProxyError:
     return ProxyError(
-        503,
-        "service_unavailable",
-        "where this request's state is held cannot be looked up now; retry later",
-        code="owner_lookup_failed",
-        headers={"Retry-After": str(retry_after)},
+        503, "service_unavailable", message, code=code, headers={"Retry-After": str(retry_after)}
     )
 
 
