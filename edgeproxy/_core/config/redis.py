@@ -38,6 +38,7 @@ from edgeproxy._core.config.base import Section
 from edgeproxy._core.config.checks import check_redis_url
 
 __all__ = [
+    "CONNECTION_KEYS",
     "DEFAULT_CONNECTION",
     "RedisConfig",
     "RedisConnection",
