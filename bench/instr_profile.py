@@ -235,7 +235,7 @@ _PY_GROUPS = [
     ("/edgeproxy/_protocol/headers", "stage: upstream request (headers)"),
     ("/edgeproxy/_stages/failover", "stage: failover + deadlines"),
     ("/edgeproxy/_stages/deadlines", "stage: failover + deadlines"),
-    ("/edgeproxy/_stages/relay", "stage: relay"),
+    ("/edgeproxy/_answer/", "answer: responder"),
     ("/edgeproxy/_observability/tracing", "tracing (trace context)"),
     ("/edgeproxy/_observability/", "metrics + access log"),
     ("/edgeproxy/_pipeline", "pipeline (context, hooks, clean-up)"),

@@ -20,17 +20,18 @@ import time
 
 from multidict import CIMultiDict
 
+from edgeproxy._answer.heartbeat import Heartbeat, start_heartbeat
+from edgeproxy._answer.responder import Responder
 from edgeproxy._core.config import Config
 from edgeproxy._core.context import RequestContext, start_context
-from edgeproxy._core.errors import ProxyError, error_response
+from edgeproxy._core.errors import ProxyError
 from edgeproxy._core.exchange import Exchange
-from edgeproxy._core.response import Response, StreamResponse
+from edgeproxy._core.response import StreamResponse
 from edgeproxy._local.model import LocalAnswer
 from edgeproxy._obtain import Obtainer
 from edgeproxy._plugins import PluginError, Plugins, hook_answer
 from edgeproxy._protocol.clientip import client_ip_resolver
-from edgeproxy._protocol.dialects import dialect_named
-from edgeproxy._protocol.endpoints import dialect_for, openai_endpoint
+from edgeproxy._protocol.endpoints import openai_endpoint
 from edgeproxy._protocol.headers import request_ids
 from edgeproxy._stages.admission import AdmissionStage, Admitted, Overloaded
 from edgeproxy._stages.cache.stage import CacheRecorder, CacheStage, Refresh
@@ -38,7 +39,6 @@ from edgeproxy._stages.compression import Compression
 from edgeproxy._stages.continuation import ContinuationStage
 from edgeproxy._stages.failover import AttemptResponse, Failover, Failure, FailureKind
 from edgeproxy._stages.fallback import Degraded, FallbackStage
-from edgeproxy._stages.heartbeat import Heartbeat, start_heartbeat
 from edgeproxy._stages.modelcatalog import ModelList
 from edgeproxy._stages.owners import (
     Missing,
@@ -52,7 +52,6 @@ from edgeproxy._stages.owners import (
     too_many_refs,
 )
 from edgeproxy._stages.poison import Poison
-from edgeproxy._stages.relay import StreamStage
 from edgeproxy._stages.routeplan import RoutePlan
 from edgeproxy._stages.routing import Router
 from edgeproxy._stages.upstream import UpstreamStage
@@ -105,7 +104,8 @@ class Pipeline:
         self.obtainer = Obtainer(
             plugins, self.router, self.failover, self.fallback, self.cache, self.continuation
         )
-        self.stream = StreamStage(plugins, Compression(config))
+        # The one writer of downstream bytes, whatever answers.
+        self.responder = Responder(plugins, Compression(config))
         self.admission = AdmissionStage(config, poison=self.poison)
         # Where each stored object lives (a stored response, a conversation, a file, a batch,
         # a vector store): the requests that refer to it go there.
@@ -183,7 +183,7 @@ class Pipeline:
                 )
                 if answer is not None:
                     answer = hook_answer("edgeproxy_request_received", answer)
-                    response = self._local_answer(ctx, answer)
+                    response = self.responder.own(ctx, answer)
                     return response
                 if ctx.target != target or ctx.method != method:
                     # A plugin rewrote the request: match its route again.
@@ -205,17 +205,19 @@ class Pipeline:
             if shed is None:
                 if self.models.active and self.models.answers(ctx):
                     # GET /v1/models, once regions list models: the proxy's own merged list.
-                    response = self._local_answer(ctx, await self.models.respond(ctx))
+                    response = self.responder.own(ctx, await self.models.respond(ctx))
                     return response
                 # cache: a stored answer, or that of an identical request in flight; else a
                 # cacheable request leads, and `recorder` stores what the stream stage relays.
                 # The bypass (most sampled requests) is decided without the lookup's coroutine.
                 if not self.cache.passes(ctx):
-                    answer, recorder = await self.cache.lookup(request, ctx, checked=True)
+                    found, recorder = await self.cache.lookup(request, ctx, checked=True)
                     if self.cache.due:
                         self._start_refreshes()
-                    if answer is not None:
-                        response = answer
+                    if found is not None:
+                        response = await self.responder.send(
+                            request, ctx, found, close_connection=self.draining
+                        )
                         return response
                 # A request referring to a stored object goes to the region holding it (no
                 # coroutine for the others: most requests have nothing to do with one).
@@ -270,7 +272,7 @@ class Pipeline:
                 plan.routed(upstream.region)  # its KV cache now holds the prompt
             if heartbeat is not None:
                 early = await heartbeat.stop()
-            response = await self.stream.relay(
+            response = await self.responder.relay(
                 request,
                 ctx,
                 upstream,
@@ -310,12 +312,14 @@ class Pipeline:
                 await upstream.aclose()
             if admitted is not None:
                 admitted.release(ctx)
-            ctx.finished_at = time.monotonic()
-            if response is not None and not ctx.status:
-                ctx.status = response.status
-            if ctx.degraded == "lighter-model" and ctx.model is not None:
-                self.fallback.count_lighter_usage(ctx.model, ctx.usage)
+            out = ctx.outcome
+            out.finished_at = time.monotonic()
+            if response is not None and not out.status:
+                out.status = response.status
+            if out.degraded == "lighter-model" and ctx.model is not None:
+                self.fallback.count_lighter_usage(ctx.model, out.usage)
             if "edgeproxy_response_complete" in active:
+                ctx.answered()
                 await self.plugins.call_all_logged(
                     "edgeproxy_response_complete", request=request, ctx=ctx
                 )
@@ -414,7 +418,7 @@ class Pipeline:
             else:
                 assert isinstance(obtained, AttemptResponse)
                 try:
-                    await self.stream.drain(refresh.ctx, obtained, recorder)
+                    await self.responder.drain(refresh.ctx, obtained, recorder)
                 finally:
                     await obtained.aclose()
         except asyncio.CancelledError:
@@ -432,33 +436,25 @@ class Pipeline:
         answer: StreamResponse,
         early: StreamResponse | None = None,
     ) -> StreamResponse:
-        """A fallback answer with the proxy's headers; a local answer is generated and sent.
+        """A fallback answer with the proxy's headers, through the Responder: the local
+        model's generated as it is sent, another (stale, a plugin's) sent as it is.
 
         After heartbeats (``early``), a streamed local answer goes on in their response;
         another answer cannot follow a 200 already sent, and an error event says so."""
-        if early is not None:
-            if isinstance(answer, LocalAnswer) and answer.req.stream:
-                await self.stream.local_after_heartbeats(request, ctx, answer, early)
-            else:
-                err = ProxyError(503, "service_unavailable", "no region answered", code="no_region")
-                await self.stream.error_after_heartbeats(request, early, err)
-            return early
-        self._local_answer(ctx, answer)
+        responder = self.responder
         if isinstance(answer, LocalAnswer):
-            await answer.send(request, ctx)
-        return answer
-
-    def _local_answer(self, ctx: RequestContext, answer: StreamResponse) -> StreamResponse:
-        """A response the proxy (or a plugin) gives itself, with the proxy's headers."""
-        answer.headers.setdefault("X-Edgeproxy-Region", ctx.region or "none")
-        answer.headers["X-Request-Id"] = ctx.request_id
-        if ctx.degraded:
-            answer.headers["X-Edgeproxy-Degraded"] = ctx.degraded
-            if ctx.attempts:
-                # What the regions were asked before the ladder answered.
-                answer.headers["X-Edgeproxy-Attempts"] = str(ctx.attempts)
-        ctx.status = answer.status
-        return answer
+            responder.own(ctx, answer)
+            return await responder.send(
+                request,
+                ctx,
+                answer.answer(request),
+                close_connection=self.draining,
+                started=early,
+            )
+        if early is not None:
+            err = ProxyError(503, "service_unavailable", "no region answered", code="no_region")
+            return await responder.error_after(request, ctx, err, early)
+        return responder.own(ctx, answer)
 
     async def _error(
         self,
@@ -470,21 +466,8 @@ class Pipeline:
         """The error answer; after heartbeats (their 200 already sent), an SSE error event."""
         early = await heartbeat.stop() if heartbeat is not None else None
         if early is None:
-            return self._error_response(ctx, err)
-        ctx.error = err.message
-        await self.stream.error_after_heartbeats(request, early, err)
-        return early
-
-    def _error_response(self, ctx: RequestContext, err: ProxyError) -> Response:
-        ctx.status = err.status
-        ctx.error = err.message
-        headers = {"X-Edgeproxy-Region": ctx.region or "none", "X-Request-Id": ctx.request_id}
-        if ctx.cache:
-            headers["X-Edgeproxy-Cache"] = ctx.cache
-        headers.update(err.headers)
-        facts = ctx.facts
-        dialect = dialect_named(facts.dialect) if facts is not None else dialect_for(ctx.path)
-        return error_response(err.status, dialect.error_body(err), headers=headers)
+            return self.responder.error(ctx, err)
+        return await self.responder.error_after(request, ctx, err, early)
 
     def _now_idle(self) -> None:
         waiters, self._idle_waiters = self._idle_waiters, []

@@ -41,7 +41,6 @@ import pluggy
 
 from edgeproxy import hookspecs
 from edgeproxy._core.config import PluginsConfig
-from edgeproxy._core.context import FixedFact, RequestContext
 from edgeproxy._core.errors import ProxyError
 from edgeproxy._core.response import StreamResponse
 
@@ -129,15 +128,10 @@ class _Impl:
         return {name: kwargs[name] for name in self.kwargnames if name in kwargs}
 
 
-# Called once the request is answered: nothing acts on its facts any more, so its hooks
-# may change the context for the observers after them (an address anonymized for the log).
-_AFTER_THE_ANSWER = frozenset({"edgeproxy_response_complete"})
-
-
 class _Hook:
     """A hook's spec options and its implementations in call order."""
 
-    __slots__ = ("name", "firstresult", "argnames", "impls", "guards_facts")
+    __slots__ = ("name", "firstresult", "argnames", "impls")
 
     def __init__(
         self, name: str, firstresult: bool, argnames: tuple[str, ...], impls: list[_Impl]
@@ -146,8 +140,6 @@ class _Hook:
         self.firstresult = firstresult
         self.argnames = argnames
         self.impls = impls
-        # Whether an implementation that changes the request's facts fails (RequestFacts).
-        self.guards_facts = name not in _AFTER_THE_ANSWER
 
 
 class Plugins:
@@ -369,10 +361,6 @@ class Plugins:
         if chain and value_arg not in entry.argnames:
             raise TypeError(f"{hook} has no argument {value_arg!r} to chain")
         results: list[Any] = []
-        # After entry, a hook must not change what the request is (RequestFacts), until
-        # the request is answered.
-        ctx: Any = kwargs.get("ctx") if entry.guards_facts else None
-        facts = ctx.facts if isinstance(ctx, RequestContext) else None
         for impl in entry.impls:
             if only is not None and impl.plugin not in only:
                 continue
@@ -390,18 +378,6 @@ class Plugins:
                     result = impl.function(*args)
                 if impl.is_async or (result is not None and inspect.isawaitable(result)):
                     result = await result
-                if facts is not None:
-                    if (
-                        ctx.tenant is not facts.tenant
-                        or ctx.route is not facts.route
-                        or ctx.body is not facts.body
-                        or ctx.client_ip is not facts.client_ip
-                    ) and (changed := facts.changed(ctx)) is not None:
-                        facts.restore(ctx)
-                        raise FixedFact(
-                            f"ctx.{changed} is fixed once the request has entered: change it "
-                            "in edgeproxy_request_received"
-                        )
             except Exception as exc:
                 self._failed(impl, hook, exc, mode)
                 continue

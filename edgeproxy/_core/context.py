@@ -10,23 +10,13 @@ import orjson
 from multidict import CIMultiDict
 
 from edgeproxy._core.config import RouteConfig
+from edgeproxy._core.outcome import Continuation, Outcome
 from edgeproxy._core.strictjson import DuplicateKey, loads_unique
 from edgeproxy._core.types import Headers, TraceContext
 
 __all__ = ["Continuation", "FixedFact", "RequestContext", "RequestFacts", "UpstreamReply"]
 
 _UNSET: Any = object()
-
-
-class Continuation(NamedTuple):
-    """One try at continuing a stream that broke after tokens were sent."""
-
-    source: str
-    """The region (or ``local``) whose leg broke."""
-    target: str
-    """The region (or ``local``) that took the answer on; ``none`` when none did."""
-    outcome: str
-    """``continued``, or why not: ``failed``, ``limit``, ``impossible``, ``budget``."""
 
 
 class FixedFact(RuntimeError):
@@ -37,9 +27,10 @@ class RequestFacts(NamedTuple):
     """What a request is, fixed once it has entered (the ``edgeproxy_request_received``
     hooks and admission are behind it) and never written again.
 
-    Every stage after entry (cache, routing, failover, the fallback ladder, the relay)
-    and the hooks they call see these values; a hook that changes one of them on the
-    context after entry fails (:class:`FixedFact`), and so does :meth:`RequestContext.set_json`.
+    Every stage after entry (cache, routing, failover, the fallback ladder, the Responder)
+    and the hooks they call see these values. The entry hooks edit the request as a draft;
+    once fixed, the context itself refuses a change to one of them (:class:`FixedFact`),
+    and so does :meth:`RequestContext.set_json`: nothing needs to compare and restore.
     A named tuple: immutable, and built in a fraction of a frozen dataclass's time, once
     a request.
     """
@@ -57,25 +48,8 @@ class RequestFacts(NamedTuple):
     """Who the request is for, as the hooks at entry decided (the cache's scope)."""
     body: bytes | None
     """The buffered body as it is forwarded; None for a body that streams through."""
-
-    def changed(self, ctx: RequestContext) -> str | None:
-        """The name of a fact ``ctx`` no longer agrees with, or None."""
-        if ctx.tenant != self.tenant:
-            return "tenant"
-        if ctx.route is not self.route:
-            return "route"
-        if ctx.body is not self.body:
-            return "body"
-        if ctx.client_ip != self.client_ip:
-            return "client_ip"
-        return None
-
-    def restore(self, ctx: RequestContext) -> None:
-        """Put the facts back on ``ctx`` (after a hook changed one)."""
-        ctx.tenant = self.tenant
-        ctx.route = self.route
-        ctx.body = self.body
-        ctx.client_ip = self.client_ip
+    model: str | None
+    """The model the client named (the JSON body's ``"model"``), or None."""
 
 
 @dataclass(slots=True)
@@ -87,40 +61,11 @@ class RequestContext:
     :meth:`set_json`, ``tenant`` and ``priority``. Once it has entered, what the
     request is is fixed in ``facts`` (:class:`RequestFacts`).
 
-    What happened to it, its outcome, is filled in from what the stages return, for the
-    hooks (``edgeproxy_response_complete``), the metrics and the access log to read; the
-    stages themselves write none of it. Who fills each field:
-
-    * ``region``: the region that answered, or the latest one tried; a continued
-      stream's, the region that took it on. Recorded by the obtain path
-      (``edgeproxy._obtain``) from failover's returned value, and by its ``Continuer``.
-    * ``attempts``: upstream attempts sent, a continuation's legs' included. The obtain
-      path, from failover's value (its ``attempts``) and each leg's.
-    * ``hedged``: a hedge was sent. The obtain path, from failover's value.
-    * ``upstream_ttfb``: seconds from sending the answering attempt to its headers. The
-      obtain path, from the ``AttemptResponse``.
-    * ``degraded``: ``stale-cache``, ``local-model`` or ``plugin`` when the fallback
-      ladder answered (or the local model continued a stream), else None. The obtain
-      path, from the ladder's ``Degraded`` kind (already as the ``edgeproxy_fallback``
-      hook runs) and a continuation ``Leg``'s.
-    * ``continuations``: each try at continuing a broken stream, in order
-      (:class:`Continuation`). The obtain path's ``Continuer``, from the continuation
-      stage's returned records.
-    * ``cache``, ``cache_key``: the cache's status (``HIT``, ``MISS``, ``STALE``,
-      ``COALESCED``, ``BYPASS``, ``REFRESH``) and key. The cache stage, at lookup and
-      as it serves a stale answer to the ladder.
-    * ``status``: the status sent to the client. The answer's writer (the relay, the
-      heartbeats, the cache's replay, the pipeline's own and error answers).
-    * ``bytes_out``, ``first_byte_at``, ``response_is_sse``: what the client was sent,
-      when its first byte went, whether as SSE. The answer's writer, as it sends.
-    * ``usage``: the answer's token counts (a continued stream's summed). The answer's
-      writer (the relay, the local model), as it sends.
-    * ``error``: why the answer failed or ended early. The pipeline's error answer, or
-      the answer's writer when it breaks off.
-    * ``finished_at``: when the request ended. The pipeline, on every way out.
-
-    The answer's writer accounts for what it sent: the streaming fields are written as the
-    bytes go out, never returned.
+    What happened to it, its outcome, is its own record, ``outcome``
+    (:class:`~edgeproxy._core.outcome.Outcome`): the pipeline fills it from the values the
+    stages return, and the answer's one writer from what it sent. Its fields read the same
+    on the context (``ctx.status``, ``ctx.region``, ``ctx.usage``...), for the hooks
+    (``edgeproxy_response_complete``), the metrics and the access log.
     """
 
     request_id: str
@@ -150,23 +95,8 @@ class RequestContext:
     model: str | None = None
     client_country: str | None = None
     client_geo: tuple[float, float] | None = None
-    # The outcome: filled in from what the stages return (see the docstring).
-    region: str | None = None
-    attempts: int = 0
-    hedged: bool = False
-    status: int = 0
-    bytes_out: int = 0
-    upstream_ttfb: float | None = None
-    first_byte_at: float | None = None
-    finished_at: float | None = None
-    response_is_sse: bool = False
-    cache: str | None = None
-    cache_key: str | None = None
-    degraded: str | None = None
-    usage: dict[str, Any] | None = None
-    error: str | None = None
-    # Each try at continuing the stream (routes' continue_on_break), in order.
-    continuations: tuple[Continuation, ...] = ()
+    # What happened to it: see Outcome.
+    outcome: Outcome = field(default_factory=Outcome)
     extra: dict[str, Any] = field(default_factory=dict)
     # Fixed at entry (fix()): what the request is, from then on.
     facts: RequestFacts | None = None
@@ -197,30 +127,165 @@ class RequestContext:
                     pass
         return self._json
 
+    # -- the outcome's fields, read on the context as they always were ------------------
+    # The package writes them on ``outcome``; these setters are for plugins and tests that
+    # set them on the context.
+
+    @property
+    def region(self) -> str | None:
+        return self.outcome.region
+
+    @region.setter
+    def region(self, value: str | None) -> None:
+        self.outcome.region = value
+
+    @property
+    def attempts(self) -> int:
+        return self.outcome.attempts
+
+    @attempts.setter
+    def attempts(self, value: int) -> None:
+        self.outcome.attempts = value
+
+    @property
+    def hedged(self) -> bool:
+        return self.outcome.hedged
+
+    @hedged.setter
+    def hedged(self, value: bool) -> None:
+        self.outcome.hedged = value
+
+    @property
+    def upstream_ttfb(self) -> float | None:
+        return self.outcome.upstream_ttfb
+
+    @upstream_ttfb.setter
+    def upstream_ttfb(self, value: float | None) -> None:
+        self.outcome.upstream_ttfb = value
+
+    @property
+    def degraded(self) -> str | None:
+        return self.outcome.degraded
+
+    @degraded.setter
+    def degraded(self, value: str | None) -> None:
+        self.outcome.degraded = value
+
+    @property
+    def continuations(self) -> tuple[Continuation, ...]:
+        return self.outcome.continuations
+
+    @continuations.setter
+    def continuations(self, value: tuple[Continuation, ...]) -> None:
+        self.outcome.continuations = value
+
+    @property
+    def cache(self) -> str | None:
+        return self.outcome.cache
+
+    @cache.setter
+    def cache(self, value: str | None) -> None:
+        self.outcome.cache = value
+
+    @property
+    def cache_key(self) -> str | None:
+        return self.outcome.cache_key
+
+    @cache_key.setter
+    def cache_key(self, value: str | None) -> None:
+        self.outcome.cache_key = value
+
+    @property
+    def status(self) -> int:
+        return self.outcome.status
+
+    @status.setter
+    def status(self, value: int) -> None:
+        self.outcome.status = value
+
+    @property
+    def bytes_out(self) -> int:
+        return self.outcome.bytes_out
+
+    @bytes_out.setter
+    def bytes_out(self, value: int) -> None:
+        self.outcome.bytes_out = value
+
+    @property
+    def first_byte_at(self) -> float | None:
+        return self.outcome.first_byte_at
+
+    @first_byte_at.setter
+    def first_byte_at(self, value: float | None) -> None:
+        self.outcome.first_byte_at = value
+
+    @property
+    def response_is_sse(self) -> bool:
+        return self.outcome.response_is_sse
+
+    @response_is_sse.setter
+    def response_is_sse(self, value: bool) -> None:
+        self.outcome.response_is_sse = value
+
+    @property
+    def usage(self) -> dict[str, Any] | None:
+        return self.outcome.usage
+
+    @usage.setter
+    def usage(self, value: dict[str, Any] | None) -> None:
+        self.outcome.usage = value
+
+    @property
+    def error(self) -> str | None:
+        return self.outcome.error
+
+    @error.setter
+    def error(self, value: str | None) -> None:
+        self.outcome.error = value
+
+    @property
+    def finished_at(self) -> float | None:
+        return self.outcome.finished_at
+
+    @finished_at.setter
+    def finished_at(self, value: float | None) -> None:
+        self.outcome.finished_at = value
+
     def fix(self, dialect: str | None) -> RequestFacts:
         """Fix the request's facts, once it has entered; see :class:`RequestFacts`."""
         # Whether it streams is read from a body parsed already (an LLM route's, by
         # admission): a plain HTTP body is not parsed for a fact about LLM answers.
         body = self._json
+        model = None
+        stream = False
+        if type(body) is dict:
+            stream = body.get("stream") is True
+            named = body.get("model")
+            if type(named) is str:
+                model = named
         facts: RequestFacts = _new_tuple(
             RequestFacts,
-            (
-                self.client_ip,
-                self.route,
-                dialect,
-                isinstance(body, dict) and body.get("stream") is True,
-                self.tenant,
-                self.body,
-            ),
+            (self.client_ip, self.route, dialect, stream, self.tenant, self.body, model),
         )
         self.facts = facts
+        # From here on the context refuses a change to a fact (_Fixed.__setattr__).
+        self.__class__ = _Fixed
         return facts
+
+    def answered(self) -> None:
+        """The request is answered: nothing acts on its facts any more (they stay in
+        ``facts``), so the hooks after the answer may change the context for the observers
+        after them (an address anonymized for the log)."""
+        self.__class__ = RequestContext
 
     def with_json(self, value: Any) -> RequestContext:
         """Another request like this one with ``value`` as its JSON body and its facts fixed
         anew (a continuation leg's: the conversation with the partial answer)."""
         other = copy.copy(self)
+        # A draft again until its facts are fixed anew.
+        other.__class__ = RequestContext
         other.headers = CIMultiDict(self.headers)
+        other.outcome = copy.copy(self.outcome)
         facts = self.facts
         other.facts = None
         other.set_json(value)
@@ -240,6 +305,25 @@ class RequestContext:
         self.body_read = True
         self._json = value
         self.headers["content-type"] = "application/json"
+
+
+_FACTS = frozenset({"client_ip", "route", "tenant", "body"})
+
+
+class _Fixed(RequestContext):
+    """A request context whose facts are fixed (:meth:`RequestContext.fix`): the same
+    record, refusing a change to one of them. Set after entry only, so the draft's many
+    writes at entry cost nothing more."""
+
+    __slots__ = ()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _FACTS and getattr(self, "facts", None) is not None:
+            raise FixedFact(
+                f"ctx.{name} is fixed once the request has entered: change it in "
+                "edgeproxy_request_received"
+            )
+        object.__setattr__(self, name, value)
 
 
 _new = object.__new__
@@ -289,21 +373,7 @@ def start_context(
     ctx.model = None
     ctx.client_country = None
     ctx.client_geo = None
-    ctx.region = None
-    ctx.attempts = 0
-    ctx.hedged = False
-    ctx.status = 0
-    ctx.bytes_out = 0
-    ctx.upstream_ttfb = None
-    ctx.first_byte_at = None
-    ctx.finished_at = None
-    ctx.response_is_sse = False
-    ctx.cache = None
-    ctx.cache_key = None
-    ctx.degraded = None
-    ctx.usage = None
-    ctx.error = None
-    ctx.continuations = ()
+    ctx.outcome = Outcome()
     ctx.extra = {}
     ctx.facts = None
     ctx._json = _UNSET

@@ -16,7 +16,7 @@ from multidict import CIMultiDict
 
 from edgeproxy._core.exchange import Exchange, Writer
 
-__all__ = ["Response", "StreamResponse"]
+__all__ = ["ReadyStream", "Response", "StreamResponse"]
 
 HeadersIn = Mapping[str, str] | Iterable[tuple[str, str]]
 
@@ -167,3 +167,27 @@ class Response(StreamResponse):
 
     async def write_eof(self, data: bytes = b"") -> None:
         await super().write_eof(self.body + data if data else self.body)
+
+
+class ReadyStream(StreamResponse):
+    """A stream whose whole body is known (a cached SSE answer): framed as a stream, with no
+    length, and written piece by piece once the front end sends it.
+
+    It leaves the handler unprepared, like a :class:`Response`, so the pipeline and
+    fallback plugins can still add headers to it or replace it.
+    """
+
+    __slots__ = ("parts",)
+
+    def __init__(
+        self, *, status: int, parts: list[bytes], headers: HeadersIn | None = None
+    ) -> None:
+        super().__init__(status=status, headers=headers)
+        self.parts = parts
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        # One piece an event, as recorded: the client may merge reads, never split events.
+        parts, self.parts = self.parts, []
+        for part in parts:
+            await self.write(part)
+        await super().write_eof(data)

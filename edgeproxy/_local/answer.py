@@ -1,5 +1,6 @@
-"""The local model's answer: a response holding its generation slot, written as one JSON
-body or streamed as server-sent events, in the request's own API (its dialect's writers).
+"""The local model's answer: a response holding its generation slot, made into an
+:class:`~edgeproxy._core.answer.Answer` (one JSON body, or server-sent events as the model
+generates them) in the request's own API (its dialect's writers), which the Responder sends.
 """
 
 from __future__ import annotations
@@ -9,10 +10,11 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import orjson
 
+from edgeproxy._core.answer import Answer, AnswerBroken
 from edgeproxy._core.errors import ProxyError
 from edgeproxy._core.exchange import Exchange
 from edgeproxy._core.response import StreamResponse
@@ -22,9 +24,6 @@ from edgeproxy._local.request import GenerationRequest
 from edgeproxy._local.sampling import _Generation
 from edgeproxy._protocol.dialects import AnswerText, StreamWriter
 from edgeproxy._protocol.openai import usage
-
-if TYPE_CHECKING:
-    from edgeproxy._core.context import RequestContext
 
 __all__ = ["AnsweringModel", "LocalAnswer"]
 
@@ -56,8 +55,8 @@ class LocalAnswer(StreamResponse):
     """A local-model answer about to be sent, holding its generation slot.
 
     It is a response object so that the ``edgeproxy_fallback`` hook can look
-    at it (status, headers) before it is used. :meth:`send` generates and
-    writes it; :meth:`discard` gives the slot back unused.
+    at it (status, headers) before it is used. :meth:`answer` makes it the
+    Answer the Responder sends; :meth:`discard` gives the slot back unused.
     """
 
     def __init__(
@@ -70,6 +69,7 @@ class LocalAnswer(StreamResponse):
         self._slot: _Slot | None = slot
         self._generation: _Generation | None = None
         self._sent = False
+        self._settled = False
         self.content_type = "text/event-stream" if req.stream else "application/json"
         if req.stream:
             self.headers["Cache-Control"] = "no-cache"
@@ -128,49 +128,89 @@ class LocalAnswer(StreamResponse):
             self._generation.cancel()
         self.discard()
 
-    async def send(self, request: Exchange, ctx: RequestContext) -> LocalAnswer:
-        """Generate the answer and write it to the client, streamed or as one JSON body."""
+    def answer(self, request: Exchange) -> Answer:
+        """This answer as the Responder sends it: its head now, its body as the model
+        generates it (streamed, or one JSON body made before the head goes)."""
         if self._sent or (self._generation is None and self._slot is None):
             raise RuntimeError("this answer was already sent or discarded")
         self._sent = True
         self.start()
         generation = self._generation
         assert generation is not None
-        model = self.model
-        req = self.req
         head = self._head()
-        prompt_tokens = len(self.plan.tokens)
-        model.prompt_tokens_total += prompt_tokens
+        self.model.prompt_tokens_total += len(self.plan.tokens)
+        headers = list(self.headers.items())
+
+        def counted() -> dict[str, Any]:
+            return self._counted(generation)
+
+        if self.req.stream:
+            return Answer(
+                200,
+                headers,
+                source="local",
+                chunks=self._streamed(generation, head),
+                sse=True,
+                usage=counted,
+                release=self._settle,
+            )
+
+        async def make() -> bytes:
+            return await self._whole(request, generation, head)
+
+        return Answer(200, headers, source="local", make=make, usage=counted, release=self._settle)
+
+    def _settle(self) -> None:
+        """On every way out of a sent answer, once: the generation stops and its tokens are
+        counted."""
+        generation = self._generation
+        if generation is None or self._settled:
+            return
+        self._settled = True
+        generation.cancel()
+        self.model.completion_tokens_total += generation.completion_tokens
+
+    async def _streamed(self, generation: _Generation, head: AnswerText) -> AsyncIterator[bytes]:
+        model = self.model
         try:
-            if req.stream:
-                await self._stream(request, ctx, generation, head)
-            else:
-                await self._json(request, ctx, generation, head)
-        except asyncio.CancelledError:
-            model.cancelled_total += 1
-            ctx.error = "client disconnected"
-            raise
-        except ConnectionResetError:
-            model.cancelled_total += 1
-            ctx.error = "client disconnected"
-        except ProxyError:
+            async for data in self._events(generation, head):
+                yield data
+        except GeneratorExit:
+            model.cancelled_total += 1  # the client left (or the answer was cut)
             raise
         except Exception as exc:
             model.errors_total += 1
             logger.exception("local model generation failed")
-            if not self.prepared:
-                raise ProxyError(
-                    500, "server_error", f"the local model failed: {exc}", code="local_model_error"
-                ) from exc
-            ctx.error = f"local model failed mid-answer: {exc}"
-            self.force_close()
-        else:
-            model.answered_total += 1
-        finally:
-            generation.cancel()
-            model.completion_tokens_total += generation.completion_tokens
-            ctx.usage = self._counted(generation)
-        return self
+            raise AnswerBroken(
+                ProxyError(500, "server_error", "the local model failed", code="local_model_error"),
+                reason=f"local model failed mid-answer: {exc}",
+            ) from exc
+        model.answered_total += 1
+
+    async def _whole(self, request: Exchange, generation: _Generation, head: AnswerText) -> bytes:
+        model = self.model
+        parts: list[str] = []
+        try:
+            async for text in generation.texts():
+                parts.append(text)
+                if request.client_gone():
+                    # Without handler cancellation nobody else notices before the write.
+                    raise ConnectionResetError("client disconnected")
+        except (asyncio.CancelledError, ConnectionResetError):
+            model.cancelled_total += 1
+            raise
+        except Exception as exc:
+            model.errors_total += 1
+            logger.exception("local model generation failed")
+            raise ProxyError(
+                500, "server_error", f"the local model failed: {exc}", code="local_model_error"
+            ) from exc
+        head.text = "".join(parts)
+        head.finish = generation.finish_reason
+        head.usage = self._usage(generation)
+        head.stop_sequence = self._stop_sequence(generation)
+        model.answered_total += 1
+        return orjson.dumps(self.req.dialect.answer(head))
 
     def _head(self) -> AnswerText:
         """The answer's id, model and creation time, and the prompt's tokens as its usage so
@@ -192,43 +232,6 @@ class LocalAnswer(StreamResponse):
         dialect = self.req.dialect
         return dialect.counted(dialect.own_usage(self._usage(generation)))
 
-    def _client_gone(self, request: Exchange) -> bool:
-        return request.client_gone()
-
-    async def _json(
-        self, request: Exchange, ctx: RequestContext, generation: _Generation, head: AnswerText
-    ) -> None:
-        parts: list[str] = []
-        async for text in generation.texts():
-            parts.append(text)
-            if self._client_gone(request):
-                # Without handler cancellation nobody else notices before the write.
-                raise ConnectionResetError("client disconnected")
-        head.text = "".join(parts)
-        head.finish = generation.finish_reason
-        head.usage = self._usage(generation)
-        head.stop_sequence = self._stop_sequence(generation)
-        body = orjson.dumps(self.req.dialect.answer(head))
-        self.content_length = len(body)
-        await self.prepare(request)
-        ctx.first_byte_at = time.monotonic()
-        await self.write(body)
-        ctx.bytes_out += len(body)
-        await self.write_eof()
-
-    async def _stream(
-        self, request: Exchange, ctx: RequestContext, generation: _Generation, head: AnswerText
-    ) -> None:
-        ctx.response_is_sse = True
-        await self.prepare(request)
-        ctx.first_byte_at = time.monotonic()
-        async for data in self._events(generation, head):
-            await self.write(data)
-            ctx.bytes_out += len(data)
-            if self._client_gone(request):
-                raise ConnectionResetError("client disconnected")
-        await self.write_eof()
-
     async def _events(self, generation: _Generation, head: AnswerText) -> AsyncIterator[bytes]:
         """The answer as the API's SSE events, one per piece of text as the model produces
         it, between the stream's opening and closing events."""
@@ -246,9 +249,9 @@ class LocalAnswer(StreamResponse):
         sequence = generation.stop_sequence
         return sequence if sequence is not None and sequence in self.req.stop else None
 
-    async def events(self, ctx: RequestContext) -> AsyncIterator[bytes]:
-        """Generate the streamed answer as SSE event bytes, written by the caller (a
-        continued stream splices them into its own); :meth:`abandon` stops it."""
+    async def events(self) -> AsyncIterator[bytes]:
+        """Generate the streamed answer as SSE event bytes, for a continued stream to splice
+        into its own; :meth:`abandon` stops it."""
         if self._sent or (self._generation is None and self._slot is None):
             raise RuntimeError("this answer was already sent or discarded")
         self._sent = True
@@ -267,6 +270,4 @@ class LocalAnswer(StreamResponse):
         else:
             model.answered_total += 1
         finally:
-            generation.cancel()
-            model.completion_tokens_total += generation.completion_tokens
-            ctx.usage = self._counted(generation)
+            self._settle()

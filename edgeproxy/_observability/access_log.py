@@ -63,7 +63,7 @@ def _ms(start: float, end: float | None) -> float | None:
 
 def record(request: Exchange, ctx: RequestContext) -> dict[str, Any]:
     """The access-log record of a finished request."""
-    error = ctx.error
+    error = ctx.outcome.error
     if error is not None and len(error) > _ERROR_LIMIT:
         error = error[:_ERROR_LIMIT] + "..."
     out = {
@@ -73,28 +73,30 @@ def record(request: Exchange, ctx: RequestContext) -> dict[str, Any]:
         "method": ctx.method,
         "path": ctx.path,
         "route": ctx.route.name,
-        "status": ctx.status,
-        "region": ctx.region,
-        "attempts": ctx.attempts,
+        "status": ctx.outcome.status,
+        "region": ctx.outcome.region,
+        "attempts": ctx.outcome.attempts,
         "tenant": ctx.tenant,
         "client_ip": ctx.client_ip,
         "country": ctx.client_country,
         "priority": ctx.priority,
-        "sse": ctx.response_is_sse,
-        "bytes": ctx.bytes_out,
-        "ttfb_ms": _ms(ctx.started, ctx.first_byte_at),
+        "sse": ctx.outcome.response_is_sse,
+        "bytes": ctx.outcome.bytes_out,
+        "ttfb_ms": _ms(ctx.started, ctx.outcome.first_byte_at),
         "upstream_ttfb_ms": (
-            None if ctx.upstream_ttfb is None else round(ctx.upstream_ttfb * 1000.0, 3)
+            None
+            if ctx.outcome.upstream_ttfb is None
+            else round(ctx.outcome.upstream_ttfb * 1000.0, 3)
         ),
-        "duration_ms": _ms(ctx.started, ctx.finished_at),
-        "cache": ctx.cache,
-        "degraded": ctx.degraded,
+        "duration_ms": _ms(ctx.started, ctx.outcome.finished_at),
+        "cache": ctx.outcome.cache,
+        "degraded": ctx.outcome.degraded,
         "model": ctx.model,
         "error": error,
-        "usage": ctx.usage,
+        "usage": ctx.outcome.usage,
     }
-    if ctx.continuations:
-        _continued(out, ctx.continuations)
+    if ctx.outcome.continuations:
+        _continued(out, ctx.outcome.continuations)
     return out
 
 

@@ -65,7 +65,7 @@ logger = logging.getLogger("edgeproxy.metrics")
 CACHE_OUTCOMES = frozenset({"hit", "miss", "stale", "bypass", "coalesced", "semantic-hit"})
 
 # Values a label may take beyond the known ones before the rest read "other":
-# a plugin setting ctx.region or ctx.cache to anything must not blow up the
+# a plugin setting ctx.outcome.region or ctx.outcome.cache to anything must not blow up the
 # number of series.
 EXTRA_LABEL_VALUES = 16
 
@@ -170,45 +170,47 @@ class Metrics:
         # Once a request: label lookups go straight to the known values, and max(0, x)
         # is written out.
         started = ctx.started
-        finished = ctx.finished_at if ctx.finished_at is not None else time.monotonic()
+        finished = (
+            ctx.outcome.finished_at if ctx.outcome.finished_at is not None else time.monotonic()
+        )
         duration = finished - started
         if duration < 0.0:
             duration = 0.0
         name = ctx.route.name
         route = self._route.known.get(name) or self._route(name)
-        name = ctx.region or "none"
+        name = ctx.outcome.region or "none"
         region = self._region.known.get(name) or self._region(name)
-        name = ctx.cache or "none"
+        name = ctx.outcome.cache or "none"
         cache = self._cache.known.get(name) or self._cache(name.lower())
-        status = ctx.status
+        status = ctx.outcome.status
         status_class = _STATUS_CLASS.get(status // 100, "other")
         # Headers of a local answer leave with its body: its TTFB is its duration.
         ttfb: float | None = None
         if status:
-            first = ctx.first_byte_at if ctx.first_byte_at is not None else finished
+            first = ctx.outcome.first_byte_at if ctx.outcome.first_byte_at is not None else finished
             ttfb = first - started if first > started else 0.0
-        upstream = ctx.upstream_ttfb
+        upstream = ctx.outcome.upstream_ttfb
         overhead = None
         if upstream is not None and ttfb is not None:
             overhead = ttfb - upstream if ttfb > upstream else 0.0
         prompt = completion = 0
         rate = None
-        usage = ctx.usage
+        usage = ctx.outcome.usage
         if usage:
             prompt = _count(usage.get("prompt_tokens"))
             completion = _count(usage.get("completion_tokens"))
-            if completion and ctx.response_is_sse and ctx.first_byte_at is not None:
-                streamed = finished - ctx.first_byte_at
+            if completion and ctx.outcome.response_is_sse and ctx.outcome.first_byte_at is not None:
+                streamed = finished - ctx.outcome.first_byte_at
                 if streamed > 0:
                     rate = completion / streamed
-        degraded = ctx.degraded
+        degraded = ctx.outcome.degraded
         observation = Observation(
             duration,
             ttfb,
             upstream,
             overhead,
-            ctx.bytes_out,
-            ctx.attempts,
+            ctx.outcome.bytes_out,
+            ctx.outcome.attempts,
             prompt,
             completion,
             rate,
@@ -217,7 +219,7 @@ class Metrics:
         key = (route, region, cache, "yes" if degraded else "no", status_class)
         self._series.record(key, observation)
         self.window.observe(duration, ttfb, region, cache, status >= 500, completion)
-        for source, target, outcome in ctx.continuations:
+        for source, target, outcome in ctx.outcome.continuations:
             self._continuations.labels(
                 route, self._region(source), self._region(target), outcome
             ).inc()

@@ -327,7 +327,9 @@ class Tracing:
         from opentelemetry.trace import Status, StatusCode
 
         root = state.root
-        finished = ctx.finished_at if ctx.finished_at is not None else time.monotonic()
+        finished = (
+            ctx.outcome.finished_at if ctx.outcome.finished_at is not None else time.monotonic()
+        )
         if not root.is_recording():
             root.end(end_time=state.ns(finished))
             return
@@ -354,7 +356,9 @@ class Tracing:
         if state.cache_at is not None:
             end = next_mark(state.cache_at, state.route_at, first_attempt, state.fallback_at)
             spans.append(
-                child("edgeproxy.cache", state.cache_at, end, **{"edgeproxy.cache": ctx.cache})
+                child(
+                    "edgeproxy.cache", state.cache_at, end, **{"edgeproxy.cache": ctx.outcome.cache}
+                )
             )
         if state.route_at is not None:
             end = next_mark(state.route_at, first_attempt, state.fallback_at)
@@ -367,7 +371,7 @@ class Tracing:
                     finished,
                     **{
                         "edgeproxy.reason": state.fallback_reason,
-                        "edgeproxy.degraded": ctx.degraded,
+                        "edgeproxy.degraded": ctx.outcome.degraded,
                     },
                 )
             )
@@ -383,19 +387,22 @@ class Tracing:
                 attempt.span.set_status(Status(StatusCode.ERROR, "no response"))
             attempt.span.end(end_time=state.ns(max(end, attempt.started)))
 
-        root.set_attribute("http.response.status_code", ctx.status)
-        root.set_attribute("edgeproxy.attempts", ctx.attempts)
+        root.set_attribute("http.response.status_code", ctx.outcome.status)
+        root.set_attribute("edgeproxy.attempts", ctx.outcome.attempts)
         for key, value in (
-            ("edgeproxy.region", ctx.region),
-            ("edgeproxy.cache", ctx.cache),
-            ("edgeproxy.degraded", ctx.degraded),
+            ("edgeproxy.region", ctx.outcome.region),
+            ("edgeproxy.cache", ctx.outcome.cache),
+            ("edgeproxy.degraded", ctx.outcome.degraded),
         ):
             if value is not None:
                 root.set_attribute(key, value)
-        if ctx.error:
-            root.set_attribute("edgeproxy.error", ctx.error[:_ERROR_LIMIT])
-        if ctx.status >= 500 or (ctx.status == 0 and ctx.error):
+        if ctx.outcome.error:
+            root.set_attribute("edgeproxy.error", ctx.outcome.error[:_ERROR_LIMIT])
+        if ctx.outcome.status >= 500 or (ctx.outcome.status == 0 and ctx.outcome.error):
             root.set_status(
-                Status(StatusCode.ERROR, (ctx.error or f"HTTP {ctx.status}")[:_ERROR_LIMIT])
+                Status(
+                    StatusCode.ERROR,
+                    (ctx.outcome.error or f"HTTP {ctx.outcome.status}")[:_ERROR_LIMIT],
+                )
             )
         root.end(end_time=state.ns(finished))

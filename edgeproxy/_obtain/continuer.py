@@ -83,17 +83,17 @@ class _LegOutcome:
     def record(self, ctx: RequestContext) -> None:
         """The leg's outcome onto the request: the attempts it took, its continuation
         record, and the region (or the local model's degradation) that now answers."""
-        ctx.attempts += self.attempts
+        ctx.outcome.attempts += self.attempts
         if self.continuation is not None:
             # For the metrics and the access log, as they read a finished request.
-            ctx.continuations = (*ctx.continuations, self.continuation)
+            ctx.outcome.continuations = (*ctx.outcome.continuations, self.continuation)
         leg = self.leg
         if leg is not None:
             if leg.degraded is not None:
                 # A request degraded already keeps its first reason.
-                ctx.degraded = ctx.degraded or leg.degraded
+                ctx.outcome.degraded = ctx.outcome.degraded or leg.degraded
             if leg.name != LOCAL:
-                ctx.region = leg.name
+                ctx.outcome.region = leg.name
             if leg.model is not None:
                 ctx.model = leg.model
 
@@ -269,7 +269,7 @@ class Continuer:
 
         async def chunks() -> AsyncIterator[bytes]:
             try:
-                async for event in answer.events(leg_ctx):
+                async for event in answer.events():
                     yield event
             except (ProxyError, RuntimeError, ValueError, OSError) as exc:
                 raise UpstreamError(f"the local model failed: {exc}") from exc
@@ -367,7 +367,11 @@ def _leg_context(
     client's, a lighter one), and the deadline of the whole continued answer, which runs
     from its first break."""
     if method == "reissue":
-        leg = copy.copy(ctx) if model is None else ctx.with_json({**ctx.json, "model": model})
+        if model is None:
+            leg = copy.copy(ctx)
+            leg.outcome = copy.copy(ctx.outcome)
+        else:
+            leg = ctx.with_json({**ctx.json, "model": model})
     else:
         body = continuation_body(splice, method)
         leg = ctx.with_json(body if model is None else {**body, "model": model})

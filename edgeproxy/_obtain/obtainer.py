@@ -80,20 +80,20 @@ def record(ctx: RequestContext, obtained: Obtained) -> None:
     its region, attempts, hedge, time to headers and degradation (a continuation's legs
     add theirs through :class:`Continuer`)."""
     if type(obtained) is AttemptResponse:  # the common case first: one test
-        ctx.attempts = obtained.attempts
-        ctx.hedged = obtained.hedged
-        ctx.region = obtained.region.name
-        ctx.upstream_ttfb = obtained.ttfb
+        ctx.outcome.attempts = obtained.attempts
+        ctx.outcome.hedged = obtained.hedged
+        ctx.outcome.region = obtained.region.name
+        ctx.outcome.upstream_ttfb = obtained.ttfb
         return
     if isinstance(obtained, Degraded):
-        ctx.degraded = obtained.kind
+        ctx.outcome.degraded = obtained.kind
         return
     assert isinstance(obtained, Failure)
-    ctx.attempts = obtained.attempts
-    ctx.hedged = obtained.hedged
+    ctx.outcome.attempts = obtained.attempts
+    ctx.outcome.hedged = obtained.hedged
     if obtained.region is not None:
         # The region the latest attempt went to: the error answer names it.
-        ctx.region = obtained.region
+        ctx.outcome.region = obtained.region
 
 
 class Obtainer:
@@ -240,28 +240,19 @@ class Obtainer:
         return True
 
     async def _degrade(self, request: Exchange, ctx: RequestContext, failure: Failure) -> Obtained:
-        """The ladder for ``failure``; whatever it held is cancelled on the way out.
-
-        The route's ``fallback`` list in order: the rungs before ``lighter`` (the stale
-        cache, the local model), then a lighter model in the regions, then the rest."""
+        """The ladder for ``failure`` (the route's ``fallback`` list, walked by the fallback
+        stage); whatever it held is cancelled on the way out."""
         fallback = self.fallback
-        rungs = ctx.route.fallback
+
+        async def lighter() -> AttemptResponse | None:
+            return await self._lighter(request, ctx, failure.error)
+
         try:
             stale = await self.cache.serve_stale(request, ctx)
             try:
-                if "lighter" in rungs:
-                    at = rungs.index("lighter")
-                    rung = await fallback.ladder(request, ctx, stale=stale, rungs=rungs[:at])
-                    if rung.answer is None:
-                        lighter = await self._lighter(request, ctx, failure.error)
-                        if lighter is not None:
-                            return lighter
-                        later = await fallback.ladder(
-                            request, ctx, stale=stale, rungs=rungs[at + 1 :]
-                        )
-                        rung = replace(later, missing=(*rung.missing, *later.missing))
-                else:
-                    rung = await fallback.ladder(request, ctx, stale=stale)
+                rung = await fallback.ladder(request, ctx, stale=stale, lighter=lighter)
+                if rung.lighter is not None:
+                    return rung.lighter
                 if rung.answer is not None:
                     # The edgeproxy_fallback hook sees the degradation about to answer.
                     record(ctx, rung.answer)
@@ -270,12 +261,12 @@ class Obtainer:
                 )
             except ProxyError as err:
                 # Vetoed, or nothing could answer: the request is not degraded.
-                ctx.degraded = None
+                ctx.outcome.degraded = None
                 return failure.with_error(err)
             if isinstance(outcome, UpstreamWon):
                 # A region beat the local model: not degraded after all, and its answer
                 # is the request's (its region, its time to headers).
-                ctx.degraded = None
+                ctx.outcome.degraded = None
                 record(ctx, outcome.upstream)
                 return outcome.upstream
             record(ctx, outcome)
@@ -297,7 +288,7 @@ class Obtainer:
         if sent is None:
             return None
         assert isinstance(requested, str) and ctx.model is not None
-        ctx.degraded = "lighter-model"
+        ctx.outcome.degraded = "lighter-model"
         fallback.answered_lighter(requested, ctx.model)
         logger.info(
             "request %s: %s answered for %s (%s)",
@@ -387,15 +378,15 @@ class Obtainer:
                 continue
             sent = await self.failover.send(request, leg, route.regions)
             # The requested model's attempts (and hedge) and this one's: all the request's.
-            attempts, hedged = ctx.attempts + sent.attempts, ctx.hedged
+            attempts, hedged = ctx.outcome.attempts + sent.attempts, ctx.outcome.hedged
             if isinstance(sent, Failure) or not 200 <= sent.status < 300:
-                ctx.attempts = attempts
+                ctx.outcome.attempts = attempts
                 await sent.aclose()
                 skipped["failed"] += 1
                 continue
             sent.other_model = leg
             record(ctx, sent)
-            ctx.attempts, ctx.hedged = attempts, hedged or sent.hedged
+            ctx.outcome.attempts, ctx.outcome.hedged = attempts, hedged or sent.hedged
             ctx.model = model
             return sent
         return None

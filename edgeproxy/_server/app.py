@@ -650,9 +650,9 @@ class EdgeProxy:
                         grace,
                         pipeline.in_flight,
                     )
-                    pipeline.stream.shutting_down = True
+                    pipeline.responder.shutting_down = True
                     for retiring in self._retiring.generations():
-                        retiring.pipeline.stream.shutting_down = True
+                        retiring.pipeline.responder.shutting_down = True
                     self.guard.cut_requests()
                     # Cancelled, they only let go of what they hold (upstream streams).
                     if not await pipeline.wait_idle(_STRAGGLER_TIMEOUT):

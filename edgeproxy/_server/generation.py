@@ -220,7 +220,7 @@ async def _retire(old: Generation, grace: float, stopped: frozenset[str], proxy:
                 grace,
             )
             # As at shutdown: an SSE stream gets its error event, then the pools close.
-            old.pipeline.stream.shutting_down = True
+            old.pipeline.responder.shutting_down = True
             for task in list(old.tasks):
                 task.cancel()
             await old.pipeline.wait_idle(_STRAGGLER_TIMEOUT)

@@ -115,7 +115,7 @@ class Admitted:
         self._released = False
 
     def release(self, ctx: RequestContext) -> None:
-        """Free the slot and settle the token charge with ``ctx.usage``."""
+        """Free the slot and settle the token charge with ``ctx.outcome.usage``."""
         if self._released:
             return
         self._released = True
@@ -123,7 +123,7 @@ class Admitted:
         if self.counted:
             stage._release(self.route, time.monotonic() - self.started)
         if self.rate is not None and stage.rate.counts_tokens:
-            stage.rate.settle(self.rate, ctx.usage)
+            stage.rate.settle(self.rate, ctx.outcome.usage)
 
 
 class AdmissionStage:

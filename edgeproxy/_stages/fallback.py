@@ -43,7 +43,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -87,10 +87,12 @@ class Degraded:
 class Rung:
     """The rung of the ladder that may answer, before the ``edgeproxy_fallback`` hook has
     its say: its answer (None when none could), and why rungs that applied could not
-    (``missing``: the local model not loaded)."""
+    (``missing``: the local model not loaded). ``lighter``: the lighter rung answered, a
+    region's answer for a lighter model, relayed as is (the hook is not asked)."""
 
     answer: Degraded | None
     missing: tuple[str, ...] = ()
+    lighter: AttemptResponse | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,20 +145,25 @@ class FallbackStage:
         ctx: RequestContext,
         *,
         stale: StreamResponse | None,
-        rungs: Sequence[str] | None = None,
+        lighter: Callable[[], Awaitable[AttemptResponse | None]] | None = None,
     ) -> Rung:
-        """The stale cache and the local model as the route orders them (``rungs``: these of
-        its list only): the rung that may answer a request the regions could not. ``stale``
-        is the cache's stale-if-error answer, if it has one.
+        """The route's ``fallback`` list, in its order, in one place: the rung that may answer
+        a request the regions could not. ``stale`` is the cache's stale-if-error answer, if
+        it has one; ``lighter`` sends the request for its lighter models (the obtain path's
+        failover), None when the lighter rung does not apply.
 
         A local answer holds a generation slot: :meth:`settle` takes it over (the caller
         gives it to :meth:`settle` at once). Raises the local model's own refusal (400 bad
         input, 503 saturated).
         """
         missing: list[str] = []
-        for rung in ctx.route.fallback if rungs is None else rungs:
+        for rung in ctx.route.fallback:
             if rung == "stale" and stale is not None:
                 return Rung(Degraded(stale, "stale-cache"), tuple(missing))
+            if rung == "lighter" and lighter is not None:
+                answered = await lighter()
+                if answered is not None:
+                    return Rung(None, tuple(missing), lighter=answered)
             if rung == "local" and self._local_applies(ctx):
                 if not self.local.ready:
                     missing.append(f"the local model is {self.local.state}")

@@ -18,11 +18,10 @@ from typing import Any, Final
 
 import orjson
 
-from edgeproxy._core.response import StreamResponse
 from edgeproxy._protocol.dialects import Dialect
 from edgeproxy._protocol.sse import SSEEvent, SSEReader
 
-__all__ = ["BadEntry", "Entry", "ReplayResponse", "replay_parts"]
+__all__ = ["BadEntry", "Entry", "replay_parts"]
 
 # Encoded entries start with this magic and version: anything else is garbage.
 _MAGIC: Final = b"EPC1"
@@ -258,24 +257,6 @@ def replay_parts(
             return [entry.body], False
         return stream, True
     return [entry.body], False
-
-
-class ReplayResponse(StreamResponse):
-    """A cached SSE answer, written event by event once aiohttp sends the response.
-
-    It leaves the handler unprepared, like a ``Response``, so the pipeline
-    and fallback plugins can still add headers or replace it.
-    """
-
-    def __init__(self, *, status: int, parts: list[bytes]) -> None:
-        super().__init__(status=status)
-        self._parts = parts
-
-    async def write_eof(self, data: bytes = b"") -> None:
-        parts, self._parts = self._parts, []
-        for part in parts:
-            await self.write(part)
-        await super().write_eof(data)
 
 
 def response_headers(entry: Entry, *, sse: bool) -> list[tuple[str, str]]:

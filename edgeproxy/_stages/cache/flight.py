@@ -12,11 +12,11 @@ wake up, and the first one leads a retry.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from typing import Final
 
+from edgeproxy._core.answer import AnswerBroken
 from edgeproxy._core.errors import ProxyError
-from edgeproxy._core.exchange import Exchange
-from edgeproxy._core.response import StreamResponse
 from edgeproxy._protocol.dialects import Dialect
 from edgeproxy._protocol.sse import SSEEventTooLarge, SSEReader
 from edgeproxy._stages.cache.entry import Entry
@@ -149,22 +149,16 @@ async def wait_finished(flight: Flight) -> None:
         await flight.changed().wait()
 
 
-async def stream_live(
-    request: Exchange,
-    resp: StreamResponse,
-    flight: Flight,
-    *,
-    include_usage: bool,
-    dialect: Dialect,
-) -> bool:
-    """Write the leader's SSE events to a follower as they arrive; false if the leader broke.
+async def live_events(
+    flight: Flight, *, include_usage: bool, dialect: Dialect
+) -> AsyncIterator[bytes]:
+    """The leader's SSE events for a follower, as they arrive.
 
-    ``resp`` is prepared here. The chunks are read as events of ``dialect``'s API, so
-    that each goes whole, as recorded, the usage-only event (OpenAI's include_usage chunk)
-    is left out without ``include_usage``, and a broken leader's stream ends with the
-    API's own error event after the events sent.
+    The chunks are read as events of ``dialect``'s API, so that each goes whole, as
+    recorded, and the usage-only event (OpenAI's include_usage chunk) is left out without
+    ``include_usage``. A broken leader ends it with :class:`AnswerBroken`, numbered after
+    the events sent: the follower's stream ends as the leader's did.
     """
-    await resp.prepare(request)
     sent = 0
     events_sent = 0
     reader = SSEReader()
@@ -176,37 +170,25 @@ async def stream_live(
             try:
                 events = reader.feed(chunk)
             except SSEEventTooLarge:
-                await abort_stream(request, resp, dialect, events_sent)
-                return False
+                raise _broken(events_sent) from None
             out = []
             for event in events:
                 if include_usage or not dialect.usage_only(event):
                     out.append(event.raw)
                     events_sent += not event.comment
             if out:
-                await resp.write(b"".join(out))
+                yield b"".join(out)
         if flight.state == DONE:
             if reader.tail:
-                await resp.write(reader.tail)
-            await resp.write_eof()
-            return True
+                yield reader.tail
+            return
         if flight.state == FAILED:
-            await abort_stream(request, resp, dialect, events_sent)
-            return False
+            raise _broken(events_sent)
         await changed.wait()
 
 
-async def abort_stream(
-    request: Exchange, resp: StreamResponse, dialect: Dialect, sequence: int = 0
-) -> None:
-    """End a follower's stream like the leader's was: the API's error event (numbered after
-    the ``sequence`` events sent, where its events are), then no clean end."""
+def _broken(sequence: int) -> AnswerBroken:
     err = ProxyError(
         502, "upstream_error", "the upstream stream broke", code="upstream_stream_broken"
     )
-    try:
-        await resp.write(dialect.error_event(err, sequence=sequence))
-    except ConnectionResetError:
-        pass
-    resp.force_close()
-    request.abort()
+    return AnswerBroken(err, sequence, "the coalesced stream broke upstream")

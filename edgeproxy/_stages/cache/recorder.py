@@ -249,7 +249,7 @@ class CacheRecorder:
         if flight is not None:
             # The regions failed (the fallback answered): followers may take stale-if-error.
             flight_error = not self.started and (
-                self.ctx.status >= 500 or self.ctx.degraded is not None
+                self.ctx.outcome.status >= 500 or self.ctx.outcome.degraded is not None
             )
             flight.error = flight_error
             flight.fail()

@@ -39,9 +39,9 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
+from edgeproxy._core.answer import Answer
 from edgeproxy._core.config import Config
 from edgeproxy._core.context import RequestContext
-from edgeproxy._core.response import StreamResponse
 from edgeproxy._stages.cache.backends import RedisTier
 from edgeproxy._stages.cache.entry import Entry
 from edgeproxy._stages.cache.keys import KeyHeaders, semantic_scope
@@ -68,7 +68,7 @@ class CacheStage(Protocol):
 
     def _replay(
         self, ctx: RequestContext, plan: CachePlan, entry: Any, outcome: str
-    ) -> StreamResponse | None: ...
+    ) -> Answer | None: ...
 
 
 __all__ = ["SemanticCache", "SemanticStats", "open_semantic"]
@@ -213,7 +213,7 @@ class SemanticCache:
 
     async def lookup(
         self, stage: CacheStage, ctx: RequestContext, plan: CachePlan, threshold: float
-    ) -> StreamResponse | None:
+    ) -> Answer | None:
         """A fresh entry whose question means the same as ``ctx``'s, verified; else None
         (the question is kept, to join the index if the answer is stored)."""
         body = ctx.json
@@ -264,7 +264,7 @@ class SemanticCache:
         scope: str,
         text: str,
         vector: Any,
-    ) -> StreamResponse | None:
+    ) -> Answer | None:
         assert stage.backend is not None
         for key, similarity, question in await self._candidates(scope, vector):
             if similarity < threshold:
@@ -298,7 +298,7 @@ class SemanticCache:
                 return None
             answer = stage._replay(ctx, dataclasses.replace(plan, key=key), entry, "SEMANTIC-HIT")
             if answer is not None:
-                answer.headers["X-Edgeproxy-Semantic-Similarity"] = f"{similarity:.4f}"
+                answer.headers.append(("X-Edgeproxy-Semantic-Similarity", f"{similarity:.4f}"))
                 return answer
         return None
 

@@ -35,20 +35,23 @@ from typing import TYPE_CHECKING, Any, Final
 
 from multidict import CIMultiDict
 
+from edgeproxy._core.answer import Answer
 from edgeproxy._core.config import Config
 from edgeproxy._core.context import RequestContext
 from edgeproxy._core.exchange import Exchange
-from edgeproxy._core.response import Response, StreamResponse
+from edgeproxy._core.outcome import Outcome
+from edgeproxy._core.response import StreamResponse
+from edgeproxy._core.types import Headers
 from edgeproxy._protocol.endpoints import ENDPOINT_NAMED, openai_endpoint
 from edgeproxy._protocol.headers import request_id
 from edgeproxy._stages.cache.backends import CacheBackend, make_backend
-from edgeproxy._stages.cache.entry import Entry, ReplayResponse, replay_parts, response_headers
+from edgeproxy._stages.cache.entry import Entry, replay_parts, response_headers
 from edgeproxy._stages.cache.flight import (
     DONE,
     FAILED,
     Coalescer,
     Flight,
-    stream_live,
+    live_events,
     wait_finished,
     wait_started,
 )
@@ -203,8 +206,8 @@ class CacheStage:
         return plan.key if plan is not None else None
 
     async def plan(self, request: Exchange, ctx: RequestContext) -> CachePlan | None:
-        """Decide what the cache does with ``ctx``; sets ``ctx.cache_key`` and, for a
-        request the cache leaves alone, ``ctx.cache = "BYPASS"``."""
+        """Decide what the cache does with ``ctx``; sets ``ctx.outcome.cache_key`` and, for a
+        request the cache leaves alone, ``ctx.outcome.cache = "BYPASS"``."""
         if self.backend is None:
             return None
         reason = self._bypass_reason(ctx)
@@ -216,11 +219,11 @@ class CacheStage:
     async def _plan(self, request: Exchange, ctx: RequestContext) -> CachePlan:
         """The plan of a request :meth:`_bypass_reason` let through."""
         key = await self._cacheable_key(request, ctx)
-        ctx.cache_key = key
+        ctx.outcome.cache_key = key
         return _plan_for_ctx(ctx, key, coalesce=self.config.coalesce)
 
     def _bypass(self, ctx: RequestContext, reason: str) -> None:
-        ctx.cache = "BYPASS"
+        ctx.outcome.cache = "BYPASS"
         stats = self.stats
         stats.outcomes["BYPASS"] += 1
         stats.bypass[reason] += 1
@@ -341,7 +344,7 @@ class CacheStage:
 
     async def lookup(
         self, request: Exchange, ctx: RequestContext, *, checked: bool = False
-    ) -> tuple[StreamResponse | None, CacheRecorder | None]:
+    ) -> tuple[Answer | None, CacheRecorder | None]:
         """An answer from the cache or from an identical request in flight; else, for a
         cacheable request, the recorder that stores what the pipeline relays.
 
@@ -367,7 +370,7 @@ class CacheStage:
 
     def _serve(
         self, request: Exchange, ctx: RequestContext, plan: CachePlan, entry: Entry
-    ) -> StreamResponse | None:
+    ) -> Answer | None:
         """HIT while fresh (maybe refreshing early), STALE within stale-while-revalidate."""
         now = self.clock()
         if now < entry.fresh_until:
@@ -387,7 +390,7 @@ class CacheStage:
         entry: Entry,
         outcome: str,
         now: float | None = None,
-    ) -> StreamResponse | None:
+    ) -> Answer | None:
         """``entry`` as the client asked for it (stream or JSON), or None if that is impossible."""
         converted = replay_parts(
             entry,
@@ -422,16 +425,11 @@ class CacheStage:
             parts = [packed]
             headers = [(k, v) for k, v in headers if k.lower() != "content-length"]
             headers += (("Content-Encoding", encoding), ("Vary", "Accept-Encoding"))
-        resp: StreamResponse
-        if sse:
-            resp = ReplayResponse(status=entry.status, parts=parts)
-            resp.headers.extend(headers)
-        else:
-            resp = Response(status=entry.status, body=parts[0], headers=headers)
-        ctx.cache = outcome
-        ctx.status = entry.status
+        ctx.outcome.cache = outcome
         self.stats.outcomes[outcome] += 1
-        return resp
+        if sse:
+            return Answer(entry.status, headers, source="cache", parts=parts, sse=True)
+        return Answer(entry.status, headers, source="cache", body=parts[0])
 
     async def recorder_for(self, request: Exchange, ctx: RequestContext) -> CacheRecorder | None:
         """The recorder storing the answer to ``ctx`` under its own key (a lighter model's
@@ -442,13 +440,13 @@ class CacheStage:
         return None if plan is None else CacheRecorder(self, ctx, plan, None)
 
     def _lead(self, ctx: RequestContext, plan: CachePlan, flight: Flight | None) -> CacheRecorder:
-        ctx.cache = "MISS"
+        ctx.outcome.cache = "MISS"
         self.stats.outcomes["MISS"] += 1
         return CacheRecorder(self, ctx, plan, flight)
 
     async def _coalesce(
         self, request: Exchange, ctx: RequestContext, plan: CachePlan
-    ) -> tuple[StreamResponse | None, CacheRecorder | None]:
+    ) -> tuple[Answer | None, CacheRecorder | None]:
         attempt = 1
         while True:
             flight, leading = self.coalescer.join(plan.key, attempt)
@@ -464,7 +462,7 @@ class CacheStage:
                 return None, self._lead(ctx, plan, None)
             # The leader gave up before anything reached this request.
             if flight.error:
-                stale = await self.serve_stale(request, ctx)
+                stale = await self._stale(request, ctx)
                 if stale is not None:
                     return stale, None
             if flight.attempt >= MAX_FLIGHT_ATTEMPTS:
@@ -474,38 +472,44 @@ class CacheStage:
 
     async def _follow(
         self, request: Exchange, ctx: RequestContext, plan: CachePlan, flight: Flight
-    ) -> tuple[StreamResponse | None, str]:
+    ) -> tuple[Answer | None, str]:
         """Answer a follower from ``flight``: (answer, "") or (None, "retry" | "alone")."""
         await wait_started(flight)
         if flight.state == FAILED:
             return None, "retry"
         if plan.wants_sse and flight.sse and flight.shareable:
             # Same form as the leader's: chunks as the leader receives them.
-            resp = StreamResponse(status=flight.status)
-            for name, value in flight.headers:
-                if name.lower() not in ("content-length", "x-request-id", "date", "set-cookie"):
-                    resp.headers.add(name, value)
-            resp.headers["Age"] = "0"
-            resp.headers["X-Edgeproxy-Cache"] = "COALESCED"
-            resp.headers["X-Edgeproxy-Cache-Key"] = plan.key
-            resp.headers["X-Edgeproxy-Region"] = flight.region or "none"
-            resp.headers["X-Request-Id"] = ctx.request_id
-            ctx.cache = "COALESCED"
-            ctx.status = flight.status
-            ctx.response_is_sse = True
+            headers: Headers = [
+                (name, value)
+                for name, value in flight.headers
+                if name.lower() not in ("content-length", "x-request-id", "date", "set-cookie")
+            ]
+            headers += (
+                ("Age", "0"),
+                ("X-Edgeproxy-Cache", "COALESCED"),
+                ("X-Edgeproxy-Cache-Key", plan.key),
+                ("X-Edgeproxy-Region", flight.region or "none"),
+                ("X-Request-Id", ctx.request_id),
+            )
+            ctx.outcome.cache = "COALESCED"
             self.stats.outcomes["COALESCED"] += 1
-            try:
-                if not await stream_live(
-                    request,
-                    resp,
-                    flight,
-                    include_usage=plan.include_usage,
-                    dialect=plan.dialect,
-                ):
-                    ctx.error = "the coalesced stream broke upstream"
-            except ConnectionResetError:
-                ctx.error = "client disconnected"
-            return resp, ""
+            chunks = live_events(flight, include_usage=plan.include_usage, dialect=plan.dialect)
+            # Still a follower while its answer streams (the leader notifies followers only):
+            # until the Responder lets go of the answer.
+            flight.followers += 1
+
+            def unfollow() -> None:
+                flight.followers -= 1
+
+            live = Answer(
+                flight.status,
+                headers,
+                source="coalesced",
+                chunks=chunks,
+                sse=True,
+                release=unfollow,
+            )
+            return live, ""
         await wait_finished(flight)
         if flight.state != DONE:
             return None, "retry"
@@ -517,24 +521,31 @@ class CacheStage:
     async def serve_stale(self, request: Exchange, ctx: RequestContext) -> StreamResponse | None:
         """The stale-if-error answer: a stored answer within its ``stale_if_error`` window
         (or still fresh), marked ``X-Edgeproxy-Cache: STALE`` and
-        ``X-Edgeproxy-Degraded: stale-cache``; None when there is none."""
+        ``X-Edgeproxy-Degraded: stale-cache``, as the ladder's response; None when there is
+        none."""
+        answer = await self._stale(request, ctx)
+        # Seen by the edgeproxy_fallback hook as the ladder's response.
+        return answer.ready() if answer is not None else None
+
+    async def _stale(self, request: Exchange, ctx: RequestContext) -> Answer | None:
         if self.backend is None:
             return None
-        if ctx.cache_key is None and ctx.cache is None:
+        if ctx.outcome.cache_key is None and ctx.outcome.cache is None:
             # Shed by admission before the cache stage ran: work the key out now.
-            ctx.cache_key, _ = await self._key(request, ctx)
-        if ctx.cache_key is None:
+            ctx.outcome.cache_key, _ = await self._key(request, ctx)
+        if ctx.outcome.cache_key is None:
             return None
-        entry = await self.backend.get(ctx.cache_key)
+        entry = await self.backend.get(ctx.outcome.cache_key)
         now = self.clock()
         if entry is None or now >= max(entry.sie_until, entry.fresh_until):
             return None
-        plan = _plan_for_ctx(ctx, ctx.cache_key, coalesce=False)
-        resp = self._replay(ctx, plan, entry, "STALE", now)
-        if resp is not None:
-            resp.headers["X-Edgeproxy-Degraded"] = "stale-cache"
-            self.stats.stale_if_error += 1
-        return resp
+        plan = _plan_for_ctx(ctx, ctx.outcome.cache_key, coalesce=False)
+        answer = self._replay(ctx, plan, entry, "STALE", now)
+        if answer is None:
+            return None
+        answer.headers.append(("X-Edgeproxy-Degraded", "stale-cache"))
+        self.stats.stale_if_error += 1
+        return answer
 
     # -- storing and refreshing -------------------------------------------------
 
@@ -665,20 +676,7 @@ def _refresh_context(ctx: RequestContext) -> RequestContext:
         request_id=request_id(None),
         headers=CIMultiDict(ctx.headers),
         started=time.monotonic(),
-        cache="REFRESH",
-        region=None,
-        attempts=0,
-        hedged=False,
-        status=0,
-        bytes_out=0,
-        upstream_ttfb=None,
-        first_byte_at=None,
-        finished_at=None,
-        response_is_sse=False,
-        degraded=None,
-        usage=None,
-        error=None,
-        continuations=(),
+        outcome=Outcome(cache="REFRESH"),
         extra={},
     )
 

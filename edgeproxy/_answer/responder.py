@@ -1,8 +1,20 @@
-"""The relay: a region's answer to the client chunk by chunk, never buffered.
+"""The Responder: the one writer of downstream bytes.
 
-The same loop reads a region's answer for a background cache refresh, with no
-client: :meth:`StreamStage.drain` calls the same hooks and feeds the cache's
-recorder the same way, and writes nothing.
+Every answer goes to the client through it: a region's, relayed chunk by chunk and never
+buffered (:meth:`Responder.relay`), and every other :class:`~edgeproxy._core.answer.Answer`
+(a cache entry, a coalesced flight, the local model, an error, a plugin's:
+:meth:`Responder.send`). It writes the head, the body, the end, and a broken stream's end
+(the API's error event, then no clean end); before the head, its heartbeats
+(:mod:`edgeproxy._answer.heartbeat`) are its state. What it sent it records on the
+request's outcome: the status, the bytes, the first byte's time, whether as SSE, the usage
+and why an answer ended early.
+
+A whole body is not written here but handed back ready (a :class:`Response`), for the front
+end to frame with its own head in one go.
+
+The same loop reads a region's answer for a background cache refresh, with no client:
+:meth:`Responder.drain` calls the same hooks and feeds the cache's recorder the same way,
+and writes nothing.
 
 A region that knows the client's model under its own name (``[[regions]]
 model_aliases``) answers with that name: the body is renamed back to the
@@ -18,13 +30,14 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Protocol
 
+from edgeproxy._core.answer import Answer, AnswerBroken
 from edgeproxy._core.context import RequestContext, UpstreamReply
-from edgeproxy._core.errors import ProxyError
+from edgeproxy._core.errors import ProxyError, error_response
 from edgeproxy._core.exchange import Exchange
-from edgeproxy._core.response import StreamResponse
+from edgeproxy._core.response import Response, StreamResponse
 from edgeproxy._core.types import Headers
-from edgeproxy._local.model import LocalAnswer
 from edgeproxy._plugins import PluginError, Plugins
+from edgeproxy._protocol.dialects import dialect_named
 from edgeproxy._protocol.endpoints import dialect_for
 from edgeproxy._protocol.headers import strip_hop_by_hop
 from edgeproxy._protocol.modelnames import ModelRewriter
@@ -36,7 +49,7 @@ from edgeproxy._stages.failover import AttemptResponse
 from edgeproxy._upstream.pool import UpstreamError
 from edgeproxy._upstream.regions import Region
 
-__all__ = ["StreamStage"]
+__all__ = ["Responder"]
 
 logger = logging.getLogger("edgeproxy")
 
@@ -45,7 +58,7 @@ _NO_BODY_STATUS = frozenset({204, 304})
 
 class Legs(Protocol):
     """Where a broken stream's next leg comes from (the obtain path's continuation of one
-    request), handed to :meth:`StreamStage.relay` for a route with ``continue_on_break``."""
+    request), handed to :meth:`Responder.relay` for a route with ``continue_on_break``."""
 
     def splice(self, ctx: RequestContext, status: int, content_type: str) -> Splice | None:
         """A splice for this answer, or None when it cannot be continued."""
@@ -58,10 +71,10 @@ class Legs(Protocol):
         ...
 
 
-class StreamStage:
-    """Relays the upstream response to the client chunk by chunk, never buffering it.
+class Responder:
+    """The one writer of downstream bytes; see the module's docstring.
 
-    It reads ``upstream`` but does not own it: the caller closes it, whatever
+    It reads a region's ``upstream`` but does not own it: the caller closes it, whatever
     happened here.
     """
 
@@ -117,13 +130,13 @@ class StreamStage:
                     content_type = value
         headers.append(("X-Edgeproxy-Region", region.name))
         headers.append(("X-Request-Id", ctx.request_id))
-        if ctx.cache:
-            headers.append(("X-Edgeproxy-Cache", ctx.cache))
+        if ctx.outcome.cache:
+            headers.append(("X-Edgeproxy-Cache", ctx.outcome.cache))
         if upstream.other_model is not None:
             # Another model than asked answered: the ladder's lighter rung (degraded), or a
             # larger context window for a request too long for the model.
-            if ctx.degraded == "lighter-model":
-                headers.append(("X-Edgeproxy-Degraded", ctx.degraded))
+            if ctx.outcome.degraded == "lighter-model":
+                headers.append(("X-Edgeproxy-Degraded", ctx.outcome.degraded))
             headers.append(("X-Edgeproxy-Model", ctx.model or ""))
         encoding = None
         if self.compression is not None:
@@ -148,12 +161,12 @@ class StreamStage:
             and encoding is None
         ):
             resp.content_length = content_length
-        ctx.response_is_sse = content_type.startswith("text/event-stream")
+        ctx.outcome.response_is_sse = content_type.startswith("text/event-stream")
         usage = UsageTracker.for_response(ctx.path, content_type, reply.status, ctx.json)
         try:
             # Inside the try: the client may already be gone when headers go out.
             await resp.prepare(request)
-            ctx.first_byte_at = time.monotonic()
+            ctx.outcome.first_byte_at = time.monotonic()
             if splice is None or legs is None:
                 await self._body(
                     request, ctx, self._chunks(ctx, upstream), recorder, resp.writer, usage
@@ -164,18 +177,18 @@ class StreamStage:
         except UpstreamError as exc:
             # Counted against the region by the attempt itself (AttemptResponse).
             # The detail (addresses, parser text) is logged, never sent to the client.
-            name = ctx.region or region.name
-            ctx.error = f"upstream broke mid-body: {exc}"
+            name = ctx.outcome.region or region.name
+            ctx.outcome.error = f"upstream broke mid-body: {exc}"
             logger.warning("request %s: region %s broke the stream: %s", ctx.request_id, name, exc)
             await self._broken(request, resp, name, splice)
             return resp
         except ConnectionResetError:
             # The client went away: the pipeline's finally cancels the upstream stream.
-            ctx.error = "client disconnected"
+            ctx.outcome.error = "client disconnected"
             return resp
         except PluginError as exc:
             # Too late for a 500: end the response so it cannot pass for complete.
-            ctx.error = str(exc)
+            ctx.outcome.error = str(exc)
             logger.error("%s", exc, exc_info=exc.error)
             await self._abort(
                 request,
@@ -189,7 +202,7 @@ class StreamStage:
         except asyncio.CancelledError:
             if self.shutting_down:
                 # The grace period ended: no waiting now, only the event and the close.
-                ctx.error = "cut at the end of the shutdown grace period"
+                ctx.outcome.error = "cut at the end of the shutdown grace period"
                 await self._cut(request, resp)
             raise
         return resp
@@ -208,7 +221,7 @@ class StreamStage:
         name = upstream.region.name
         content_type = next((v for k, v in reply.headers if k.lower() == "content-type"), "")
         if reply.status != 200 or not content_type.startswith("text/event-stream"):
-            ctx.error = f"region {name} answered {reply.status} after heartbeats"
+            ctx.outcome.error = f"region {name} answered {reply.status} after heartbeats"
             await self._abort(
                 request,
                 resp,
@@ -218,13 +231,13 @@ class StreamStage:
                 "upstream_error",
             )
             return resp
-        ctx.status = 200
+        ctx.outcome.status = 200
         usage = UsageTracker.for_response(ctx.path, content_type, 200, ctx.json)
         splice: Splice | None = None
         if legs is not None:
             splice = legs.splice(ctx, 200, content_type)
         try:
-            ctx.first_byte_at = time.monotonic()
+            ctx.outcome.first_byte_at = time.monotonic()
             if splice is None or legs is None:
                 chunks = self._chunks(ctx, upstream)
                 await self._body(request, ctx, chunks, recorder, resp.writer, usage)
@@ -232,40 +245,141 @@ class StreamStage:
                 await self._spliced(request, ctx, upstream, recorder, resp, usage, splice, legs)
             await resp.write_eof()
         except UpstreamError as exc:
-            ctx.error = f"upstream broke mid-body: {exc}"
-            await self._broken(request, resp, ctx.region or name, splice)
+            ctx.outcome.error = f"upstream broke mid-body: {exc}"
+            await self._broken(request, resp, ctx.outcome.region or name, splice)
         except ConnectionResetError:
-            ctx.error = "client disconnected"
+            ctx.outcome.error = "client disconnected"
         return resp
 
-    async def local_after_heartbeats(
+    async def send(
         self,
         request: Exchange,
         ctx: RequestContext,
-        answer: LocalAnswer,
-        resp: StreamResponse,
-    ) -> None:
-        """The local model's streamed answer in the SSE response the heartbeats started."""
+        answer: Answer,
+        *,
+        close_connection: bool = False,
+        started: StreamResponse | None = None,
+    ) -> StreamResponse:
+        """Send ``answer`` (anything but a region's, which :meth:`relay` sends).
+
+        A whole body is made (``make``) before anything goes, so that its failure is still
+        a clean error answer, and is handed back ready for the front end to send. A body in
+        pieces is written as they come, and a broken one ends as :meth:`relay` ends a
+        broken stream. ``started``: the SSE response early heartbeats began (status 200
+        sent): a streamed answer goes on in it, anything else becomes an ``error`` event."""
+        out = ctx.outcome
         try:
-            ctx.first_byte_at = time.monotonic()
-            async for event in answer.events(ctx):
-                await resp.write(event)
-                ctx.bytes_out += len(event)
+            if started is not None:
+                if answer.chunks is None or not answer.sse or answer.status != 200:
+                    err = _after_heartbeats_error(answer)
+                    out.error = err.message
+                    await self._abort(
+                        request, started, err.status, err.type, err.message, err.code or err.type
+                    )
+                    return started
+                await self._pieces(request, ctx, answer, started)
+                return started
+            if answer.make is not None:
+                try:
+                    answer.body = await answer.make()
+                except ProxyError as err:
+                    return self.error(ctx, err)
+                except ConnectionResetError:
+                    out.error = "client disconnected"
+                    out.status = answer.status
+                    return answer.ready()
+            headers = answer.headers
+            resp: StreamResponse
+            if answer.chunks is None:
+                resp = answer.ready()
+                out.bytes_out += answer.size
+            else:
+                resp = StreamResponse(status=answer.status, headers=headers)
+            if close_connection:
+                resp.force_close()
+            out.status = answer.status
+            out.response_is_sse = answer.sse
+            if answer.chunks is not None:
+                await resp.prepare(request)
+                await self._pieces(request, ctx, answer, resp)
+            return resp
+        finally:
+            if answer.usage is not None:
+                out.usage = answer.usage()
+            if answer.release is not None:
+                answer.release()
+
+    async def _pieces(
+        self, request: Exchange, ctx: RequestContext, answer: Answer, resp: StreamResponse
+    ) -> None:
+        """An answer's body piece by piece, in ``resp`` (prepared), then its end."""
+        out = ctx.outcome
+        chunks = answer.chunks
+        assert chunks is not None
+        write = resp.writer
+        try:
+            out.first_byte_at = time.monotonic()
+            async for chunk in chunks:
+                await write(chunk)
+                out.bytes_out += len(chunk)
+                if request.client_gone():
+                    # Without handler cancellation nobody else notices before the next write.
+                    raise ConnectionResetError("client disconnected")
             await resp.write_eof()
         except ConnectionResetError:
-            ctx.error = "client disconnected"
-        except Exception as exc:  # noqa: BLE001 - too late for a status: an error event
-            logger.exception("local model generation failed after heartbeats")
-            ctx.error = f"local model failed mid-answer: {exc}"
+            out.error = "client disconnected"
+        except AnswerBroken as broken:
+            out.error = broken.reason
+            err = broken.error
             await self._abort(
-                request, resp, 500, "server_error", "the local model failed", "local_model_error"
+                request,
+                resp,
+                err.status,
+                err.type,
+                err.message,
+                err.code or err.type,
+                sequence=broken.sequence,
             )
+        finally:
+            # What the body holds (a generation, a follower's place) is let go of now.
+            aclose = getattr(chunks, "aclose", None)
+            if aclose is not None:
+                await aclose()
 
-    async def error_after_heartbeats(
-        self, request: Exchange, resp: StreamResponse, err: ProxyError
-    ) -> None:
+    def error(self, ctx: RequestContext, err: ProxyError) -> Response:
+        """The error answer, in the client's API, ready for the front end to send."""
+        out = ctx.outcome
+        out.status = err.status
+        out.error = err.message
+        headers = {"X-Edgeproxy-Region": out.region or "none", "X-Request-Id": ctx.request_id}
+        if out.cache:
+            headers["X-Edgeproxy-Cache"] = out.cache
+        headers.update(err.headers)
+        facts = ctx.facts
+        dialect = dialect_named(facts.dialect) if facts is not None else dialect_for(ctx.path)
+        return error_response(err.status, dialect.error_body(err), headers=headers)
+
+    async def error_after(
+        self, request: Exchange, ctx: RequestContext, err: ProxyError, started: StreamResponse
+    ) -> StreamResponse:
         """The answer is an error, but heartbeats already sent 200: an ``error`` event."""
-        await self._abort(request, resp, err.status, err.type, err.message, err.code or err.type)
+        ctx.outcome.error = err.message
+        await self._abort(request, started, err.status, err.type, err.message, err.code or err.type)
+        return started
+
+    def own(self, ctx: RequestContext, answer: StreamResponse) -> StreamResponse:
+        """A response the proxy (or a plugin) made itself, with the proxy's headers, for the
+        front end to send."""
+        out = ctx.outcome
+        answer.headers.setdefault("X-Edgeproxy-Region", out.region or "none")
+        answer.headers["X-Request-Id"] = ctx.request_id
+        if out.degraded:
+            answer.headers["X-Edgeproxy-Degraded"] = out.degraded
+            if out.attempts:
+                # What the regions were asked before the ladder answered.
+                answer.headers["X-Edgeproxy-Attempts"] = str(out.attempts)
+        out.status = answer.status
+        return answer
 
     async def drain(
         self, ctx: RequestContext, upstream: AttemptResponse, recorder: CacheRecorder
@@ -306,7 +420,7 @@ class StreamStage:
             )
         if recorder is not None:
             recorder.start(reply, upstream.region.name)
-        ctx.status = reply.status
+        ctx.outcome.status = reply.status
         return reply
 
     def _chunks(self, ctx: RequestContext, upstream: AttemptResponse) -> AsyncIterator[bytes]:
@@ -366,8 +480,8 @@ class StreamStage:
                 tail = splice.finish()
                 if tail:
                     await resp.write(tail)
-                    ctx.bytes_out += len(tail)
-                ctx.usage = splice.usage()
+                    ctx.outcome.bytes_out += len(tail)
+                ctx.outcome.usage = splice.usage()
         finally:
             if leg is not None:
                 await leg.close()
@@ -383,6 +497,7 @@ class StreamStage:
     ) -> None:
         """The one body loop: each chunk through the plugins, to the recorder and ``write``."""
         transform = "edgeproxy_stream_chunk" in self.plugins.active
+        out = ctx.outcome
         async for chunk in chunks:
             if usage is not None:
                 usage.feed(chunk)
@@ -395,11 +510,11 @@ class StreamStage:
                     recorder.feed(chunk)
                 if write is not None:
                     await write(chunk)
-                ctx.bytes_out += len(chunk)
+                out.bytes_out += len(chunk)
         if recorder is not None:
             recorder.finish()
         if usage is not None:
-            ctx.usage = usage.result()
+            out.usage = usage.result()
 
     async def _abort(
         self,
@@ -478,3 +593,9 @@ def _error_event(
     own error (see each dialect's ``error_event``)."""
     dialect = dialect_for(request.target.split("?", 1)[0])
     return dialect.error_event(ProxyError(status, type, message, code=code), sequence=sequence)
+
+
+def _after_heartbeats_error(answer: Answer) -> ProxyError:
+    """What a client is told when, after heartbeats (200 sent), the answer is not a 200
+    stream: another answer cannot follow the 200 already sent."""
+    return ProxyError(503, "service_unavailable", "no region answered", code="no_region")

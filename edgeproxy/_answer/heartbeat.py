@@ -8,12 +8,13 @@ see a live response instead of timing out while a saturated region queues.
 
 Only comments were sent, so failover, hedging and the degradation ladder go
 on as before. What follows is the answer (from a region or the local model,
-written by the stream stage into the response already started), or, since
-the status is already 200, an ``error`` event in the OpenAI error shape.
+written by the Responder into the response already started), or, since the
+status is already 200, an ``error`` event in the client's API.
 
-The :class:`Heartbeat` owns its task and the response it started; the
-pipeline stops it (:meth:`Heartbeat.stop`) before anything else writes, and
-on every way out.
+The heartbeats are the Responder's state before the head: the :class:`Heartbeat`
+owns its task and the response it started; the pipeline stops it
+(:meth:`Heartbeat.stop`) before the Responder writes the answer, and on every
+way out.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class Heartbeat:
         self.ctx = ctx
         self.interval = interval
         self.close_connection = close_connection
-        # The response the first heartbeat started; the stream stage writes the rest.
+        # The response the first heartbeat started; the Responder writes the rest.
         self.response: StreamResponse | None = None
         self.sent = 0
         # The dialect's own form: Anthropic's ping for its API, else an SSE comment.
@@ -81,7 +82,7 @@ class Heartbeat:
                     await self.response.prepare(self.request)
                 await self.response.write(self.beat)
                 self.sent += 1
-                self.ctx.bytes_out += len(self.beat)
+                self.ctx.outcome.bytes_out += len(self.beat)
         except ConnectionResetError:
             pass  # the client left: what comes next notices it as well
 
@@ -97,8 +98,9 @@ class Heartbeat:
         )
         if self.close_connection:
             resp.force_close()
-        ctx.status = 200
-        ctx.response_is_sse = True
+        out = ctx.outcome
+        out.status = 200
+        out.response_is_sse = True
         return resp
 
     async def stop(self) -> StreamResponse | None:

@@ -1,0 +1,1 @@
+"""Answers and the one writer of downstream bytes: the Responder and its heartbeats."""
