@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, Generic, NamedTuple, TypeVar, overload
 
 import orjson
 from multidict import CIMultiDict
@@ -17,6 +17,7 @@ from edgeproxy._core.types import Headers, TraceContext
 __all__ = ["Continuation", "FixedFact", "RequestContext", "RequestFacts", "UpstreamReply"]
 
 _UNSET: Any = object()
+T = TypeVar("T")
 
 
 class FixedFact(RuntimeError):
@@ -52,8 +53,59 @@ class RequestFacts(NamedTuple):
     """The model the client named (the JSON body's ``"model"``), or None."""
 
 
+class _OutcomeName(Generic[T]):
+    """One of the outcome's fields under its name on the context (``ctx.status`` is
+    ``ctx.outcome.status``): the package writes them on ``outcome``, and plugins and tests
+    read, or set, them on the context as they always did."""
+
+    __slots__ = ("name",)
+
+    def __init__(self) -> None:
+        self.name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, obj: None, owner: type) -> _OutcomeName[T]: ...
+
+    @overload
+    def __get__(self, obj: _OutcomeNames, owner: type) -> T: ...
+
+    def __get__(self, obj: _OutcomeNames | None, owner: type) -> _OutcomeName[T] | T:
+        if obj is None:
+            return self
+        value: T = getattr(obj.outcome, self.name)
+        return value
+
+    def __set__(self, obj: _OutcomeNames, value: T) -> None:
+        setattr(obj.outcome, self.name, value)
+
+
+class _OutcomeNames:
+    """The outcome's fields as the context's own names (see :class:`_OutcomeName`)."""
+
+    __slots__ = ()
+    outcome: Outcome
+    region: _OutcomeName[str | None] = _OutcomeName()
+    attempts: _OutcomeName[int] = _OutcomeName()
+    hedged: _OutcomeName[bool] = _OutcomeName()
+    upstream_ttfb: _OutcomeName[float | None] = _OutcomeName()
+    degraded: _OutcomeName[str | None] = _OutcomeName()
+    continuations: _OutcomeName[tuple[Continuation, ...]] = _OutcomeName()
+    cache: _OutcomeName[str | None] = _OutcomeName()
+    cache_key: _OutcomeName[str | None] = _OutcomeName()
+    status: _OutcomeName[int] = _OutcomeName()
+    bytes_out: _OutcomeName[int] = _OutcomeName()
+    first_byte_at: _OutcomeName[float | None] = _OutcomeName()
+    response_is_sse: _OutcomeName[bool] = _OutcomeName()
+    usage: _OutcomeName[dict[str, Any] | None] = _OutcomeName()
+    error: _OutcomeName[str | None] = _OutcomeName()
+    finished_at: _OutcomeName[float | None] = _OutcomeName()
+
+
 @dataclass(slots=True)
-class RequestContext:
+class RequestContext(_OutcomeNames):
     """What the pipeline knows about one request as it moves through the stages.
 
     Plugins read and rewrite the request through it: ``target`` (path and
@@ -126,130 +178,6 @@ class RequestContext:
                 except (orjson.JSONDecodeError, DuplicateKey):
                     pass
         return self._json
-
-    # -- the outcome's fields, read on the context as they always were ------------------
-    # The package writes them on ``outcome``; these setters are for plugins and tests that
-    # set them on the context.
-
-    @property
-    def region(self) -> str | None:
-        return self.outcome.region
-
-    @region.setter
-    def region(self, value: str | None) -> None:
-        self.outcome.region = value
-
-    @property
-    def attempts(self) -> int:
-        return self.outcome.attempts
-
-    @attempts.setter
-    def attempts(self, value: int) -> None:
-        self.outcome.attempts = value
-
-    @property
-    def hedged(self) -> bool:
-        return self.outcome.hedged
-
-    @hedged.setter
-    def hedged(self, value: bool) -> None:
-        self.outcome.hedged = value
-
-    @property
-    def upstream_ttfb(self) -> float | None:
-        return self.outcome.upstream_ttfb
-
-    @upstream_ttfb.setter
-    def upstream_ttfb(self, value: float | None) -> None:
-        self.outcome.upstream_ttfb = value
-
-    @property
-    def degraded(self) -> str | None:
-        return self.outcome.degraded
-
-    @degraded.setter
-    def degraded(self, value: str | None) -> None:
-        self.outcome.degraded = value
-
-    @property
-    def continuations(self) -> tuple[Continuation, ...]:
-        return self.outcome.continuations
-
-    @continuations.setter
-    def continuations(self, value: tuple[Continuation, ...]) -> None:
-        self.outcome.continuations = value
-
-    @property
-    def cache(self) -> str | None:
-        return self.outcome.cache
-
-    @cache.setter
-    def cache(self, value: str | None) -> None:
-        self.outcome.cache = value
-
-    @property
-    def cache_key(self) -> str | None:
-        return self.outcome.cache_key
-
-    @cache_key.setter
-    def cache_key(self, value: str | None) -> None:
-        self.outcome.cache_key = value
-
-    @property
-    def status(self) -> int:
-        return self.outcome.status
-
-    @status.setter
-    def status(self, value: int) -> None:
-        self.outcome.status = value
-
-    @property
-    def bytes_out(self) -> int:
-        return self.outcome.bytes_out
-
-    @bytes_out.setter
-    def bytes_out(self, value: int) -> None:
-        self.outcome.bytes_out = value
-
-    @property
-    def first_byte_at(self) -> float | None:
-        return self.outcome.first_byte_at
-
-    @first_byte_at.setter
-    def first_byte_at(self, value: float | None) -> None:
-        self.outcome.first_byte_at = value
-
-    @property
-    def response_is_sse(self) -> bool:
-        return self.outcome.response_is_sse
-
-    @response_is_sse.setter
-    def response_is_sse(self, value: bool) -> None:
-        self.outcome.response_is_sse = value
-
-    @property
-    def usage(self) -> dict[str, Any] | None:
-        return self.outcome.usage
-
-    @usage.setter
-    def usage(self, value: dict[str, Any] | None) -> None:
-        self.outcome.usage = value
-
-    @property
-    def error(self) -> str | None:
-        return self.outcome.error
-
-    @error.setter
-    def error(self, value: str | None) -> None:
-        self.outcome.error = value
-
-    @property
-    def finished_at(self) -> float | None:
-        return self.outcome.finished_at
-
-    @finished_at.setter
-    def finished_at(self, value: float | None) -> None:
-        self.outcome.finished_at = value
 
     def fix(self, dialect: str | None) -> RequestFacts:
         """Fix the request's facts, once it has entered; see :class:`RequestFacts`."""
