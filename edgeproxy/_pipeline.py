@@ -376,7 +376,7 @@ class Pipeline:
         answer, known in Redis before the client has the id."""
         attempt = upstream.attempt
         first = attempt.first or b""
-        object_id = created_id(state.dialect, first, attempt.sse)
+        object_id = created_id(state.dialect, first, attempt.sse, attempt.opening)
         if object_id is None and not attempt.sse and not attempt.eof:
             # Only an LLM endpoint's JSON answer is held whole: read on until the id is in.
             try:
@@ -389,7 +389,7 @@ class Pipeline:
                     "the region broke its answer",
                     code="upstream_stream_broken",
                 ) from None
-            object_id = created_id(state.dialect, first, attempt.sse)
+            object_id = created_id(state.dialect, first, attempt.sse, attempt.opening)
         if object_id is None:
             return
         write = self.owners.remember(object_id, upstream.region.name, state.scope)

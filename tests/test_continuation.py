@@ -17,6 +17,7 @@ import pytest
 
 from edgeproxy import Config, ConfigError, Exchange, RequestContext, hookimpl
 from edgeproxy._observability.access_log import record
+from edgeproxy._protocol.sse import events_of
 from edgeproxy._stages.continuation import Splice
 from edgeproxy.testing import FakeRegion, answer_text
 
@@ -318,14 +319,14 @@ def test_the_seam_trims_a_repeat_but_not_a_word_said_twice(
     sent: str, continuation: list[str], expected: str
 ) -> None:
     splice = Splice({"messages": [], "stream": True})
-    first = splice.feed(_event("", role=True) + _event(sent))
+    first = splice.feed(events_of(_event("", role=True) + _event(sent)))
     assert _texts(first) == sent
     splice.broke("a")
     splice.start_leg("a", "b", "continue_final_message")
-    raw = splice.feed(_event("", role=True, leg=1))
+    raw = splice.feed(events_of(_event("", role=True, leg=1)))
     for piece in continuation:
-        raw += splice.feed(_event(piece, leg=1))
-    raw += splice.feed(_event(finish="stop", leg=1) + b"data: [DONE]\n\n")
+        raw += splice.feed(events_of(_event(piece, leg=1)))
+    raw += splice.feed(events_of(_event(finish="stop", leg=1) + b"data: [DONE]\n\n"))
     raw += splice.finish()
     assert _texts(raw) == expected
     assert b'"role"' not in raw and raw.endswith(b"data: [DONE]\n\n")

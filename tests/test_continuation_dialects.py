@@ -22,7 +22,7 @@ import orjson
 import pytest
 
 from edgeproxy._protocol.dialects import MESSAGES, RESPONSES, AnswerText
-from edgeproxy._protocol.sse import SSEEvent, SSEReader
+from edgeproxy._protocol.sse import SSEEvent, SSEReader, events_of
 from edgeproxy._stages.continuation import Splice, continuation_body
 from edgeproxy.testing import FakeRegion, answer_text
 
@@ -323,7 +323,7 @@ def test_a_messages_prefill_leaves_trailing_whitespace_out_and_the_seam_puts_it_
     body = {"model": "m", "max_tokens": 50, "messages": USER, "stream": True}
     splice = Splice(body, MESSAGES)
     first = MESSAGES.writer(_answer())
-    sent = splice.feed(first.open() + first.piece("Hello there.") + first.piece("\n\n"))
+    sent = splice.feed(events_of(first.open() + first.piece("Hello there.") + first.piece("\n\n")))
     assert _block_text(sent) == "Hello there.\n\n"
     splice.broke("a")
     # The prefill ends without the blank line, as Anthropic requires; the tokens are spent.
@@ -332,8 +332,12 @@ def test_a_messages_prefill_leaves_trailing_whitespace_out_and_the_seam_puts_it_
     assert leg["max_tokens"] == 48 and body["max_tokens"] == 50
     splice.start_leg("a", "b", "prefill")
     second = MESSAGES.writer(_answer())
-    raw = splice.feed(second.open() + second.piece("\n\nGeneral") + second.piece(" Kenobi."))
-    raw += splice.feed(second.close("stop", {"prompt_tokens": 9, "completion_tokens": 2}))
+    raw = splice.feed(
+        events_of(second.open() + second.piece("\n\nGeneral") + second.piece(" Kenobi."))
+    )
+    raw += splice.feed(
+        events_of(second.close("stop", {"prompt_tokens": 9, "completion_tokens": 2}))
+    )
     raw += splice.finish()
     # The new leg's blank line was the client's already.
     assert _block_text(raw) == "General Kenobi."
@@ -350,12 +354,12 @@ def test_a_messages_stream_broken_after_its_block_stopped_goes_on_in_a_new_block
     splice = Splice({"model": "m", "max_tokens": 50, "messages": USER}, MESSAGES)
     first = MESSAGES.writer(_answer())
     stop = b'event: content_block_stop\ndata: {"type":"content_block_stop","index":0}\n\n'
-    splice.feed(first.open() + first.piece("One two three four") + stop)
+    splice.feed(events_of(first.open() + first.piece("One two three four") + stop))
     splice.broke("a")
     splice.start_leg("a", "b", "prefill")
     second = MESSAGES.writer(_answer())
-    raw = splice.feed(second.open() + second.piece(" five"))
-    raw += splice.feed(second.close("stop", None)) + splice.finish()
+    raw = splice.feed(events_of(second.open() + second.piece(" five")))
+    raw += splice.feed(events_of(second.close("stop", None))) + splice.finish()
     events = [e for e in SSEReader().feed(raw) if not e.comment]
     starts = [orjson.loads(e.data) for e in events if e.event == "content_block_start"]
     assert [s["index"] for s in starts] == [1]
@@ -370,14 +374,16 @@ def test_a_responses_reissue_after_the_text_was_done_sends_each_closing_event_on
     head = first.open() + first.piece("alpha") + first.piece(" bravo")
     closing = first.close("stop", None)
     # The first leg got as far as its text's done events, not its response.completed.
-    sent = splice.feed(head + closing[: closing.index(b"event: response.completed")])
+    sent = splice.feed(events_of(head + closing[: closing.index(b"event: response.completed")]))
     assert _said(sent, "response.output_text.done", lambda d: d["text"]) == "alpha bravo"
     splice.broke("a")
     assert continuation_body(splice, "reissue") == body
     splice.start_leg("a", "b", "reissue")
     second = RESPONSES.writer(AnswerText("resp_other", "m", 9, "", "stop", None))
-    raw = splice.feed(second.open() + second.piece("alpha") + second.piece(" bravo"))
-    raw += splice.feed(second.close("stop", {"prompt_tokens": 4, "completion_tokens": 2}))
+    raw = splice.feed(events_of(second.open() + second.piece("alpha") + second.piece(" bravo")))
+    raw += splice.feed(
+        events_of(second.close("stop", {"prompt_tokens": 4, "completion_tokens": 2}))
+    )
     raw += splice.finish()
     events = [e for e in SSEReader().feed(raw) if not e.comment]
     # The reissue's repeat is skipped, its done events were sent already: only the end.

@@ -14,6 +14,7 @@ from edgeproxy import EdgeProxy
 from edgeproxy._protocol import dialects
 from edgeproxy._protocol.bodies import estimate_prompt_tokens
 from edgeproxy._protocol.endpoints import MESSAGES, MESSAGES_COUNT_TOKENS, openai_endpoint
+from edgeproxy._protocol.sse import SSEReader, events_of
 from edgeproxy._protocol.usage import UsageTracker
 from edgeproxy._stages.ratelimit import api_key
 
@@ -96,8 +97,12 @@ MESSAGES_STREAM = sse(
 
 
 def feed(tracker: UsageTracker, body: bytes, size: int) -> dict[str, Any] | None:
+    """``body`` in pieces of ``size``, each with the events it completes, as the
+    Responder's one parse reads them."""
+    reader = SSEReader()
     for i in range(0, len(body), size):
-        tracker.feed(body[i : i + size])
+        piece = body[i : i + size]
+        tracker.feed(piece, reader.feed(piece))
     return tracker.result()
 
 
@@ -316,5 +321,6 @@ def test_a_chat_stream_with_no_usage_is_counted_by_estimate() -> None:
     counted = UsageTracker.for_response("/v1/chat/completions", "text/event-stream", 200, body)
     assert counted is not None
     counted.feed(b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n')
-    counted.feed(b'data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":1}}\n\n')
+    last = b'data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":1}}\n\n'
+    counted.feed(last, events_of(last))
     assert counted.result() == {"prompt_tokens": 5, "completion_tokens": 1}

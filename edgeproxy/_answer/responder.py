@@ -41,6 +41,7 @@ from edgeproxy._protocol.dialects import dialect_named
 from edgeproxy._protocol.endpoints import dialect_for
 from edgeproxy._protocol.headers import strip_hop_by_hop
 from edgeproxy._protocol.modelnames import ModelRewriter
+from edgeproxy._protocol.sse import SSEEvent, SSEEventTooLarge, SSEReader
 from edgeproxy._protocol.usage import UsageTracker
 from edgeproxy._stages.cache.stage import CacheRecorder
 from edgeproxy._stages.compression import Compression, EncodedResponse
@@ -161,16 +162,17 @@ class Responder:
             and encoding is None
         ):
             resp.content_length = content_length
-        ctx.outcome.response_is_sse = content_type.startswith("text/event-stream")
+        out = ctx.outcome
+        out.response_is_sse = content_type.startswith("text/event-stream")
         usage = UsageTracker.for_response(ctx.path, content_type, reply.status, ctx.json)
         try:
             # Inside the try: the client may already be gone when headers go out.
             await resp.prepare(request)
             ctx.outcome.first_byte_at = time.monotonic()
             if splice is None or legs is None:
-                await self._body(
-                    request, ctx, self._chunks(ctx, upstream), recorder, resp.writer, usage
-                )
+                chunks = self._chunks(ctx, upstream)
+                sse = out.response_is_sse
+                await self._body(request, ctx, chunks, recorder, resp.writer, usage, sse=sse)
             else:
                 await self._spliced(request, ctx, upstream, recorder, resp, usage, splice, legs)
             await resp.write_eof()
@@ -240,7 +242,7 @@ class Responder:
             ctx.outcome.first_byte_at = time.monotonic()
             if splice is None or legs is None:
                 chunks = self._chunks(ctx, upstream)
-                await self._body(request, ctx, chunks, recorder, resp.writer, usage)
+                await self._body(request, ctx, chunks, recorder, resp.writer, usage, sse=True)
             else:
                 await self._spliced(request, ctx, upstream, recorder, resp, usage, splice, legs)
             await resp.write_eof()
@@ -389,8 +391,13 @@ class Responder:
 
         Raises what breaks it: :class:`UpstreamError`, :class:`PluginError`.
         """
-        await self._reply(None, ctx, upstream, recorder)
-        await self._body(None, ctx, self._chunks(ctx, upstream), recorder, None, None)
+        reply = await self._reply(None, ctx, upstream, recorder)
+        sse = any(
+            k.lower() == "content-type" and v.startswith("text/event-stream")
+            for k, v in reply.headers
+        )
+        chunks = self._chunks(ctx, upstream)
+        await self._body(None, ctx, chunks, recorder, None, None, sse=sse)
 
     async def _reply(
         self,
@@ -450,19 +457,16 @@ class Responder:
 
         Raises the :class:`UpstreamError` of a break that could not be continued.
         """
-
-        async def write(chunk: bytes) -> None:
-            out = splice.feed(chunk)
-            if out:
-                await resp.write(out)
-
         leg: Leg | None = None
         source = upstream.region.name
         chunks = self._chunks(ctx, upstream)
+        write = resp.writer
         try:
             while True:
                 try:
-                    await self._body(request, ctx, chunks, recorder, write, usage)
+                    await self._body(
+                        request, ctx, chunks, recorder, write, usage, sse=True, splice=splice
+                    )
                     break
                 except UpstreamError:
                     # The broken leg is let go of now, its region's slot with it.
@@ -479,7 +483,7 @@ class Responder:
             if splice.continued:
                 tail = splice.finish()
                 if tail:
-                    await resp.write(tail)
+                    await write(tail)
                     ctx.outcome.bytes_out += len(tail)
                 ctx.outcome.usage = splice.usage()
         finally:
@@ -494,23 +498,52 @@ class Responder:
         recorder: CacheRecorder | None,
         write: Callable[[bytes], Awaitable[None]] | None,
         usage: UsageTracker | None,
+        *,
+        sse: bool,
+        splice: Splice | None = None,
     ) -> None:
-        """The one body loop: each chunk through the plugins, to the recorder and ``write``."""
+        """The one body loop, and a stream's one parse: each chunk through the plugins; a
+        stream's events read once, as the client gets them, for whatever looks inside (the
+        usage, the cache's recorder and its followers, a continuation's splice); then to
+        ``write`` (through ``splice``, whole events only).
+
+        The events are read from every chunk when the recorder or a splice needs them all;
+        else only where the usage may be: a chunk of whole events (none pending before it)
+        that does not mention it, as the per-token events are, goes by unread."""
         transform = "edgeproxy_stream_chunk" in self.plugins.active
         out = ctx.outcome
+        every = splice is not None or (recorder is not None and recorder.reads)
+        reader = SSEReader() if sse and (every or usage is not None) else None
         async for chunk in chunks:
-            if usage is not None:
-                usage.feed(chunk)
             if transform:
                 chunk = await self.plugins.call_chain(
                     "edgeproxy_stream_chunk", "chunk", request=request, ctx=ctx, chunk=chunk
                 )
-            if chunk:
-                if recorder is not None:
-                    recorder.feed(chunk)
-                if write is not None:
-                    await write(chunk)
-                out.bytes_out += len(chunk)
+                if not chunk:
+                    continue
+            events: list[SSEEvent] | None = None
+            if reader is not None and (
+                every or reader.tail or not chunk.endswith(b"\n\n") or chunk.find(b'"usage"') >= 0
+            ):
+                try:
+                    events = reader.feed(chunk)
+                except SSEEventTooLarge as exc:
+                    if splice is not None:
+                        raise UpstreamError(str(exc)) from exc  # the leg is taken as broken
+                    reader = None
+                    if recorder is not None:
+                        recorder.unreadable()
+            if usage is not None:
+                usage.feed(chunk, events)
+            if recorder is not None:
+                recorder.feed(chunk, events)
+            if splice is not None:
+                chunk = splice.feed(events) if events else b""
+                if not chunk:
+                    continue
+            if write is not None:
+                await write(chunk)
+            out.bytes_out += len(chunk)
         if recorder is not None:
             recorder.finish()
         if usage is not None:

@@ -23,14 +23,13 @@ from edgeproxy._core.errors import ProxyError
 from edgeproxy._protocol.endpoints import dialect_for
 from edgeproxy._protocol.modelnames import model_from_body
 from edgeproxy._protocol.refusals import REFUSAL_READ_LIMIT, error_message
-from edgeproxy._protocol.sse import SSEEventTooLarge, SSEReader
+from edgeproxy._protocol.sse import SSEEventTooLarge
 from edgeproxy._stages.continuation import (
     LOCAL,
     ContinuationStage,
     Leg,
     Splice,
     carries_token,
-    chain,
     continuation_body,
     spent_body,
 )
@@ -340,14 +339,9 @@ class Continuer:
         if obtained.status != 200:
             await obtained.aclose()
             return None
-        chunks = obtained.aiter_bytes()
-        reader = SSEReader()
-        seen: list[bytes] = []
         try:
-            async for chunk in chunks:
-                seen.append(chunk)
-                if any(carries_token(event, dialect) for event in reader.feed(chunk)):
-                    return obtained, chain(seen, chunks)
+            if await obtained.read_until(lambda event: carries_token(event, dialect)):
+                return obtained, obtained.aiter_bytes()
         except (UpstreamError, SSEEventTooLarge):
             pass
         except BaseException:

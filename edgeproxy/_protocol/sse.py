@@ -1,8 +1,13 @@
 """Server-sent events, read incrementally: the one home of SSE framing.
 
-Every stage that looks inside a streamed answer (usage, continuation, the
-cache's recorder, hedging's first token) reads it through one
-:class:`SSEReader`, which follows the WHATWG event-stream rules:
+A stream is parsed once in each direction. A region's stream is read by its
+attempt (``edgeproxy/_stages/attempt.py``: its opening events, up to the one
+that commits it, and on to a continuation leg's first token); the body as the
+client gets it is read by the Responder (``edgeproxy/_answer/responder.py``),
+whose events feed whatever looks inside (the usage, the cache's recorder and
+its followers, a continuation's splice). Bytes held whole are read with
+:func:`events_of`. Each :class:`SSEReader` follows the WHATWG event-stream
+rules:
 
 * lines end with ``\\n``, ``\\r\\n`` or ``\\r``, and a chunk may end anywhere,
   even between the two bytes of a ``\\r\\n``;
@@ -37,7 +42,14 @@ import re
 from collections.abc import AsyncIterable, AsyncIterator
 from typing import Final, NamedTuple
 
-__all__ = ["MAX_EVENT", "SSEEvent", "SSEEventTooLarge", "SSEReader", "iter_events"]
+__all__ = [
+    "MAX_EVENT",
+    "SSEEvent",
+    "SSEEventTooLarge",
+    "SSEReader",
+    "events_of",
+    "iter_events",
+]
 
 MAX_EVENT: Final = 1024 * 1024
 """The default bound on one event's bytes."""
@@ -266,3 +278,16 @@ async def iter_events(
     async for chunk in chunks:
         for event in reader.feed(chunk):
             yield event
+
+
+def events_of(body: bytes, *, whole: bool = False, max_event: int = MAX_EVENT) -> list[SSEEvent]:
+    """The events of bytes held whole (a stream's opening, a stored stream, events the proxy
+    wrote itself), read in one go. With ``whole``, an unfinished end is one more event, so
+    that the events' ``raw`` bytes are all of ``body``; without, it is dropped, as the spec
+    says. Raises :class:`SSEEventTooLarge` for an event longer than ``max_event``."""
+    reader = SSEReader(max_event=max_event)
+    events = reader.feed(body)
+    if whole and reader.tail:
+        last = reader.close(dispatch=True)
+        events.append(last if last is not None else SSEEvent(None, b"", reader.tail, True))
+    return events

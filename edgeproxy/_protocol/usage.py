@@ -27,7 +27,7 @@ import orjson
 from edgeproxy._protocol.bodies import estimate_prompt_tokens
 from edgeproxy._protocol.dialects import CHAT, Dialect
 from edgeproxy._protocol.endpoints import openai_endpoint
-from edgeproxy._protocol.sse import SSEEventTooLarge, SSEReader
+from edgeproxy._protocol.sse import SSEEvent
 
 __all__ = ["UsageTracker"]
 
@@ -38,15 +38,16 @@ _JSON_LIMIT = 1024 * 1024
 class UsageTracker:
     """Finds the ``usage`` in a JSON answer or an SSE stream, without delaying it.
 
-    A stream is read event by event (:class:`~edgeproxy._protocol.sse.SSEReader`), and only
-    events that mention ``"usage"`` are parsed; a JSON answer is kept up to 1 MiB and
-    parsed at the end.
+    A stream's events come read already (the Responder's one parse of the body, which
+    reads a chunk for the usage only where it may be: :meth:`wants`); only events that
+    mention ``"usage"`` are parsed as JSON. A JSON answer is kept up to 1 MiB and parsed at
+    the end.
     """
 
-    __slots__ = ("_reader", "_dialect", "_buf", "_usage", "_overflow", "_body", "_deltas")
+    __slots__ = ("_sse", "_dialect", "_buf", "_usage", "_overflow", "_body", "_deltas")
 
     def __init__(self, *, sse: bool, dialect: Dialect = CHAT, body: Any = None) -> None:
-        self._reader: SSEReader | None = SSEReader() if sse else None
+        self._sse = sse
         self._dialect = dialect
         self._buf = b""
         self._usage: dict[str, Any] | None = None
@@ -72,12 +73,16 @@ class UsageTracker:
             return cls(sse=False, dialect=endpoint.dialect)
         return None
 
-    def feed(self, chunk: bytes) -> None:
-        reader = self._reader
-        if reader is not None and self._usage is None:
-            # A count in C, for the estimate should the stream carry no usage.
-            self._deltas += chunk.count(b'"content":"') + chunk.count(b'"text":"')
-        if reader is None:
+    @staticmethod
+    def wants(chunk: bytes) -> bool:
+        """Whether a chunk of whole events (none pending before it) may hold the usage: one
+        that does not mention it is left unread."""
+        return chunk.find(b'"usage"') >= 0
+
+    def feed(self, chunk: bytes, events: list[SSEEvent] | None = None) -> None:
+        """A chunk of the answer; for a stream, the events it completed (None when it was
+        left unread, as :meth:`wants` allows)."""
+        if not self._sse:
             if not self._overflow:
                 if len(self._buf) + len(chunk) > _JSON_LIMIT:
                     self._overflow = True
@@ -85,18 +90,14 @@ class UsageTracker:
                 else:
                     self._buf += chunk
             return
-        if not reader.tail and chunk.endswith(b"\n\n") and chunk.find(b'"usage"') < 0:
-            # Whole events, none with usage (all but a stream's last): nothing to read, and
-            # the reader, which holds nothing, would hold nothing after them either.
-            return
-        try:
-            events = reader.feed(chunk)
-        except SSEEventTooLarge:
-            return  # the relay ends such a stream; nothing of it is counted twice
-        for event in events:
-            # find(), not `in`: for bytes it is about half the cost, once per event.
-            if event.data.find(b'"usage"') >= 0:
-                self._take(event.data)
+        if self._usage is None:
+            # A count in C, for the estimate should the stream carry no usage.
+            self._deltas += chunk.count(b'"content":"') + chunk.count(b'"text":"')
+        if events:
+            for event in events:
+                # find(), not `in`: for bytes it is about half the cost, once per event.
+                if event.data.find(b'"usage"') >= 0:
+                    self._take(event.data)
 
     def _take(self, raw: bytes) -> None:
         try:
@@ -110,13 +111,13 @@ class UsageTracker:
             self._usage = self._dialect.merge_usage(self._usage, usage)
 
     def result(self) -> dict[str, Any] | None:
-        if self._reader is None and not self._overflow and self._buf:
+        if not self._sse and not self._overflow and self._buf:
             self._take(self._buf)
             self._buf = b""
         usage = self._usage
         if usage is not None:
             return self._dialect.counted(usage)
-        if self._reader is None or not self._deltas or not isinstance(self._body, dict):
+        if not self._sse or not self._deltas or not isinstance(self._body, dict):
             return None
         if self._dialect is not CHAT and self._dialect.name != "completions":
             return None  # the other APIs' servers always count their streams

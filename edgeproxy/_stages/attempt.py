@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Protocol
 
 from edgeproxy._core.errors import ProxyError
@@ -25,7 +25,7 @@ from edgeproxy._core.types import Headers
 from edgeproxy._protocol.dialects import Dialect, dialect_named
 from edgeproxy._protocol.endpoints import endpoint_suffixes
 from edgeproxy._protocol.modelnames import model_from_body
-from edgeproxy._protocol.sse import SSEEventTooLarge, SSEReader
+from edgeproxy._protocol.sse import MAX_EVENT, SSEEvent, SSEEventTooLarge, SSEReader
 from edgeproxy._stages.poison import Poison, caller_key
 from edgeproxy._upstream.health import CAPACITY_STATUSES, Health
 from edgeproxy._upstream.pool import (
@@ -106,6 +106,8 @@ class Attempt:
         "error",
         "failed_status",
         "sse",
+        "reader",
+        "opening",
         "neutral",
         "rejected",
         "_released",
@@ -129,6 +131,9 @@ class Attempt:
         self.error: UpstreamError | None = None
         self.failed_status = 0
         self.sse = False
+        # A stream's one reader, and the events of ``first`` it read (_until_content).
+        self.reader: SSEReader | None = None
+        self.opening: list[SSEEvent] | None = None
         # A 5xx the caller caused (Health.blame): nothing of it counts against the region.
         self.neutral = False
         # The 502 of a request whose body this 5xx made poison: not tried further.
@@ -238,24 +243,33 @@ class Attempt:
         has sent the client nothing, and the request goes whole to the next region. They go
         out together, in order."""
         assert self.iterator is not None and self.first is not None
-        reader = SSEReader(max_event=HOLD_LIMIT)
+        # The region's stream is read here, once: the opening events are kept for the
+        # stages that look at them (the owner's id), and the reader goes on for those
+        # that read further (a continuation leg's first token).
+        reader = self.reader = SSEReader(max_event=HOLD_LIMIT)
+        opening = self.opening = reader.feed(self.first) if self.first else []
         commits = dialect.commits
         held = [self.first]
         size = len(self.first)
         try:
-            if any(commits(event) for event in reader.feed(self.first)):
+            if any(commits(event) for event in opening):
                 return
             async for chunk in self.iterator:
                 held.append(chunk)
                 size += len(chunk)
-                if size > HOLD_LIMIT or any(commits(event) for event in reader.feed(chunk)):
+                events = reader.feed(chunk)
+                opening.extend(events)
+                if size > HOLD_LIMIT or any(commits(event) for event in events):
                     break
             else:
                 self.eof = True
         except SSEEventTooLarge:
-            pass  # held no further: what came so far goes out as it came
+            # Held no further: what came so far goes out as it came, unread.
+            self.reader = self.opening = None
         finally:
             self.first = b"".join(held)
+            if self.reader is not None:
+                self.reader.max_event = MAX_EVENT
 
     def _failed(self, now: float, ctx: RequestContext) -> None:
         region, failover = self.region, self.failover
@@ -402,6 +416,37 @@ class AttemptResponse:
         finally:
             attempt.first = b"".join(parts)
         return attempt.first
+
+    async def read_until(self, found: Callable[[SSEEvent], bool]) -> bool:
+        """A stream read on, through its one reader, until an event ``found`` says so (true)
+        or its end (false); what is read is kept to be relayed as it came. Raises the
+        :class:`UpstreamError` of a body that broke meanwhile (counted against the region),
+        or :class:`SSEEventTooLarge`."""
+        attempt = self.attempt
+        if attempt.opening is not None and any(found(event) for event in attempt.opening):
+            return True
+        reader = attempt.reader
+        if reader is None:
+            reader = attempt.reader = SSEReader()
+            if attempt.first:
+                if any(found(event) for event in reader.feed(attempt.first)):
+                    return True
+        iterator = attempt.iterator
+        if iterator is None or attempt.eof:
+            return False
+        parts = [attempt.first or b""]
+        try:
+            async for chunk in iterator:
+                parts.append(chunk)
+                if any(found(event) for event in reader.feed(chunk)):
+                    return True
+            attempt.eof = True
+            return False
+        except UpstreamError as exc:
+            attempt.broke(exc)
+            raise
+        finally:
+            attempt.first = b"".join(parts)
 
     async def read_error(self, limit: int) -> bytes:
         """A refusal's body (a 4xx), read whole up to ``limit`` bytes and kept to be relayed

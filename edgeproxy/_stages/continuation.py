@@ -54,8 +54,7 @@ from edgeproxy._core.context import Continuation
 from edgeproxy._core.errors import ProxyError
 from edgeproxy._protocol.dialects import CHAT, Dialect, Piece, dialect_named
 from edgeproxy._protocol.endpoints import dialect_for
-from edgeproxy._protocol.sse import SSEEvent, SSEEventTooLarge, SSEReader
-from edgeproxy._upstream.pool import UpstreamError
+from edgeproxy._protocol.sse import SSEEvent
 
 if TYPE_CHECKING:
     from edgeproxy._core.context import RequestContext
@@ -68,7 +67,6 @@ __all__ = [
     "Leg",
     "Splice",
     "carries_token",
-    "chain",
     "continuation_body",
     "spent_body",
 ]
@@ -106,9 +104,9 @@ class Leg:
 class Splice:
     """What the client was sent of one streamed answer, and the seam of each new leg.
 
-    :meth:`feed` takes a leg's bytes and returns what the client is to get: whole events
-    only (the start of an event waits for its end), the first leg's as they came, later
-    legs' rewritten into the first's stream by the dialect's seam.
+    :meth:`feed` takes a leg's events and returns what the client is to get: whole events
+    only, the first leg's as they came, later legs' rewritten into the first's stream by
+    the dialect's seam.
     """
 
     def __init__(self, body: dict[str, Any], dialect: Dialect = CHAT) -> None:
@@ -116,7 +114,6 @@ class Splice:
         self.dialect = dialect
         self.seam = dialect.seam(body)
         self.deterministic = dialect.deterministic(body)
-        self._reader = SSEReader()
         self.text = ""
         self.other = False  # content that cannot be continued came (a tool call...)
         self.finished = False
@@ -154,7 +151,6 @@ class Splice:
     def broke(self, region: str) -> None:
         """The current leg, from ``region``, broke: what it held back is dropped, never sent."""
         self.broken.add(region)
-        self._reader = SSEReader()
         self._held = None
         self.broken_tokens += self.leg_tokens
         self.leg_tokens = 0
@@ -165,7 +161,6 @@ class Splice:
         self.continued.append((from_region, to_region))
         self.method = method
         self._usage = None
-        self._reader = SSEReader()
         self.seam.start_leg()
         if method == "reissue":
             self._skip, self._held, self._lstrip = len(self.text), None, False
@@ -175,15 +170,9 @@ class Splice:
 
     # -- the client's bytes ---------------------------------------------------------
 
-    def feed(self, chunk: bytes) -> bytes:
-        """The whole events of ``chunk`` (with what came before it) the client is to get.
-
-        Raises :class:`UpstreamError` for an event past the reader's bound: the leg is
-        taken as broken."""
-        try:
-            events = self._reader.feed(chunk)
-        except SSEEventTooLarge as exc:
-            raise UpstreamError(str(exc)) from exc
+    def feed(self, events: list[SSEEvent]) -> bytes:
+        """What the client is to get of a leg's ``events`` (whole events, as the Responder's
+        one parse of the leg read them)."""
         if not events:
             return b""
         if self.leg == 0:
@@ -444,10 +433,3 @@ def carries_token(event: SSEEvent, dialect: Dialect = CHAT) -> bool:
     """Whether ``event`` of a new leg brings its first token: content or the answer's end
     as its API says (the dialect's ``commits``), not an error."""
     return not event.comment and dialect.commits(event) and not dialect.is_error(event)
-
-
-async def chain(first: list[bytes], rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    for chunk in first:
-        yield chunk
-    async for chunk in rest:
-        yield chunk

@@ -58,7 +58,7 @@ from edgeproxy._core.errors import ProxyError
 from edgeproxy._protocol.dialects import Dialect, dialect_named
 from edgeproxy._protocol.endpoints import dialect_for
 from edgeproxy._protocol.objects import object_path
-from edgeproxy._protocol.sse import SSEEventTooLarge, SSEReader
+from edgeproxy._protocol.sse import SSEEvent, SSEEventTooLarge, events_of
 from edgeproxy._stages.cache.keys import cache_scope
 from edgeproxy._stages.redisclient import RedisClient, make_client
 
@@ -195,15 +195,19 @@ def _field_missing(
     return lambda object_id: not_found(field, object_id)
 
 
-def created_id(dialect: Dialect, first: bytes, sse: bool) -> str | None:
+def created_id(
+    dialect: Dialect, first: bytes, sse: bool, opening: list[SSEEvent] | None = None
+) -> str | None:
     """The id of the object a region made, as ``dialect`` reads it: from its JSON answer
-    (held whole, or its beginning), or from the events its stream opens with."""
+    (held whole, or its beginning), or from the events its stream opens with (``opening``,
+    as the attempt read them, else read from ``first``)."""
     if sse:
-        try:
-            events = SSEReader().feed(first)
-        except SSEEventTooLarge:
-            return None
-        for event in events:
+        if opening is None:
+            try:
+                opening = events_of(first)
+            except SSEEventTooLarge:
+                return None
+        for event in opening:
             object_id = dialect.created_in(event)
             if object_id is not None:
                 return object_id

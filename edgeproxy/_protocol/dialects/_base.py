@@ -21,7 +21,7 @@ from typing import Any, ClassVar, Final, NamedTuple
 import orjson
 
 from edgeproxy._core.errors import ProxyError, error_body
-from edgeproxy._protocol.sse import SSEEvent, SSEReader
+from edgeproxy._protocol.sse import SSEEvent, events_of
 
 __all__ = [
     "HEARTBEAT",
@@ -695,8 +695,7 @@ class Dialect:
         steps.extend(writer.piece(word) for word in words(text.text))
         steps.extend(writer.tool(i, *call) for i, call in enumerate(text.calls))
         steps.append(writer.close(text.finish, text.usage))
-        reader = SSEReader()
-        return [event.raw for step in steps for event in reader.feed(step)]
+        return [event.raw for event in events_of(b"".join(steps))]
 
 
 def plain_text(content: Any, kinds: tuple[str, ...]) -> str | None:

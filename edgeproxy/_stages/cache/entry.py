@@ -19,7 +19,7 @@ from typing import Any, Final
 import orjson
 
 from edgeproxy._protocol.dialects import Dialect
-from edgeproxy._protocol.sse import SSEEvent, SSEReader
+from edgeproxy._protocol.sse import SSEEvent, events_of
 
 __all__ = ["BadEntry", "Entry", "replay_parts"]
 
@@ -139,12 +139,7 @@ class Entry:
         the whole body."""
         if self._events is None:
             body = self.body
-            reader = SSEReader(max_event=len(body) + 1)
-            events = reader.feed(body)
-            if reader.tail:
-                last = reader.close(dispatch=True)
-                events.append(last if last is not None else SSEEvent(None, b"", reader.tail, True))
-            self._events = events
+            self._events = events_of(body, whole=True, max_event=len(body) + 1)
         return self._events
 
     # -- encoding for Redis ----------------------------------------------

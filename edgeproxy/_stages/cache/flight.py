@@ -18,7 +18,7 @@ from typing import Final
 from edgeproxy._core.answer import AnswerBroken
 from edgeproxy._core.errors import ProxyError
 from edgeproxy._protocol.dialects import Dialect
-from edgeproxy._protocol.sse import SSEEventTooLarge, SSEReader
+from edgeproxy._protocol.sse import SSEEvent
 from edgeproxy._stages.cache.entry import Entry
 
 __all__ = ["Coalescer", "Flight"]
@@ -45,6 +45,7 @@ class Flight:
         "sse",
         "region",
         "chunks",
+        "events",
         "entry",
         "followers",
         "shareable",
@@ -61,6 +62,8 @@ class Flight:
         self.sse = False
         self.region: str | None = None
         self.chunks: list[bytes] = []
+        # The stream's events as the leader's one parse read them: what followers get.
+        self.events: list[SSEEvent] = []
         self.entry: Entry | None = None
         self.followers = 0
         # False once the recorded chunks were dropped (an answer too large to
@@ -90,13 +93,16 @@ class Flight:
         if self.followers:
             self.notify()
 
-    def add(self, chunk: bytes) -> None:
+    def add(self, chunk: bytes, events: list[SSEEvent] | None = None) -> None:
         self.chunks.append(chunk)
+        if events:
+            self.events.extend(events)
         if self.followers:
             self.notify()
 
     def drop_chunks(self) -> None:
         self.chunks.clear()
+        self.events.clear()
         self.shareable = False
 
     def done(self, entry: Entry | None) -> None:
@@ -154,33 +160,26 @@ async def live_events(
 ) -> AsyncIterator[bytes]:
     """The leader's SSE events for a follower, as they arrive.
 
-    The chunks are read as events of ``dialect``'s API, so that each goes whole, as
-    recorded, and the usage-only event (OpenAI's include_usage chunk) is left out without
-    ``include_usage``. A broken leader ends it with :class:`AnswerBroken`, numbered after
-    the events sent: the follower's stream ends as the leader's did.
+    Each goes whole, as the leader's one parse read it, and the usage-only event (OpenAI's
+    include_usage chunk) is left out without ``include_usage``. A broken leader ends it
+    with :class:`AnswerBroken`, numbered after the events sent: the follower's stream ends
+    as the leader's did.
     """
     sent = 0
     events_sent = 0
-    reader = SSEReader()
     while True:
         changed = flight.changed()
-        while sent < len(flight.chunks):
-            chunk = flight.chunks[sent]
-            sent += 1
-            try:
-                events = reader.feed(chunk)
-            except SSEEventTooLarge:
-                raise _broken(events_sent) from None
+        events = flight.events
+        if sent < len(events):
             out = []
-            for event in events:
+            for event in events[sent:]:
                 if include_usage or not dialect.usage_only(event):
                     out.append(event.raw)
                     events_sent += not event.comment
+            sent = len(events)
             if out:
                 yield b"".join(out)
         if flight.state == DONE:
-            if reader.tail:
-                yield reader.tail
             return
         if flight.state == FAILED:
             raise _broken(events_sent)

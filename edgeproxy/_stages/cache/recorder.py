@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from edgeproxy._core.context import RequestContext, UpstreamReply
-from edgeproxy._protocol.sse import SSEEventTooLarge, SSEReader
+from edgeproxy._protocol.sse import SSEEvent
 from edgeproxy._stages.cache.entry import Entry
 from edgeproxy._stages.cache.flight import Coalescer, Flight
 from edgeproxy._stages.cache.plan import CachePlan
@@ -55,10 +55,10 @@ class RecordingStage(Protocol):
 class CacheRecorder:
     """Sees the leader's answer as the stream stage relays it, and stores it once complete.
 
-    The stream stage calls :meth:`start` with the response headers,
-    :meth:`feed` with each chunk sent to the client (appending to a list,
-    nothing that could delay the client) and :meth:`finish` once the upstream
-    body ended cleanly. The pipeline calls :meth:`release` when the request is
+    The Responder calls :meth:`start` with the response headers, :meth:`feed`
+    with each chunk sent to the client and its events as the Responder's one
+    parse read them (appending to a list, nothing that could delay the client)
+    and :meth:`finish` once the upstream body ended cleanly. The pipeline calls :meth:`release` when the request is
     over, whatever happened: an answer that never finished is not stored, and
     the followers waiting on it wake up.
     """
@@ -76,7 +76,7 @@ class CacheRecorder:
         "region",
         "windows",
         "expected",
-        "reader",
+        "reading",
         "ended",
         "started",
         "active",
@@ -101,10 +101,10 @@ class CacheRecorder:
         # The body is complete at `expected` bytes (a JSON answer with a Content-Length) or
         # once the stream's last event came, as its dialect ends one (chat's [DONE],
         # Messages' message_stop...): the client may hang up before the upstream's end of
-        # body is read, and a complete answer must not be lost to that. `reader` reads the
-        # stream's events; None once it cannot be read (then it is never complete).
+        # body is read, and a complete answer must not be lost to that. `reading`: the
+        # stream's events are followed; false once they cannot be (never complete then).
         self.expected: int | None = None
-        self.reader: SSEReader | None = None
+        self.reading = False
         self.ended = False
         self.started = False
         self.active = False
@@ -129,7 +129,7 @@ class CacheRecorder:
             self.expected = int(length)
         if content_type.startswith("text/event-stream"):
             self.kind = "sse"
-            self.reader = SSEReader()
+            self.reading = True
         elif "json" in content_type:
             self.kind = "json"
         windows, reason = self.stage.storable(self.plan, reply.status, reply.headers)
@@ -147,15 +147,24 @@ class CacheRecorder:
             self.flight.region = region
             self.flight.started(reply.status, self.headers, self.kind == "sse")
 
-    def feed(self, chunk: bytes) -> None:
+    @property
+    def reads(self) -> bool:
+        """Whether it needs every event of the body (a stream it may store or share)."""
+        return self.active and self.kind == "sse"
+
+    def feed(self, chunk: bytes, events: list[SSEEvent] | None = None) -> None:
+        """A chunk sent to the client, with its events (for a stream, as :attr:`reads`
+        asks)."""
         if not self.active or self.finished:
             return
         self.size += len(chunk)
         flight = self.flight
-        if self.reader is not None and (
-            not self.too_large or (flight is not None and flight.shareable)
+        if (
+            self.reading
+            and events
+            and (not self.too_large or (flight is not None and flight.shareable))
         ):
-            self._read(chunk)
+            self._read(events)
         if not self.too_large and self.size > self.stage.config.max_entry_bytes:
             self.too_large = True
             if flight is None or not flight.followers:
@@ -166,7 +175,7 @@ class CacheRecorder:
                     self.chunks.clear()
         if flight is not None:
             if flight.shareable:
-                flight.add(chunk)
+                flight.add(chunk, events)
         elif not self.too_large:
             self.chunks.append(chunk)
         if self.too_large:
@@ -177,27 +186,27 @@ class CacheRecorder:
         elif self.ended:
             self.finish()
 
-    def _read(self, chunk: bytes) -> None:
+    def _read(self, events: list[SSEEvent]) -> None:
         """Follow the stream's events: it ends with its dialect's last event, and an
-        error anywhere in it (or an event too large to read) means it never completes."""
-        reader = self.reader
-        assert reader is not None
-        try:
-            events = reader.feed(chunk)
-        except SSEEventTooLarge:
-            self.reader = None
-            self.ended = False
-            return
+        error anywhere in it means it never completes."""
         dialect = self.plan.dialect
         for event in events:
             if event.comment:
                 continue
             if dialect.is_error(event):
-                self.reader = None
+                self.reading = False
                 self.ended = False
                 return
             if dialect.is_end(event):
                 self.ended = True
+
+    def unreadable(self) -> None:
+        """The stream's events could not be read (one past the reader's bound): it never
+        completes, and its followers' streams end as broken."""
+        self.reading = False
+        self.ended = False
+        if self.flight is not None:
+            self.flight.fail()
 
     def finish(self) -> None:
         """The upstream body ended cleanly: store the answer if it is complete."""
