@@ -66,7 +66,7 @@ class CacheStage(Protocol):
     clock: Callable[[], float]
     key_headers: KeyHeaders
 
-    def _replay(
+    def answer_of(
         self, ctx: RequestContext, plan: CachePlan, entry: Any, outcome: str
     ) -> Answer | None: ...
 
@@ -296,7 +296,7 @@ class SemanticCache:
                     similarity,
                 )
                 return None
-            answer = stage._replay(ctx, dataclasses.replace(plan, key=key), entry, "SEMANTIC-HIT")
+            answer = stage.answer_of(ctx, dataclasses.replace(plan, key=key), entry, "SEMANTIC-HIT")
             if answer is not None:
                 answer.headers.append(("X-Edgeproxy-Semantic-Similarity", f"{similarity:.4f}"))
                 return answer

@@ -377,13 +377,13 @@ class CacheStage:
             if entry.should_refresh_early(now, self.config.xfetch_beta, 1.0 - self._random()):
                 if self._refresh_later(ctx, plan):
                     self.stats.early_refreshes += 1
-            return self._replay(ctx, plan, entry, "HIT", now)
+            return self.answer_of(ctx, plan, entry, "HIT", now)
         if now < entry.swr_until:
             self._refresh_later(ctx, plan)
-            return self._replay(ctx, plan, entry, "STALE", now)
+            return self.answer_of(ctx, plan, entry, "STALE", now)
         return None
 
-    def _replay(
+    def answer_of(
         self,
         ctx: RequestContext,
         plan: CachePlan,
@@ -515,7 +515,7 @@ class CacheStage:
             return None, "retry"
         if flight.entry is None:
             return None, "alone"
-        answer = self._replay(ctx, plan, flight.entry, "COALESCED")
+        answer = self.answer_of(ctx, plan, flight.entry, "COALESCED")
         return (answer, "") if answer is not None else (None, "alone")
 
     async def serve_stale(self, request: Exchange, ctx: RequestContext) -> StreamResponse | None:
@@ -540,7 +540,7 @@ class CacheStage:
         if entry is None or now >= max(entry.sie_until, entry.fresh_until):
             return None
         plan = _plan_for_ctx(ctx, ctx.outcome.cache_key, coalesce=False)
-        answer = self._replay(ctx, plan, entry, "STALE", now)
+        answer = self.answer_of(ctx, plan, entry, "STALE", now)
         if answer is None:
             return None
         answer.headers.append(("X-Edgeproxy-Degraded", "stale-cache"))
