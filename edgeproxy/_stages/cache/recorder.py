@@ -58,9 +58,9 @@ class CacheRecorder:
     The Responder calls :meth:`start` with the response headers, :meth:`feed`
     with each chunk sent to the client and its events as the Responder's one
     parse read them (appending to a list, nothing that could delay the client)
-    and :meth:`finish` once the upstream body ended cleanly. The pipeline calls :meth:`release` when the request is
-    over, whatever happened: an answer that never finished is not stored, and
-    the followers waiting on it wake up.
+    and :meth:`finish` once the upstream body ended cleanly. The pipeline calls
+    :meth:`release` when the request is over, whatever happened: an answer that
+    never finished is not stored, and the followers waiting on it wake up.
     """
 
     __slots__ = (
