@@ -39,7 +39,7 @@ from edgeproxy._stages.compression import Compression
 from edgeproxy._stages.continuation import ContinuationStage
 from edgeproxy._stages.failover import AttemptResponse, Failover, Failure, FailureKind
 from edgeproxy._stages.fallback import Degraded, FallbackStage
-from edgeproxy._stages.modelcatalog import ModelList
+from edgeproxy._stages.modellist import ModelList
 from edgeproxy._stages.owners import (
     Missing,
     Owner,
