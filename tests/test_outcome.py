@@ -81,6 +81,11 @@ def test_only_the_pipeline_the_obtain_path_the_cache_and_the_responder_write_the
     assert writers == WRITERS
 
 
+def test_a_new_context_has_a_new_outcome_as_the_dataclass_makes_it() -> None:
+    ctx, other = _context(), _context()
+    assert ctx.outcome == Outcome() and ctx.outcome is not other.outcome
+
+
 def test_the_outcome_reads_the_same_on_the_context() -> None:
     ctx = _context()
     assert isinstance(ctx.outcome, Outcome)

@@ -301,7 +301,25 @@ def start_context(
     ctx.model = None
     ctx.client_country = None
     ctx.client_geo = None
-    ctx.outcome = Outcome()
+    # The outcome's slots set here too, as Outcome() would: its __init__ with fifteen
+    # keyword defaults costs more than the stores, once per request.
+    out: Outcome = _new(Outcome)
+    out.region = None
+    out.attempts = 0
+    out.hedged = False
+    out.upstream_ttfb = None
+    out.degraded = None
+    out.continuations = ()
+    out.cache = None
+    out.cache_key = None
+    out.status = 0
+    out.bytes_out = 0
+    out.first_byte_at = None
+    out.response_is_sse = False
+    out.usage = None
+    out.error = None
+    out.finished_at = None
+    ctx.outcome = out
     ctx.extra = {}
     ctx.facts = None
     ctx._json = _UNSET
