@@ -262,9 +262,9 @@ async def stampede(n: int) -> list[dict[str, Any]]:
 
 
 async def tier_latency(redis_url: str, n: int) -> dict[str, dict[str, float]]:
+    from edgeproxy._cache.backends import make_backend
+    from edgeproxy._cache.entry import Entry
     from edgeproxy._core.config import CacheConfig
-    from edgeproxy._stages.cache.backends import make_backend
-    from edgeproxy._stages.cache.entry import Entry
 
     entry = Entry.build(
         status=200,

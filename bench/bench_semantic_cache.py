@@ -35,9 +35,9 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
+from edgeproxy._cache.semantic_embed import make_embedder  # noqa: E402
+from edgeproxy._cache.semantic_verify import differences  # noqa: E402
 from edgeproxy._core.config import config_from_mapping  # noqa: E402
-from edgeproxy._stages.cache.semantic_embed import make_embedder  # noqa: E402
-from edgeproxy._stages.cache.semantic_verify import differences  # noqa: E402
 
 PAIRS = HERE / "semantic_pairs.jsonl"
 RESULTS = HERE / "results"
@@ -199,7 +199,7 @@ def lookup_cost(entries: int, scopes: int, *, repeat: int = 300) -> dict[str, fl
     the index's bytes per entry."""
     import numpy as np
 
-    from edgeproxy._stages.cache.semantic_index import SemanticIndex
+    from edgeproxy._cache.semantic_index import SemanticIndex
 
     config = config_from_mapping({"regions": [{"name": "r", "url": "http://127.0.0.1:1"}]})
     embedder = make_embedder(config.cache, config.base_dir)
@@ -252,7 +252,7 @@ async def embedder_costs(repeat: int = 200) -> list[dict[str, Any]]:
     model; llama.cpp on the generated GGUF (a tiny random model: a floor, not a real
     embedding model's cost); a region's /v1/embeddings (a fake region over h2c on
     loopback: the round trip, not a real model's)."""
-    from edgeproxy._stages.cache.semantic_embed import (
+    from edgeproxy._cache.semantic_embed import (
         LlamaCppEmbedder,
         RegionEmbedder,
         StaticEmbedder,

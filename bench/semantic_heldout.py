@@ -32,12 +32,12 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
-from edgeproxy._stages.cache.semantic_verify import differences  # noqa: E402
+from edgeproxy._cache.semantic_verify import differences  # noqa: E402
 
 sys.path.insert(0, str(HERE))
 from bench_semantic_cache import similarities  # noqa: E402
 
-VERIFIER = "edgeproxy/_stages/cache/semantic_verify.py"
+VERIFIER = "edgeproxy/_cache/semantic_verify.py"
 Verifier = Callable[[str, str], list[str]]
 
 

@@ -63,7 +63,7 @@ class _NoEmbedder:
 def _fill(scopes: int, vectors: Any, digests: list[str]) -> Any:
     """A semantic cache holding ``len(vectors)`` entries over ``scopes`` scopes; every
     string it keeps is made here, inside what is measured."""
-    from edgeproxy._stages.cache.semantic import SemanticCache
+    from edgeproxy._cache.semantic import SemanticCache
 
     cache = SemanticCache(_NoEmbedder(), spawn=lambda _: None, max_entries=len(vectors))
     index = cache._index_for(vectors[0])
@@ -88,7 +88,7 @@ def measure(layout: str, how: str, repeat: int) -> dict[str, Any]:
     vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
     digests = [f"{i:040x}" for i in rng.integers(0, 2**62, size=ENTRIES)]
     # Imported and warmed before the measurement: module objects are not per entry.
-    from edgeproxy._stages.cache.semantic_index import SemanticIndex
+    from edgeproxy._cache.semantic_index import SemanticIndex
 
     warm = SemanticIndex(DIMENSIONS, graph_from=8)
     for i in range(16):
@@ -126,9 +126,9 @@ def _lookups(
     import numpy as np
     from bench_semantic_cache import _embed_sync
 
+    from edgeproxy._cache.semantic_embed import make_embedder
+    from edgeproxy._cache.semantic_verify import differences
     from edgeproxy._core.config import config_from_mapping
-    from edgeproxy._stages.cache.semantic_embed import make_embedder
-    from edgeproxy._stages.cache.semantic_verify import differences
 
     config = config_from_mapping({"regions": [{"name": "r", "url": "http://127.0.0.1:1"}]})
     embedder = make_embedder(config.cache, config.base_dir)

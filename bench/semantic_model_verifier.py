@@ -49,9 +49,9 @@ async def _time(name: str, verifier: Any, repeat: int) -> dict[str, Any]:
 
 
 async def local(repeat: int) -> dict[str, Any]:
+    from edgeproxy._cache.semantic_model import LocalAsker, ModelVerifier
     from edgeproxy._core.config import LocalModelConfig
     from edgeproxy._local.model import LocalModel
-    from edgeproxy._stages.cache.semantic_model import LocalAsker, ModelVerifier
     from edgeproxy.testing import tiny_llama_gguf
 
     config = LocalModelConfig(path=str(tiny_llama_gguf("Q4_0")), n_ctx=512, max_tokens=32)
@@ -67,8 +67,8 @@ async def local(repeat: int) -> dict[str, Any]:
 
 
 async def region(repeat: int) -> dict[str, Any]:
+    from edgeproxy._cache.semantic_model import ModelVerifier, RegionAsker
     from edgeproxy._core.config import config_from_mapping
-    from edgeproxy._stages.cache.semantic_model import ModelVerifier, RegionAsker
     from edgeproxy._upstream.regions import RegionSet
     from edgeproxy.testing import FakeRegion
 

@@ -34,8 +34,8 @@ from edgeproxy._observability.access_log import AccessLog
 from edgeproxy._plugins import PluginError, PluginLoadError
 from edgeproxy._protocol.clientip import ClientIPResolver
 from edgeproxy._protocol.sse import SSEEvent, SSEEventTooLarge, SSEReader
+from edgeproxy._routing.geo import parse_lat_lon
 from edgeproxy._server.app import EdgeProxy
-from edgeproxy._stages.geo import parse_lat_lon
 from edgeproxy._upstream.pool import (
     PoolLimits,
     UpstreamConnectError,

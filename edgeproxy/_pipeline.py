@@ -20,8 +20,11 @@ import time
 
 from multidict import CIMultiDict
 
+from edgeproxy._admission.admission import AdmissionStage, Admitted, Overloaded
+from edgeproxy._admission.poison import Poison
 from edgeproxy._answer.heartbeat import Heartbeat, start_heartbeat
 from edgeproxy._answer.responder import Responder
+from edgeproxy._cache.stage import CacheRecorder, CacheStage, Refresh
 from edgeproxy._core.config import Config
 from edgeproxy._core.context import RequestContext, start_context
 from edgeproxy._core.errors import ProxyError
@@ -29,18 +32,17 @@ from edgeproxy._core.exchange import Exchange
 from edgeproxy._core.response import StreamResponse
 from edgeproxy._local.model import LocalAnswer
 from edgeproxy._obtain import Obtainer
+from edgeproxy._obtain.continuation import ContinuationStage
+from edgeproxy._obtain.failover import AttemptResponse, Failover, Failure, FailureKind
+from edgeproxy._obtain.fallback import Degraded, FallbackStage
+from edgeproxy._obtain.forward import UpstreamStage
+from edgeproxy._obtain.modellist import ModelList
 from edgeproxy._plugins import PluginError, Plugins, hook_answer
 from edgeproxy._protocol.clientip import client_ip_resolver
+from edgeproxy._protocol.compression import Compression
 from edgeproxy._protocol.endpoints import openai_endpoint
 from edgeproxy._protocol.headers import request_ids
-from edgeproxy._stages.admission import AdmissionStage, Admitted, Overloaded
-from edgeproxy._stages.cache.stage import CacheRecorder, CacheStage, Refresh
-from edgeproxy._stages.compression import Compression
-from edgeproxy._stages.continuation import ContinuationStage
-from edgeproxy._stages.failover import AttemptResponse, Failover, Failure, FailureKind
-from edgeproxy._stages.fallback import Degraded, FallbackStage
-from edgeproxy._stages.modellist import ModelList
-from edgeproxy._stages.owners import (
+from edgeproxy._routing.owners import (
     Missing,
     Owner,
     Owners,
@@ -51,10 +53,8 @@ from edgeproxy._stages.owners import (
     stateful_request,
     too_many_refs,
 )
-from edgeproxy._stages.poison import Poison
-from edgeproxy._stages.routeplan import RoutePlan
-from edgeproxy._stages.routing import Router
-from edgeproxy._stages.upstream import UpstreamStage
+from edgeproxy._routing.routeplan import RoutePlan
+from edgeproxy._routing.router import Router
 from edgeproxy._upstream.pool import UpstreamError
 from edgeproxy._upstream.regions import RegionSet
 

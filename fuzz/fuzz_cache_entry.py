@@ -23,8 +23,8 @@ import sys
 
 from _harness import check, fuzz
 
+from edgeproxy._cache.entry import BadEntry, Entry, replay_parts, response_headers
 from edgeproxy._protocol.dialects import CHAT, EMBEDDINGS, MESSAGES, OPENAI, RESPONSES
-from edgeproxy._stages.cache.entry import BadEntry, Entry, replay_parts, response_headers
 
 _NOW = 1_700_000_000.0
 
@@ -111,7 +111,7 @@ def test_one_input(data: bytes) -> None:
 if __name__ == "__main__":
     fuzz(
         test_one_input,
-        "edgeproxy._stages.cache.entry",
+        "edgeproxy._cache.entry",
         "edgeproxy._protocol.dialects",
         "edgeproxy._protocol.openai",
     )

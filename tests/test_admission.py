@@ -18,7 +18,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from edgeproxy import EdgeProxy, Exchange, Response, hookimpl
-from edgeproxy._stages.admission import AdmissionStage
+from edgeproxy._admission.admission import AdmissionStage
 
 from .conftest import ProxyFactory, eventually
 

@@ -17,8 +17,8 @@ from edgeproxy import Config, EdgeProxy
 from edgeproxy._core.context import RequestContext
 from edgeproxy._protocol.headers import trace_context
 from edgeproxy._protocol.prefix import PromptKey, prompt_key
-from edgeproxy._stages.affinity import Affinity
-from edgeproxy._stages.routing import Router
+from edgeproxy._routing.affinity import Affinity
+from edgeproxy._routing.router import Router
 from edgeproxy._upstream.prefixindex import PrefixIndex
 from edgeproxy._upstream.regions import RegionSet
 from edgeproxy.testing import Behavior, FakeRegion

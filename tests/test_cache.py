@@ -752,8 +752,8 @@ async def test_disabled_cache_adds_nothing(
 
 
 def test_which_answers_may_be_stored() -> None:
+    from edgeproxy._cache.stage import CachePlan, CacheStage
     from edgeproxy._plugins import Plugins
-    from edgeproxy._stages.cache.stage import CachePlan, CacheStage
 
     config = Config.from_mapping(
         proxy_config([{"name": "r", "url": "http://127.0.0.1:1"}]), environ={}

@@ -6,8 +6,7 @@ import time
 
 import pytest
 
-from edgeproxy._core.config import CacheConfig
-from edgeproxy._stages.cache.backends import (
+from edgeproxy._cache.backends import (
     BytesSerializer,
     CircuitBreaker,
     LRUMemoryCache,
@@ -16,8 +15,9 @@ from edgeproxy._stages.cache.backends import (
     TieredBackend,
     make_backend,
 )
-from edgeproxy._stages.cache.entry import Entry
-from edgeproxy._stages.redisclient import client_options
+from edgeproxy._cache.entry import Entry
+from edgeproxy._core.config import CacheConfig
+from edgeproxy._shared.redisclient import client_options
 
 
 def _redis_options(config: CacheConfig) -> dict[str, object]:

@@ -19,10 +19,10 @@ import orjson
 import pytest
 
 from edgeproxy import EdgeProxy, RequestContext, hookimpl
+from edgeproxy._cache.entry import Entry, replay_parts
 from edgeproxy._core.errors import ProxyError
 from edgeproxy._protocol.dialects import CHAT, EMBEDDINGS, MESSAGES, RESPONSES, AnswerText
 from edgeproxy._protocol.sse import SSEEvent, SSEReader
-from edgeproxy._stages.cache.entry import Entry, replay_parts
 from edgeproxy.testing import FakeRegion
 
 from .conftest import ProxyFactory, RegionFactory, eventually

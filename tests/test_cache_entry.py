@@ -8,9 +8,9 @@ from typing import Any
 import orjson
 import pytest
 
+from edgeproxy._cache.entry import BadEntry, Entry, replay_parts, response_headers
 from edgeproxy._protocol.dialects import CHAT, COMPLETIONS, EMBEDDINGS
 from edgeproxy._protocol.sse import SSEEvent, SSEReader
-from edgeproxy._stages.cache.entry import BadEntry, Entry, replay_parts, response_headers
 
 from .conftest import FakeClock
 

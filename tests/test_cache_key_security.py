@@ -19,11 +19,11 @@ from hypothesis import strategies as st
 from multidict import CIMultiDict
 
 from edgeproxy import Config, Exchange, RequestContext, hookimpl
+from edgeproxy._cache.keys import NON_SEMANTIC_FIELDS, KeyHeaders, _post_digest, cache_scope
 from edgeproxy._core.context import start_context
 from edgeproxy._core.strictjson import DuplicateKey, duplicate_key, loads_unique
 from edgeproxy._protocol.bodies import parse_json_object
 from edgeproxy._protocol.headers import ANSWER_HEADERS, CLIENT_CREDENTIAL_HEADERS, trace_context
-from edgeproxy._stages.cache.keys import NON_SEMANTIC_FIELDS, KeyHeaders, _post_digest, cache_scope
 from edgeproxy.testing import FakeRegion
 
 from .conftest import ProxyFactory, RegionFactory, eventually, proxy_config

@@ -21,8 +21,8 @@ import pytest
 from multidict import CIMultiDict
 
 from edgeproxy import Config, EdgeProxy, RequestContext
+from edgeproxy._admission.poison import Poison, caller_of
 from edgeproxy._protocol.headers import trace_context
-from edgeproxy._stages.poison import Poison, caller_of
 from edgeproxy._upstream.health import Health
 from edgeproxy._upstream.regions import Region, RegionSet
 

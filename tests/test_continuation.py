@@ -17,8 +17,8 @@ import pytest
 
 from edgeproxy import Config, ConfigError, Exchange, RequestContext, hookimpl
 from edgeproxy._observability.access_log import record
+from edgeproxy._obtain.continuation import Splice
 from edgeproxy._protocol.sse import events_of
-from edgeproxy._stages.continuation import Splice
 from edgeproxy.testing import FakeRegion, answer_text
 
 from .conftest import ProxyFactory, RegionFactory, eventually

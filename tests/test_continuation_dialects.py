@@ -21,9 +21,9 @@ import openai
 import orjson
 import pytest
 
+from edgeproxy._obtain.continuation import Splice, continuation_body
 from edgeproxy._protocol.dialects import MESSAGES, RESPONSES, AnswerText
 from edgeproxy._protocol.sse import SSEEvent, SSEReader, events_of
-from edgeproxy._stages.continuation import Splice, continuation_body
 from edgeproxy.testing import FakeRegion, answer_text
 
 from .conftest import ProxyFactory, RegionFactory, eventually

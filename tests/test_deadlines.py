@@ -1,11 +1,11 @@
-"""The route deadlines' shared timer (edgeproxy._stages.deadlines)."""
+"""The route deadlines' shared timer (edgeproxy._obtain.deadlines)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 
-from edgeproxy._stages.deadlines import Deadlines
+from edgeproxy._obtain.deadlines import Deadlines
 
 
 async def _guarded(deadlines: Deadlines, remaining: float, work: float) -> str:

@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 from edgeproxy import Response, StreamResponse, hookimpl
-from edgeproxy._stages.failover import (
+from edgeproxy._obtain.failover import (
     Budget,
     DeadlineExceeded,
     Failure,

@@ -22,10 +22,10 @@ from typing import Any
 import orjson
 import pytest
 
+from edgeproxy._cache.entry import Entry, replay_parts
 from edgeproxy._core.config import Config, ConfigError, load_config
 from edgeproxy._protocol.dialects import CHAT
 from edgeproxy._protocol.sse import SSEReader
-from edgeproxy._stages.cache.entry import Entry, replay_parts
 
 FUZZ = Path(__file__).resolve().parent.parent / "fuzz"
 TARGETS = sorted(p.stem.removeprefix("fuzz_") for p in FUZZ.glob("fuzz_*.py"))

@@ -16,7 +16,7 @@ from edgeproxy import Config, ConfigError
 from edgeproxy._core.context import RequestContext
 from edgeproxy._protocol.clientip import client_ip_resolver
 from edgeproxy._protocol.headers import trace_context
-from edgeproxy._stages.geo import GeoResolver, Residency, parse_lat_lon
+from edgeproxy._routing.geo import GeoResolver, Residency, parse_lat_lon
 
 from .conftest import ProxyFactory, RegionFactory, proxy_config
 

@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 
 from edgeproxy import Config, EdgeProxy, PluginError, hookimpl
-from edgeproxy._stages.admission import AdmissionStage
-from edgeproxy._stages.cache.stage import CacheStage
-from edgeproxy._stages.fallback import FallbackStage
-from edgeproxy._stages.routing import Router
+from edgeproxy._admission.admission import AdmissionStage
+from edgeproxy._cache.stage import CacheStage
+from edgeproxy._obtain.fallback import FallbackStage
+from edgeproxy._routing.router import Router
 from edgeproxy._upstream.regions import RegionSet
 from tests.conftest import RegionFactory, proxy_config
 

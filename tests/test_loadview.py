@@ -20,7 +20,7 @@ import redis.asyncio as aioredis
 
 from edgeproxy import Config, EdgeProxy
 from edgeproxy._core.config import SharedLoadConfig
-from edgeproxy._stages.loadview import LoadView, _parse
+from edgeproxy._shared.loadview import LoadView, _parse
 from edgeproxy._upstream.regions import RegionSet
 
 from .conftest import FakeClock, ProxyFactory, RegionFactory, eventually, proxy_config

@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 
 from edgeproxy import EdgeProxy, hookimpl
-from edgeproxy._stages.failover import Failure, FailureKind
+from edgeproxy._obtain.failover import Failure, FailureKind
 
 from .conftest import FakeClock, ProxyFactory, RegionFactory, eventually
 

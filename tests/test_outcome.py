@@ -26,7 +26,7 @@ WRITERS = {
     "_pipeline.py",
     "_obtain/obtainer.py",
     "_obtain/continuer.py",
-    "_stages/cache/stage.py",
+    "_cache/stage.py",
     "_answer/responder.py",
     "_answer/heartbeat.py",
 }

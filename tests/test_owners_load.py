@@ -24,7 +24,7 @@ import redis.asyncio as aioredis
 
 from edgeproxy import EdgeProxy
 from edgeproxy._core.config import StatefulConfig
-from edgeproxy._stages.owners import Missing, Owner, Owners
+from edgeproxy._routing.owners import Missing, Owner, Owners
 from edgeproxy.testing import FakeRegion
 
 from .conftest import FakeClock, ProxyFactory, RegionFactory, eventually

@@ -8,8 +8,10 @@ import orjson
 import pytest
 
 from edgeproxy import ClientIPResolver
+from edgeproxy._cache.keys import CACHEABLE_PATHS
 from edgeproxy._core.config import LocalModelConfig, RouteConfig
 from edgeproxy._local.model import LocalModel
+from edgeproxy._obtain.failover import LLM_SUFFIXES
 from edgeproxy._protocol.bodies import is_llm_request, requires_json
 from edgeproxy._protocol.clientip import MAX_HOPS
 from edgeproxy._protocol.dialects import CHAT
@@ -41,8 +43,6 @@ from edgeproxy._protocol.openai import (
 )
 from edgeproxy._protocol.sse import SSEReader
 from edgeproxy._protocol.usage import UsageTracker
-from edgeproxy._stages.cache.keys import CACHEABLE_PATHS
-from edgeproxy._stages.failover import LLM_SUFFIXES
 
 PROPERTIES: tuple[Property, ...] = get_args(Property)
 

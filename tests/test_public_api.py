@@ -63,7 +63,7 @@ from edgeproxy._core.config import Config
 from edgeproxy import _pipeline, __version__, hookimpl
 from typing import TYPE_CHECKING
 if TYPE_CHECKING:
-    from edgeproxy._stages.geo import GeoStage
+    from edgeproxy._routing.geo import GeoStage
 importlib.import_module("edgeproxy._server.app")
 from edgeproxy import Config, error_response
 from . import sibling
@@ -72,7 +72,7 @@ from . import sibling
         "2: edgeproxy._core.errors",
         "3: edgeproxy._core.config",
         "4: edgeproxy._pipeline",
-        "7: edgeproxy._stages.geo",
+        "7: edgeproxy._routing.geo",
         "8: edgeproxy._server.app",
     ]
 

@@ -14,14 +14,14 @@ import pytest
 from multidict import CIMultiDict
 
 from edgeproxy import EdgeProxy, hookimpl
-from edgeproxy._core.config import AdmissionConfig, RedisSettings
-from edgeproxy._stages.ratelimit import (
+from edgeproxy._admission.ratelimit import (
     Charge,
     Limit,
     LocalBuckets,
     RateLimiter,
     RedisBuckets,
 )
+from edgeproxy._core.config import AdmissionConfig, RedisSettings
 
 from .conftest import ProxyFactory, RegionFactory, eventually
 

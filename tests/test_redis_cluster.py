@@ -20,6 +20,9 @@ from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 
 from edgeproxy import Config
+from edgeproxy._admission.ratelimit import Charge, Limit, RedisBuckets
+from edgeproxy._cache.backends import RedisTier
+from edgeproxy._cache.entry import Entry
 from edgeproxy._core.config import (
     AdmissionConfig,
     CacheConfig,
@@ -27,11 +30,8 @@ from edgeproxy._core.config import (
     RedisSettings,
     SharedLoadConfig,
 )
-from edgeproxy._stages.cache.backends import RedisTier
-from edgeproxy._stages.cache.entry import Entry
-from edgeproxy._stages.loadview import LoadView
-from edgeproxy._stages.ratelimit import Charge, Limit, RedisBuckets
-from edgeproxy._stages.redisclient import client_options, make_client
+from edgeproxy._shared.loadview import LoadView
+from edgeproxy._shared.redisclient import client_options, make_client
 from edgeproxy._upstream.regions import RegionSet
 
 from .conftest import ProxyFactory, RegionFactory, eventually, proxy_config

@@ -6,10 +6,10 @@ from typing import Any
 
 import pytest
 
+from edgeproxy._admission.ratelimit import RateLimiter
+from edgeproxy._cache.backends import RedisTier
 from edgeproxy._core.config import Config, ConfigError, iter_config_keys
-from edgeproxy._stages.cache.backends import RedisTier
-from edgeproxy._stages.ratelimit import RateLimiter
-from edgeproxy._stages.redisclient import client_options
+from edgeproxy._shared.redisclient import client_options
 
 MINIMAL: dict[str, Any] = {"regions": [{"name": "r1", "url": "http://127.0.0.1:9"}]}
 SECTIONS = ("cache", "admission", "shared_load")

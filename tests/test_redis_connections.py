@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
+from edgeproxy._cache.backends import RedisTier
+from edgeproxy._cache.entry import Entry
 from edgeproxy._core.config import Config, ConfigError, iter_config_keys
-from edgeproxy._stages.cache.backends import RedisTier
-from edgeproxy._stages.cache.entry import Entry
 
 MINIMAL: dict[str, Any] = {"regions": [{"name": "r1", "url": "http://127.0.0.1:9"}]}
 SECTIONS = ("cache", "admission", "shared_load", "stateful")

@@ -17,8 +17,8 @@ import pytest
 
 from edgeproxy import Config, EdgeProxy
 from edgeproxy._protocol.loadmetrics import LoadReport, Scrape
-from edgeproxy._stages.ranking import LoadTiers
-from edgeproxy._stages.routing import Router
+from edgeproxy._routing.ranking import LoadTiers
+from edgeproxy._routing.router import Router
 from edgeproxy._upstream.regions import RegionSet
 from edgeproxy._upstream.reported import ReportedLoad, merge_reports, without_load_header
 from edgeproxy.testing import LOAD_METRICS_FAULTS, Behavior, FakeRegion

@@ -17,9 +17,9 @@ from multidict import CIMultiDict
 from edgeproxy import Config, ConfigError, ProxyError, RequestContext
 from edgeproxy._protocol.headers import trace_context
 from edgeproxy._protocol.prefix import prompt_key
-from edgeproxy._stages.modelcatalog import ModelError
-from edgeproxy._stages.routeplan import RoutePlan
-from edgeproxy._stages.routing import Router
+from edgeproxy._routing.modelcatalog import ModelError
+from edgeproxy._routing.routeplan import RoutePlan
+from edgeproxy._routing.router import Router
 from edgeproxy._upstream.regions import RegionSet
 
 from .conftest import FakeClock, proxy_config

@@ -9,7 +9,7 @@ import aiohttp
 import pytest
 
 from edgeproxy import Config, EdgeProxy, hookimpl
-from edgeproxy._stages.routing import Router, great_circle_km
+from edgeproxy._routing.router import Router, great_circle_km
 from edgeproxy._upstream.regions import LatencyWindow, PeakEwma, Region, RegionSet
 
 from .conftest import FakeClock, ProxyFactory, RegionFactory, eventually, proxy_config

@@ -13,7 +13,7 @@ import random
 import numpy as np
 import pytest
 
-from edgeproxy._stages.cache.semantic_index import SemanticIndex
+from edgeproxy._cache.semantic_index import SemanticIndex
 
 DIMS = 64
 

@@ -19,12 +19,12 @@ import pytest
 from aiohttp import web
 
 from edgeproxy import EdgeProxy
-from edgeproxy._core.config import Config, config_from_mapping
-from edgeproxy._stages.cache.semantic_model import (
+from edgeproxy._cache.semantic_model import (
     ModelVerifier,
     parse_verdict,
     verifier_messages,
 )
+from edgeproxy._core.config import Config, config_from_mapping
 
 from .conftest import ProxyFactory, RegionFactory, eventually, proxy_config
 
@@ -340,7 +340,7 @@ async def test_the_local_model_is_asked_and_its_reply_decides(
 
 
 def test_regions_asked_follow_the_catalog_and_its_aliases() -> None:
-    from edgeproxy._stages.cache.semantic_model import RegionAsker
+    from edgeproxy._cache.semantic_model import RegionAsker
 
     class Region:
         def __init__(self, name: str, aliases: dict[str, str]) -> None:

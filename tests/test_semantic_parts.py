@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from edgeproxy._cache.semantic_index import SemanticIndex
+from edgeproxy._cache.semantic_verify import differences
 from edgeproxy._protocol.dialects import CHAT, MESSAGES, RESPONSES
-from edgeproxy._stages.cache.semantic_index import SemanticIndex
-from edgeproxy._stages.cache.semantic_verify import differences
 
 # -- the verifier --------------------------------------------------------------------------
 
@@ -196,7 +196,7 @@ def test_a_large_scope_moves_into_a_graph_and_still_finds_its_nearest() -> None:
 
 
 def test_redis_vector_search_replies_are_read_as_key_similarity_question() -> None:
-    from edgeproxy._stages.cache.semantic_share import parse_search
+    from edgeproxy._cache.semantic_share import parse_search
 
     reply = [
         2,
@@ -222,7 +222,7 @@ async def test_the_static_embedder_loads_offline_and_sees_paraphrases(
 ) -> None:
     pytest.importorskip("wordllama", reason="the semantic extra (wordllama) is not installed")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    from edgeproxy._stages.cache.semantic_embed import StaticEmbedder
+    from edgeproxy._cache.semantic_embed import StaticEmbedder
 
     embedder = StaticEmbedder()
     rows = await embedder.embed(
@@ -297,10 +297,10 @@ class _SearchingRedis:
 
 
 async def test_where_redis_searches_vectors_the_scope_and_embedder_filter_the_knn_query() -> None:
+    from edgeproxy._cache.backends import RedisTier
+    from edgeproxy._cache.keys import hash_key
+    from edgeproxy._cache.semantic_share import SharedQuestions
     from edgeproxy._core.config import config_from_mapping
-    from edgeproxy._stages.cache.backends import RedisTier
-    from edgeproxy._stages.cache.keys import hash_key
-    from edgeproxy._stages.cache.semantic_share import SharedQuestions
 
     config = config_from_mapping(
         {"regions": [{"name": "r", "url": "http://127.0.0.1:1"}], "cache": {"key_prefix": "p:"}}

@@ -15,12 +15,12 @@ from multidict import CIMultiDict
 
 from edgeproxy._core.config import RouteConfig
 from edgeproxy._core.context import RequestContext, start_context
+from edgeproxy._obtain.failover import AttemptResponse
 from edgeproxy._protocol.dialects import OPENAI
 from edgeproxy._protocol.dialects import RESPONSES as RESPONSES_DIALECT
 from edgeproxy._protocol.headers import trace_context
 from edgeproxy._protocol.objects import BATCHES, FILES, RESPONSES, VECTOR_STORES, object_path
-from edgeproxy._stages.failover import AttemptResponse
-from edgeproxy._stages.owners import created_id, stateful_request
+from edgeproxy._routing.owners import created_id, stateful_request
 from edgeproxy._upstream.pool import UpstreamError
 from edgeproxy.testing import FakeRegion
 

@@ -11,12 +11,12 @@ import orjson
 import pytest
 
 from edgeproxy import EdgeProxy
+from edgeproxy._admission.ratelimit import api_key
 from edgeproxy._protocol import dialects
 from edgeproxy._protocol.bodies import estimate_prompt_tokens
 from edgeproxy._protocol.endpoints import MESSAGES, MESSAGES_COUNT_TOKENS, openai_endpoint
 from edgeproxy._protocol.sse import SSEReader, events_of
 from edgeproxy._protocol.usage import UsageTracker
-from edgeproxy._stages.ratelimit import api_key
 
 from .conftest import ProxyFactory, RegionFactory, eventually
 from .test_metrics import scrape

@@ -30,23 +30,23 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Protocol
 
+from edgeproxy._cache.stage import CacheRecorder
 from edgeproxy._core.answer import Answer, AnswerBroken
 from edgeproxy._core.context import RequestContext, UpstreamReply
 from edgeproxy._core.errors import ProxyError, error_response
 from edgeproxy._core.exchange import Exchange
 from edgeproxy._core.response import Response, StreamResponse
 from edgeproxy._core.types import Headers
+from edgeproxy._obtain.continuation import Leg, Splice
+from edgeproxy._obtain.failover import AttemptResponse
 from edgeproxy._plugins import PluginError, Plugins
+from edgeproxy._protocol.compression import Compression, EncodedResponse
 from edgeproxy._protocol.dialects import dialect_named
 from edgeproxy._protocol.endpoints import dialect_for
 from edgeproxy._protocol.headers import strip_hop_by_hop
 from edgeproxy._protocol.modelnames import ModelRewriter
 from edgeproxy._protocol.sse import SSEEvent, SSEEventTooLarge, SSEReader
 from edgeproxy._protocol.usage import UsageTracker
-from edgeproxy._stages.cache.stage import CacheRecorder
-from edgeproxy._stages.compression import Compression, EncodedResponse
-from edgeproxy._stages.continuation import Leg, Splice
-from edgeproxy._stages.failover import AttemptResponse
 from edgeproxy._upstream.pool import UpstreamError
 from edgeproxy._upstream.regions import Region
 

@@ -20,11 +20,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Protocol
 
 from edgeproxy._core.errors import ProxyError
-from edgeproxy._protocol.endpoints import dialect_for
-from edgeproxy._protocol.modelnames import model_from_body
-from edgeproxy._protocol.refusals import REFUSAL_READ_LIMIT, error_message
-from edgeproxy._protocol.sse import SSEEventTooLarge
-from edgeproxy._stages.continuation import (
+from edgeproxy._obtain.continuation import (
     LOCAL,
     ContinuationStage,
     Leg,
@@ -33,9 +29,13 @@ from edgeproxy._stages.continuation import (
     continuation_body,
     spent_body,
 )
-from edgeproxy._stages.failover import AttemptResponse, Failover, Failure
-from edgeproxy._stages.fallback import Degraded, FallbackStage
-from edgeproxy._stages.routeplan import RoutePlan
+from edgeproxy._obtain.failover import AttemptResponse, Failover, Failure
+from edgeproxy._obtain.fallback import Degraded, FallbackStage
+from edgeproxy._protocol.endpoints import dialect_for
+from edgeproxy._protocol.modelnames import model_from_body
+from edgeproxy._protocol.refusals import REFUSAL_READ_LIMIT, error_message
+from edgeproxy._protocol.sse import SSEEventTooLarge
+from edgeproxy._routing.routeplan import RoutePlan
 from edgeproxy._upstream.pool import UpstreamError
 
 if TYPE_CHECKING:

@@ -4,11 +4,11 @@
 pipeline's ``handle``, the cache's background refresh and a broken stream's continuation
 all take it. It returns a value, never an exception carrying live work:
 
-* an :class:`~edgeproxy._stages.failover.AttemptResponse`: a region's answer, its first
+* an :class:`~edgeproxy._obtain.failover.AttemptResponse`: a region's answer, its first
   byte in. The caller relays it and closes it.
-* a :class:`~edgeproxy._stages.fallback.Degraded`: the ladder's answer (the stale cache,
+* a :class:`~edgeproxy._obtain.fallback.Degraded`: the ladder's answer (the stale cache,
   the local model, a plugin's), for the caller to send.
-* a :class:`~edgeproxy._stages.failover.Failure`: nothing could answer. Its ``kind`` says
+* a :class:`~edgeproxy._obtain.failover.Failure`: nothing could answer. Its ``kind`` says
   why and its ``error`` is the client's answer. A failure that ``obtain`` returns holds
   no attempt: any that ran past the deadline to race the local model are cancelled
   before it returns, on every way out.
@@ -40,32 +40,32 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from edgeproxy._core.errors import ProxyError
-from edgeproxy._obtain.continuer import Continuer
-from edgeproxy._protocol.bodies import estimate_prompt_tokens
-from edgeproxy._protocol.endpoints import dialect_for
-from edgeproxy._protocol.modelnames import model_from_body
-from edgeproxy._protocol.refusals import REFUSAL_READ_LIMIT, TOO_LONG_STATUSES, too_long
-from edgeproxy._stages.continuation import (
+from edgeproxy._obtain.continuation import (
     ContinuationStage,
 )
-from edgeproxy._stages.failover import (
+from edgeproxy._obtain.continuer import Continuer
+from edgeproxy._obtain.failover import (
     AttemptResponse,
     Failover,
     Failure,
     FailureKind,
     no_region,
 )
-from edgeproxy._stages.fallback import Degraded, FallbackStage, UpstreamWon
-from edgeproxy._stages.modelcatalog import ModelError
-from edgeproxy._stages.routeplan import RoutePlan
+from edgeproxy._obtain.fallback import Degraded, FallbackStage, UpstreamWon
+from edgeproxy._protocol.bodies import estimate_prompt_tokens
+from edgeproxy._protocol.endpoints import dialect_for
+from edgeproxy._protocol.modelnames import model_from_body
+from edgeproxy._protocol.refusals import REFUSAL_READ_LIMIT, TOO_LONG_STATUSES, too_long
+from edgeproxy._routing.modelcatalog import ModelError
+from edgeproxy._routing.routeplan import RoutePlan
 from edgeproxy._upstream.pool import UpstreamError
 
 if TYPE_CHECKING:
+    from edgeproxy._cache.stage import CacheStage
     from edgeproxy._core.context import RequestContext
     from edgeproxy._core.exchange import Exchange
     from edgeproxy._plugins import Plugins
-    from edgeproxy._stages.cache.stage import CacheStage
-    from edgeproxy._stages.routing import Router
+    from edgeproxy._routing.router import Router
     from edgeproxy._upstream.regions import Region
 
 __all__ = ["Obtained", "Obtainer", "record"]

@@ -1,7 +1,7 @@
 """Server-sent events, read incrementally: the one home of SSE framing.
 
 A stream is parsed once in each direction. A region's stream is read by its
-attempt (``edgeproxy/_stages/attempt.py``: its opening events, up to the one
+attempt (``edgeproxy/_obtain/attempt.py``: its opening events, up to the one
 that commits it, and on to a continuation leg's first token); the body as the
 client gets it is read by the Responder (``edgeproxy/_answer/responder.py``),
 whose events feed whatever looks inside (the usage, the cache's recorder and

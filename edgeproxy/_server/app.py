@@ -41,7 +41,7 @@ from edgeproxy._server.listener import (
     limits_middleware,
 )
 from edgeproxy._server.tls import ListenerTls
-from edgeproxy._stages.loadview import LoadView
+from edgeproxy._shared.loadview import LoadView
 from edgeproxy._upstream.regions import RegionSet
 
 if TYPE_CHECKING:

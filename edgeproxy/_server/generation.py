@@ -17,7 +17,7 @@ from typing import Any
 from edgeproxy._core.config import Config
 from edgeproxy._pipeline import Pipeline
 from edgeproxy._plugins import Plugins
-from edgeproxy._stages.loadview import LoadView
+from edgeproxy._shared.loadview import LoadView
 from edgeproxy._upstream.regions import RegionSet
 
 __all__ = [

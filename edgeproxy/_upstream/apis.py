@@ -5,7 +5,7 @@
 until it shows it lacks one: a ``404`` or ``405`` to a Messages or Responses request whose
 chat completion translation it then answers (the proof that it speaks chat completions but
 not the API). The request that found it out is that very translation, sent again within
-the same attempt (:class:`~edgeproxy._stages.upstream.UpstreamStage`), so learning costs the
+the same attempt (:class:`~edgeproxy._obtain.forward.UpstreamStage`), so learning costs the
 client nothing; the region's requests of that API are translated from then on
 (:mod:`edgeproxy._protocol.translate`). A region whose chat completions 404 too keeps its
 404 (a model it does not serve, say), and learns nothing.

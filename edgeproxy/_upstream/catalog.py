@@ -8,7 +8,7 @@ its credentials, bounded by ``[routing] models_fetch_timeout``. Its answer, in O
 list shape (``{"data": [{"id": ...}, ...]}``, read by
 :func:`~edgeproxy._protocol.modelnames.parse_model_list`; vLLM adds each model's
 ``max_model_len``, kept as its context window), becomes the region's
-:class:`LearnedModels`, which the model catalog (:mod:`edgeproxy._stages.modelcatalog`) routes
+:class:`LearnedModels`, which the model catalog (:mod:`edgeproxy._routing.modelcatalog`) routes
 by.
 
 Some servers answer any model name with the one model they hold, whatever their list says;

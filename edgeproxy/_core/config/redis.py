@@ -13,7 +13,7 @@ place. Either way it writes the resolved connection's keys into the section's
 ``redis_*`` fields when the whole config is validated, so every reader of a
 section sees its effective keys; :func:`redis_settings` gathers them into one
 :class:`RedisSettings`, which the one client builder
-(``edgeproxy._stages.redisclient.make_client``) turns into a standalone or a
+(``edgeproxy._shared.redisclient.make_client``) turns into a standalone or a
 Redis Cluster client.
 """
 

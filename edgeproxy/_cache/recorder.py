@@ -8,11 +8,11 @@ from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
+from edgeproxy._cache.entry import Entry
+from edgeproxy._cache.flight import Coalescer, Flight
+from edgeproxy._cache.plan import CachePlan
 from edgeproxy._core.context import RequestContext, UpstreamReply
 from edgeproxy._protocol.sse import SSEEvent
-from edgeproxy._stages.cache.entry import Entry
-from edgeproxy._stages.cache.flight import Coalescer, Flight
-from edgeproxy._stages.cache.plan import CachePlan
 
 if TYPE_CHECKING:
     from edgeproxy._core.config import CacheConfig
@@ -27,7 +27,7 @@ class _NotCached(Protocol):
 
 
 class RecordingStage(Protocol):
-    """What a recorder uses of :class:`~edgeproxy._stages.cache.stage.CacheStage`: a
+    """What a recorder uses of :class:`~edgeproxy._cache.stage.CacheStage`: a
     Protocol, as the stage's module imports this one to hand recorders out."""
 
     @property

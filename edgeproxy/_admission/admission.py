@@ -32,6 +32,8 @@ import math
 import time
 from typing import TYPE_CHECKING, Any
 
+from edgeproxy._admission.poison import Poison
+from edgeproxy._admission.ratelimit import RateLimiter, RateTicket, api_key
 from edgeproxy._core.config import Config, RouteConfig
 from edgeproxy._core.errors import ProxyError
 from edgeproxy._core.exchange import Exchange
@@ -42,8 +44,6 @@ from edgeproxy._protocol.bodies import (
     read_json_body,
     requires_json,
 )
-from edgeproxy._stages.poison import Poison
-from edgeproxy._stages.ratelimit import RateLimiter, RateTicket, api_key
 
 if TYPE_CHECKING:
     from edgeproxy._core.context import RequestContext

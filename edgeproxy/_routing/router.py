@@ -2,20 +2,20 @@
 
 For each request :meth:`Router.route`:
 
-1. locates the client (:class:`~edgeproxy._stages.geo.GeoResolver`) when a
+1. locates the client (:class:`~edgeproxy._routing.geo.GeoResolver`) when a
    residency rule or the geo prior (``prior_from = "client"``) needs it;
-2. runs the eligibility filters (:mod:`edgeproxy._stages.eligibility`),
+2. runs the eligibility filters (:mod:`edgeproxy._routing.eligibility`),
    which decide which regions may answer: the model catalog, residency, the
    owner of a stateful request, the regions the caller excludes, and health
    (with the panic when none is available, and residency's 503 when no
    allowed region is); then, while some region lacks an API, not the regions
-   that cannot answer the request's (:mod:`edgeproxy._stages.apitiers`);
-3. ranks what is left (:mod:`edgeproxy._stages.ranking`) by the policies
+   that cannot answer the request's (:mod:`edgeproxy._routing.apitiers`);
+3. ranks what is left (:mod:`edgeproxy._routing.ranking`) by the policies
    ``[routing] rank`` lists (after the regions speaking the request's API natively,
    before those it is translated for): load tiers from fresh reports, prefix affinity,
    and the score (peak-EWMA and geo prior, requests in flight over the shared
    load view, the reported load) with the power of two choices among equals;
-4. returns one :class:`~edgeproxy._stages.routeplan.RoutePlan`: the regions
+4. returns one :class:`~edgeproxy._routing.routeplan.RoutePlan`: the regions
    best first and the request's affinity plan, from which failover,
    continuation and hedging draw their candidates.
 
@@ -28,9 +28,9 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING
 
-from edgeproxy._stages.affinity import Affinity, AffinityPlan
-from edgeproxy._stages.apitiers import served
-from edgeproxy._stages.eligibility import (
+from edgeproxy._routing.affinity import Affinity, AffinityPlan
+from edgeproxy._routing.apitiers import served
+from edgeproxy._routing.eligibility import (
     Eligibility,
     Healthy,
     NotExcluded,
@@ -39,16 +39,16 @@ from edgeproxy._stages.eligibility import (
     RouteQuery,
     ServesModel,
 )
-from edgeproxy._stages.geo import GeoResolver, Residency
-from edgeproxy._stages.modelcatalog import ModelCatalog
-from edgeproxy._stages.ranking import Ranking, Scorer, great_circle_km
-from edgeproxy._stages.routeplan import RoutePlan, route_plan
+from edgeproxy._routing.geo import GeoResolver, Residency
+from edgeproxy._routing.modelcatalog import ModelCatalog
+from edgeproxy._routing.ranking import Ranking, Scorer, great_circle_km
+from edgeproxy._routing.routeplan import RoutePlan, route_plan
 from edgeproxy._upstream.regions import Region, RegionSet
 
 if TYPE_CHECKING:
     from edgeproxy._core.config import Config
     from edgeproxy._core.context import RequestContext
-    from edgeproxy._stages.loadview import LoadView
+    from edgeproxy._shared.loadview import LoadView
 
 __all__ = ["RoutePlan", "Router", "great_circle_km"]
 
@@ -135,7 +135,7 @@ class Router:
         ``affinity``: the request's prompt key made beforehand (by default, made here).
         Raises a 503 :class:`ProxyError` when a residency rule applies and none
         of the regions it allows is available, and a
-        :class:`~edgeproxy._stages.modelcatalog.ModelError` (404) when no region
+        :class:`~edgeproxy._routing.modelcatalog.ModelError` (404) when no region
         serves the request's model. Only the regions serving the model are
         candidates, whatever their health.
         """

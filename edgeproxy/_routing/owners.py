@@ -13,7 +13,7 @@ whether they store their answer (``stores``).
 
 Each owner entry is bound to the **scope** of the request that made the object: the
 tenant, else a hash of the client's credentials, else anonymous clients, the cache's own
-scope (:func:`~edgeproxy._stages.cache.keys.cache_scope`). With the proxy's own
+scope (:func:`~edgeproxy._cache.keys.cache_scope`). With the proxy's own
 credentials toward the regions, a region cannot tell clients apart, so the proxy answers a
 request of another scope with the API's own 404, as the provider would answer a stranger.
 
@@ -54,13 +54,13 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from edgeproxy._cache.keys import cache_scope
 from edgeproxy._core.errors import ProxyError
 from edgeproxy._protocol.dialects import Dialect, dialect_named
 from edgeproxy._protocol.endpoints import dialect_for
 from edgeproxy._protocol.objects import object_path
 from edgeproxy._protocol.sse import SSEEvent, SSEEventTooLarge, events_of
-from edgeproxy._stages.cache.keys import cache_scope
-from edgeproxy._stages.redisclient import RedisClient, make_client
+from edgeproxy._shared.redisclient import RedisClient, make_client
 
 if TYPE_CHECKING:
     from edgeproxy._core.config import StatefulConfig

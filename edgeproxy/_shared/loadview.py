@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from edgeproxy._core.config import SharedLoadConfig
-from edgeproxy._stages.redisclient import RedisClient, make_client, ready, safe_url
+from edgeproxy._shared.redisclient import RedisClient, make_client, ready, safe_url
 from edgeproxy._upstream.regions import Region, RegionSet
 
 __all__ = ["LUA_PUBLISH", "LoadView", "Peer", "RegionLoad"]

@@ -27,9 +27,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from edgeproxy._cache.regionpost import post_json
 from edgeproxy._core.config import CacheConfig
 from edgeproxy._local.binding import new_llama
-from edgeproxy._stages.cache.regionpost import post_json
 from edgeproxy._upstream.endpoint import RegionEndpoints
 
 __all__ = [

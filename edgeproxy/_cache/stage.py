@@ -13,7 +13,7 @@ ends one: chat's ``[DONE]``, Messages' ``message_stop``, the Responses API's
 ``response.completed``, with no error before), or one bigger than
 ``[cache] max_entry_bytes``. Answers are replayed in their API's own format, streamed or
 not, whichever form was stored. What a key covers, and so who may share an entry, is in
-:mod:`edgeproxy._stages.cache.keys`.
+:mod:`edgeproxy._cache.keys`.
 
 :class:`CacheStage` is the pipeline's view of it all: :meth:`~CacheStage.lookup`
 answers from the cache (HIT, STALE) or from an identical request in flight
@@ -35,18 +35,9 @@ from typing import TYPE_CHECKING, Any, Final
 
 from multidict import CIMultiDict
 
-from edgeproxy._core.answer import Answer
-from edgeproxy._core.config import Config
-from edgeproxy._core.context import RequestContext
-from edgeproxy._core.exchange import Exchange
-from edgeproxy._core.outcome import Outcome
-from edgeproxy._core.response import StreamResponse
-from edgeproxy._core.types import Headers
-from edgeproxy._protocol.endpoints import ENDPOINT_NAMED, openai_endpoint
-from edgeproxy._protocol.headers import request_id
-from edgeproxy._stages.cache.backends import CacheBackend, make_backend
-from edgeproxy._stages.cache.entry import Entry, replay_parts, response_headers
-from edgeproxy._stages.cache.flight import (
+from edgeproxy._cache.backends import CacheBackend, make_backend
+from edgeproxy._cache.entry import Entry, replay_parts, response_headers
+from edgeproxy._cache.flight import (
     DONE,
     FAILED,
     Coalescer,
@@ -55,7 +46,7 @@ from edgeproxy._stages.cache.flight import (
     wait_finished,
     wait_started,
 )
-from edgeproxy._stages.cache.keys import (
+from edgeproxy._cache.keys import (
     KeyHeaders,
     _get_digest,
     _post_digest,
@@ -63,16 +54,25 @@ from edgeproxy._stages.cache.keys import (
     custom_digest,
     tenant_scope,
 )
-from edgeproxy._stages.cache.plan import (
+from edgeproxy._cache.plan import (
     CachePlan,
     _directives,
     _plan_for_ctx,
     _seconds,
     request_dialect,
 )
-from edgeproxy._stages.cache.recorder import CacheRecorder
-from edgeproxy._stages.cache.semantic import SemanticCache, open_semantic
-from edgeproxy._stages.compression import Compression
+from edgeproxy._cache.recorder import CacheRecorder
+from edgeproxy._cache.semantic import SemanticCache, open_semantic
+from edgeproxy._core.answer import Answer
+from edgeproxy._core.config import Config
+from edgeproxy._core.context import RequestContext
+from edgeproxy._core.exchange import Exchange
+from edgeproxy._core.outcome import Outcome
+from edgeproxy._core.response import StreamResponse
+from edgeproxy._core.types import Headers
+from edgeproxy._protocol.compression import Compression
+from edgeproxy._protocol.endpoints import ENDPOINT_NAMED, openai_endpoint
+from edgeproxy._protocol.headers import request_id
 from edgeproxy._upstream.endpoint import RegionEndpoints
 
 if TYPE_CHECKING:

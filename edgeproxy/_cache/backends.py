@@ -8,7 +8,7 @@ bytes, evicting the least recently used, with expiry checked on read instead of
 a timer per key. The Redis tier is aiocache's ``RedisCache`` with a serializer
 that keeps bytes as bytes (the default JSON serializer, and any serializer
 whose ``encoding`` is set, would hand back decoded ``str``), on a client from
-:func:`~edgeproxy._stages.redisclient.make_client`: a standalone Redis or a
+:func:`~edgeproxy._shared.redisclient.make_client`: a standalone Redis or a
 Redis Cluster. Entries are single keys (GET, PSETEX, DEL), so on a cluster
 they spread over every slot; a purge scans every master and unlinks slot by slot.
 
@@ -31,9 +31,9 @@ from typing import Any, Protocol, TypeVar
 from aiocache.backends.memory import SimpleMemoryBackend
 from aiocache.serializers import BaseSerializer, NullSerializer
 
+from edgeproxy._cache.entry import BadEntry, Entry
 from edgeproxy._core.config import CacheConfig
-from edgeproxy._stages.cache.entry import BadEntry, Entry
-from edgeproxy._stages.redisclient import RedisClient, make_client, safe_url
+from edgeproxy._shared.redisclient import RedisClient, make_client, safe_url
 
 __all__ = [
     "BytesSerializer",

@@ -9,7 +9,7 @@ latency, its health (through :meth:`Health.blame
 caller's), the models it holds off (429, 503, 529), and poison bodies.
 :class:`AttemptResponse` is the winner, as the relay reads it.
 
-The attempt loop (:mod:`edgeproxy._stages.failover`) owns every attempt; what an attempt
+The attempt loop (:mod:`edgeproxy._obtain.failover`) owns every attempt; what an attempt
 needs of it is :class:`AttemptLoop`.
 """
 
@@ -20,13 +20,13 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Protocol
 
+from edgeproxy._admission.poison import Poison, caller_key
 from edgeproxy._core.errors import ProxyError
 from edgeproxy._core.types import Headers
 from edgeproxy._protocol.dialects import Dialect, dialect_named
 from edgeproxy._protocol.endpoints import endpoint_suffixes
 from edgeproxy._protocol.modelnames import model_from_body
 from edgeproxy._protocol.sse import MAX_EVENT, SSEEvent, SSEEventTooLarge, SSEReader
-from edgeproxy._stages.poison import Poison, caller_key
 from edgeproxy._upstream.health import CAPACITY_STATUSES, Health
 from edgeproxy._upstream.pool import (
     UpstreamConnectError,
@@ -40,7 +40,7 @@ from edgeproxy._upstream.reported import LOAD_FORMAT_HEADER, without_load_header
 if TYPE_CHECKING:
     from edgeproxy._core.context import RequestContext
     from edgeproxy._core.exchange import Exchange
-    from edgeproxy._stages.upstream import UpstreamStage
+    from edgeproxy._obtain.forward import UpstreamStage
 
 __all__ = [
     "HOLD_LIMIT",
@@ -75,7 +75,7 @@ def model_of(ctx: RequestContext) -> str:
 
 class AttemptLoop(Protocol):
     """What an attempt needs of the loop that owns it
-    (:class:`edgeproxy._stages.failover.Failover`)."""
+    (:class:`edgeproxy._obtain.failover.Failover`)."""
 
     upstream: UpstreamStage
     regions: RegionSet

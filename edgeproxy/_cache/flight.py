@@ -15,11 +15,11 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Final
 
+from edgeproxy._cache.entry import Entry
 from edgeproxy._core.answer import AnswerBroken
 from edgeproxy._core.errors import ProxyError
 from edgeproxy._protocol.dialects import Dialect
 from edgeproxy._protocol.sse import SSEEvent
-from edgeproxy._stages.cache.entry import Entry
 
 __all__ = ["Coalescer", "Flight"]
 

@@ -30,7 +30,7 @@ to get otherwise.
 
 With the route's ``deadline_action = "race"``, the attempts still running
 past the deadline (the ``pending`` of the deadline's
-:class:`~edgeproxy._stages.failover.Failure`) race a local answer:
+:class:`~edgeproxy._obtain.failover.Failure`) race a local answer:
 whichever produces a first byte or first token first is used. The stage
 only borrows them: the pipeline owns them and cancels what is left once the
 race is over. Recovery needs nothing here: each new request tries the
@@ -58,8 +58,8 @@ from edgeproxy._protocol.modelnames import model_from_body
 
 if TYPE_CHECKING:
     from edgeproxy._core.context import RequestContext
-    from edgeproxy._stages.attempt import AttemptResponse
-    from edgeproxy._stages.failure import Pending
+    from edgeproxy._obtain.attempt import AttemptResponse
+    from edgeproxy._obtain.failure import Pending
 
 __all__ = ["Degraded", "FallbackStage", "Rung", "UpstreamWon"]
 

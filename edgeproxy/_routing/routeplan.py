@@ -1,6 +1,6 @@
 """One routing decision as a value: the eligible regions, best first, and its affinity plan.
 
-:meth:`Router.route <edgeproxy._stages.routing.Router.route>` makes one per
+:meth:`Router.route <edgeproxy._routing.router.Router.route>` makes one per
 request. Failover walks its regions in order; continuation and hedging draw
 the next candidates from the same ranking (:meth:`RoutePlan.without`,
 :meth:`RoutePlan.after`) instead of routing again, so that a second look
@@ -16,10 +16,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from edgeproxy._stages.affinity import Affinity
+from edgeproxy._routing.affinity import Affinity
 
 if TYPE_CHECKING:
-    from edgeproxy._stages.affinity import AffinityPlan
+    from edgeproxy._routing.affinity import AffinityPlan
     from edgeproxy._upstream.regions import Region
 
 __all__ = ["RoutePlan", "route_plan"]

@@ -10,14 +10,14 @@ import enum
 from typing import Protocol
 
 from edgeproxy._core.errors import ProxyError
-from edgeproxy._stages.attempt import AttemptResponse
+from edgeproxy._obtain.attempt import AttemptResponse
 
 __all__ = ["DeadlineExceeded", "Failure", "FailureKind", "Pending", "no_region"]
 
 
 class Pending(Protocol):
     """Attempts still running past the deadline, kept for the fallback to race
-    (:class:`edgeproxy._stages.failover.PendingUpstream`)."""
+    (:class:`edgeproxy._obtain.failover.PendingUpstream`)."""
 
     async def ready(self) -> bool: ...
 
@@ -66,7 +66,7 @@ class FailureKind(enum.Enum):
     region (it would answer 404), never degraded."""
     REJECTED = "rejected"
     """Two regions answered this request's body with 5xx (a poison request, see
-    :mod:`edgeproxy._stages.poison`): 502, never tried further, never degraded."""
+    :mod:`edgeproxy._admission.poison`): 502, never tried further, never degraded."""
 
 
 class Failure:

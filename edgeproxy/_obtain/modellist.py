@@ -18,11 +18,11 @@ from edgeproxy._core.config.models import is_model_glob
 from edgeproxy._core.context import RequestContext
 from edgeproxy._core.errors import ProxyError
 from edgeproxy._core.response import Response
+from edgeproxy._obtain.failover import Failover, Failure
 from edgeproxy._plugins import PluginError
 from edgeproxy._protocol.headers import request_id, trace_context
 from edgeproxy._protocol.modelnames import ModelListError, parse_model_list
-from edgeproxy._stages.failover import Failover, Failure
-from edgeproxy._stages.modelcatalog import MODELS_PATH, model_not_found
+from edgeproxy._routing.modelcatalog import MODELS_PATH, model_not_found
 from edgeproxy._upstream.catalog import NoModelList, read_model_list
 from edgeproxy._upstream.pool import UpstreamError
 

@@ -42,7 +42,7 @@ from redis.crc import key_slot
 
 from edgeproxy._core.config import AdmissionConfig, RedisSettings
 from edgeproxy._core.errors import ProxyError
-from edgeproxy._stages.redisclient import make_client, ready
+from edgeproxy._shared.redisclient import make_client, ready
 
 __all__ = ["Charge", "Limit", "LocalBuckets", "RateLimiter", "RateTicket", "api_key", "identities"]
 

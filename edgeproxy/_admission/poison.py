@@ -19,7 +19,7 @@ the callers; this module decides for the request:
   on every other. Counted in ``/status`` ``limits``.
 
 A capacity answer (429, 503, 529) or a transport failure is never a poison request,
-however few callers there are: the callers (:mod:`edgeproxy._stages.failover`) only ask
+however few callers there are: the callers (:mod:`edgeproxy._obtain.failover`) only ask
 about the statuses a request can cause.
 
 Bodies are known by a 16-byte BLAKE2b digest of the caller and the body, computed only on
@@ -35,9 +35,9 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from edgeproxy._admission.ratelimit import api_key, identities
 from edgeproxy._core.errors import ProxyError
 from edgeproxy._protocol.modelnames import model_from_body
-from edgeproxy._stages.ratelimit import api_key, identities
 
 if TYPE_CHECKING:
     from edgeproxy._core.config import Config

@@ -1,10 +1,10 @@
 """The order of the regions a request may use: the ranking policies.
 
-Eligibility (:mod:`edgeproxy._stages.eligibility`) decides which regions may
+Eligibility (:mod:`edgeproxy._routing.eligibility`) decides which regions may
 answer; ranking puts those in order, best first. Priority tiers
 (``[[regions]] priority``) always come first, then, while some region lacks an API, the
 regions speaking the request's API before those it is translated for
-(:mod:`edgeproxy._stages.apitiers`). Within a tier the policies
+(:mod:`edgeproxy._routing.apitiers`). Within a tier the policies
 ``[routing] rank`` lists decide in turn, each breaking the ties the ones
 before it leave (by default ``["reported_load", "affinity", "latency"]``):
 
@@ -18,7 +18,7 @@ before it leave (by default ``["reported_load", "affinity", "latency"]``):
   they do not, whatever the latencies. A stale report sets no tier. When no
   region has a tier, the policy has no say.
 * ``affinity`` (:class:`PrefixRank`, with ``prefix_affinity``): the prefix
-  match weighed against load, :mod:`edgeproxy._stages.affinity`; no say for
+  match weighed against load, :mod:`edgeproxy._routing.affinity`; no say for
   a request without a prompt key, when no candidate holds any of it, or when
   the balance guard sets it aside.
 * ``latency`` (:class:`TwoChoices`, always last): the score, lowest first.
@@ -41,7 +41,7 @@ from these signals:
 * a fresh **load report** multiplies it by 1 + ``reported_load_weight`` x
   its load score (the load within a tier);
 * the requests in flight are those of every process sharing the **shared
-  load view** (:class:`~edgeproxy._stages.loadview.LoadView`) while it is
+  load view** (:class:`~edgeproxy._shared.loadview.LoadView`) while it is
   fresh, else this process's own.
 
 When no region is available (the panic), the ranking is the score alone,
@@ -54,14 +54,14 @@ import math
 import random
 from typing import TYPE_CHECKING, Any, Protocol
 
-from edgeproxy._stages.affinity import Affinity
-from edgeproxy._stages.apitiers import tiers
+from edgeproxy._routing.affinity import Affinity
+from edgeproxy._routing.apitiers import tiers
 
 if TYPE_CHECKING:
     from edgeproxy._core.config import Config, RoutingConfig
-    from edgeproxy._stages.affinity import AffinityPlan
-    from edgeproxy._stages.eligibility import RouteQuery
-    from edgeproxy._stages.loadview import LoadView
+    from edgeproxy._routing.affinity import AffinityPlan
+    from edgeproxy._routing.eligibility import RouteQuery
+    from edgeproxy._shared.loadview import LoadView
     from edgeproxy._upstream.apis import ApiBook
     from edgeproxy._upstream.regions import Region, RegionSet
 

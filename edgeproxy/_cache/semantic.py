@@ -9,20 +9,20 @@ a different system prompt, earlier turn, model, sampling parameter, tool or
 ``response_format`` is another scope, and a search never leaves its scope.
 
 Lookup, after an exact miss on a route with ``semantic_cache``: the question is embedded
-(:mod:`~edgeproxy._stages.cache.semantic_embed`), the worker's index
-(:mod:`~edgeproxy._stages.cache.semantic_index`) gives the nearest cached questions of the
+(:mod:`~edgeproxy._cache.semantic_embed`), the worker's index
+(:mod:`~edgeproxy._cache.semantic_index`) gives the nearest cached questions of the
 scope, and each one above the route's ``semantic_threshold`` goes to the verifier
-(:mod:`~edgeproxy._stages.cache.semantic_verify`), which rejects it for any difference
+(:mod:`~edgeproxy._cache.semantic_verify`), which rejects it for any difference
 that changes the answer (negation, numbers, names, direction, target language, format).
 The first candidate that passes, and whose entry is still fresh, answers: replayed in the
 client's API like an exact hit, marked ``SEMANTIC-HIT`` with its similarity. With a model
-verifier (:mod:`~edgeproxy._stages.cache.semantic_model`), that candidate is first put to
+verifier (:mod:`~edgeproxy._cache.semantic_model`), that candidate is first put to
 a model, whose ``yes`` alone keeps the hit. A semantic hit is never stored. What the
 request then stores upstream joins the index under its own key. In shadow mode a would-be
 hit is counted and logged, never served.
 
 With a Redis backend (and ``semantic_share``), each question that joins the index is also
-stored in Redis beside its answer (:mod:`~edgeproxy._stages.cache.semantic_share`): a
+stored in Redis beside its answer (:mod:`~edgeproxy._cache.semantic_share`): a
 worker that starts warms its index from them, running workers pick up what the others
 stored, and where Redis has vector search it searches them itself.
 
@@ -39,24 +39,23 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
+from edgeproxy._cache.backends import RedisTier
+from edgeproxy._cache.entry import Entry
+from edgeproxy._cache.keys import KeyHeaders, semantic_scope
+from edgeproxy._cache.plan import CachePlan
+from edgeproxy._cache.semantic_model import ModelVerifier, make_model_verifier
+from edgeproxy._cache.semantic_share import SharedQuestion, SharedQuestions, poll_forever
+from edgeproxy._cache.semantic_verify import differences
 from edgeproxy._core.answer import Answer
 from edgeproxy._core.config import Config
 from edgeproxy._core.context import RequestContext
-from edgeproxy._stages.cache.backends import RedisTier
-from edgeproxy._stages.cache.entry import Entry
-from edgeproxy._stages.cache.keys import KeyHeaders, semantic_scope
-from edgeproxy._stages.cache.plan import CachePlan
-from edgeproxy._stages.cache.semantic_model import ModelVerifier, make_model_verifier
-from edgeproxy._stages.cache.semantic_share import SharedQuestion, SharedQuestions, poll_forever
-from edgeproxy._stages.cache.semantic_verify import differences
 from edgeproxy._upstream.endpoint import RegionEndpoints
 
 if TYPE_CHECKING:
-    from edgeproxy._local.model import LocalModel
-
     # numpy, and so the index, only once a route asks for the semantic cache: the plain
     # install has no numpy.
-    from edgeproxy._stages.cache.semantic_index import SemanticIndex
+    from edgeproxy._cache.semantic_index import SemanticIndex
+    from edgeproxy._local.model import LocalModel
 
 
 class CacheStage(Protocol):
@@ -133,7 +132,7 @@ class SemanticStats:
 
 
 class SemanticCache:
-    """The semantic side of a :class:`~edgeproxy._stages.cache.stage.CacheStage`: an
+    """The semantic side of a :class:`~edgeproxy._cache.stage.CacheStage`: an
     embedder, the worker's index and its questions, the verifier, and the questions
     shared through Redis."""
 
@@ -199,7 +198,7 @@ class SemanticCache:
     def _index_for(self, vector: Any) -> SemanticIndex | None:
         index = self.index
         if index is None:
-            from edgeproxy._stages.cache.semantic_index import SemanticIndex
+            from edgeproxy._cache.semantic_index import SemanticIndex
 
             index = self.index = SemanticIndex(len(vector), max_entries=self.max_entries)
         return index if len(vector) == index.dimensions else None
@@ -378,7 +377,7 @@ def open_semantic(
     cache = config.cache
     regions = list(regions)
     try:
-        from edgeproxy._stages.cache.semantic_embed import make_embedder
+        from edgeproxy._cache.semantic_embed import make_embedder
 
         embedder = make_embedder(cache, config.base_dir, regions)
     except Exception as exc:  # noqa: BLE001 - a missing extra or model turns this part off

@@ -141,7 +141,7 @@ class UpstreamStage:
         """One attempt: send to ``endpoint`` of ``region``; raises :class:`UpstreamError`.
 
         The attempt loop around it (failover, hedging, accounting) is
-        :class:`~edgeproxy._stages.failover.Failover`.
+        :class:`~edgeproxy._obtain.failover.Failover`.
         """
         apis = region.apis
         if apis.lacking:

@@ -34,7 +34,7 @@ still go to the next region:
 A region's 5xx answer counts against it (its health, its errors, its latency) unless
 :meth:`Health.blame <edgeproxy._upstream.health.Health.blame>` finds evidence that it is
 the caller's own (the region served other callers meanwhile); then two regions rejecting
-the same body from the same caller make it poison (:mod:`edgeproxy._stages.poison`): 502
+the same body from the same caller make it poison (:mod:`edgeproxy._admission.poison`): 502
 ``upstream_rejected_request``, no further attempt, and none at all for that caller's body
 while it is known. Capacity statuses are never the caller's.
 
@@ -46,7 +46,7 @@ on the next region like any failure before the first byte.
 Once the winner is handed to the stream stage there is no retry: a stream
 that breaks later ends with an SSE error event and a truncated body, unless
 the route continues it (``continue_on_break``, see
-:mod:`edgeproxy._stages.continuation`).
+:mod:`edgeproxy._obtain.continuation`).
 
 Every attempt has exactly one owner, which cancels it upstream and stops
 counting it on every way out (a failure, the deadline, a plugin's
@@ -67,7 +67,7 @@ exception, the client leaving, the proxy shutting down):
 :class:`Failure`; no exception carries live work.
 
 An attempt's task that is cancelled lets go of its response itself
-(:meth:`Attempt.run <edgeproxy._stages.attempt.Attempt.run>`); one that had finished is let
+(:meth:`Attempt.run <edgeproxy._obtain.attempt.Attempt.run>`); one that had finished is let
 go by its owner.
 """
 
@@ -81,13 +81,13 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from edgeproxy._admission.poison import Poison
 from edgeproxy._core.errors import ProxyError
+from edgeproxy._obtain.attempt import LLM_SUFFIXES, Attempt, AttemptResponse, model_of
+from edgeproxy._obtain.budget import Budget
+from edgeproxy._obtain.deadlines import Deadlines
+from edgeproxy._obtain.failure import DeadlineExceeded, Failure, FailureKind, no_region
 from edgeproxy._protocol.refusals import error_message
-from edgeproxy._stages.attempt import LLM_SUFFIXES, Attempt, AttemptResponse, model_of
-from edgeproxy._stages.budget import Budget
-from edgeproxy._stages.deadlines import Deadlines
-from edgeproxy._stages.failure import DeadlineExceeded, Failure, FailureKind, no_region
-from edgeproxy._stages.poison import Poison
 from edgeproxy._upstream.cooldown import retry_after_seconds, soonest
 from edgeproxy._upstream.pool import (
     UpstreamConnectError,
@@ -102,7 +102,7 @@ if TYPE_CHECKING:
     from edgeproxy._core.config import Config
     from edgeproxy._core.context import RequestContext
     from edgeproxy._core.exchange import Exchange
-    from edgeproxy._stages.upstream import UpstreamStage
+    from edgeproxy._obtain.forward import UpstreamStage
 
 __all__ = [
     "AttemptResponse",

@@ -31,8 +31,8 @@ from typing import Any, Final
 
 from redis.exceptions import ResponseError
 
-from edgeproxy._stages.cache.backends import RedisTier
-from edgeproxy._stages.cache.keys import hash_key
+from edgeproxy._cache.backends import RedisTier
+from edgeproxy._cache.keys import hash_key
 
 __all__ = ["SharedQuestion", "SharedQuestions"]
 

@@ -2,13 +2,13 @@
 
 The router runs them in this order, each keeping some of the regions the one
 before left, never reordering them (ordering is
-:mod:`edgeproxy._stages.ranking`'s):
+:mod:`edgeproxy._routing.ranking`'s):
 
 1. :class:`ServesModel`: the regions serving the request's model
-   (:class:`~edgeproxy._stages.modelcatalog.ModelCatalog`), whatever their health:
+   (:class:`~edgeproxy._routing.modelcatalog.ModelCatalog`), whatever their health:
    those that list it, and only for a name none lists, those that answer any
    name (llama.cpp's servers, ``serves_any_model``); a model no region serves
-   is a 404 (:class:`~edgeproxy._stages.modelcatalog.ModelError`) naming those served;
+   is a 404 (:class:`~edgeproxy._routing.modelcatalog.ModelError`) naming those served;
 2. :class:`Resident`: under a residency rule, only the regions it allows;
 3. :class:`Owner`: for a request that only one region can answer (the owner of
    a stateful exchange), that region alone; unavailable, it is a 503
@@ -30,12 +30,12 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from edgeproxy._stages.owners import owner_unavailable
+from edgeproxy._routing.owners import owner_unavailable
 
 if TYPE_CHECKING:
     from edgeproxy._core.context import RequestContext
-    from edgeproxy._stages.geo import Residency
-    from edgeproxy._stages.modelcatalog import ModelCatalog
+    from edgeproxy._routing.geo import Residency
+    from edgeproxy._routing.modelcatalog import ModelCatalog
     from edgeproxy._upstream.health import Health
     from edgeproxy._upstream.regions import Region
 

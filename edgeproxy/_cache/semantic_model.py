@@ -2,7 +2,7 @@
 model the operator names (``[cache] semantic_model_verifier``), for deployments that can
 afford one model call on each semantic hit.
 
-It runs only once the rule verifier (:mod:`~edgeproxy._stages.cache.semantic_verify`)
+It runs only once the rule verifier (:mod:`~edgeproxy._cache.semantic_verify`)
 passed a candidate and its entry is fresh, so it can only turn a hit into a miss. The
 model is asked, at temperature 0 for a few tokens, whether the two questions have the
 same answer; ``yes`` keeps the hit, and anything else is a miss: ``no``, an answer that is
@@ -33,8 +33,8 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
+from edgeproxy._cache.regionpost import post_json
 from edgeproxy._core.config import CacheConfig
-from edgeproxy._stages.cache.regionpost import post_json
 from edgeproxy._upstream.endpoint import RegionEndpoints
 
 if TYPE_CHECKING:

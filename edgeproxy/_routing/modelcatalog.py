@@ -9,7 +9,7 @@ that answers any model name (``serves_any_model``, or recognised from its list: 
 servers) serves, besides the names it lists, every name no region lists.
 :class:`ModelCatalog` answers, for the router, which regions serve the model a
 request names; the answer is cached per model name until a learnt list changes.
-The proxy's own ``GET /v1/models`` is :mod:`edgeproxy._stages.modellist`'s.
+The proxy's own ``GET /v1/models`` is :mod:`edgeproxy._obtain.modellist`'s.
 """
 
 from __future__ import annotations

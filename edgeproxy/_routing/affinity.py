@@ -23,7 +23,7 @@ one holding 80% of it while under 2.5 times (2.4 + 4/2.5 = 4).
 Priority tiers still come first, and residency, the model catalog and health
 have already filtered the candidates: affinity only ranks what is left, as one
 of the ranking policies of ``[routing] rank``
-(:mod:`edgeproxy._stages.ranking`): by default after the load tiers, so that
+(:mod:`edgeproxy._routing.ranking`): by default after the load tiers, so that
 it chooses among the regions whose reported queues are alike.
 
 **Balance guard** (SGLang's cache-aware router): when the loads of the

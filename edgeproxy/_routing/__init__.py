@@ -1,0 +1,1 @@
+"""Routing: which regions may answer a request, ranked into its one plan."""

@@ -1,1 +1,0 @@
-"""The pipeline's stages: admission, cache, routing, failover, relay, fallback."""
