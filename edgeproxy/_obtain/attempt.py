@@ -247,11 +247,13 @@ class Attempt:
         # stages that look at them (the owner's id), and the reader goes on for those
         # that read further (a continuation leg's first token).
         reader = self.reader = SSEReader(max_event=HOLD_LIMIT)
-        opening = self.opening = reader.feed(self.first) if self.first else []
+        opening: list[SSEEvent] = []
+        self.opening = opening
         commits = dialect.commits
         held = [self.first]
         size = len(self.first)
         try:
+            opening.extend(reader.feed(self.first))
             if any(commits(event) for event in opening):
                 return
             async for chunk in self.iterator:
@@ -331,7 +333,7 @@ class Attempt:
 
 
 class AttemptResponse:
-    """The winning attempt's response, as the stream stage reads it.
+    """The winning attempt's response, as the Responder reads it.
 
     Replays the first chunk read while racing, records the region's latency
     when a non-streamed body ends, and on :meth:`aclose` releases the
@@ -389,6 +391,28 @@ class AttemptResponse:
             attempt.broke(exc)
             raise
         attempt.body_done()
+
+    def body(self) -> tuple[bytes | None, AsyncIterator[bytes] | None]:
+        """The body as a reader takes it with no iterator of this response's between: the
+        first chunk read while racing (None: none) and the rest (None: it ended). The
+        reader then says :meth:`broke` or :meth:`body_done`, as :meth:`aiter_bytes`
+        does itself."""
+        attempt = self.attempt
+        if attempt.iterator is None:
+            assert attempt.response is not None
+            attempt.iterator = attempt.response.aiter_bytes().__aiter__()
+            return None, attempt.iterator
+        first, attempt.first = attempt.first, None
+        return first or None, None if attempt.eof else attempt.iterator
+
+    def broke(self, exc: UpstreamError) -> None:
+        """The body read through :meth:`body` broke: counted against the region."""
+        self.attempt.broke(exc)
+
+    def body_done(self) -> None:
+        """The body read through :meth:`body` ended."""
+        if not self.attempt.eof:
+            self.attempt.body_done()
 
     async def read_more(self, limit: int) -> bytes:
         """The body's beginning, read on until it holds ``limit`` bytes or ended, and kept
