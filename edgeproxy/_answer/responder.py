@@ -170,9 +170,21 @@ class Responder:
             await resp.prepare(request)
             ctx.outcome.first_byte_at = time.monotonic()
             if splice is None or legs is None:
-                chunks = self._chunks(ctx, upstream)
                 sse = out.response_is_sse
-                await self._body(request, ctx, chunks, recorder, resp.writer, usage, sse=sse)
+                if ctx.model is None or _alias(ctx, region) is None:
+                    # The attempt's body read here directly, no iterator of its own between.
+                    first, rest = upstream.body()
+                    try:
+                        await self._body(
+                            request, ctx, rest, recorder, resp.writer, usage, sse=sse, first=first
+                        )
+                    except UpstreamError as exc:
+                        upstream.broke(exc)
+                        raise
+                    upstream.body_done()
+                else:
+                    chunks = self._chunks(ctx, upstream)
+                    await self._body(request, ctx, chunks, recorder, resp.writer, usage, sse=sse)
             else:
                 await self._spliced(request, ctx, upstream, recorder, resp, usage, splice, legs)
             await resp.write_eof()
@@ -494,15 +506,17 @@ class Responder:
         self,
         request: Exchange | None,
         ctx: RequestContext,
-        chunks: AsyncIterator[bytes],
+        chunks: AsyncIterator[bytes] | None,
         recorder: CacheRecorder | None,
         write: Callable[[bytes], Awaitable[None]] | None,
         usage: UsageTracker | None,
         *,
         sse: bool,
         splice: Splice | None = None,
+        first: bytes | None = None,
     ) -> None:
-        """The one body loop, and a stream's one parse: each chunk through the plugins; a
+        """The one body loop, and a stream's one parse: ``first``, then ``chunks`` (None:
+        nothing more), each chunk through the plugins; a
         stream's events read once, as the client gets them, for whatever looks inside (the
         usage, the cache's recorder and its followers, a continuation's splice); then to
         ``write`` (through ``splice``, whole events only).
@@ -514,7 +528,18 @@ class Responder:
         out = ctx.outcome
         every = splice is not None or (recorder is not None and recorder.reads)
         reader = SSEReader() if sse and (every or usage is not None) else None
-        async for chunk in chunks:
+        pending = first
+        while True:
+            if pending is not None:
+                chunk = pending
+                pending = None
+            elif chunks is None:
+                break
+            else:
+                try:
+                    chunk = await anext(chunks)
+                except StopAsyncIteration:
+                    break
             if transform:
                 chunk = await self.plugins.call_chain(
                     "edgeproxy_stream_chunk", "chunk", request=request, ctx=ctx, chunk=chunk
