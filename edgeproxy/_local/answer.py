@@ -128,17 +128,22 @@ class LocalAnswer(StreamResponse):
             self._generation.cancel()
         self.discard()
 
-    def answer(self, request: Exchange) -> Answer:
-        """This answer as the Responder sends it: its head now, its body as the model
-        generates it (streamed, or one JSON body made before the head goes)."""
+    def _begin(self) -> tuple[_Generation, AnswerText]:
+        """Start generating this answer, once: its generation and its head, the prompt's
+        tokens counted."""
         if self._sent or (self._generation is None and self._slot is None):
             raise RuntimeError("this answer was already sent or discarded")
         self._sent = True
         self.start()
         generation = self._generation
         assert generation is not None
-        head = self._head()
         self.model.prompt_tokens_total += len(self.plan.tokens)
+        return generation, self._head()
+
+    def answer(self, request: Exchange) -> Answer:
+        """This answer as the Responder sends it: its head now, its body as the model
+        generates it (streamed, or one JSON body made before the head goes)."""
+        generation, head = self._begin()
         headers = list(self.headers.items())
 
         def counted() -> dict[str, Any]:
@@ -252,15 +257,8 @@ class LocalAnswer(StreamResponse):
     async def events(self) -> AsyncIterator[bytes]:
         """Generate the streamed answer as SSE event bytes, for a continued stream to splice
         into its own; :meth:`abandon` stops it."""
-        if self._sent or (self._generation is None and self._slot is None):
-            raise RuntimeError("this answer was already sent or discarded")
-        self._sent = True
-        self.start()
-        generation = self._generation
-        assert generation is not None
+        generation, head = self._begin()
         model = self.model
-        head = self._head()
-        model.prompt_tokens_total += len(self.plan.tokens)
         try:
             async for data in self._events(generation, head):
                 yield data
