@@ -208,7 +208,7 @@ class Pipeline:
                     response = self.responder.own(ctx, await self.models.respond(ctx))
                     return response
                 # cache: a stored answer, or that of an identical request in flight; else a
-                # cacheable request leads, and `recorder` stores what the stream stage relays.
+                # cacheable request leads, and `recorder` stores what the Responder relays.
                 # The bypass (most sampled requests) is decided without the lookup's coroutine.
                 if not self.cache.passes(ctx):
                     found, recorder = await self.cache.lookup(request, ctx, checked=True)
@@ -406,7 +406,7 @@ class Pipeline:
     async def _refresh(self, refresh: Refresh) -> None:
         """A background cache refresh (stale-while-revalidate, early refresh), with no client:
         obtained as :meth:`handle` does (no fallback: the stale entry stays), and its answer
-        read into the cache by the stream stage's own loop. The hooks get ``request=None``."""
+        read into the cache by the Responder's own loop. The hooks get ``request=None``."""
         recorder = self.cache.refresh_recorder(refresh)
         if recorder is None:
             return

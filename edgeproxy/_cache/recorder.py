@@ -53,7 +53,7 @@ class RecordingStage(Protocol):
 
 
 class CacheRecorder:
-    """Sees the leader's answer as the stream stage relays it, and stores it once complete.
+    """Sees the leader's answer as the Responder relays it, and stores it once complete.
 
     The Responder calls :meth:`start` with the response headers, :meth:`feed`
     with each chunk sent to the client and its events as the Responder's one

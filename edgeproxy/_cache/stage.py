@@ -18,7 +18,7 @@ not, whichever form was stored. What a key covers, and so who may share an entry
 :class:`CacheStage` is the pipeline's view of it all: :meth:`~CacheStage.lookup`
 answers from the cache (HIT, STALE) or from an identical request in flight
 (COALESCED), or hands the request a :class:`CacheRecorder` that stores what
-the stream stage relays; :meth:`~CacheStage.serve_stale` is the
+the Responder relays; :meth:`~CacheStage.serve_stale` is the
 stale-if-error rung of the fallback ladder.
 """
 

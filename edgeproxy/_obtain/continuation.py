@@ -1,6 +1,6 @@
 """Continuation: a stream that breaks after tokens were sent goes on elsewhere.
 
-On a route with ``continue_on_break``, the stream stage relays a streamed answer through a
+On a route with ``continue_on_break``, the Responder relays a streamed answer through a
 :class:`Splice`: only whole SSE events reach the client (read by the one
 :class:`~edgeproxy._protocol.sse.SSEReader`), and the splice keeps what they carried: the
 answer text, whether content that cannot be continued (a tool call, thinking, another
@@ -85,7 +85,7 @@ LOCAL = "local"
 class Leg:
     """One continuation of the answer: its bytes and how to let go of it.
 
-    The stream stage owns it once :meth:`edgeproxy._obtain.Continuer.next_leg` returned it, and
+    The Responder owns it once :meth:`edgeproxy._obtain.Continuer.next_leg` returned it, and
     calls :attr:`close` whatever happens (idempotent).
     """
 

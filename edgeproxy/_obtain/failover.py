@@ -43,7 +43,7 @@ attempt (up to ``WHOLE_BODY_LIMIT``), within the deadline: a region that
 resets mid-body has sent the client nothing, so the request is retried whole
 on the next region like any failure before the first byte.
 
-Once the winner is handed to the stream stage there is no retry: a stream
+Once the winner is handed to the Responder there is no retry: a stream
 that breaks later ends with an SSE error event and a truncated body, unless
 the route continues it (``continue_on_break``, see
 :mod:`edgeproxy._obtain.continuation`).

@@ -426,7 +426,7 @@ class Obtainer:
         return min(reported) if reported else None
 
     def continuer(self, plan: RoutePlan) -> Continuer:
-        """The continuation of a request routed by ``plan``, for the stream stage."""
+        """The continuation of a request routed by ``plan``, for the Responder."""
         return Continuer(self, plan)
 
 
