@@ -112,11 +112,18 @@ class Pipeline:
         self.owners = Owners(config.stateful, clock=regions.clock)
         self.models = ModelList(config, regions, self.failover)
         self.in_flight = 0
-        # While draining, responses close their connection so keep-alive
-        # clients reconnect to a live instance.
-        self.draining = False
         # Futures of wait_idle() callers, resolved when in_flight drops to zero.
         self._idle_waiters: list[asyncio.Future[None]] = []
+
+    @property
+    def draining(self) -> bool:
+        """While draining, answers close their connection so keep-alive clients reconnect to
+        a live instance (the Responder's to do)."""
+        return self.responder.draining
+
+    @draining.setter
+    def draining(self, value: bool) -> None:
+        self.responder.draining = value
 
     async def handle(self, request: Exchange) -> StreamResponse:
         """Answer ``request``. The answer returned was sent already, or (a :class:`Response`
@@ -215,9 +222,7 @@ class Pipeline:
                     if self.cache.due:
                         self._start_refreshes()
                     if found is not None:
-                        response = await self.responder.send(
-                            request, ctx, found, close_connection=self.draining
-                        )
+                        response = await self.responder.send(request, ctx, found)
                         return response
                 # A request referring to a stored object goes to the region holding it (no
                 # coroutine for the others: most requests have nothing to do with one).
@@ -231,7 +236,9 @@ class Pipeline:
                 else:
                     route = self.obtainer.ranked(ctx, owner=owner)
                 if ctx.route.sse_heartbeat is not None and not isinstance(route, Failure):
-                    heartbeat = start_heartbeat(request, ctx, close_connection=self.draining)
+                    heartbeat = start_heartbeat(
+                        request, ctx, close_connection=self.responder.draining
+                    )
             # route + upstream + fallback: the first byte from the best region, failing over
             # (or hedging) until then; else the ladder (stale cache, local model), which races
             # the attempts still running past the deadline (deadline_action = "race").
@@ -276,7 +283,6 @@ class Pipeline:
                 request,
                 ctx,
                 upstream,
-                close_connection=self.draining,
                 recorder=recorder,
                 started=early,
                 legs=(
@@ -448,7 +454,6 @@ class Pipeline:
                 request,
                 ctx,
                 answer.answer(request),
-                close_connection=self.draining,
                 started=early,
             )
         if early is not None:

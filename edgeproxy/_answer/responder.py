@@ -87,6 +87,9 @@ class Responder:
         self.plugins = plugins
         # Compresses answers for clients that accept it ([server] compression).
         self.compression = compression
+        # While draining, answers close their connection so keep-alive clients reconnect
+        # to a live instance.
+        self.draining = False
         # Set when the proxy's grace period ended: a relay cancelled from then on
         # was cut by the shutdown, and tells its client so.
         self.shutting_down = False
@@ -97,7 +100,6 @@ class Responder:
         ctx: RequestContext,
         upstream: AttemptResponse,
         *,
-        close_connection: bool = False,
         recorder: CacheRecorder | None = None,
         started: StreamResponse | None = None,
         legs: Legs | None = None,
@@ -148,7 +150,7 @@ class Responder:
             resp = StreamResponse(status=reply.status, headers=headers)
         else:
             resp = EncodedResponse(encoding, status=reply.status, headers=headers)
-        if close_connection:
+        if self.draining:
             resp.force_close()
         splice: Splice | None = None
         if legs is not None:
@@ -271,7 +273,6 @@ class Responder:
         ctx: RequestContext,
         answer: Answer,
         *,
-        close_connection: bool = False,
         started: StreamResponse | None = None,
     ) -> StreamResponse:
         """Send ``answer`` (anything but a region's, which :meth:`relay` sends).
@@ -309,7 +310,7 @@ class Responder:
                 out.bytes_out += answer.size
             else:
                 resp = StreamResponse(status=answer.status, headers=headers)
-            if close_connection:
+            if self.draining:
                 resp.force_close()
             out.status = answer.status
             out.response_is_sse = answer.sse
