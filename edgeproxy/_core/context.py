@@ -304,21 +304,11 @@ def start_context(
     # The outcome's slots set here too, as Outcome() would: its __init__ with fifteen
     # keyword defaults costs more than the stores, once per request.
     out: Outcome = _new(Outcome)
-    out.region = None
-    out.attempts = 0
-    out.hedged = False
-    out.upstream_ttfb = None
-    out.degraded = None
+    out.region = out.upstream_ttfb = out.degraded = out.cache = out.cache_key = None
+    out.first_byte_at = out.usage = out.error = out.finished_at = None
+    out.attempts = out.status = out.bytes_out = 0
+    out.hedged = out.response_is_sse = False
     out.continuations = ()
-    out.cache = None
-    out.cache_key = None
-    out.status = 0
-    out.bytes_out = 0
-    out.first_byte_at = None
-    out.response_is_sse = False
-    out.usage = None
-    out.error = None
-    out.finished_at = None
     ctx.outcome = out
     ctx.extra = {}
     ctx.facts = None
