@@ -22,7 +22,7 @@ from multidict import CIMultiDict
 
 from edgeproxy._admission.admission import AdmissionStage, Admitted, Overloaded
 from edgeproxy._admission.poison import Poison
-from edgeproxy._answer.heartbeat import Heartbeat, start_heartbeat
+from edgeproxy._answer.heartbeat import Heartbeat
 from edgeproxy._answer.responder import Responder
 from edgeproxy._cache.stage import CacheRecorder, CacheStage, Refresh
 from edgeproxy._core.config import Config
@@ -236,9 +236,7 @@ class Pipeline:
                 else:
                     route = self.obtainer.ranked(ctx, owner=owner)
                 if ctx.route.sse_heartbeat is not None and not isinstance(route, Failure):
-                    heartbeat = start_heartbeat(
-                        request, ctx, close_connection=self.responder.draining
-                    )
+                    heartbeat = self.responder.heartbeats(request, ctx)
             # route + upstream + fallback: the first byte from the best region, failing over
             # (or hedging) until then; else the ladder (stale cache, local model), which races
             # the attempts still running past the deadline (deadline_action = "race").

@@ -19,16 +19,14 @@ from edgeproxy._protocol.headers import trace_context
 PACKAGE = Path(__file__).resolve().parent.parent / "edgeproxy"
 FIELDS = frozenset(f.name for f in dataclasses.fields(Outcome))
 
-# Who writes the outcome: the pipeline and its obtain path from the values the stages
-# return, the cache stage its status and key at lookup, the Responder (and its heartbeats,
-# its state before the head) what it sent.
+# Who writes the outcome: the pipeline and its obtain path's record from the values the
+# stages return, the cache stage its status and key at lookup, the Responder what it sent
+# (its heartbeats' beats included).
 WRITERS = {
     "_pipeline.py",
-    "_obtain/obtainer.py",
-    "_obtain/continuer.py",
+    "_obtain/record.py",
     "_cache/stage.py",
     "_answer/responder.py",
-    "_answer/heartbeat.py",
 }
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from edgeproxy._core.exchange import Exchange
@@ -30,42 +31,31 @@ from edgeproxy._protocol.endpoints import dialect_for
 if TYPE_CHECKING:
     from edgeproxy._core.context import RequestContext
 
-__all__ = ["Heartbeat", "start_heartbeat"]
-
-# Anthropic's own heartbeat, which its clients know (an SSE comment would do for them too).
+__all__ = ["Heartbeat", "wants_heartbeats"]
 
 
 class Heartbeat:
-    """The heartbeats of one request, from a task of their own until :meth:`stop`."""
+    """The heartbeats of one request, from a task of their own until :meth:`stop`: when to
+    beat. What a beat writes, and what it records, is the Responder's (``beat``)."""
 
-    __slots__ = (
-        "request",
-        "ctx",
-        "interval",
-        "close_connection",
-        "response",
-        "sent",
-        "beat",
-        "_task",
-    )
+    __slots__ = ("request", "ctx", "interval", "response", "sent", "beat", "_write", "_task")
 
     def __init__(
         self,
         request: Exchange,
         ctx: RequestContext,
         interval: float,
-        *,
-        close_connection: bool = False,
+        write: Callable[[Heartbeat], Awaitable[None]],
     ) -> None:
         self.request = request
         self.ctx = ctx
         self.interval = interval
-        self.close_connection = close_connection
         # The response the first heartbeat started; the Responder writes the rest.
         self.response: StreamResponse | None = None
         self.sent = 0
         # The dialect's own form: Anthropic's ping for its API, else an SSE comment.
         self.beat = dialect_for(ctx.path).heartbeat
+        self._write = write
         self._task: asyncio.Task[None] | None = asyncio.get_running_loop().create_task(
             self._beat(), name="edgeproxy-sse-heartbeat"
         )
@@ -77,31 +67,9 @@ class Heartbeat:
             while True:
                 await asyncio.sleep(max(0.0, delay))
                 delay = self.interval
-                if self.response is None:
-                    self.response = self._start()
-                    await self.response.prepare(self.request)
-                await self.response.write(self.beat)
-                self.sent += 1
-                self.ctx.outcome.bytes_out += len(self.beat)
+                await self._write(self)
         except ConnectionResetError:
             pass  # the client left: what comes next notices it as well
-
-    def _start(self) -> StreamResponse:
-        ctx = self.ctx
-        resp = StreamResponse(
-            status=200,
-            headers={
-                "Content-Type": "text/event-stream",
-                "Cache-Control": "no-cache",
-                "X-Request-Id": ctx.request_id,
-            },
-        )
-        if self.close_connection:
-            resp.force_close()
-        out = ctx.outcome
-        out.status = 200
-        out.response_is_sse = True
-        return resp
 
     async def stop(self) -> StreamResponse | None:
         """Stop beating (idempotent): the response the heartbeats started, if they did."""
@@ -117,14 +85,13 @@ class Heartbeat:
         return response
 
 
-def start_heartbeat(
-    request: Exchange | None, ctx: RequestContext, *, close_connection: bool = False
-) -> Heartbeat | None:
-    """Heartbeats for this request if its route asks for them and it streams; else None."""
+def wants_heartbeats(request: Exchange | None, ctx: RequestContext) -> float | None:
+    """The interval of this request's heartbeats if its route asks for them and it
+    streams; else None."""
     interval = ctx.route.sse_heartbeat
     if interval is None or request is None:
         return None
     body = ctx.json
     if not isinstance(body, dict) or body.get("stream") is not True:
         return None
-    return Heartbeat(request, ctx, interval, close_connection=close_connection)
+    return interval

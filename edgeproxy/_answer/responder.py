@@ -30,6 +30,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Protocol
 
+from edgeproxy._answer.heartbeat import Heartbeat, wants_heartbeats
 from edgeproxy._cache.stage import CacheRecorder
 from edgeproxy._core.answer import Answer, AnswerBroken
 from edgeproxy._core.context import RequestContext, UpstreamReply
@@ -93,6 +94,39 @@ class Responder:
         # Set when the proxy's grace period ended: a relay cancelled from then on
         # was cut by the shutdown, and tells its client so.
         self.shutting_down = False
+
+    def heartbeats(self, request: Exchange | None, ctx: RequestContext) -> Heartbeat | None:
+        """Early SSE heartbeats for this request, if its route asks for them and it streams:
+        the Responder's state before the head (:mod:`edgeproxy._answer.heartbeat`)."""
+        interval = wants_heartbeats(request, ctx)
+        if interval is None or request is None:
+            return None
+        return Heartbeat(request, ctx, interval, self._beat)
+
+    async def _beat(self, heartbeat: Heartbeat) -> None:
+        """One heartbeat: the SSE response's head first (200, ``text/event-stream``), then
+        the beat."""
+        ctx = heartbeat.ctx
+        out = ctx.outcome
+        resp = heartbeat.response
+        if resp is None:
+            resp = heartbeat.response = StreamResponse(
+                status=200,
+                headers={
+                    "Content-Type": "text/event-stream",
+                    "Cache-Control": "no-cache",
+                    "X-Request-Id": ctx.request_id,
+                },
+            )
+            if self.draining:
+                resp.force_close()
+            out.status = 200
+            out.response_is_sse = True
+            await resp.prepare(heartbeat.request)
+        beat = heartbeat.beat
+        await resp.write(beat)
+        heartbeat.sent += 1
+        out.bytes_out += len(beat)
 
     async def relay(
         self,

@@ -2,11 +2,12 @@
 
 Like Envoy's stream info: the request's facts are fixed at entry
 (:class:`~edgeproxy._core.context.RequestFacts`); what then happened to it is
-written here, and only by two writers:
+written here, and only by these writers (``tests/test_outcome.py`` holds them to it):
 
-* the pipeline and its obtain path, from the values the stages return: the
-  region, the attempts, a hedge, the time to headers, a degradation, the
-  continuations, the cache's status and key;
+* the pipeline and its obtain path (:mod:`edgeproxy._obtain.record`), from the
+  values the stages return: the region, the attempts, a hedge, the time to
+  headers, a degradation, the continuations; and the cache stage, its status and
+  key at lookup;
 * the :class:`~edgeproxy._answer.responder.Responder`, the one writer of
   downstream bytes, from what it sent: the status, the bytes, the first byte's
   time, whether as SSE, the usage of the answer and why it ended early.

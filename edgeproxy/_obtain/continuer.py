@@ -31,6 +31,7 @@ from edgeproxy._obtain.continuation import (
 )
 from edgeproxy._obtain.failover import AttemptResponse, Failover, Failure
 from edgeproxy._obtain.fallback import Degraded, FallbackStage
+from edgeproxy._obtain.record import record_leg
 from edgeproxy._protocol.endpoints import dialect_for
 from edgeproxy._protocol.modelnames import model_from_body
 from edgeproxy._protocol.refusals import REFUSAL_READ_LIMIT, error_message
@@ -80,21 +81,8 @@ class _LegOutcome:
         self.leg: Leg | None = None
 
     def record(self, ctx: RequestContext) -> None:
-        """The leg's outcome onto the request: the attempts it took, its continuation
-        record, and the region (or the local model's degradation) that now answers."""
-        ctx.outcome.attempts += self.attempts
-        if self.continuation is not None:
-            # For the metrics and the access log, as they read a finished request.
-            ctx.outcome.continuations = (*ctx.outcome.continuations, self.continuation)
-        leg = self.leg
-        if leg is not None:
-            if leg.degraded is not None:
-                # A request degraded already keeps its first reason.
-                ctx.outcome.degraded = ctx.outcome.degraded or leg.degraded
-            if leg.name != LOCAL:
-                ctx.outcome.region = leg.name
-            if leg.model is not None:
-                ctx.model = leg.model
+        """The leg's outcome onto the request (:func:`record_leg`)."""
+        record_leg(ctx, self.attempts, self.continuation, self.leg)
 
 
 class _Contender:

@@ -14,12 +14,12 @@ all take it. It returns a value, never an exception carrying live work:
   before it returns, on every way out.
 
 The stages return what happened and write none of it on the request; this path records
-it on the request's context (its outcome fields, see
-:class:`~edgeproxy._core.context.RequestContext`), in :func:`record`, as each value comes
-back: the region, attempts, hedge and time to headers of what failover returned, then the
-kind of degradation of the ladder's answer. A continuation leg's (:class:`Continuer`) are
-recorded on the request once its leg is found: the attempts it took, the region or the
-local model that continued, and the :class:`~edgeproxy._core.context.Continuation` record.
+it on the request's outcome (:class:`~edgeproxy._core.outcome.Outcome`) through
+:mod:`edgeproxy._obtain.record`, as each value comes back: the region, attempts, hedge and
+time to headers of what failover returned, then the kind of degradation of the ladder's
+answer. A continuation leg's (:class:`Continuer`) are recorded once its leg is found: the
+attempts it took, the region or the local model that continued, and the
+:class:`~edgeproxy._core.outcome.Continuation` record.
 
 The kinds decide what may still answer: a residency refusal or a bad model name is
 never degraded, a model no region serves goes only to the local model, and everything
@@ -52,6 +52,7 @@ from edgeproxy._obtain.failover import (
     no_region,
 )
 from edgeproxy._obtain.fallback import Degraded, FallbackStage, UpstreamWon
+from edgeproxy._obtain.record import record, record_degraded, record_other_model
 from edgeproxy._protocol.bodies import estimate_prompt_tokens
 from edgeproxy._protocol.endpoints import dialect_for
 from edgeproxy._protocol.modelnames import model_from_body
@@ -68,32 +69,11 @@ if TYPE_CHECKING:
     from edgeproxy._routing.router import Router
     from edgeproxy._upstream.regions import Region
 
-__all__ = ["Obtained", "Obtainer", "record"]
+__all__ = ["Obtained", "Obtainer"]
 
 logger = logging.getLogger("edgeproxy")
 
 Obtained = AttemptResponse | Degraded | Failure
-
-
-def record(ctx: RequestContext, obtained: Obtained) -> None:
-    """Record on ``ctx`` what ``obtained`` says happened to the request: the one writer of
-    its region, attempts, hedge, time to headers and degradation (a continuation's legs
-    add theirs through :class:`Continuer`)."""
-    if type(obtained) is AttemptResponse:  # the common case first: one test
-        ctx.outcome.attempts = obtained.attempts
-        ctx.outcome.hedged = obtained.hedged
-        ctx.outcome.region = obtained.region.name
-        ctx.outcome.upstream_ttfb = obtained.ttfb
-        return
-    if isinstance(obtained, Degraded):
-        ctx.outcome.degraded = obtained.kind
-        return
-    assert isinstance(obtained, Failure)
-    ctx.outcome.attempts = obtained.attempts
-    ctx.outcome.hedged = obtained.hedged
-    if obtained.region is not None:
-        # The region the latest attempt went to: the error answer names it.
-        ctx.outcome.region = obtained.region
 
 
 class Obtainer:
@@ -261,12 +241,12 @@ class Obtainer:
                 )
             except ProxyError as err:
                 # Vetoed, or nothing could answer: the request is not degraded.
-                ctx.outcome.degraded = None
+                record_degraded(ctx, None)
                 return failure.with_error(err)
             if isinstance(outcome, UpstreamWon):
                 # A region beat the local model: not degraded after all, and its answer
                 # is the request's (its region, its time to headers).
-                ctx.outcome.degraded = None
+                record_degraded(ctx, None)
                 record(ctx, outcome.upstream)
                 return outcome.upstream
             record(ctx, outcome)
@@ -288,7 +268,7 @@ class Obtainer:
         if sent is None:
             return None
         assert isinstance(requested, str) and ctx.model is not None
-        ctx.outcome.degraded = "lighter-model"
+        record_degraded(ctx, "lighter-model")
         fallback.answered_lighter(requested, ctx.model)
         logger.info(
             "request %s: %s answered for %s (%s)",
@@ -380,13 +360,12 @@ class Obtainer:
             # The requested model's attempts (and hedge) and this one's: all the request's.
             attempts, hedged = ctx.outcome.attempts + sent.attempts, ctx.outcome.hedged
             if isinstance(sent, Failure) or not 200 <= sent.status < 300:
-                ctx.outcome.attempts = attempts
+                record_other_model(ctx, attempts, hedged, None)
                 await sent.aclose()
                 skipped["failed"] += 1
                 continue
             sent.other_model = leg
-            record(ctx, sent)
-            ctx.outcome.attempts, ctx.outcome.hedged = attempts, hedged or sent.hedged
+            record_other_model(ctx, attempts, hedged or sent.hedged, sent)
             ctx.model = model
             return sent
         return None
