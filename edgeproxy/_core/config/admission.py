@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import Field, field_validator
 
 from edgeproxy._core.config.checks import Networks, check_header_name
+from edgeproxy._core.config.kinds import Count, CountOrZero, FiniteNonNegative, FinitePositive
 from edgeproxy._core.config.redis import RedisSection, redis_url_field
 
 __all__ = ["AdmissionConfig"]
@@ -21,19 +22,16 @@ class AdmissionConfig(RedisSection):
     ``on_overload = "degrade"``, answered by the fallback ladder.
     """
 
-    max_in_flight: int = Field(
-        0, ge=0, description="Most requests in flight at once over every route; 0 means no cap."
+    max_in_flight: CountOrZero = Field(
+        0, description="Most requests in flight at once over every route; 0 means no cap."
     )
-    max_queue: int = Field(
+    max_queue: CountOrZero = Field(
         1000,
-        ge=0,
         description="Most requests waiting for a slot; when full, the lowest priority is shed "
         "(503). 0 sheds at once.",
     )
-    max_queue_time: float = Field(
+    max_queue_time: FiniteNonNegative = Field(
         5.0,
-        ge=0,
-        allow_inf_nan=False,
         description="Seconds a request may wait for a slot before a 503; a route's "
         "max_queue_time or deadline may shorten it.",
     )
@@ -53,41 +51,29 @@ class AdmissionConfig(RedisSection):
         "set a tenant (with Authorization, x-api-key when it is absent, as Anthropic's "
         "clients send); '' keys them by tenant only.",
     )
-    key_requests_per_second: float = Field(
+    key_requests_per_second: FiniteNonNegative = Field(
         0.0,
-        ge=0,
-        allow_inf_nan=False,
         description="Requests per second per API key or tenant; 0 means no limit.",
     )
-    key_burst: float = Field(
+    key_burst: FiniteNonNegative = Field(
         0.0,
-        ge=0,
-        allow_inf_nan=False,
         description="Requests a key may send at once (bucket size); 0 means one second's worth.",
     )
-    key_tokens_per_minute: float = Field(
+    key_tokens_per_minute: FiniteNonNegative = Field(
         0.0,
-        ge=0,
-        allow_inf_nan=False,
         description="LLM tokens per minute per API key or tenant: the prompt estimate is "
         "charged up front, then settled with the upstream's usage; 0 means no limit.",
     )
-    ip_requests_per_second: float = Field(
+    ip_requests_per_second: FiniteNonNegative = Field(
         0.0,
-        ge=0,
-        allow_inf_nan=False,
         description="Requests per second per client IP; 0 means no limit.",
     )
-    ip_burst: float = Field(
+    ip_burst: FiniteNonNegative = Field(
         0.0,
-        ge=0,
-        allow_inf_nan=False,
         description="Requests an IP may send at once (bucket size); 0 means one second's worth.",
     )
-    ip_tokens_per_minute: float = Field(
+    ip_tokens_per_minute: FiniteNonNegative = Field(
         0.0,
-        ge=0,
-        allow_inf_nan=False,
         description="LLM tokens per minute per client IP, settled like key_tokens_per_minute; "
         "0 means no limit.",
     )
@@ -109,22 +95,17 @@ class AdmissionConfig(RedisSection):
         description="Prefix of the bucket keys in Redis. Each key carries its identity as a "
         "hash tag ({...}); a prefix with braces of its own would put every bucket in one slot.",
     )
-    redis_timeout: float = Field(
+    redis_timeout: FinitePositive = Field(
         0.25,
-        gt=0,
-        allow_inf_nan=False,
         description="Seconds a Redis call may take before the request is limited locally.",
     )
-    redis_retry_interval: float = Field(
+    redis_retry_interval: FinitePositive = Field(
         5.0,
-        gt=0,
-        allow_inf_nan=False,
         description="Seconds between attempts to reach Redis again once it failed; buckets are "
         "local meanwhile.",
     )
-    max_local_buckets: int = Field(
+    max_local_buckets: Count = Field(
         100_000,
-        ge=1,
         description="Most keys and IPs tracked in the process; the least recently seen go first.",
     )
 

@@ -8,6 +8,7 @@ from typing import ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 
 from edgeproxy._core.config.checks import check_header_name
+from edgeproxy._core.config.kinds import Count, FiniteNonNegative, FinitePositive, Positive
 from edgeproxy._core.config.redis import RedisSection, redis_settings, redis_url_field
 
 __all__ = ["CacheConfig"]
@@ -36,42 +37,35 @@ class CacheConfig(RedisSection):
         "edgeproxy:",
         description="Prefix of every key the cache writes, so deployments can share one Redis.",
     )
-    redis_timeout: float = Field(
+    redis_timeout: FinitePositive = Field(
         0.25,
-        gt=0,
-        allow_inf_nan=False,
         description="Seconds one Redis call may take; past it the cache gives up on that call "
         "and the request goes upstream (fail open).",
     )
-    redis_connect_timeout: float = Field(
-        0.5, gt=0, allow_inf_nan=False, description="Seconds to open a Redis connection."
+    redis_connect_timeout: FinitePositive = Field(
+        0.5, description="Seconds to open a Redis connection."
     )
-    redis_max_connections: int = Field(
-        64, ge=1, description="Most connections in the Redis pool of each proxy process."
+    redis_max_connections: Count = Field(
+        64, description="Most connections in the Redis pool of each proxy process."
     )
-    breaker_failures: int = Field(
+    breaker_failures: Count = Field(
         5,
-        ge=1,
         description="Consecutive failed Redis calls (errors, timeouts) that open the circuit "
         "breaker: Redis is then not called at all for breaker_cooldown.",
     )
-    breaker_cooldown: float = Field(
+    breaker_cooldown: FinitePositive = Field(
         10.0,
-        gt=0,
-        allow_inf_nan=False,
         description="Seconds the breaker stays open before one probe call may close it again.",
     )
-    max_entries: int = Field(
-        10_000, ge=1, description="Most answers in the memory tier; least recently used go first."
+    max_entries: Count = Field(
+        10_000, description="Most answers in the memory tier; least recently used go first."
     )
-    max_bytes: int = Field(
+    max_bytes: Count = Field(
         256 * 2**20,
-        ge=1,
         description="Most bytes of answers in the memory tier; least recently used go first.",
     )
-    max_entry_bytes: int = Field(
+    max_entry_bytes: Count = Field(
         4 * 2**20,
-        ge=1,
         description="Largest answer stored; a bigger one is served but not cached (counted as "
         "too_large in /status).",
     )
@@ -94,15 +88,13 @@ class CacheConfig(RedisSection):
         description="For semantic_embedder 'region', the [[regions]] name whose /v1/embeddings "
         "embeds the questions.",
     )
-    semantic_embedder_timeout: float = Field(
+    semantic_embedder_timeout: Positive = Field(
         2.0,
-        gt=0,
         description="Longest wait for one embedding (the 'gguf' and 'region' embedders); past "
         "it the semantic lookup is skipped and the request goes on.",
     )
-    semantic_max_entries: int = Field(
+    semantic_max_entries: Count = Field(
         100_000,
-        ge=1,
         description="Most questions the semantic index of each worker holds; the oldest go first.",
     )
     semantic_shadow: bool = Field(
@@ -116,9 +108,8 @@ class CacheConfig(RedisSection):
         "stored beside its answer, so every worker and PoP searches them, and a worker that "
         "starts warms its index from them.",
     )
-    semantic_sync_interval: float = Field(
+    semantic_sync_interval: Positive = Field(
         2.0,
-        gt=0,
         description="Seconds between a worker's reads of the semantic entries other workers "
         "and PoPs stored in Redis (semantic_share).",
     )
@@ -142,10 +133,8 @@ class CacheConfig(RedisSection):
         description="For semantic_model_verifier 'region', the model asked, sent over the warm "
         "pools of the regions that serve it (as a request for it would be routed).",
     )
-    semantic_verifier_timeout: float = Field(
+    semantic_verifier_timeout: FinitePositive = Field(
         1.0,
-        gt=0,
-        allow_inf_nan=False,
         description="Longest wait for the model verifier's verdict on one candidate (a local "
         "model's queue included); past it the lookup is a miss and the request goes upstream.",
     )
@@ -161,10 +150,8 @@ class CacheConfig(RedisSection):
         "that change the answer and so are part of every POST's cache key: e.g. a header "
         "your regions read to pick a LoRA adapter. Names are case-insensitive.",
     )
-    xfetch_beta: float = Field(
+    xfetch_beta: FiniteNonNegative = Field(
         1.0,
-        ge=0,
-        allow_inf_nan=False,
         description="Early probabilistic refresh (XFetch) against stampedes at expiry: higher "
         "refreshes hot entries earlier; 0 turns it off.",
     )

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from edgeproxy._core.config.base import Section
+from edgeproxy._core.config.kinds import Count, CountOrZero, NonNegative
 from edgeproxy._core.config.models import ModelNames
 
 __all__ = ["LocalModelConfig"]
@@ -32,15 +33,14 @@ class LocalModelConfig(Section):
     n_threads: int | None = Field(
         None, ge=1, description="CPU threads per generation; unset lets llama.cpp choose."
     )
-    n_batch: int = Field(512, ge=1, description="Prompt tokens evaluated per batch.")
+    n_batch: Count = Field(512, description="Prompt tokens evaluated per batch.")
     chat_format: str = Field(
         "",
         description="Chat template: empty uses the model's own (GGUF tokenizer.chat_template); "
         "else a llama-cpp-python format name such as 'chatml', 'llama-3' or 'gemma'.",
     )
-    max_tokens: int = Field(
+    max_tokens: Count = Field(
         512,
-        ge=1,
         description="Most tokens in one answer; a request asking for more gets this many.",
     )
     model_name: str = Field(
@@ -56,17 +56,15 @@ class LocalModelConfig(Section):
         description="Answer for every model, whatever it is named. Unset: true when models "
         "is empty, false when it lists any.",
     )
-    concurrency: int = Field(
+    concurrency: Count = Field(
         1,
-        ge=1,
         description="Generations at once; each has its own llama.cpp context and worker thread.",
     )
-    max_queue: int = Field(
-        16, ge=0, description="Requests that may wait for a generation slot; more get 503 now."
+    max_queue: CountOrZero = Field(
+        16, description="Requests that may wait for a generation slot; more get 503 now."
     )
-    max_queue_wait: float = Field(
+    max_queue_wait: NonNegative = Field(
         5.0,
-        ge=0,
         description="Seconds a request may wait for a generation slot before 503 with Retry-After.",
     )
     on_overflow: Literal["truncate", "refuse"] = Field(

@@ -8,6 +8,7 @@ from urllib.parse import urlsplit
 from pydantic import Field, ValidationInfo, field_validator
 
 from edgeproxy._core.config.base import Section
+from edgeproxy._core.config.kinds import Count, Name, Positive, Share
 
 __all__ = ["DEFAULT_LATENCY_BUCKETS", "AccessLogConfig", "MetricsConfig", "TracingConfig"]
 
@@ -41,9 +42,8 @@ class MetricsConfig(Section):
     window_step: float = Field(
         10.0, description="Seconds per point of the latency series in /status."
     )
-    multiprocess_sync_interval: float = Field(
+    multiprocess_sync_interval: Positive = Field(
         1.0,
-        gt=0,
         description=(
             "With PROMETHEUS_MULTIPROC_DIR set (one process per core): seconds between copies "
             "of this worker's /status counters into the shared metric files."
@@ -112,14 +112,12 @@ class TracingConfig(Section):
         description="Headers sent with every OTLP export, e.g. a collector API key.",
         repr=False,
     )
-    otlp_timeout: float = Field(10.0, gt=0, description="Seconds one OTLP export may take.")
-    service_name: str = Field(
-        "edgeproxy", min_length=1, description="The spans' service.name resource attribute."
+    otlp_timeout: Positive = Field(10.0, description="Seconds one OTLP export may take.")
+    service_name: Name = Field(
+        "edgeproxy", description="The spans' service.name resource attribute."
     )
-    sample_ratio: float = Field(
+    sample_ratio: Share = Field(
         1.0,
-        ge=0,
-        le=1,
         description="Share of new traces recorded; a caller's sampled flag is always followed.",
     )
 
@@ -160,9 +158,8 @@ class AccessLogConfig(Section):
     path: str = Field(
         "-", description="File to append to; '-' sends lines to the 'edgeproxy.access' logger."
     )
-    queue_size: int = Field(
+    queue_size: Count = Field(
         10000,
-        ge=1,
         description=(
             "Lines waiting for the writer thread at most; beyond that lines are dropped "
             "(and counted) rather than slow requests down."

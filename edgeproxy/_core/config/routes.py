@@ -8,6 +8,13 @@ from pydantic import Field, field_validator, model_validator
 
 from edgeproxy._core.config.base import Section
 from edgeproxy._core.config.checks import check_path
+from edgeproxy._core.config.kinds import (
+    CountOrZero,
+    FiniteNonNegative,
+    FinitePositive,
+    Name,
+    Positive,
+)
 
 __all__ = ["DEFAULT_FALLBACK", "PASSABLE_RESPONSE_HEADERS", "FallbackRung", "RouteConfig"]
 
@@ -43,7 +50,7 @@ class RouteConfig(Section):
     fallback) read their per-route keys from here.
     """
 
-    name: str = Field(..., min_length=1, description="Unique route name, used in metrics and logs.")
+    name: Name = Field(..., description="Unique route name, used in metrics and logs.")
     path: str = Field(
         ..., description="Path prefix this route matches, e.g. '/v1/chat/completions'."
     )
@@ -58,9 +65,8 @@ class RouteConfig(Section):
         description="Most extra attempts on other regions when one fails before the first "
         "byte (idempotent methods and LLM POSTs only), within [routing] retry_budget.",
     )
-    deadline: float = Field(
+    deadline: Positive = Field(
         30.0,
-        gt=0,
         description="Seconds from arrival to the first response byte, all attempts and hedges "
         "included; past it the client gets 504 (or the fallback answer).",
     )
@@ -118,9 +124,8 @@ class RouteConfig(Section):
         description="No first byte by the deadline: 'cancel' the upstream attempt and answer "
         "from the fallback, or 'race' them and keep whichever produces a byte first.",
     )
-    fallback_retry_after: int = Field(
+    fallback_retry_after: CountOrZero = Field(
         2,
-        ge=0,
         description="Retry-After seconds of the 503 sent when neither a region nor the "
         "fallback ladder can answer.",
     )
@@ -132,9 +137,8 @@ class RouteConfig(Section):
         "prefill, deterministic stateless Responses by a reissue; off: the stream ends with "
         "an error event.",
     )
-    max_continuations: int = Field(
+    max_continuations: CountOrZero = Field(
         1,
-        ge=0,
         description="Most continuations of one streamed answer (continue_on_break), within "
         "the route's deadline and [routing] retry_budget.",
     )
@@ -181,23 +185,17 @@ class RouteConfig(Section):
         "candidate; the verifier then decides. The default was chosen on the tune half of "
         "bench/semantic_pairs.jsonl with the static embedder.",
     )
-    cache_ttl: float = Field(
+    cache_ttl: FinitePositive = Field(
         300.0,
-        gt=0,
-        allow_inf_nan=False,
         description="Seconds a cached answer of this route stays fresh.",
     )
-    stale_while_revalidate: float = Field(
+    stale_while_revalidate: FiniteNonNegative = Field(
         0.0,
-        ge=0,
-        allow_inf_nan=False,
         description="Seconds past cache_ttl during which the stale answer is served (marked "
         "STALE) while one background request refreshes it.",
     )
-    stale_if_error: float = Field(
+    stale_if_error: FiniteNonNegative = Field(
         0.0,
-        ge=0,
-        allow_inf_nan=False,
         description="Seconds past cache_ttl during which the stale answer is served, marked "
         "degraded, when every region fails or the deadline passes.",
     )

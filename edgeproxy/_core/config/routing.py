@@ -8,6 +8,15 @@ from pydantic import Field, field_validator, model_validator
 
 from edgeproxy._core.config.base import Section
 from edgeproxy._core.config.checks import check_header_name
+from edgeproxy._core.config.kinds import (
+    Count,
+    CountOrZero,
+    FiniteNonNegative,
+    FinitePositive,
+    NonNegative,
+    Positive,
+    Share,
+)
 
 __all__ = ["HealthConfig", "RoutingConfig"]
 
@@ -18,20 +27,17 @@ _DEFAULT_RANK: tuple[RankPolicyName, ...] = ("reported_load", "affinity", "laten
 class RoutingConfig(Section):
     """How a region is chosen: latency history, load, geo prior, retry and hedge budgets."""
 
-    decay: float = Field(
+    decay: Positive = Field(
         10.0,
-        gt=0,
         description="Seconds over which a region's peak-EWMA latency forgets old samples "
         "(a slower sample counts at once).",
     )
-    min_samples: int = Field(
+    min_samples: Count = Field(
         3,
-        ge=1,
         description="Samples before a region's own latency fully replaces its geo prior.",
     )
-    ms_per_1000km: float = Field(
+    ms_per_1000km: NonNegative = Field(
         10.0,
-        ge=0,
         description="Geo prior: expected round-trip milliseconds per 1000 km of great-circle "
         "distance, so that before any traffic the nearest region wins.",
     )
@@ -46,9 +52,8 @@ class RoutingConfig(Section):
         description="Regions whose score (latency x (in flight + 1)) is within this factor of "
         "the best are equals: two of them are drawn by weight and the better wins.",
     )
-    probe_decay: float = Field(
+    probe_decay: Positive = Field(
         10.0,
-        gt=0,
         description="Seconds over which the latency penalty of a region that gets no traffic "
         "fades towards its prior, so that a recovered region is probed again.",
     )
@@ -59,45 +64,37 @@ class RoutingConfig(Section):
         "reports: load_tier_queue), 'affinity' (the prefix match weighed against load, with "
         "prefix_affinity), 'latency' (the score, power of two choices among equals; last).",
     )
-    retry_budget: float = Field(
+    retry_budget: Share = Field(
         0.2,
-        ge=0,
-        le=1,
         description="Retries may be at most this share of requests over budget_window.",
     )
-    retry_budget_min: float = Field(
+    retry_budget_min: NonNegative = Field(
         1.0,
-        ge=0,
         description="Retries per second allowed whatever the traffic (for quiet PoPs).",
     )
-    hedge_budget: float = Field(
+    hedge_budget: Share = Field(
         0.05,
-        ge=0,
-        le=1,
         description="Hedged copies may be at most this share of requests over budget_window.",
     )
-    hedge_budget_min: float = Field(
+    hedge_budget_min: NonNegative = Field(
         0.1,
-        ge=0,
         description="Hedged copies per second allowed whatever the traffic.",
     )
-    budget_window: float = Field(
-        10.0, gt=0, description="Seconds over which the retry and hedge budgets are counted."
+    budget_window: Positive = Field(
+        10.0, description="Seconds over which the retry and hedge budgets are counted."
     )
     retry_statuses: list[int] = Field(
         default_factory=lambda: [502, 503, 504],
         description="Region answers that count as a failure before the first byte and are "
         "retried on the next region.",
     )
-    models_fetch_timeout: float = Field(
+    models_fetch_timeout: Positive = Field(
         2.0,
-        gt=0,
         description="GET /v1/models: seconds to fetch the list of each region with no models "
         "configured, to merge it into the proxy's answer.",
     )
-    models_cache_ttl: float = Field(
+    models_cache_ttl: NonNegative = Field(
         10.0,
-        ge=0,
         description="GET /v1/models: seconds a merged list with fetched parts is reused before "
         "the regions are asked again.",
     )
@@ -109,9 +106,8 @@ class RoutingConfig(Section):
         "one to the region that answered it (its KV cache holds that prefix), weighed against "
         "load: prefix_weight, load_weight, balance_*_threshold.",
     )
-    prefix_block_chars: int = Field(
+    prefix_block_chars: Count = Field(
         256,
-        ge=1,
         description="Prompts are hashed in blocks of this many characters (256: about 64 "
         "tokens); only whole blocks count.",
     )
@@ -122,36 +118,27 @@ class RoutingConfig(Section):
         description="Blocks hashed per prompt, from its start (64 x 256 characters: the "
         "first 16 KiB); the rest of a longer prompt is not looked at.",
     )
-    prefix_index_size: int = Field(
+    prefix_index_size: Count = Field(
         32768,
-        ge=1,
         description="Block hashes remembered per region (least recently routed out first); "
         "about 100 bytes each.",
     )
-    prefix_index_ttl: float = Field(
+    prefix_index_ttl: FinitePositive = Field(
         300.0,
-        gt=0,
-        allow_inf_nan=False,
         description="Seconds a block routed to a region counts as still in its KV cache.",
     )
-    prefix_weight: float = Field(
+    prefix_weight: FiniteNonNegative = Field(
         3.0,
-        ge=0,
-        allow_inf_nan=False,
         description="Weight of the prefix match (matched blocks / prompt blocks, 0 to 1) in "
         "the affinity score.",
     )
-    load_weight: float = Field(
+    load_weight: FiniteNonNegative = Field(
         4.0,
-        ge=0,
-        allow_inf_nan=False,
         description="Weight of the load (best score / region's score, 0 to 1, score being "
         "expected latency x (in flight + 1)) in the affinity score.",
     )
-    balance_abs_threshold: float = Field(
+    balance_abs_threshold: FiniteNonNegative = Field(
         64.0,
-        ge=0,
-        allow_inf_nan=False,
         description="Balance guard: when the most and least loaded candidates differ by more "
         "than this many requests, and by more than balance_rel_threshold, load alone routes.",
     )
@@ -172,41 +159,31 @@ class RoutingConfig(Section):
         description="Without a session header, the body's 'user' member is the session key.",
     )
     # -- load reported by the regions: docs/routing.md#load-reported-by-the-regions -----
-    load_report_max_age: float = Field(
+    load_report_max_age: FinitePositive = Field(
         5.0,
-        gt=0,
-        allow_inf_nan=False,
         description="Seconds a region's load report (header or scrape) is used; an older one "
         "is ignored, and the proxy's own in-flight count alone judges the load.",
     )
-    load_scrape_interval: float = Field(
+    load_scrape_interval: FinitePositive = Field(
         1.0,
-        gt=0,
-        allow_inf_nan=False,
         description="Seconds between two polls of the metrics_path of each region with "
         "load_reporting = 'scrape'.",
     )
-    load_scrape_timeout: float = Field(
-        1.0, gt=0, allow_inf_nan=False, description="Seconds one metrics poll may take."
+    load_scrape_timeout: FinitePositive = Field(
+        1.0, description="Seconds one metrics poll may take."
     )
-    load_queue_saturation: float = Field(
+    load_queue_saturation: FinitePositive = Field(
         16.0,
-        gt=0,
-        allow_inf_nan=False,
         description="A reported waiting queue this long counts as a saturated region (load "
         "score: the mean of waiting / this, capped at 1, and the KV-cache utilisation).",
     )
-    reported_load_weight: float = Field(
+    reported_load_weight: FiniteNonNegative = Field(
         4.0,
-        ge=0,
-        allow_inf_nan=False,
         description="A fresh load report multiplies a region's expected latency by "
         "1 + this x its load score (0 to 1): 4 makes a saturated region look 5 times slower.",
     )
-    load_tier_queue: float = Field(
+    load_tier_queue: FinitePositive = Field(
         4.0,
-        gt=0,
-        allow_inf_nan=False,
         description="A fresh report of at least this many waiting requests puts a region one "
         "load tier down, twice as many two tiers, and so on: with 'reported_load' in rank, a "
         "lower tier comes first whatever the latencies.",
@@ -246,29 +223,27 @@ class HealthConfig(Section):
 
     active: bool = Field(False, description="Probe every region's health path in the background.")
     path: str = Field("/healthz", description="Path of the active health check (GET, 2xx = ok).")
-    interval: float = Field(5.0, gt=0, description="Seconds between two active checks.")
-    timeout: float = Field(1.0, gt=0, description="Seconds an active check may take.")
-    healthy_threshold: int = Field(
-        2, ge=1, description="Passed checks in a row that make an unhealthy region healthy."
+    interval: Positive = Field(5.0, description="Seconds between two active checks.")
+    timeout: Positive = Field(1.0, description="Seconds an active check may take.")
+    healthy_threshold: Count = Field(
+        2, description="Passed checks in a row that make an unhealthy region healthy."
     )
-    unhealthy_threshold: int = Field(
-        3, ge=1, description="Failed checks in a row that make a region unhealthy."
+    unhealthy_threshold: Count = Field(
+        3, description="Failed checks in a row that make a region unhealthy."
     )
     outlier_detection: bool = Field(
         True, description="Eject regions that fail requests in a row (Envoy's model)."
     )
-    consecutive_failures: int = Field(
+    consecutive_failures: Count = Field(
         5,
-        ge=1,
         description="5xx answers or connect/reset/timeout failures in a row that eject a region.",
     )
-    base_ejection_time: float = Field(
+    base_ejection_time: Positive = Field(
         30.0,
-        gt=0,
         description="Seconds of the first ejection; each further ejection lasts one base more.",
     )
-    max_ejection_time: float = Field(
-        300.0, gt=0, description="Longest ejection, however often a region was ejected."
+    max_ejection_time: Positive = Field(
+        300.0, description="Longest ejection, however often a region was ejected."
     )
     max_ejection_percent: float = Field(
         50.0,
@@ -276,43 +251,37 @@ class HealthConfig(Section):
         le=100,
         description="Most regions ejected at once, in percent (at least one may always be).",
     )
-    outlier_interval: float = Field(
+    outlier_interval: Positive = Field(
         10.0,
-        gt=0,
         description="Seconds without an ejection after which a region's ejection multiplier "
         "goes down by one.",
     )
-    min_failing_callers: int = Field(
+    min_failing_callers: Count = Field(
         3,
-        ge=1,
         description="A region's 5xx answers count against its health and latency only while "
         "this many distinct callers (tenants, API keys, else client IPs) got them within "
         "failure_window; fewer are the callers' fault (1: every 5xx counts, as Envoy does).",
     )
-    failure_window: float = Field(
+    failure_window: Positive = Field(
         30.0,
-        gt=0,
         description="Seconds over which a region's 5xx answers and their distinct callers are "
         "counted (min_failing_callers).",
     )
-    poison_ttl: float = Field(
+    poison_ttl: Positive = Field(
         300.0,
-        gt=0,
         description="Seconds a request body that got 5xx answers from two regions is known as "
         "poison: the same body gets 502 upstream_rejected_request at once, with no attempt.",
     )
-    poison_strikes: int = Field(
+    poison_strikes: CountOrZero = Field(
         5,
-        ge=0,
         description="Poison requests from one caller within poison_ttl after which its "
         "requests get 429 until the oldest fades (0: never).",
     )
-    max_concurrent: int = Field(
-        1024, ge=1, description="Circuit breaker: most requests in flight per region."
+    max_concurrent: Count = Field(
+        1024, description="Circuit breaker: most requests in flight per region."
     )
-    max_pending: int = Field(
+    max_pending: Count = Field(
         1024,
-        ge=1,
         description="Circuit breaker: most requests per region still waiting for their first byte.",
     )
 

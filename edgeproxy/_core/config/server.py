@@ -11,6 +11,15 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from edgeproxy._core.config.base import Section
 from edgeproxy._core.config.checks import Networks
+from edgeproxy._core.config.kinds import (
+    Count,
+    CountOrZero,
+    FiniteNonNegative,
+    FinitePositive,
+    Name,
+    NonNegative,
+    Port,
+)
 
 __all__ = ["AdminConfig", "LimitsConfig", "PopConfig", "ServerConfig"]
 
@@ -23,10 +32,9 @@ class ServerConfig(Section):
     """The client-facing listener."""
 
     host: str = Field("127.0.0.1", description="Address the proxy listens on.")
-    port: int = Field(8080, ge=0, le=65535, description="Port the proxy listens on (0 picks one).")
-    grace_period: float = Field(
+    port: Port = Field(8080, description="Port the proxy listens on (0 picks one).")
+    grace_period: NonNegative = Field(
         30.0,
-        ge=0,
         description="Seconds that in-flight requests, streams included, get to finish on SIGTERM.",
     )
     preserve_host: bool = Field(
@@ -60,7 +68,7 @@ class ServerConfig(Section):
         "listener's too, in place of the region's and the server library's (which name their "
         "versions); empty sends none.",
     )
-    backlog: int = Field(1024, ge=1, description="Listen backlog of the server socket.")
+    backlog: Count = Field(1024, description="Listen backlog of the server socket.")
     reuse_port: bool = Field(
         False,
         description=(
@@ -107,10 +115,8 @@ class ServerConfig(Section):
         "Upgrade: h2c) beside HTTP/1.1, for clients that know the proxy speaks it (browsers "
         "speak HTTP/2 over TLS only).",
     )
-    h2_send_stall_timeout: float = Field(
+    h2_send_stall_timeout: FinitePositive = Field(
         60.0,
-        gt=0,
-        allow_inf_nan=False,
         description="HTTP/2 listener: seconds a stream's answer may wait with its client "
         "taking none of it (a flow-control window kept shut); then the stream is reset "
         "(RST_STREAM CANCEL), its request cancelled, and counted as h2_send_stalls. Until "
@@ -123,9 +129,8 @@ class ServerConfig(Section):
         description="Compress JSON and text answers for clients that accept it (zstd, br or "
         "gzip, per Accept-Encoding); SSE only on routes with compress_sse.",
     )
-    compression_min_size: int = Field(
+    compression_min_size: CountOrZero = Field(
         1024,
-        ge=0,
         description="Smallest answer, in bytes, worth compressing (an answer of unknown length "
         "is compressed).",
     )
@@ -192,7 +197,7 @@ class AdminConfig(Section):
     host: str = Field(
         "127.0.0.1", description="Address of the admin listener (loopback by default)."
     )
-    port: int = Field(9901, ge=0, le=65535, description="Port of the admin listener (0 picks one).")
+    port: Port = Field(9901, description="Port of the admin listener (0 picks one).")
     tls_cert: str | None = Field(
         None,
         description="Certificate chain (PEM) of the admin listener, which then speaks TLS 1.2+. "
@@ -263,9 +268,7 @@ def _is_loopback(host: str) -> bool:
 class PopConfig(Section):
     """Where this edge runs."""
 
-    name: str = Field(
-        "edge", min_length=1, description="Name of this PoP, shown in Via and /status."
-    )
+    name: Name = Field("edge", description="Name of this PoP, shown in Via and /status.")
     lat: float = Field(0.0, ge=-90, le=90, description="Latitude of the PoP in degrees.")
     lon: float = Field(0.0, ge=-180, le=180, description="Longitude of the PoP in degrees.")
 
@@ -288,46 +291,36 @@ class LimitsConfig(Section):
     max_headers: int = Field(
         100, ge=8, le=10_000, description="Most header fields in a request; more gets 431."
     )
-    max_body_size: int = Field(
+    max_body_size: CountOrZero = Field(
         10 * 1024 * 1024,
-        ge=0,
         description="Largest request body in bytes; larger gets 413, before it is read when "
         "Content-Length says so. 0 means no limit.",
     )
-    header_timeout: float = Field(
+    header_timeout: FinitePositive = Field(
         10.0,
-        gt=0,
-        allow_inf_nan=False,
         description="Seconds a client has to send a whole request head, from its first byte "
         "(or from connecting); then 408 and the connection closes.",
     )
-    body_timeout: float = Field(
+    body_timeout: FinitePositive = Field(
         30.0,
-        gt=0,
-        allow_inf_nan=False,
         description="Seconds the request body may stall between two reads (slowloris); then "
         "408 and the connection closes.",
     )
-    min_body_rate: int = Field(
+    min_body_rate: CountOrZero = Field(
         1024,
-        ge=0,
         description="Lowest average rate, in bytes per second, at which a request body must "
         "arrive once it has been arriving for body_rate_grace seconds (a client trickling a "
         "byte now and then never stalls long enough for body_timeout); then 408 and the "
         "connection closes. Time the proxy itself stopped reading does not count. 0 turns "
         "the check off.",
     )
-    body_rate_grace: float = Field(
+    body_rate_grace: FiniteNonNegative = Field(
         10.0,
-        ge=0,
-        allow_inf_nan=False,
         description="Seconds a request body may arrive at any rate before min_body_rate "
         "applies; while the proxy drains on SIGTERM, at most 1 second.",
     )
-    body_deadline: float = Field(
+    body_deadline: FiniteNonNegative = Field(
         300.0,
-        ge=0,
-        allow_inf_nan=False,
         description="Seconds a whole request body may take to arrive, from the end of its "
         "head (time the proxy itself stopped reading does not count); then 408 and the "
         "connection closes. 0 means no deadline.",
@@ -348,9 +341,8 @@ class LimitsConfig(Section):
         "four per DATA frame the proxy sent or stream the client opened; more (a flood) gets "
         "GOAWAY ENHANCE_YOUR_CALM and the connection closes.",
     )
-    h2_max_premature_resets: int = Field(
+    h2_max_premature_resets: Count = Field(
         100,
-        ge=1,
         description="HTTP/2 listener: streams one connection may cancel (RST_STREAM) before "
         "their answer ended, or have refused for their own fault before any region saw them "
         "(malformed, past the stream cap), the count halving every 30 seconds; past it, "
@@ -358,10 +350,8 @@ class LimitsConfig(Section):
         "whatever else the connection sends. The proxy's own refusals (its rate limits, "
         "shedding) never count: they cost no region anything.",
     )
-    keepalive_timeout: float = Field(
+    keepalive_timeout: FinitePositive = Field(
         75.0,
-        gt=0,
-        allow_inf_nan=False,
         description="Seconds an idle keep-alive connection is kept open.",
     )
     half_close: Literal["answer", "abort"] = Field(
@@ -373,9 +363,8 @@ class LimitsConfig(Section):
         "'abort' takes every FIN for the client gone, cancelling its request and its upstream "
         "work at once (nginx, Envoy).",
     )
-    max_connections: int = Field(
+    max_connections: Count = Field(
         10_000,
-        ge=1,
         description="Most client connections open at once; more get 503 and are closed.",
     )
     max_connections_per_ip: int | None = Field(

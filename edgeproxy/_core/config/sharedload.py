@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
+from edgeproxy._core.config.kinds import FinitePositive
 from edgeproxy._core.config.redis import RedisSection, redis_url_field
 
 __all__ = ["SharedLoadConfig"]
@@ -27,30 +28,22 @@ class SharedLoadConfig(RedisSection):
         description="Prefix of the load keys: one hash per region, <prefix>{<region>}, a field "
         "per process.",
     )
-    interval: float = Field(
+    interval: FinitePositive = Field(
         0.25,
-        gt=0,
-        allow_inf_nan=False,
         description="Seconds between two rounds: publishing this process's load and reading "
         "the others'.",
     )
-    ttl: float = Field(
+    ttl: FinitePositive = Field(
         2.0,
-        gt=0,
-        allow_inf_nan=False,
         description="Seconds a published load counts: older entries are ignored and removed, "
         "and a view not refreshed for this long falls back to local values.",
     )
-    redis_timeout: float = Field(
+    redis_timeout: FinitePositive = Field(
         0.5,
-        gt=0,
-        allow_inf_nan=False,
         description="Seconds one round may take before it counts as a Redis failure.",
     )
-    retry_max: float = Field(
+    retry_max: FinitePositive = Field(
         5.0,
-        gt=0,
-        allow_inf_nan=False,
         description="Longest pause between rounds while Redis fails (the pause doubles from "
         "interval up to this).",
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
+from edgeproxy._core.config.kinds import Count, FinitePositive
 from edgeproxy._core.config.redis import RedisSection, redis_url_field
 
 __all__ = ["StatefulConfig"]
@@ -32,10 +33,8 @@ class StatefulConfig(RedisSection):
     redis_prefix: str = Field(
         "edgeproxy:owner:", description="Prefix of the owner keys: <prefix><object id>."
     )
-    redis_timeout: float = Field(
+    redis_timeout: FinitePositive = Field(
         0.25,
-        gt=0,
-        allow_inf_nan=False,
         description="Seconds a Redis read or write of owners may take. A lookup past it "
         "gets 503 with Retry-After (never a 404: the object may exist); a write past it is "
         "retried.",
@@ -46,23 +45,19 @@ class StatefulConfig(RedisSection):
         description="Most connections in the owners' Redis pool of each proxy process (one "
         "kept for the writes). A call past it waits for a free one.",
     )
-    redis_pool_timeout: float = Field(
+    redis_pool_timeout: FinitePositive = Field(
         1.0,
-        gt=0,
-        allow_inf_nan=False,
         description="Seconds a lookup waits for a free Redis connection; past it the request "
         "gets 503 with Retry-After.",
     )
-    write_queue: int = Field(
+    write_queue: Count = Field(
         100_000,
-        ge=1,
         description="Owners made in this process waiting to be written to Redis (while it is "
         "down or slow: each is retried until Redis takes it); past it the oldest is dropped "
         "and known to this process only.",
     )
-    max_refs: int = Field(
+    max_refs: Count = Field(
         1000,
-        ge=1,
         description="Most stored objects one request may refer to (distinct ids, looked up in "
         "batches of 100); a request naming more gets 400 too_many_references.",
     )
@@ -75,20 +70,16 @@ class StatefulConfig(RedisSection):
         "(only where the regions check each client's own credentials, with [server] "
         "forward_client_credentials).",
     )
-    ttl: float = Field(
+    ttl: FinitePositive = Field(
         30 * 24 * 3600.0,
-        gt=0,
-        allow_inf_nan=False,
         description="Seconds an owner is remembered after the object was made.",
     )
-    memory_entries: int = Field(
+    memory_entries: Count = Field(
         100_000,
-        ge=1,
         description="Owners kept in each process's memory (the oldest forgotten first).",
     )
-    retry_after: int = Field(
+    retry_after: Count = Field(
         5,
-        ge=1,
         description="Retry-After seconds of the 503 a request gets while the region holding "
         "its state is unavailable.",
     )

@@ -12,6 +12,7 @@ from pydantic import Field, ValidationInfo, field_validator
 
 from edgeproxy._core.config.base import Section
 from edgeproxy._core.config.checks import check_host_port, check_path
+from edgeproxy._core.config.kinds import Count, CountOrZero, Name, Positive
 from edgeproxy._core.config.models import ModelNames, check_model_aliases
 
 __all__ = ["ContinuationMethod", "HTTP2Mode", "RegionConfig", "ServerKind", "UpstreamConfig"]
@@ -42,44 +43,40 @@ class UpstreamConfig(Section):
         "HTTP/1.1; an endpoint that refuses the version forced is unreachable, and its error "
         "says so.",
     )
-    max_connections: int = Field(
+    max_connections: Count = Field(
         8,
-        ge=1,
         description="Most connections per HTTP/2 region (each multiplexes many streams).",
     )
-    http1_max_connections: int = Field(
+    http1_max_connections: Count = Field(
         256,
-        ge=1,
         description=(
             "Most connections per HTTP/1.1 region; each carries one request at a time, "
             "so this caps that region's concurrency, SSE streams included."
         ),
     )
-    keepalive_expiry: float = Field(
-        60.0, gt=0, description="Seconds an idle connection is kept before it is closed."
+    keepalive_expiry: Positive = Field(
+        60.0, description="Seconds an idle connection is kept before it is closed."
     )
-    connect_timeout: float = Field(3.0, gt=0, description="Seconds to open a connection.")
-    read_timeout: float = Field(
+    connect_timeout: Positive = Field(3.0, description="Seconds to open a connection.")
+    read_timeout: Positive = Field(
         60.0,
-        gt=0,
         description="Seconds to wait for a region's response headers (its queue and prefill).",
     )
-    stream_idle_timeout: float = Field(
+    stream_idle_timeout: Positive = Field(
         30.0,
-        gt=0,
         description="Seconds a response body may go without a byte once its headers came: a "
         "stalled stream breaks then (and is continued where the route says so). Raise it for "
         "models that think in silence between tokens.",
     )
-    write_timeout: float = Field(10.0, gt=0, description="Seconds to send a request body chunk.")
-    pool_timeout: float = Field(
-        5.0, gt=0, description="Seconds to wait for a free connection or stream slot."
+    write_timeout: Positive = Field(10.0, description="Seconds to send a request body chunk.")
+    pool_timeout: Positive = Field(
+        5.0, description="Seconds to wait for a free connection or stream slot."
     )
-    warm_connections: int = Field(
-        1, ge=0, description="Connections opened per region at startup, before any request."
+    warm_connections: CountOrZero = Field(
+        1, description="Connections opened per region at startup, before any request."
     )
-    ping_interval: float = Field(
-        15.0, gt=0, description="Seconds between HTTP/2 PINGs on idle connections."
+    ping_interval: Positive = Field(
+        15.0, description="Seconds between HTTP/2 PINGs on idle connections."
     )
     verify_tls: bool = Field(True, description="Verify upstream TLS certificates.")
     ca_file: str | None = Field(
@@ -94,9 +91,7 @@ _MODELS_REFRESH = 60.0
 class RegionConfig(Section):
     """One regional cluster."""
 
-    name: str = Field(
-        ..., min_length=1, description="Unique region name, sent in X-Edgeproxy-Region."
-    )
+    name: Name = Field(..., description="Unique region name, sent in X-Edgeproxy-Region.")
     url: str = Field(
         ...,
         description="Base URL of the region: http:// (cleartext: h2c or HTTP/1.1) or https:// "
@@ -126,9 +121,8 @@ class RegionConfig(Section):
         default_factory=list,
         description="More labels of the region; residency rules may name them like a jurisdiction.",
     )
-    priority: int = Field(
+    priority: CountOrZero = Field(
         0,
-        ge=0,
         description="Priority tier: tier 0 serves first; a higher tier gets requests only when "
         "no region of a lower tier is available, or as a failover target.",
     )
