@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
-from edgeproxy._core.config.checks import Networks, check_header_name
+from edgeproxy._core.config.checks import HeaderName, Networks
 from edgeproxy._core.config.kinds import Count, CountOrZero, FiniteNonNegative, FinitePositive
 from edgeproxy._core.config.redis import RedisSection, redis_url_field
 
@@ -35,17 +35,17 @@ class AdmissionConfig(RedisSection):
         description="Seconds a request may wait for a slot before a 503; a route's "
         "max_queue_time or deadline may shorten it.",
     )
-    priority_header: str = Field(
+    priority_header: HeaderName = Field(
         "X-Priority",
         description="Request header with an integer priority (-9999..9999, higher first), used "
         "when no plugin set ctx.priority; '' ignores it.",
     )
-    deadline_header: str = Field(
+    deadline_header: HeaderName = Field(
         "X-Request-Timeout-Ms",
         description="Header sent upstream with the milliseconds left of the route's deadline "
         "when the request leaves the queue (a client's own is replaced); '' sends none.",
     )
-    key_header: str = Field(
+    key_header: HeaderName = Field(
         "Authorization",
         description="Header whose value, hashed, keys the per-key rate limits when no plugin "
         "set a tenant (with Authorization, x-api-key when it is absent, as Anthropic's "
@@ -108,8 +108,3 @@ class AdmissionConfig(RedisSection):
         100_000,
         description="Most keys and IPs tracked in the process; the least recently seen go first.",
     )
-
-    @field_validator("priority_header", "deadline_header", "key_header")
-    @classmethod
-    def _check_header_name(cls, value: str) -> str:
-        return check_header_name(value)

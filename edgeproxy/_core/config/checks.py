@@ -11,12 +11,15 @@ from pydantic import AfterValidator
 
 __all__ = [
     "REDIS_SCHEMES",
+    "HeaderName",
     "Networks",
+    "UrlPath",
     "check_header_name",
     "check_host_port",
     "check_networks",
     "check_path",
     "check_redis_url",
+    "one_of",
 ]
 
 # RFC 9110 field-name token.
@@ -31,6 +34,22 @@ def check_header_name(value: str) -> str:
     if value and not _HEADER_NAME_RE.fullmatch(value):
         raise ValueError("must be an HTTP header name, or '' to turn it off")
     return value
+
+
+HeaderName = Annotated[str, AfterValidator(check_header_name)]
+"""The name of an HTTP header, or ``''`` (turned off), checked."""
+
+
+def one_of(*choices: str) -> AfterValidator:
+    """A field check that a value is one of ``choices``; its ``ValueError`` names them."""
+    expected = "must be " + ", ".join(map(repr, choices[:-1])) + " or " + repr(choices[-1])
+
+    def check(value: str) -> str:
+        if value not in choices:
+            raise ValueError(expected)
+        return value
+
+    return AfterValidator(check)
 
 
 def check_networks(value: list[str]) -> list[str]:
@@ -62,6 +81,10 @@ def check_path(value: str) -> str:
     if not value.startswith("/"):
         raise ValueError("must start with '/'")
     return value
+
+
+UrlPath = Annotated[str, AfterValidator(check_path)]
+"""An absolute URL path, checked."""
 
 
 def check_redis_url(value: str, *, allow_empty: bool = False, cluster: bool = False) -> str:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+from typing import Annotated
 from urllib.parse import urlsplit
 
 from pydantic import Field, ValidationInfo, field_validator
 
 from edgeproxy._core.config.base import Section
+from edgeproxy._core.config.checks import one_of
 from edgeproxy._core.config.kinds import Count, Name, Positive, Share
 
 __all__ = ["DEFAULT_LATENCY_BUCKETS", "AccessLogConfig", "MetricsConfig", "TracingConfig"]
@@ -92,7 +94,7 @@ class TracingConfig(Section):
             "attempt and the fallback (needs the 'otel' extra)."
         ),
     )
-    exporter: str = Field(
+    exporter: Annotated[str, one_of("otlp", "console", "global")] = Field(
         "otlp",
         description=(
             "'otlp' (batched OTLP export), 'console' (spans printed, for debugging) or 'global' "
@@ -106,7 +108,9 @@ class TracingConfig(Section):
             "OTEL_EXPORTER_OTLP_* environment variables and the exporter's default."
         ),
     )
-    otlp_protocol: str = Field("http/protobuf", description="'http/protobuf' or 'grpc'.")
+    otlp_protocol: Annotated[str, one_of("http/protobuf", "grpc")] = Field(
+        "http/protobuf", description="'http/protobuf' or 'grpc'."
+    )
     otlp_headers: dict[str, str] = Field(
         default_factory=dict,
         description="Headers sent with every OTLP export, e.g. a collector API key.",
@@ -120,20 +124,6 @@ class TracingConfig(Section):
         1.0,
         description="Share of new traces recorded; a caller's sampled flag is always followed.",
     )
-
-    @field_validator("exporter")
-    @classmethod
-    def _check_exporter(cls, value: str) -> str:
-        if value not in ("otlp", "console", "global"):
-            raise ValueError("must be 'otlp', 'console' or 'global'")
-        return value
-
-    @field_validator("otlp_protocol")
-    @classmethod
-    def _check_protocol(cls, value: str) -> str:
-        if value not in ("http/protobuf", "grpc"):
-            raise ValueError("must be 'http/protobuf' or 'grpc'")
-        return value
 
     @field_validator("otlp_endpoint")
     @classmethod

@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from edgeproxy._core.config.base import Section
-from edgeproxy._core.config.checks import check_path
+from edgeproxy._core.config.checks import UrlPath
 from edgeproxy._core.config.kinds import (
     CountOrZero,
     FiniteNonNegative,
@@ -51,7 +51,7 @@ class RouteConfig(Section):
     """
 
     name: Name = Field(..., description="Unique route name, used in metrics and logs.")
-    path: str = Field(
+    path: UrlPath = Field(
         ..., description="Path prefix this route matches, e.g. '/v1/chat/completions'."
     )
     methods: list[str] = Field(
@@ -240,11 +240,6 @@ class RouteConfig(Section):
         "whole origin) and 'endpoint-load-metrics', 'endpoint-load-metrics-bin' (a region's "
         "load report). A region's X-Edgeproxy-* and hop-by-hop headers never pass.",
     )
-
-    @field_validator("path")
-    @classmethod
-    def _check_path(cls, value: str) -> str:
-        return check_path(value)
 
     @field_validator("methods")
     @classmethod

@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from edgeproxy._core.config.base import Section
-from edgeproxy._core.config.checks import check_header_name
+from edgeproxy._core.config.checks import HeaderName, UrlPath
 from edgeproxy._core.config.kinds import (
     Count,
     CountOrZero,
@@ -149,7 +149,7 @@ class RoutingConfig(Section):
         description="Balance guard: ... and the most loaded one holds more than this many "
         "times the least loaded one's requests.",
     )
-    session_header: str = Field(
+    session_header: HeaderName = Field(
         "X-Session-Id",
         description="Request header carrying a session key: the requests of one session "
         "stick to one region (with prefix_affinity); '' for none.",
@@ -189,11 +189,6 @@ class RoutingConfig(Section):
         "lower tier comes first whatever the latencies.",
     )
 
-    @field_validator("session_header")
-    @classmethod
-    def _check_session_header(cls, value: str) -> str:
-        return check_header_name(value)
-
     @field_validator("rank")
     @classmethod
     def _check_rank(cls, value: list[str]) -> list[str]:
@@ -222,7 +217,9 @@ class HealthConfig(Section):
     """Active health checks, passive outlier ejection and per-region circuit breakers."""
 
     active: bool = Field(False, description="Probe every region's health path in the background.")
-    path: str = Field("/healthz", description="Path of the active health check (GET, 2xx = ok).")
+    path: UrlPath = Field(
+        "/healthz", description="Path of the active health check (GET, 2xx = ok)."
+    )
     interval: Positive = Field(5.0, description="Seconds between two active checks.")
     timeout: Positive = Field(1.0, description="Seconds an active check may take.")
     healthy_threshold: Count = Field(
@@ -284,13 +281,6 @@ class HealthConfig(Section):
         1024,
         description="Circuit breaker: most requests per region still waiting for their first byte.",
     )
-
-    @field_validator("path")
-    @classmethod
-    def _check_path(cls, value: str) -> str:
-        if not value.startswith("/"):
-            raise ValueError("must start with '/'")
-        return value
 
     @model_validator(mode="after")
     def _check_ejection_times(self) -> HealthConfig:

@@ -11,7 +11,7 @@ from urllib.parse import urlsplit
 from pydantic import Field, ValidationInfo, field_validator
 
 from edgeproxy._core.config.base import Section
-from edgeproxy._core.config.checks import check_host_port, check_path
+from edgeproxy._core.config.checks import UrlPath, check_host_port
 from edgeproxy._core.config.kinds import Count, CountOrZero, Name, Positive
 from edgeproxy._core.config.models import ModelNames, check_model_aliases
 
@@ -184,7 +184,7 @@ class RegionConfig(Section):
         "on every request (endpoint-load-metrics-format: TEXT); 'scrape' polls metrics_path "
         "every [routing] load_scrape_interval (vLLM/SGLang gauges); 'off' reads nothing.",
     )
-    metrics_path: str = Field(
+    metrics_path: UrlPath = Field(
         "/metrics",
         description="Path of the region's Prometheus endpoint, polled with load_reporting = "
         "'scrape'.",
@@ -307,11 +307,6 @@ class RegionConfig(Section):
         if self.continuation == "auto":
             return _AUTO_CONTINUATION.get(self.server, "off")
         return self.continuation
-
-    @field_validator("metrics_path")
-    @classmethod
-    def _check_metrics_path(cls, value: str) -> str:
-        return check_path(value)
 
     @field_validator("lat", "lon")
     @classmethod
