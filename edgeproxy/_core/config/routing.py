@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import Field, field_validator, model_validator
 
@@ -20,8 +20,9 @@ from edgeproxy._core.config.kinds import (
 
 __all__ = ["HealthConfig", "RoutingConfig"]
 
+# In the order rank applies them by default.
 RankPolicyName = Literal["reported_load", "affinity", "latency"]
-_DEFAULT_RANK: tuple[RankPolicyName, ...] = ("reported_load", "affinity", "latency")
+_DEFAULT_RANK: tuple[RankPolicyName, ...] = get_args(RankPolicyName)
 
 
 class RoutingConfig(Section):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ipaddress
 import os
 from collections.abc import Mapping
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
@@ -24,8 +24,9 @@ from edgeproxy._core.config.kinds import (
 __all__ = ["AdminConfig", "LimitsConfig", "PopConfig", "ServerConfig"]
 
 
+# In the order compression_encodings prefers them by default.
 Coding = Literal["zstd", "br", "gzip"]
-_CODINGS: tuple[Coding, ...] = ("zstd", "br", "gzip")
+_CODINGS: tuple[Coding, ...] = get_args(Coding)
 
 
 class ServerConfig(Section):
