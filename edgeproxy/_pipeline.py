@@ -222,7 +222,10 @@ class Pipeline:
                     if self.cache.due:
                         self._start_refreshes()
                     if found is not None:
-                        response = await self.responder.send(request, ctx, found)
+                        if found.chunks is None and found.release is None:
+                            response = self.responder.ready(ctx, found)
+                        else:
+                            response = await self.responder.send(request, ctx, found)
                         return response
                 # A request referring to a stored object goes to the region holding it (no
                 # coroutine for the others: most requests have nothing to do with one).

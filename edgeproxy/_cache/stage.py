@@ -63,7 +63,7 @@ from edgeproxy._cache.plan import (
 )
 from edgeproxy._cache.recorder import CacheRecorder
 from edgeproxy._cache.semantic import SemanticCache, open_semantic
-from edgeproxy._core.answer import Answer
+from edgeproxy._core.answer import Answer, cache_answer, cache_stream
 from edgeproxy._core.config import Config
 from edgeproxy._core.context import RequestContext
 from edgeproxy._core.exchange import Exchange
@@ -428,8 +428,8 @@ class CacheStage:
         ctx.outcome.cache = outcome
         self.stats.outcomes[outcome] += 1
         if sse:
-            return Answer(entry.status, headers, source="cache", parts=parts, sse=True)
-        return Answer(entry.status, headers, source="cache", body=parts[0])
+            return cache_stream(entry.status, headers, parts)
+        return cache_answer(entry.status, headers, parts[0])
 
     async def recorder_for(self, request: Exchange, ctx: RequestContext) -> CacheRecorder | None:
         """The recorder storing the answer to ``ctx`` under its own key (a lighter model's

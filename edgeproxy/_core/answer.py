@@ -14,13 +14,13 @@ error event and ends the answer so that it cannot pass for complete.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from edgeproxy._core.errors import ProxyError
 from edgeproxy._core.response import ReadyStream, Response, StreamResponse
 from edgeproxy._core.types import Headers
 
-__all__ = ["Answer", "AnswerBroken"]
+__all__ = ["Answer", "AnswerBroken", "cache_answer", "cache_stream"]
 
 
 class AnswerBroken(Exception):
@@ -34,72 +34,57 @@ class AnswerBroken(Exception):
         self.reason = reason or error.message
 
 
-class Answer:
+class Answer(NamedTuple):
     """What answers one request, before anything of it is sent.
 
-    ``source`` says what made it: ``cache``, ``coalesced``, ``local``, ``error``,
-    ``plugin`` (a region's answer is relayed from its attempt). At most one of ``body``
-    (the whole body, known now), ``parts`` (the whole body as the events it was recorded
-    in, each sent as its own piece), ``chunks`` (the body piece by piece as it comes) and
-    ``make`` (the whole body, made before the head goes, so that a failure is still a clean
-    error answer) is set; with none, the body is empty.
+    ``source`` says what made it: ``cache``, ``coalesced``, ``local``, ``error``
+    (a region's answer is relayed from its attempt). At most one of ``body`` (the whole
+    body, known now), ``parts`` (the whole body as the events it was recorded in, each sent
+    as its own piece), ``chunks`` (the body piece by piece as it comes) and ``make`` (the
+    whole body, made before the head goes, so that a failure is still a clean error
+    answer) is set; with none, the body is empty.
 
     ``usage``, when set, is read once the body was sent: the answer's own token counts.
     ``release`` is called on every way out, sent or not: what the answer held (a local
-    model's generation slot) is let go of.
+    model's generation slot, a follower's place) is let go of.
+
+    A named tuple: immutable, and built in a fraction of a class's time (a cache hit makes
+    one per request).
     """
 
-    __slots__ = (
-        "body",
-        "chunks",
-        "headers",
-        "make",
-        "parts",
-        "release",
-        "source",
-        "sse",
-        "status",
-        "usage",
-    )
+    status: int
+    headers: Headers
+    source: str
+    body: bytes | None = None
+    parts: list[bytes] | None = None
+    chunks: AsyncIterator[bytes] | None = None
+    make: Callable[[], Awaitable[bytes]] | None = None
+    sse: bool = False
+    usage: Callable[[], dict[str, Any] | None] | None = None
+    release: Callable[[], None] | None = None
 
-    def __init__(
-        self,
-        status: int,
-        headers: Headers,
-        *,
-        source: str,
-        body: bytes | None = None,
-        parts: list[bytes] | None = None,
-        chunks: AsyncIterator[bytes] | None = None,
-        make: Callable[[], Awaitable[bytes]] | None = None,
-        sse: bool = False,
-        usage: Callable[[], dict[str, Any] | None] | None = None,
-        release: Callable[[], None] | None = None,
-    ) -> None:
-        self.status = status
-        self.headers = headers
-        self.source = source
-        self.body = body
-        self.parts = parts
-        self.chunks = chunks
-        self.make = make
-        self.sse = sse
-        self.usage = usage
-        self.release = release
-
-    def ready(self) -> StreamResponse:
-        """A whole answer as a response ready to send: its head and its body, framed by the
-        front end in one go (an SSE body as a stream with no length)."""
+    def ready(self, body: bytes | None = None) -> StreamResponse:
+        """A whole answer (its ``body``, or ``body`` given here) as a response ready to
+        send: its head and its body, framed by the front end in one go (an SSE body as a
+        stream with no length)."""
         if self.parts is not None:
             return ReadyStream(status=self.status, parts=self.parts, headers=self.headers)
-        body = self.body or b""
+        if body is None:
+            body = self.body or b""
         if self.sse:
             return ReadyStream(status=self.status, parts=[body], headers=self.headers)
         return Response(status=self.status, body=body, headers=self.headers)
 
-    @property
-    def size(self) -> int:
-        """The length of a whole body (``body`` or ``parts``)."""
-        if self.parts is not None:
-            return sum(map(len, self.parts))
-        return len(self.body) if self.body is not None else 0
+
+def cache_answer(status: int, headers: Headers, body: bytes) -> Answer:
+    """A whole JSON (or other non-stream) answer from the cache, built without the named
+    tuple's keyword handling: once per cache hit."""
+    return _new_tuple(Answer, (status, headers, "cache", body, None, None, None, False, None, None))
+
+
+def cache_stream(status: int, headers: Headers, parts: list[bytes]) -> Answer:
+    """A whole SSE answer from the cache, as the events it was recorded in."""
+    return _new_tuple(Answer, (status, headers, "cache", None, parts, None, None, True, None, None))
+
+
+_new_tuple = tuple.__new__
