@@ -268,10 +268,11 @@ class Responder:
         legs: Legs | None,
     ) -> StreamResponse:
         """The region's answer in the SSE response the heartbeats started (status 200 sent)."""
+        out = ctx.outcome
         name = upstream.region.name
         content_type = next((v for k, v in reply.headers if k.lower() == "content-type"), "")
         if reply.status != 200 or not content_type.startswith("text/event-stream"):
-            ctx.outcome.error = f"region {name} answered {reply.status} after heartbeats"
+            out.error = f"region {name} answered {reply.status} after heartbeats"
             await self._abort(
                 request,
                 resp,
@@ -281,13 +282,13 @@ class Responder:
                 "upstream_error",
             )
             return resp
-        ctx.outcome.status = 200
+        out.status = 200
         usage = UsageTracker.for_response(ctx.path, content_type, 200, ctx.json)
         splice: Splice | None = None
         if legs is not None:
             splice = legs.splice(ctx, 200, content_type)
         try:
-            ctx.outcome.first_byte_at = time.monotonic()
+            out.first_byte_at = time.monotonic()
             if splice is None or legs is None:
                 chunks = self._chunks(ctx, upstream)
                 await self._body(request, ctx, chunks, recorder, resp.writer, usage, sse=True)
@@ -295,10 +296,10 @@ class Responder:
                 await self._spliced(request, ctx, upstream, recorder, resp, usage, splice, legs)
             await resp.write_eof()
         except UpstreamError as exc:
-            ctx.outcome.error = f"upstream broke mid-body: {exc}"
-            await self._broken(request, resp, ctx.outcome.region or name, splice)
+            out.error = f"upstream broke mid-body: {exc}"
+            await self._broken(request, resp, out.region or name, splice)
         except ConnectionResetError:
-            ctx.outcome.error = "client disconnected"
+            out.error = "client disconnected"
         return resp
 
     async def send(
@@ -519,6 +520,7 @@ class Responder:
 
         Raises the :class:`UpstreamError` of a break that could not be continued.
         """
+        out = ctx.outcome
         leg: Leg | None = None
         source = upstream.region.name
         chunks = self._chunks(ctx, upstream)
@@ -546,8 +548,8 @@ class Responder:
                 tail = splice.finish()
                 if tail:
                     await write(tail)
-                    ctx.outcome.bytes_out += len(tail)
-                ctx.outcome.usage = splice.usage()
+                    out.bytes_out += len(tail)
+                out.usage = splice.usage()
         finally:
             if leg is not None:
                 await leg.close()

@@ -204,7 +204,8 @@ class RequestContext(_OutcomeNames):
         """The request is answered: nothing acts on its facts any more (they stay in
         ``facts``), so the hooks after the answer may change the context for the observers
         after them (an address anonymized for the log)."""
-        self.__class__ = RequestContext
+        # Past _Fixed.__setattr__: a Python call less, once a request.
+        object.__setattr__(self, "__class__", RequestContext)
 
     def with_json(self, value: Any) -> RequestContext:
         """Another request like this one with ``value`` as its JSON body and its facts fixed

@@ -63,7 +63,8 @@ def _ms(start: float, end: float | None) -> float | None:
 
 def record(request: Exchange, ctx: RequestContext) -> dict[str, Any]:
     """The access-log record of a finished request."""
-    error = ctx.outcome.error
+    outcome = ctx.outcome
+    error = outcome.error
     if error is not None and len(error) > _ERROR_LIMIT:
         error = error[:_ERROR_LIMIT] + "..."
     out = {
@@ -73,30 +74,28 @@ def record(request: Exchange, ctx: RequestContext) -> dict[str, Any]:
         "method": ctx.method,
         "path": ctx.path,
         "route": ctx.route.name,
-        "status": ctx.outcome.status,
-        "region": ctx.outcome.region,
-        "attempts": ctx.outcome.attempts,
+        "status": outcome.status,
+        "region": outcome.region,
+        "attempts": outcome.attempts,
         "tenant": ctx.tenant,
         "client_ip": ctx.client_ip,
         "country": ctx.client_country,
         "priority": ctx.priority,
-        "sse": ctx.outcome.response_is_sse,
-        "bytes": ctx.outcome.bytes_out,
-        "ttfb_ms": _ms(ctx.started, ctx.outcome.first_byte_at),
+        "sse": outcome.response_is_sse,
+        "bytes": outcome.bytes_out,
+        "ttfb_ms": _ms(ctx.started, outcome.first_byte_at),
         "upstream_ttfb_ms": (
-            None
-            if ctx.outcome.upstream_ttfb is None
-            else round(ctx.outcome.upstream_ttfb * 1000.0, 3)
+            None if outcome.upstream_ttfb is None else round(outcome.upstream_ttfb * 1000.0, 3)
         ),
-        "duration_ms": _ms(ctx.started, ctx.outcome.finished_at),
-        "cache": ctx.outcome.cache,
-        "degraded": ctx.outcome.degraded,
+        "duration_ms": _ms(ctx.started, outcome.finished_at),
+        "cache": outcome.cache,
+        "degraded": outcome.degraded,
         "model": ctx.model,
         "error": error,
-        "usage": ctx.outcome.usage,
+        "usage": outcome.usage,
     }
-    if ctx.outcome.continuations:
-        _continued(out, ctx.outcome.continuations)
+    if outcome.continuations:
+        _continued(out, outcome.continuations)
     return out
 
 

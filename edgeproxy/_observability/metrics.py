@@ -169,48 +169,47 @@ class Metrics:
         """Record one finished request in the histograms, counters and recent window."""
         # Once a request: label lookups go straight to the known values, and max(0, x)
         # is written out.
+        out = ctx.outcome
         started = ctx.started
-        finished = (
-            ctx.outcome.finished_at if ctx.outcome.finished_at is not None else time.monotonic()
-        )
+        finished = out.finished_at if out.finished_at is not None else time.monotonic()
         duration = finished - started
         if duration < 0.0:
             duration = 0.0
         name = ctx.route.name
         route = self._route.known.get(name) or self._route(name)
-        name = ctx.outcome.region or "none"
+        name = out.region or "none"
         region = self._region.known.get(name) or self._region(name)
-        name = ctx.outcome.cache or "none"
+        name = out.cache or "none"
         cache = self._cache.known.get(name) or self._cache(name.lower())
-        status = ctx.outcome.status
+        status = out.status
         status_class = _STATUS_CLASS.get(status // 100, "other")
         # Headers of a local answer leave with its body: its TTFB is its duration.
         ttfb: float | None = None
         if status:
-            first = ctx.outcome.first_byte_at if ctx.outcome.first_byte_at is not None else finished
+            first = out.first_byte_at if out.first_byte_at is not None else finished
             ttfb = first - started if first > started else 0.0
-        upstream = ctx.outcome.upstream_ttfb
+        upstream = out.upstream_ttfb
         overhead = None
         if upstream is not None and ttfb is not None:
             overhead = ttfb - upstream if ttfb > upstream else 0.0
         prompt = completion = 0
         rate = None
-        usage = ctx.outcome.usage
+        usage = out.usage
         if usage:
             prompt = _count(usage.get("prompt_tokens"))
             completion = _count(usage.get("completion_tokens"))
-            if completion and ctx.outcome.response_is_sse and ctx.outcome.first_byte_at is not None:
-                streamed = finished - ctx.outcome.first_byte_at
+            if completion and out.response_is_sse and out.first_byte_at is not None:
+                streamed = finished - out.first_byte_at
                 if streamed > 0:
                     rate = completion / streamed
-        degraded = ctx.outcome.degraded
+        degraded = out.degraded
         observation = Observation(
             duration,
             ttfb,
             upstream,
             overhead,
-            ctx.outcome.bytes_out,
-            ctx.outcome.attempts,
+            out.bytes_out,
+            out.attempts,
             prompt,
             completion,
             rate,
@@ -219,7 +218,7 @@ class Metrics:
         key = (route, region, cache, "yes" if degraded else "no", status_class)
         self._series.record(key, observation)
         self.window.observe(duration, ttfb, region, cache, status >= 500, completion)
-        for source, target, outcome in ctx.outcome.continuations:
+        for source, target, outcome in out.continuations:
             self._continuations.labels(
                 route, self._region(source), self._region(target), outcome
             ).inc()

@@ -323,13 +323,12 @@ class Tracing:
         return state
 
     def _finish(self, ctx: RequestContext, state: _RequestTrace) -> None:
+        out = ctx.outcome
         from opentelemetry import trace
         from opentelemetry.trace import Status, StatusCode
 
         root = state.root
-        finished = (
-            ctx.outcome.finished_at if ctx.outcome.finished_at is not None else time.monotonic()
-        )
+        finished = out.finished_at if out.finished_at is not None else time.monotonic()
         if not root.is_recording():
             root.end(end_time=state.ns(finished))
             return
@@ -356,9 +355,7 @@ class Tracing:
         if state.cache_at is not None:
             end = next_mark(state.cache_at, state.route_at, first_attempt, state.fallback_at)
             spans.append(
-                child(
-                    "edgeproxy.cache", state.cache_at, end, **{"edgeproxy.cache": ctx.outcome.cache}
-                )
+                child("edgeproxy.cache", state.cache_at, end, **{"edgeproxy.cache": out.cache})
             )
         if state.route_at is not None:
             end = next_mark(state.route_at, first_attempt, state.fallback_at)
@@ -371,7 +368,7 @@ class Tracing:
                     finished,
                     **{
                         "edgeproxy.reason": state.fallback_reason,
-                        "edgeproxy.degraded": ctx.outcome.degraded,
+                        "edgeproxy.degraded": out.degraded,
                     },
                 )
             )
@@ -387,22 +384,22 @@ class Tracing:
                 attempt.span.set_status(Status(StatusCode.ERROR, "no response"))
             attempt.span.end(end_time=state.ns(max(end, attempt.started)))
 
-        root.set_attribute("http.response.status_code", ctx.outcome.status)
-        root.set_attribute("edgeproxy.attempts", ctx.outcome.attempts)
+        root.set_attribute("http.response.status_code", out.status)
+        root.set_attribute("edgeproxy.attempts", out.attempts)
         for key, value in (
-            ("edgeproxy.region", ctx.outcome.region),
-            ("edgeproxy.cache", ctx.outcome.cache),
-            ("edgeproxy.degraded", ctx.outcome.degraded),
+            ("edgeproxy.region", out.region),
+            ("edgeproxy.cache", out.cache),
+            ("edgeproxy.degraded", out.degraded),
         ):
             if value is not None:
                 root.set_attribute(key, value)
-        if ctx.outcome.error:
-            root.set_attribute("edgeproxy.error", ctx.outcome.error[:_ERROR_LIMIT])
-        if ctx.outcome.status >= 500 or (ctx.outcome.status == 0 and ctx.outcome.error):
+        if out.error:
+            root.set_attribute("edgeproxy.error", out.error[:_ERROR_LIMIT])
+        if out.status >= 500 or (out.status == 0 and out.error):
             root.set_status(
                 Status(
                     StatusCode.ERROR,
-                    (ctx.outcome.error or f"HTTP {ctx.outcome.status}")[:_ERROR_LIMIT],
+                    (out.error or f"HTTP {out.status}")[:_ERROR_LIMIT],
                 )
             )
         root.end(end_time=state.ns(finished))
