@@ -3,8 +3,8 @@
 A key declares its kind as its type (``retry_budget: Share = Field(0.2, ...)``);
 pydantic merges the kind's bounds into the key's own ``Field``, so the key keeps
 its default and description, and a value out of bounds is refused with the key's
-name as before. The ``Finite`` kinds also refuse ``inf`` and ``nan``; the others
-let ``inf`` through (a time without bound).
+name as before. ``Positive`` and ``NonNegative`` let ``inf`` through (a time
+without bound), as those keys always did; their ``Finite`` twins refuse it.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ FiniteNonNegative = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 """Zero or more and finite, such as a rate, a weight or a wait in seconds."""
 
 Count = Annotated[int, Field(ge=1)]
-"""How many of something (entries, bytes, connections, tries), at least one."""
+"""How many of something (entries, bytes, connections, seconds), at least one."""
 
 CountOrZero = Annotated[int, Field(ge=0)]
 """How many of something, where zero is allowed (and often means none or no limit)."""
