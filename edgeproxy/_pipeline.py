@@ -326,7 +326,6 @@ class Pipeline:
             if out.degraded == "lighter-model" and ctx.model is not None:
                 self.fallback.count_lighter_usage(ctx.model, out.usage)
             if "edgeproxy_response_complete" in active:
-                ctx.answered()
                 await self.plugins.call_all_logged(
                     "edgeproxy_response_complete", request=request, ctx=ctx
                 )

@@ -109,7 +109,7 @@ def test_a_fixed_context_refuses_a_change_to_a_fact_until_answered() -> None:
     ctx.model = "m-1"  # not a fact: the router sets it
     ctx.outcome.status = 200
     assert ctx.tenant == "acme" and isinstance(ctx, RequestContext)
-    ctx.answered()
+    ctx.outcome.finished_at = 1.0  # answered
     ctx.client_ip = "0.0.0.0"  # the hooks after the answer may change it for the log
     assert ctx.facts is facts and facts.client_ip == "192.0.2.1"
 

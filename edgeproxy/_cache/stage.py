@@ -63,7 +63,7 @@ from edgeproxy._cache.plan import (
 )
 from edgeproxy._cache.recorder import CacheRecorder
 from edgeproxy._cache.semantic import SemanticCache, open_semantic
-from edgeproxy._core.answer import Answer, cache_answer, cache_stream
+from edgeproxy._core.answer import Answer
 from edgeproxy._core.config import Config
 from edgeproxy._core.context import RequestContext
 from edgeproxy._core.exchange import Exchange
@@ -120,6 +120,10 @@ class CacheStats:
         )
         total = served + self.outcomes["MISS"]
         return round(served / total, 4) if total else None
+
+
+# An Answer built without the named tuple's keyword handling: once per cache hit.
+_new_tuple = tuple.__new__
 
 
 class CacheStage:
@@ -428,8 +432,12 @@ class CacheStage:
         ctx.outcome.cache = outcome
         self.stats.outcomes[outcome] += 1
         if sse:
-            return cache_stream(entry.status, headers, parts)
-        return cache_answer(entry.status, headers, parts[0])
+            return _new_tuple(
+                Answer, (entry.status, headers, "cache", None, parts, None, None, True, None, None)
+            )
+        return _new_tuple(
+            Answer, (entry.status, headers, "cache", parts[0], None, None, None, False, None, None)
+        )
 
     async def recorder_for(self, request: Exchange, ctx: RequestContext) -> CacheRecorder | None:
         """The recorder storing the answer to ``ctx`` under its own key (a lighter model's

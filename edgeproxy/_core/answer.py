@@ -20,7 +20,7 @@ from edgeproxy._core.errors import ProxyError
 from edgeproxy._core.response import ReadyStream, Response, StreamResponse
 from edgeproxy._core.types import Headers
 
-__all__ = ["Answer", "AnswerBroken", "cache_answer", "cache_stream"]
+__all__ = ["Answer", "AnswerBroken"]
 
 
 class AnswerBroken(Exception):
@@ -74,17 +74,3 @@ class Answer(NamedTuple):
         if self.sse:
             return ReadyStream(status=self.status, parts=[body], headers=self.headers)
         return Response(status=self.status, body=body, headers=self.headers)
-
-
-def cache_answer(status: int, headers: Headers, body: bytes) -> Answer:
-    """A whole JSON (or other non-stream) answer from the cache, built without the named
-    tuple's keyword handling: once per cache hit."""
-    return _new_tuple(Answer, (status, headers, "cache", body, None, None, None, False, None, None))
-
-
-def cache_stream(status: int, headers: Headers, parts: list[bytes]) -> Answer:
-    """A whole SSE answer from the cache, as the events it was recorded in."""
-    return _new_tuple(Answer, (status, headers, "cache", None, parts, None, None, True, None, None))
-
-
-_new_tuple = tuple.__new__

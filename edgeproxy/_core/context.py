@@ -200,13 +200,6 @@ class RequestContext(_OutcomeNames):
         self.__class__ = _Fixed
         return facts
 
-    def answered(self) -> None:
-        """The request is answered: nothing acts on its facts any more (they stay in
-        ``facts``), so the hooks after the answer may change the context for the observers
-        after them (an address anonymized for the log)."""
-        # Past _Fixed.__setattr__: a Python call less, once a request.
-        object.__setattr__(self, "__class__", RequestContext)
-
     def with_json(self, value: Any) -> RequestContext:
         """Another request like this one with ``value`` as its JSON body and its facts fixed
         anew (a continuation leg's: the conversation with the partial answer)."""
@@ -247,7 +240,14 @@ class _Fixed(RequestContext):
     __slots__ = ()
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in _FACTS and getattr(self, "facts", None) is not None:
+        # Until the request is answered (its finish time set): then the hooks after the
+        # answer may change the context for the observers after them (an address
+        # anonymized for the log), and the facts stay in `facts`.
+        if (
+            name in _FACTS
+            and getattr(self, "facts", None) is not None
+            and self.outcome.finished_at is None
+        ):
             raise FixedFact(
                 f"ctx.{name} is fixed once the request has entered: change it in "
                 "edgeproxy_request_received"
