@@ -225,9 +225,8 @@ class ChatDialect(Dialect):
         if not isinstance(messages, list):
             return None  # absent where allowed; its type was checked before
         for index, message in enumerate(messages):
-            err = self._item(message, "messages", index, dict)
-            if err is not None:
-                return err
+            if type(message) is not dict:
+                return self._wrong_item(message, "messages", index, dict)
             role = message.get("role")
             if type(role) is str:
                 continue
@@ -250,15 +249,13 @@ class ChatDialect(Dialect):
         if not isinstance(value, list):
             return None
         for index, item in enumerate(value):
-            err = self._item(item, key, index, kind)
-            if err is not None:
-                return err
+            if type(item) is not kind:
+                return self._wrong_item(item, key, index, kind)
         return None
 
-    def _item(self, item: Any, key: str, index: int, kind: type) -> ProxyError | None:
-        """The 400 for ``item``, at ``index`` in the list ``key``, when it is not of ``kind``."""
-        if type(item) is kind:
-            return None
+    def _wrong_item(self, item: Any, key: str, index: int, kind: type) -> ProxyError:
+        """The 400 for ``item``, at ``index`` in the list ``key``, not of ``kind`` (the type
+        is checked in the loops: no call per item)."""
         return self.invalid(
             f"Invalid type for '{key}[{index}]': expected "
             f"{'a string' if kind is str else 'an object'}, but got {_kind(item)}.",
