@@ -6,7 +6,7 @@ import functools
 import os
 import random
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from edgeproxy._core.config.routes import PASSABLE_RESPONSE_HEADERS
 from edgeproxy._core.types import TraceContext
@@ -204,13 +204,3 @@ def append_via(existing: str | None, http_version: str, pseudonym: str) -> str:
     """Append this hop to ``Via`` (RFC 9110 §7.6.3): ``1.1 edge-sin``."""
     hop = f"{http_version} {pseudonym}"
     return f"{existing}, {hop}" if existing else hop
-
-
-def header_get(headers: Mapping[str, str] | Iterable[tuple[str, str]], name: str) -> str | None:
-    """First value of ``name`` (case-insensitive) in a header list or mapping."""
-    items = headers.items() if isinstance(headers, Mapping) else headers
-    lname = name.lower()
-    for k, v in items:
-        if k.lower() == lname:
-            return v
-    return None

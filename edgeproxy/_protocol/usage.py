@@ -39,7 +39,7 @@ class UsageTracker:
     """Finds the ``usage`` in a JSON answer or an SSE stream, without delaying it.
 
     A stream's events come read already (the Responder's one parse of the body, which
-    reads a chunk for the usage only where it may be: :meth:`wants`); only events that
+    reads a chunk for the usage only where it may be); only events that
     mention ``"usage"`` are parsed as JSON. A JSON answer is kept up to 1 MiB and parsed at
     the end.
     """
@@ -73,15 +73,9 @@ class UsageTracker:
             return cls(sse=False, dialect=endpoint.dialect)
         return None
 
-    @staticmethod
-    def wants(chunk: bytes) -> bool:
-        """Whether a chunk of whole events (none pending before it) may hold the usage: one
-        that does not mention it is left unread."""
-        return chunk.find(b'"usage"') >= 0
-
     def feed(self, chunk: bytes, events: list[SSEEvent] | None = None) -> None:
         """A chunk of the answer; for a stream, the events it completed (None when it was
-        left unread, as :meth:`wants` allows)."""
+        left unread: whole events that do not mention the usage)."""
         if not self._sse:
             if not self._overflow:
                 if len(self._buf) + len(chunk) > _JSON_LIMIT:
