@@ -166,7 +166,9 @@ def edgeproxy_response_complete(request: Exchange, ctx: RequestContext) -> Await
     ``ctx`` holds the timings (``ctx.started``, ``ctx.upstream_ttfb``,
     ``ctx.first_byte_at``, ``ctx.finished_at``), ``ctx.status``,
     ``ctx.bytes_out``, ``ctx.region``, ``ctx.attempts``, ``ctx.error`` and,
-    for LLM answers, ``ctx.usage`` (the upstream's token counts).
+    for LLM answers, ``ctx.usage`` (the upstream's token counts). These are the fields of
+    the request's outcome, ``ctx.outcome`` (an ``Outcome`` record: also its cache status,
+    degradation, hedge and continuations), read the same on the context.
 
     The request is answered: an implementation may change ``ctx`` for the ones after
     it (a client address anonymized for the access log, say), its facts included;
