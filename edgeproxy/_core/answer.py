@@ -1,10 +1,13 @@
-"""One shape for whatever answers a request.
+"""One shape for the answers the proxy makes itself.
 
-A region's attempt, the local model, a cache entry, a coalesced flight, an error and a
-plugin all answer with an :class:`Answer`: a head (status, headers, whether it is an SSE
-stream) and a body, either whole (``body``) or piece by piece (``chunks``). Nothing that
-makes an answer writes it: the :class:`~edgeproxy._answer.responder.Responder` alone sends
-it downstream, and records what it sent on the request's outcome.
+A cache entry, a coalesced flight, the stale rung and the local model answer with an
+:class:`Answer`: a head (status, headers, whether it is an SSE stream) and a body, whole
+(``body``, ``parts``) or piece by piece (``chunks``). Nothing that makes an answer writes
+it: the :class:`~edgeproxy._answer.responder.Responder` alone sends it downstream, and
+records what it sent on the request's outcome. The same Responder relays a region's answer
+straight from its attempt (whose head the hooks may still edit, and whose body is read
+with no layer between), writes the errors in the client's API, and passes a plugin's own
+response through.
 
 A body that streams may end broken: its iterator raises :class:`AnswerBroken`, with the
 error the client's API reads as the stream's end; the Responder writes it as that API's
