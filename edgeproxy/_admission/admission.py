@@ -30,6 +30,7 @@ import heapq
 import itertools
 import math
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from edgeproxy._admission.poison import Poison
@@ -68,17 +69,13 @@ class Overloaded(ProxyError):
         self.reason = reason
 
 
+@dataclass(slots=True, eq=False)
 class _Waiter:
-    __slots__ = ("priority", "seq", "route", "future", "state")
-
-    def __init__(
-        self, priority: int, seq: int, route: RouteConfig, future: asyncio.Future[None]
-    ) -> None:
-        self.priority = priority
-        self.seq = seq
-        self.route = route
-        self.future = future
-        self.state = _WAITING
+    priority: int
+    seq: int
+    route: RouteConfig
+    future: asyncio.Future[None]
+    state: int = _WAITING
 
     def __lt__(self, other: _Waiter) -> bool:
         # Served first: higher priority, then earlier arrival.

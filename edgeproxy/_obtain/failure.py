@@ -7,6 +7,7 @@ A failure owns the attempts still running past the deadline (``deadline_action =
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from edgeproxy._core.errors import ProxyError
@@ -69,6 +70,7 @@ class FailureKind(enum.Enum):
     :mod:`edgeproxy._admission.poison`): 502, never tried further, never degraded."""
 
 
+@dataclass(slots=True, eq=False)
 class Failure:
     """A request the regions could not answer: its kind, the error it gets if nothing else
     answers, and the attempts still running past the deadline (``deadline_action =
@@ -80,24 +82,12 @@ class Failure:
     of them went to (None when none was sent), and whether a hedge was (``hedged``).
     """
 
-    __slots__ = ("error", "kind", "pending", "attempts", "region", "hedged")
-
-    def __init__(
-        self,
-        kind: FailureKind,
-        error: ProxyError,
-        pending: Pending | None = None,
-        *,
-        attempts: int = 0,
-        region: str | None = None,
-        hedged: bool = False,
-    ) -> None:
-        self.kind = kind
-        self.error = error
-        self.pending = pending
-        self.attempts = attempts
-        self.region = region
-        self.hedged = hedged
+    kind: FailureKind
+    error: ProxyError
+    pending: Pending | None = None
+    attempts: int = field(default=0, kw_only=True)
+    region: str | None = field(default=None, kw_only=True)
+    hedged: bool = field(default=False, kw_only=True)
 
     def with_error(self, error: ProxyError) -> Failure:
         """The same failure (what was tried) answered with ``error`` instead; it holds

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from dataclasses import dataclass, field
 from typing import Any
 
 from edgeproxy._core.config import Config
@@ -64,6 +65,7 @@ def restart_errors(old: Config, new: Config) -> list[str]:
     return errors
 
 
+@dataclass(eq=False)
 class Generation:
     """What one config opened: regions and their pools, the pipeline, the load view.
 
@@ -71,25 +73,15 @@ class Generation:
     retired generation alike, in reverse order.
     """
 
-    def __init__(
-        self,
-        number: int,
-        config: Config,
-        plugins: Plugins,
-        regions: RegionSet,
-        pipeline: Pipeline,
-        load_view: LoadView | None,
-        stack: contextlib.AsyncExitStack,
-    ) -> None:
-        self.number = number
-        self.config = config
-        self.plugins = plugins
-        self.regions = regions
-        self.pipeline = pipeline
-        self.load_view = load_view
-        self.stack = stack
-        # The tasks of the requests it serves: cut if they outlast its drain.
-        self.tasks: set[asyncio.Task[Any]] = set()
+    number: int
+    config: Config
+    plugins: Plugins
+    regions: RegionSet
+    pipeline: Pipeline
+    load_view: LoadView | None
+    stack: contextlib.AsyncExitStack
+    # The tasks of the requests it serves: cut if they outlast its drain.
+    tasks: set[asyncio.Task[Any]] = field(default_factory=set)
 
     async def close(self) -> None:
         await self.stack.aclose()

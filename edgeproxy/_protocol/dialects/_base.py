@@ -16,6 +16,7 @@ share; Responses and Messages override what differs.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Final, NamedTuple
 
 import orjson
@@ -178,6 +179,7 @@ class StreamWriter:
         return b""
 
 
+@dataclass(slots=True, eq=False)
 class Piece:
     """What one event of a stream being continued carries, as its dialect's :class:`Seam`
     reads it. ``kind`` says what the splice does with a later leg's event:
@@ -196,29 +198,17 @@ class Piece:
     :attr:`other` and :attr:`finish` count there.
     """
 
-    __slots__ = ("kind", "obj", "text", "other", "finish", "usage")
-
-    def __init__(
-        self,
-        kind: str = "drop",
-        obj: Any = None,
-        *,
-        text: str = "",
-        other: bool = False,
-        finish: bool = False,
-        usage: dict[str, Any] | None = None,
-    ) -> None:
-        self.kind = kind
-        self.obj = obj
-        """The event's data, parsed (a later leg's, for :meth:`Seam.write`)."""
-        self.text = text
-        """The answer text the event adds."""
-        self.other = other
-        """Content that cannot be continued: a tool call, thinking, another output item."""
-        self.finish = finish
-        """The answer ended with it (a finish reason, a stop reason, the response done)."""
-        self.usage = usage
-        """The usage it reports, in the API's shape."""
+    kind: str = "drop"
+    obj: Any = None
+    """The event's data, parsed (a later leg's, for :meth:`Seam.write`)."""
+    text: str = field(default="", kw_only=True)
+    """The answer text the event adds."""
+    other: bool = field(default=False, kw_only=True)
+    """Content that cannot be continued: a tool call, thinking, another output item."""
+    finish: bool = field(default=False, kw_only=True)
+    """The answer ended with it (a finish reason, a stop reason, the response done)."""
+    usage: dict[str, Any] | None = field(default=None, kw_only=True)
+    """The usage it reports, in the API's shape."""
 
 
 class Seam:
