@@ -208,7 +208,10 @@ class Pipeline:
                 shed = err  # shed: to the fallback, never upstream
             # The request has entered: what it is is fixed from here on (RequestFacts).
             endpoint = openai_endpoint(ctx.path)
-            ctx.fix(endpoint.name if endpoint is not None else None)
+            ctx.fix(
+                endpoint.name if endpoint is not None else None,
+                guard=self.plugins.guards_facts,
+            )
             if shed is None:
                 if self.models.active and self.models.answers(ctx):
                     # GET /v1/models, once regions list models: the proxy's own merged list.

@@ -142,6 +142,18 @@ class _Hook:
         self.impls = impls
 
 
+# Hooks that run before a request's facts are fixed, after it is answered, or outside any
+# request: none can change a fixed fact.
+_OUTSIDE_THE_REQUEST = frozenset(
+    {
+        "edgeproxy_request_received",
+        "edgeproxy_response_complete",
+        "edgeproxy_startup",
+        "edgeproxy_shutdown",
+    }
+)
+
+
 class Plugins:
     """The plugin manager of one proxy: registration through pluggy, async calls here.
 
@@ -157,6 +169,10 @@ class Plugins:
         # The hooks that have implementations: ``name in plugins.active`` is has(name)
         # without a call, for the checks made several times a request.
         self.active: frozenset[str] = frozenset()
+        # Whether a hook that runs between a request's entry and its answer is implemented:
+        # then the request's facts are guarded (RequestContext.fix), as only a hook could
+        # change one.
+        self.guards_facts = False
 
     # -- registration ----------------------------------------------------
 
@@ -225,6 +241,7 @@ class Plugins:
         """The registered plugins changed: hooks are resolved again."""
         self._cache.clear()
         self.active = frozenset(name for name in hookspecs.hook_names() if self.impls(name))
+        self.guards_facts = not self.active <= _OUTSIDE_THE_REQUEST
 
     def load_configured(self, config: PluginsConfig, *, base_dir: Path | None = None) -> None:
         """Load ``[plugins] enabled`` by dotted path or file path, then entry points.

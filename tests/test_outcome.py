@@ -125,3 +125,31 @@ def test_a_leg_is_a_draft_of_its_own_with_its_own_outcome() -> None:
     assert ctx.outcome.attempts == 2
     with pytest.raises(FixedFact):
         leg.tenant = "other"
+
+
+def test_the_guard_is_armed_only_when_a_hook_after_entry_is_implemented() -> None:
+    from edgeproxy import hookimpl
+    from edgeproxy._plugins import Plugins
+
+    class Observer:
+        @hookimpl
+        def edgeproxy_response_complete(self, ctx: RequestContext) -> None:
+            pass
+
+    class Router:
+        @hookimpl
+        def edgeproxy_route(self, ctx: RequestContext) -> None:
+            pass
+
+    plugins = Plugins()
+    plugins.register(Observer(), "observer")
+    assert not plugins.guards_facts  # nothing between entry and the answer could change a fact
+    plugins.register(Router(), "router")
+    assert plugins.guards_facts
+    plugins.unregister("router")
+    assert not plugins.guards_facts
+    ctx = _context()
+    ctx.fix("chat.completions", guard=False)
+    assert type(ctx) is RequestContext
+    leg = ctx.with_json({"model": "m", "messages": []})
+    assert type(leg) is RequestContext  # a leg is guarded as its request is

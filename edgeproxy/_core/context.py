@@ -179,8 +179,12 @@ class RequestContext(_OutcomeNames):
                     pass
         return self._json
 
-    def fix(self, dialect: str | None) -> RequestFacts:
-        """Fix the request's facts, once it has entered; see :class:`RequestFacts`."""
+    def fix(self, dialect: str | None, *, guard: bool = True) -> RequestFacts:
+        """Fix the request's facts, once it has entered; see :class:`RequestFacts`.
+
+        ``guard``: from here on the context refuses a change to a fact. Only a hook could
+        make one (no stage does), so the pipeline arms the guard when a hook that runs
+        after entry is implemented, and spares the rest of its requests its cost."""
         # Whether it streams is read from a body parsed already (an LLM route's, by
         # admission): a plain HTTP body is not parsed for a fact about LLM answers.
         body = self._json
@@ -196,14 +200,16 @@ class RequestContext(_OutcomeNames):
             (self.client_ip, self.route, dialect, stream, self.tenant, self.body, model),
         )
         self.facts = facts
-        # From here on the context refuses a change to a fact (_Fixed.__setattr__).
-        self.__class__ = _Fixed
+        if guard:
+            # From here on the context refuses a change to a fact (_Fixed.__setattr__).
+            self.__class__ = _Fixed
         return facts
 
     def with_json(self, value: Any) -> RequestContext:
         """Another request like this one with ``value`` as its JSON body and its facts fixed
         anew (a continuation leg's: the conversation with the partial answer)."""
         other = copy.copy(self)
+        guarded = type(self) is _Fixed
         # A draft again until its facts are fixed anew.
         other.__class__ = RequestContext
         other.headers = CIMultiDict(self.headers)
@@ -212,7 +218,7 @@ class RequestContext(_OutcomeNames):
         other.facts = None
         other.set_json(value)
         if facts is not None:
-            other.fix(facts.dialect)
+            other.fix(facts.dialect, guard=guarded)
         return other
 
     def set_json(self, value: Any) -> None:
