@@ -27,9 +27,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Protocol
 
+from edgeproxy._answer.body import body, through
 from edgeproxy._answer.heartbeat import Heartbeat, wants_heartbeats
 from edgeproxy._cache.stage import CacheRecorder
 from edgeproxy._core.answer import Answer, AnswerBroken
@@ -46,7 +47,6 @@ from edgeproxy._protocol.dialects import dialect_named
 from edgeproxy._protocol.endpoints import dialect_for
 from edgeproxy._protocol.headers import strip_hop_by_hop
 from edgeproxy._protocol.modelnames import ModelRewriter
-from edgeproxy._protocol.sse import SSEEvent, SSEEventTooLarge, SSEReader
 from edgeproxy._protocol.usage import UsageTracker
 from edgeproxy._upstream.pool import UpstreamError
 from edgeproxy._upstream.regions import Region
@@ -211,16 +211,31 @@ class Responder:
                     # The attempt's body read here directly, no iterator of its own between.
                     first, rest = upstream.body()
                     try:
-                        await self._body(
-                            request, ctx, rest, recorder, resp.writer, usage, sse=sse, first=first
-                        )
+                        if recorder is None and not transform:
+                            # The common body: its own loop, called here (a frame less
+                            # to resume on every event).
+                            await through(out, rest, resp.writer, usage, sse, first)
+                        else:
+                            await body(
+                                self.plugins,
+                                request,
+                                ctx,
+                                rest,
+                                recorder,
+                                resp.writer,
+                                usage,
+                                sse=sse,
+                                first=first,
+                            )
                     except UpstreamError as exc:
                         upstream.broke(exc)
                         raise
                     upstream.body_done()
                 else:
                     chunks = self._chunks(ctx, upstream)
-                    await self._body(request, ctx, chunks, recorder, resp.writer, usage, sse=sse)
+                    await body(
+                        self.plugins, request, ctx, chunks, recorder, resp.writer, usage, sse=sse
+                    )
             else:
                 await self._spliced(request, ctx, upstream, recorder, resp, usage, splice, legs)
             await resp.write_eof()
@@ -291,7 +306,9 @@ class Responder:
             out.first_byte_at = time.monotonic()
             if splice is None or legs is None:
                 chunks = self._chunks(ctx, upstream)
-                await self._body(request, ctx, chunks, recorder, resp.writer, usage, sse=True)
+                await body(
+                    self.plugins, request, ctx, chunks, recorder, resp.writer, usage, sse=True
+                )
             else:
                 await self._spliced(request, ctx, upstream, recorder, resp, usage, splice, legs)
             await resp.write_eof()
@@ -467,7 +484,7 @@ class Responder:
             for k, v in reply.headers
         )
         chunks = self._chunks(ctx, upstream)
-        await self._body(None, ctx, chunks, recorder, None, None, sse=sse)
+        await body(self.plugins, None, ctx, chunks, recorder, None, None, sse=sse)
 
     async def _reply(
         self,
@@ -535,8 +552,16 @@ class Responder:
         try:
             while True:
                 try:
-                    await self._body(
-                        request, ctx, chunks, recorder, write, usage, sse=True, splice=splice
+                    await body(
+                        self.plugins,
+                        request,
+                        ctx,
+                        chunks,
+                        recorder,
+                        write,
+                        usage,
+                        sse=True,
+                        splice=splice,
                     )
                     break
                 except UpstreamError:
@@ -560,78 +585,6 @@ class Responder:
         finally:
             if leg is not None:
                 await leg.close()
-
-    async def _body(
-        self,
-        request: Exchange | None,
-        ctx: RequestContext,
-        chunks: AsyncIterator[bytes] | None,
-        recorder: CacheRecorder | None,
-        write: Callable[[bytes], Awaitable[None]] | None,
-        usage: UsageTracker | None,
-        *,
-        sse: bool,
-        splice: Splice | None = None,
-        first: bytes | None = None,
-    ) -> None:
-        """The one body loop, and a stream's one parse: ``first``, then ``chunks`` (None:
-        nothing more), each chunk through the plugins; a
-        stream's events read once, as the client gets them, for whatever looks inside (the
-        usage, the cache's recorder and its followers, a continuation's splice); then to
-        ``write`` (through ``splice``, whole events only).
-
-        The events are read from every chunk when the recorder or a splice needs them all;
-        else only where the usage may be: a chunk of whole events (none pending before it)
-        that does not mention it, as the per-token events are, goes by unread."""
-        transform = "edgeproxy_stream_chunk" in self.plugins.active
-        out = ctx.outcome
-        every = splice is not None or (recorder is not None and recorder.reads)
-        reader = SSEReader() if sse and (every or usage is not None) else None
-        pending = first
-        while True:
-            if pending is not None:
-                chunk = pending
-                pending = None
-            elif chunks is None:
-                break
-            else:
-                try:
-                    chunk = await anext(chunks)
-                except StopAsyncIteration:
-                    break
-            if transform:
-                chunk = await self.plugins.call_chain(
-                    "edgeproxy_stream_chunk", "chunk", request=request, ctx=ctx, chunk=chunk
-                )
-                if not chunk:
-                    continue
-            events: list[SSEEvent] | None = None
-            if reader is not None and (
-                every or reader.tail or not chunk.endswith(b"\n\n") or chunk.find(b'"usage"') >= 0
-            ):
-                try:
-                    events = reader.feed(chunk)
-                except SSEEventTooLarge as exc:
-                    if splice is not None:
-                        raise UpstreamError(str(exc)) from exc  # the leg is taken as broken
-                    reader = None
-                    if recorder is not None:
-                        recorder.unreadable()
-            if usage is not None:
-                usage.feed(chunk, events)
-            if recorder is not None:
-                recorder.feed(chunk, events)
-            if splice is not None:
-                chunk = splice.feed(events) if events else b""
-                if not chunk:
-                    continue
-            if write is not None:
-                await write(chunk)
-            out.bytes_out += len(chunk)
-        if recorder is not None:
-            recorder.finish()
-        if usage is not None:
-            out.usage = usage.result()
 
     async def _abort(
         self,
