@@ -25,7 +25,7 @@ from typing import Any
 import orjson
 
 from edgeproxy._protocol.bodies import estimate_prompt_tokens
-from edgeproxy._protocol.dialects import CHAT, Dialect
+from edgeproxy._protocol.dialects import CHAT, COMPLETIONS, Dialect
 from edgeproxy._protocol.endpoints import openai_endpoint
 from edgeproxy._protocol.sse import SSEEvent
 
@@ -44,7 +44,7 @@ class UsageTracker:
     the end.
     """
 
-    __slots__ = ("_sse", "_dialect", "_buf", "_usage", "_overflow", "_body", "_deltas")
+    __slots__ = ("_sse", "_dialect", "_buf", "_usage", "_overflow", "_body", "_deltas", "_mark")
 
     def __init__(self, *, sse: bool, dialect: Dialect = CHAT, body: Any = None) -> None:
         self._sse = sse
@@ -55,6 +55,11 @@ class UsageTracker:
         # For a stream with no usage of its own: the request, and its content events.
         self._body = body
         self._deltas = 0
+        # What marks a content delta, counted for the estimate: only chat's and
+        # completions' streams are estimated (the other APIs' always count themselves).
+        self._mark = (
+            b'"content":"' if dialect is CHAT else b'"text":"' if dialect is COMPLETIONS else None
+        )
 
     @classmethod
     def for_response(
@@ -84,9 +89,10 @@ class UsageTracker:
                 else:
                     self._buf += chunk
             return
-        if self._usage is None:
+        mark = self._mark
+        if mark is not None and self._usage is None:
             # A count in C, for the estimate should the stream carry no usage.
-            self._deltas += chunk.count(b'"content":"') + chunk.count(b'"text":"')
+            self._deltas += chunk.count(mark)
         if events:
             for event in events:
                 # find(), not `in`: for bytes it is about half the cost, once per event.
@@ -113,7 +119,7 @@ class UsageTracker:
             return self._dialect.counted(usage)
         if not self._sse or not self._deltas or not isinstance(self._body, dict):
             return None
-        if self._dialect is not CHAT and self._dialect.name != "completions":
+        if self._mark is None:
             return None  # the other APIs' servers always count their streams
         prompt = estimate_prompt_tokens(self._body)
         return {
