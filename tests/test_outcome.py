@@ -27,6 +27,7 @@ WRITERS = {
     "_obtain/record.py",
     "_cache/stage.py",
     "_answer/responder.py",
+    "_answer/body.py",  # the Responder's body loops
 }
 
 
