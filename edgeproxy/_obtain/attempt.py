@@ -374,23 +374,19 @@ class AttemptResponse:
         too small, the route's ``larger_models``)."""
 
     async def aiter_bytes(self) -> AsyncIterator[bytes]:
-        attempt = self.attempt
-        if attempt.iterator is None:
-            assert attempt.response is not None
-            attempt.iterator = attempt.response.aiter_bytes().__aiter__()
-        elif attempt.first is not None:
-            first, attempt.first = attempt.first, None
-            if first:
-                yield first
-        if attempt.eof:
+        """The body as one iterator: :meth:`body`, with its accounting done here."""
+        first, rest = self.body()
+        if first is not None:
+            yield first
+        if rest is None:
             return
         try:
-            async for chunk in attempt.iterator:
+            async for chunk in rest:
                 yield chunk
         except UpstreamError as exc:
-            attempt.broke(exc)
+            self.broke(exc)
             raise
-        attempt.body_done()
+        self.body_done()
 
     def body(self) -> tuple[bytes | None, AsyncIterator[bytes] | None]:
         """The body as a reader takes it with no iterator of this response's between: the
