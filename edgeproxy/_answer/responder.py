@@ -37,7 +37,7 @@ from edgeproxy._core.answer import Answer, AnswerBroken
 from edgeproxy._core.context import RequestContext, UpstreamReply
 from edgeproxy._core.errors import ProxyError, error_response
 from edgeproxy._core.exchange import Exchange
-from edgeproxy._core.response import ReadyStream, Response, StreamResponse
+from edgeproxy._core.response import Response, StreamResponse
 from edgeproxy._core.types import Headers
 from edgeproxy._obtain.continuation import Leg, Splice
 from edgeproxy._obtain.failover import AttemptResponse
@@ -376,26 +376,19 @@ class Responder:
         self, ctx: RequestContext, answer: Answer, body: bytes | None = None
     ) -> StreamResponse:
         """A whole answer (``body``, else its own), ready for the front end to send: its
-        head and body framed in one go, an SSE body as a stream with no length. Without a
-        coroutine: a cache hit's answer, which holds nothing, comes this way."""
-        out = ctx.outcome
-        parts = answer.parts
-        resp: StreamResponse
-        if parts is not None:
-            resp = ReadyStream(status=answer.status, parts=parts, headers=answer.headers)
-            out.bytes_out += sum(map(len, parts))
-        else:
-            if body is None:
-                body = answer.body or b""
-            if answer.sse:
-                resp = ReadyStream(status=answer.status, parts=[body], headers=answer.headers)
-            else:
-                resp = Response(status=answer.status, body=body, headers=answer.headers)
-            out.bytes_out += len(body)
+        head and body framed in one go (:meth:`Answer.ready`). Without a coroutine: a
+        cache hit's answer, which holds nothing, comes this way."""
+        resp = answer.ready(body)
         if self.draining:
             resp.force_close()
+        out = ctx.outcome
         out.status = answer.status
         out.response_is_sse = answer.sse
+        parts = answer.parts
+        if parts is not None:
+            out.bytes_out += sum(map(len, parts))
+        else:
+            out.bytes_out += len(body if body is not None else answer.body or b"")
         return resp
 
     async def _pieces(
