@@ -330,8 +330,14 @@ async def test_the_write_queue_is_bounded_and_keeps_the_newest() -> None:
 async def test_a_blocking_pool_serves_a_burst_past_its_size(
     redis_server: str, redis_prefix: str
 ) -> None:
+    # The point is that a burst waits for the two connections instead of failing; the
+    # timeouts are wide so that a loaded CI machine's slow round trips cannot fail it.
     config = StatefulConfig(
-        redis_url=redis_server, redis_prefix=redis_prefix + "owner:", redis_max_connections=2
+        redis_url=redis_server,
+        redis_prefix=redis_prefix + "owner:",
+        redis_max_connections=2,
+        redis_timeout=30.0,
+        redis_pool_timeout=60.0,
     )
     maker, reader = Owners(config), Owners(config)
     await maker.open()
