@@ -42,6 +42,8 @@ from edgeproxy._protocol.clientip import client_ip_resolver
 from edgeproxy._protocol.compression import Compression
 from edgeproxy._protocol.endpoints import openai_endpoint
 from edgeproxy._protocol.headers import request_ids
+from edgeproxy._realtime.relay import Drain
+from edgeproxy._realtime.sessions import Sessions
 from edgeproxy._routing.owners import (
     Missing,
     Owner,
@@ -70,6 +72,11 @@ SMALL_BODY = 64 * 1024
 JSON_BODY_LIMIT = 4 * 1024 * 1024
 # What is read of a JSON answer creating a stored object to find its id (objects are small).
 _CREATED_ANSWER_LIMIT = 1024 * 1024
+
+
+# How open WebSocket sessions are closed when the proxy stops, or reloads.
+SHUTDOWN = Drain(1001, "going away", "the proxy is shutting down; reconnect")
+RELOAD = Drain(1012, "service restart", "the proxy is reloading its configuration; reconnect")
 
 
 class Pipeline:
@@ -111,6 +118,10 @@ class Pipeline:
         # a vector store): the requests that refer to it go there.
         self.owners = Owners(config.stateful, clock=regions.clock)
         self.models = ModelList(config, regions, self.failover)
+        # WebSocket sessions (the Realtime API): routed at their handshake, then relayed.
+        self.sessions = Sessions(
+            config, regions, plugins, self.admission, self.obtainer, self.upstream
+        )
         self.in_flight = 0
         # Futures of wait_idle() callers, resolved when in_flight drops to zero.
         self._idle_waiters: list[asyncio.Future[None]] = []
@@ -124,6 +135,13 @@ class Pipeline:
     @draining.setter
     def draining(self, value: bool) -> None:
         self.responder.draining = value
+        if value:
+            self.sessions.drain(SHUTDOWN)
+
+    def retire(self) -> None:
+        """A reload replaced this pipeline: its open sessions end once their response under
+        way is done (1012: reconnect, to the new configuration)."""
+        self.sessions.drain(RELOAD)
 
     async def handle(self, request: Exchange) -> StreamResponse:
         """Answer ``request``. The answer returned was sent already, or (a :class:`Response`
@@ -195,6 +213,11 @@ class Pipeline:
                 if ctx.target != target or ctx.method != method:
                     # A plugin rewrote the request: match its route again.
                     ctx.route = self.config.route_for(ctx.method, ctx.path)
+            if request.websocket and self.sessions.takes(request, ctx):
+                # A WebSocket session: refused as any request until its region accepts it,
+                # then relayed until it ends (its own limits, routing and metering).
+                response = await self.sessions.serve(request, ctx, self.plugins.guards_facts)
+                return response
             # admission: body validation, rate limits, then a slot (may queue, or shed).
             shed: ProxyError | None = None
             route: RoutePlan | Failure | None = None  # the regions ranked, or why none

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from edgeproxy._admission.poison import Poison
-from edgeproxy._admission.ratelimit import RateLimiter, RateTicket, api_key
+from edgeproxy._admission.ratelimit import Charge, RateLimiter, RateTicket, api_key
 from edgeproxy._core.config import Config, RouteConfig
 from edgeproxy._core.errors import ProxyError
 from edgeproxy._core.exchange import Exchange
@@ -203,6 +203,35 @@ class AdmissionStage:
             left = int((ctx.started + route.deadline - time.monotonic()) * 1000)
             ctx.headers[header] = str(left if left > 1 else 1)
         return Admitted(self, route, ticket, counted)
+
+    async def admit_session(self, ctx: RequestContext) -> list[Charge]:
+        """A WebSocket handshake: the checks of :meth:`admit` that a session takes (its
+        priority, a caller limited for poison, the request-rate limits, charged once per
+        session), without a slot: ``[websocket]`` caps sessions. Returns the session's
+        token-unit charges, which each Realtime ``response.create`` is checked against
+        (empty: no token limit applies). Raises ``ProxyError`` (429) as :meth:`admit`."""
+        header = self.config.priority_header
+        if header and not ctx.priority:
+            raw = ctx.headers.get(header)
+            if raw is not None:
+                self._priority(ctx, raw)
+        poison = self.poison
+        if poison is not None and poison.limiting:
+            refused = poison.limited(ctx)
+            if refused is not None:
+                raise refused
+        rate = self.rate
+        self.admitted_total += 1
+        if not rate.enabled:
+            return []
+        key, ip_id = rate.identities(
+            ctx.tenant, api_key(ctx.headers, self.config.key_header), ctx.client_ip or "unknown"
+        )
+        charges = rate.charges(key, ip_id, 1)
+        requests = [c for c in charges if c.limit.unit == "requests"]
+        if requests:
+            await rate.take(requests, 0)
+        return [c for c in charges if c.limit.unit == "tokens"]
 
     async def _rate_limit(
         self, request: Exchange, ctx: RequestContext, body: dict[str, Any] | None

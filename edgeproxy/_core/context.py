@@ -179,18 +179,20 @@ class RequestContext(_OutcomeNames):
                     pass
         return self._json
 
-    def fix(self, dialect: str | None, *, guard: bool = True) -> RequestFacts:
+    def fix(
+        self, dialect: str | None, *, guard: bool = True, model: str | None = None
+    ) -> RequestFacts:
         """Fix the request's facts, once it has entered; see :class:`RequestFacts`.
 
         ``guard``: from here on the context refuses a change to a fact. Only a hook could
         make one (no stage does), so the pipeline arms the guard when a hook that runs
-        after entry is implemented, and spares the rest of its requests its cost."""
+        after entry is implemented, and spares the rest of its requests its cost.
+        ``model``: the model named outside the body (a Realtime session's query)."""
         # Whether it streams is read from a body parsed already (an LLM route's, by
         # admission): a plain HTTP body is not parsed for a fact about LLM answers.
         body = self._json
-        model = None
         stream = False
-        if type(body) is dict:
+        if model is None and type(body) is dict:
             stream = body.get("stream") is True
             named = body.get("model")
             if type(named) is str:

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from edgeproxy._core.websocket import Accept, WebSocket
+
 __all__ = ["Exchange", "TlsInfo", "Writer"]
 
 Writer = Callable[[bytes], Awaitable[None]]
@@ -74,6 +76,17 @@ class Exchange(ABC):
     content_length: int | None
     body_exists: bool
     native: object
+
+    websocket: bool = False
+    """The request is a WebSocket handshake (an HTTP/1.1 Upgrade, an HTTP/2 extended
+    CONNECT, an ASGI ``websocket`` scope), which its front end can :meth:`accept`. Its
+    ``method`` reads ``GET`` whatever the front end, so that routes match it alike."""
+
+    async def accept(self, accept: Accept) -> WebSocket:
+        """Complete the client's WebSocket handshake; the session then goes on in the
+        :class:`~edgeproxy._core.websocket.WebSocket` returned. Refusing it instead is
+        answering the request as any other (a JSON error before the upgrade)."""
+        raise NotImplementedError(f"{type(self).__name__} takes no WebSocket")
 
     @property
     def path(self) -> str:

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-__all__ = ["Continuation", "Outcome"]
+__all__ = ["Continuation", "Outcome", "SessionTotals"]
 
 
 class Continuation(NamedTuple):
@@ -33,6 +33,28 @@ class Continuation(NamedTuple):
     """The region (or ``local``) that took the answer on; ``none`` when none did."""
     outcome: str
     """``continued``, or why not: ``failed``, ``limit``, ``impossible``, ``budget``."""
+
+
+@dataclass(slots=True)
+class SessionTotals:
+    """What a WebSocket session relayed, written as it goes by the session's relay."""
+
+    messages_in: int = 0
+    """Messages from the client relayed to the region."""
+    messages_out: int = 0
+    """Messages from the region relayed to the client."""
+    bytes_in: int = 0
+    """Bytes of the client's messages relayed (the region's are the outcome's
+    ``bytes_out``)."""
+    responses: int = 0
+    """Realtime responses completed (``response.done``)."""
+    refused: int = 0
+    """Client events the proxy answered itself instead of relaying (a token limit)."""
+    close_code: int | None = None
+    """The close code the client was sent, or the one it sent."""
+    ended_by: str | None = None
+    """Who ended the session: ``client``, ``region``, ``idle``, ``drain``, ``limit``,
+    ``proxy``."""
 
 
 @dataclass(slots=True)
@@ -72,6 +94,8 @@ class Outcome:
     """The answer's token counts (a continued stream's summed)."""
     error: str | None = None
     """Why the answer failed or ended early."""
+    session: SessionTotals | None = None
+    """A WebSocket session's totals (None for any other request)."""
     # -- the pipeline, on every way out --------------------------------------------------
     finished_at: float | None = None
     """When the request ended."""

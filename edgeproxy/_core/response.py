@@ -59,6 +59,15 @@ class StreamResponse:
         self._close = False
         self._eof = False
 
+    @classmethod
+    def sent_by(cls, exchange: Exchange, status: int) -> StreamResponse:
+        """An answer its front end sent in its own way (a WebSocket session, once it is
+        over): prepared and ended, for the front end to leave alone."""
+        done = cls(status=status)
+        done._exchange = exchange
+        done._eof = True
+        return done
+
     @property
     def prepared(self) -> bool:
         """Whether the head was sent."""

@@ -23,8 +23,10 @@ string, which may carry secrets), ``route`` (the ``[[routes]]`` name),
 ``tenant``, ``client_ip``, ``country``, ``priority``, ``sse``, ``bytes``
 (body bytes sent), ``ttfb_ms`` (client-perceived, to the response headers),
 ``upstream_ttfb_ms``, ``duration_ms``, ``cache``, ``degraded``, ``error``
-and ``usage`` (the region's token counts, for LLM answers). Timings are
-milliseconds or null. Prompts and answers are never logged.
+and ``usage`` (the region's token counts, for LLM answers). A WebSocket session
+(status 101) is one line when it ends, ``usage`` its responses' sum, with
+``websocket``: messages and bytes each way, Realtime responses, events refused,
+the close code and who ended it. Timings are milliseconds or null. Prompts and answers are never logged.
 """
 
 from __future__ import annotations
@@ -96,6 +98,18 @@ def record(request: Exchange, ctx: RequestContext) -> dict[str, Any]:
     }
     if outcome.continuations:
         _continued(out, outcome.continuations)
+    session = outcome.session
+    if session is not None:
+        # A WebSocket session: one line when it ends, with its totals.
+        out["websocket"] = {
+            "messages_in": session.messages_in,
+            "messages_out": session.messages_out,
+            "bytes_in": session.bytes_in,
+            "responses": session.responses,
+            "refused": session.refused,
+            "close_code": session.close_code,
+            "ended_by": session.ended_by,
+        }
     return out
 
 

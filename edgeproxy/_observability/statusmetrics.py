@@ -25,12 +25,20 @@ from prometheus_client.metrics_core import (
     SummaryMetricFamily,
 )
 
-__all__ = ["InfoOnly", "StatusCollector", "StatusSample", "flatten_status", "gauge_combination"]
+__all__ = [
+    "InfoOnly",
+    "StatusCollector",
+    "StatusSample",
+    "flatten_status",
+    "gauge_combination",
+    "websocket_families",
+]
 
 logger = logging.getLogger("edgeproxy.metrics")
 
-# /status keys the metrics plugin writes itself (no need to read them back).
-_OWN_STATUS_KEYS = frozenset({"recent"})
+# /status keys the metrics plugin writes itself (no need to read them back), or that have
+# series of their own below (their histograms are no flat numbers).
+_OWN_STATUS_KEYS = frozenset({"recent", "websocket"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,6 +239,61 @@ class StatusCollector:
         cache = status.get("cache")
         if isinstance(cache, dict) and isinstance(cache.get("semantic"), dict):
             yield from semantic_families(cache["semantic"])
+        if isinstance(status.get("websocket"), dict):
+            yield from websocket_families(status["websocket"])
+
+
+def _histogram(name: str, doc: str, section: dict[str, Any], key: str) -> Iterator[Metric]:
+    buckets = section.get(f"{key}_histogram")
+    if isinstance(buckets, list):
+        histogram = HistogramMetricFamily(name, doc)
+        histogram.add_metric(
+            [],
+            [(str(le), float(count)) for le, count in buckets],
+            float(section.get(f"{key}_seconds_sum", 0.0)),
+        )
+        yield histogram
+
+
+def websocket_families(ws: dict[str, Any]) -> Iterator[Metric]:
+    """The WebSocket sessions' series, from ``/status``'s ``websocket``: sessions open and
+    their length, refusals by reason, messages and bytes each way, and for the Realtime
+    API the responses and the time from a ``response.create`` to its first delta."""
+    name = "edgeproxy_websocket"
+    opened = GaugeMetricFamily(f"{name}_sessions_open", "WebSocket sessions open now.")
+    opened.add_metric([], float(ws.get("open", 0)))
+    yield opened
+    for key, metric, doc in (
+        ("opened_total", "sessions", "WebSocket sessions accepted."),
+        ("failovers_total", "failovers", "Session handshakes a region failed, tried elsewhere."),
+        ("responses_total", "realtime_responses", "Realtime responses done (response.done)."),
+    ):
+        family = CounterMetricFamily(f"{name}_{metric}", doc)
+        family.add_metric([], float(ws.get(key, 0)))
+        yield family
+    refused = CounterMetricFamily(
+        f"{name}_refused", "Session handshakes refused, by reason.", labels=["reason"]
+    )
+    reasons = ws.get("refused")
+    for reason, count in reasons.items() if isinstance(reasons, dict) else ():
+        refused.add_metric([str(reason)[:32]], float(count))
+    yield refused
+    for unit, doc in (("messages", "Messages relayed"), ("bytes", "Bytes of messages relayed")):
+        family = CounterMetricFamily(
+            f"{name}_{unit}", f"{doc}: in, from clients; out, to clients.", labels=["direction"]
+        )
+        for direction in ("in", "out"):
+            family.add_metric([direction], float(ws.get(f"{unit}_{direction}_total", 0)))
+        yield family
+    yield from _histogram(
+        f"{name}_session_duration_seconds", "Length of the sessions that ended.", ws, "duration"
+    )
+    yield from _histogram(
+        f"{name}_realtime_first_delta_seconds",
+        "Seconds from a Realtime response.create to the response's first delta.",
+        ws,
+        "first_delta",
+    )
 
 
 def semantic_families(semantic: dict[str, Any]) -> Iterator[Metric]:

@@ -36,6 +36,7 @@ __all__ = [
     "MODERATIONS",
     "OpenAIEndpoint",
     "Property",
+    "REALTIME",
     "RESPONSES",
     "dialect_for",
     "endpoint_has",
@@ -44,7 +45,9 @@ __all__ = [
     "openai_endpoint",
 ]
 
-Property = Literal["json_body", "usage", "retry_safe", "cacheable", "deterministic", "local"]
+Property = Literal[
+    "json_body", "usage", "retry_safe", "cacheable", "deterministic", "local", "websocket"
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +74,9 @@ class OpenAIEndpoint:
     dialect: Dialect = OPENAI
     """The API's wire semantics (:mod:`edgeproxy._protocol.dialects`): how its requests,
     streams and errors read and are written."""
+    websocket: bool = False
+    """A WebSocket API (the Realtime API): a session of JSON events both ways, whose
+    wire semantics are :mod:`edgeproxy._protocol.realtime`'s, not a dialect's."""
 
 
 def _charged(
@@ -120,6 +126,20 @@ MESSAGES_COUNT_TOKENS: Final = _uncharged(
     "messages.count_tokens", "/v1/messages/count_tokens", deterministic=True, dialect=COUNT_TOKENS
 )
 
+# The Realtime API: a WebSocket handshake (a GET, or HTTP/2's extended CONNECT), then a
+# session of events; usage comes in each response.done, never cached or retried.
+REALTIME: Final = OpenAIEndpoint(
+    "realtime",
+    "/realtime",
+    json_body=False,
+    usage=True,
+    retry_safe=False,
+    cacheable=False,
+    deterministic=False,
+    local=False,
+    websocket=True,
+)
+
 ENDPOINTS: Final[tuple[OpenAIEndpoint, ...]] = (
     CHAT_COMPLETIONS,
     COMPLETIONS,
@@ -128,6 +148,7 @@ ENDPOINTS: Final[tuple[OpenAIEndpoint, ...]] = (
     MODERATIONS,
     MESSAGES,
     MESSAGES_COUNT_TOKENS,
+    REALTIME,
 )
 
 # The endpoints by name (a request's dialect, fixed at entry in its facts).

@@ -163,16 +163,21 @@ class ModelCatalog:
     def lookup(self, ctx: RequestContext) -> frozenset[str] | None:
         """The regions that may serve this request by its model; None: any region.
 
-        Only POSTs to the LLM endpoints with JSON bodies name a model; one with
+        Only POSTs to the LLM endpoints with JSON bodies, and Realtime sessions (by their
+        facts), name a model; one with
         no ``model`` may go to any region (it answers as it would). Sets
         ``ctx.model``. Raises :class:`ModelError`: 400 when ``model`` is not a
         string, 404 ``model_not_found`` when no region serves it.
         """
         if self._learnt_only and (self._learner is None or not self._learner.version):
             return None
-        if ctx.method != "POST" or not endpoint_has(ctx.path, "json_body"):
+        if ctx.method == "POST" and endpoint_has(ctx.path, "json_body"):
+            model = model_from_body(ctx.json)
+        elif ctx.facts is not None and endpoint_has(ctx.path, "websocket"):
+            # A Realtime session's model: its handshake's query, or its first session.update.
+            model = ctx.facts.model
+        else:
             return None
-        model = model_from_body(ctx.json)
         if model is None:
             return None
         if not isinstance(model, str):

@@ -13,9 +13,19 @@ from multidict import CIMultiDict
 from edgeproxy._core.errors import error_response
 from edgeproxy._core.exchange import Exchange, TlsInfo, Writer
 from edgeproxy._core.response import Response, StreamResponse
+from edgeproxy._core.websocket import Accept, WebSocket, is_websocket_upgrade
 from edgeproxy._server.listener import EdgeRequestHandler
+from edgeproxy._upstream.websocket import AiohttpSocket
 
-__all__ = ["AiohttpExchange", "UnnamedResponse", "send_answer", "web_error", "web_response"]
+__all__ = [
+    "AiohttpExchange",
+    "AiohttpWebSocketExchange",
+    "UnnamedResponse",
+    "exchange_for",
+    "send_answer",
+    "web_error",
+    "web_response",
+]
 
 # The version strings of the requests the listener accepts, made once.
 _HTTP_VERSIONS = {HttpVersion10: "1.0", HttpVersion11: "1.1"}
@@ -131,6 +141,59 @@ class AiohttpExchange(Exchange):
             # connection closes once the event is flushed.
             await writer.write(data, drain=False)
         self.abort()
+
+
+class AiohttpWebSocketExchange(AiohttpExchange):
+    """An aiohttp request asking to upgrade to a WebSocket (HTTP/1.1 Upgrade), which the
+    pipeline refuses as any request or accepts as a session."""
+
+    __slots__ = ("ping_interval",)
+
+    websocket = True
+
+    def __init__(
+        self,
+        request: web.Request,
+        strip_prefix: str = "",
+        server: str = "edgeproxy",
+        ping_interval: float | None = None,
+    ) -> None:
+        super().__init__(request, strip_prefix, server)
+        self.ping_interval = ping_interval
+
+    async def accept(self, accept: Accept) -> WebSocket:
+        ws = web.WebSocketResponse(
+            # The region's choice, among those the client offered (the region saw them all).
+            protocols=(accept.subprotocol,) if accept.subprotocol else (),
+            compress=accept.compress,
+            max_msg_size=accept.max_message,
+            autoping=True,
+            heartbeat=self.ping_interval,
+            writer_limit=accept.buffer,
+            timeout=2.0,
+        )
+        for name, value in accept.headers:
+            ws.headers[name] = value
+        if self.server:
+            ws.headers[hdrs.SERVER] = self.server
+        self.response = ws
+        await ws.prepare(self.request)
+        return AiohttpSocket(ws, beats=self.ping_interval is not None)
+
+
+def exchange_for(
+    request: web.Request,
+    strip_prefix: str,
+    server: str,
+    ping_interval: float | None,
+) -> AiohttpExchange:
+    """The pipeline's exchange for ``request``: a WebSocket handshake's when it asks for
+    one (checked only on a request whose parser saw an Upgrade)."""
+    if request.message.upgrade and is_websocket_upgrade(
+        request.headers.get(hdrs.CONNECTION), request.headers.get(hdrs.UPGRADE)
+    ):
+        return AiohttpWebSocketExchange(request, strip_prefix, server, ping_interval)
+    return AiohttpExchange(request, strip_prefix, server)
 
 
 def _tls(request: web.Request) -> TlsInfo | None:

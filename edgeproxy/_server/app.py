@@ -24,7 +24,7 @@ from edgeproxy._observability.metrics import Metrics
 from edgeproxy._observability.tracing import Tracing
 from edgeproxy._pipeline import JSON_BODY_LIMIT, Pipeline
 from edgeproxy._server.admin import AdminRunner, admin_app
-from edgeproxy._server.aio import AiohttpExchange, send_answer
+from edgeproxy._server.aio import AiohttpExchange, exchange_for, send_answer
 from edgeproxy._server.asgi import AsgiApp
 from edgeproxy._server.generation import (
     Generation,
@@ -394,7 +394,12 @@ class EdgeProxy:
 
     async def _serve(self, request: web.Request, strip_prefix: str) -> web.StreamResponse:
         # serve_exchange() inlined: the aiohttp listener's path is the hottest.
-        exchange = AiohttpExchange(request, strip_prefix, self._server_header)
+        if request.message.upgrade:
+            exchange: AiohttpExchange = exchange_for(
+                request, strip_prefix, self._server_header, self.config.websocket.ping_interval
+            )
+        else:
+            exchange = AiohttpExchange(request, strip_prefix, self._server_header)
         generation = self._generation
         if generation is None:
             raise RuntimeError("the proxy is not open: run its app, or call start()")
@@ -697,6 +702,9 @@ class EdgeProxy:
             },
             "cache": self._pipeline.cache.status() if self._pipeline is not None else None,
             "stateful": (self._pipeline.owners.snapshot() if self._pipeline is not None else None),
+            "websocket": (
+                self._pipeline.sessions.snapshot() if self._pipeline is not None else None
+            ),
             "shared_load": self._load_view.snapshot() if self._load_view is not None else None,
             "generation": self._generation.number if self._generation is not None else None,
             "retiring_generations": len(self._retiring),

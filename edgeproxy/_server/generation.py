@@ -105,6 +105,8 @@ async def open_generation(number: int, config: Config, plugins: Plugins) -> Gene
         # The owners of stored objects: Redis when configured (else this process's memory).
         await pipeline.owners.open()
         stack.push_async_callback(pipeline.owners.close)
+        # The sessions' client to the regions' WebSockets.
+        stack.push_async_callback(pipeline.sessions.close)
         # The router lets go of its geo database once the regions are closed.
         stack.callback(pipeline.router.close)
         # Closing the regions stops the health checks too.
@@ -203,6 +205,7 @@ class Retiring:
 
 
 async def _retire(old: Generation, grace: float, stopped: frozenset[str], proxy: object) -> None:
+    old.pipeline.retire()
     try:
         if not await old.pipeline.wait_idle(grace):
             logger.warning(

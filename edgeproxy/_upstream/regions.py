@@ -40,7 +40,7 @@ from edgeproxy._upstream.pool import (
 from edgeproxy._upstream.prefixindex import PrefixIndex
 from edgeproxy._upstream.reported import LoadScraper, ReportedLoad
 
-__all__ = ["Endpoint", "LatencyWindow", "PeakEwma", "Region", "RegionSet"]
+__all__ = ["Endpoint", "LatencyWindow", "PeakEwma", "Region", "RegionSet", "websocket_tls"]
 
 # How often an endpoint that could not be reached is tried again in the background.
 _REWARM_INTERVAL = 2.0
@@ -55,6 +55,12 @@ def _ssl_context(config: Config, alpn: list[str]) -> ssl.SSLContext:
         ctx.verify_mode = ssl.CERT_NONE
     ctx.set_alpn_protocols(alpn)
     return ctx
+
+
+def websocket_tls(config: Config) -> ssl.SSLContext:
+    """The TLS a session's WebSocket to a region takes: HTTP/1.1 (its Upgrade), verified
+    as ``[upstream]`` says."""
+    return _ssl_context(config, ["http/1.1"])
 
 
 def _make_pool(

@@ -47,6 +47,7 @@ from edgeproxy._core.config.routing import HealthConfig, RoutingConfig
 from edgeproxy._core.config.server import AdminConfig, LimitsConfig, PopConfig, ServerConfig
 from edgeproxy._core.config.sharedload import SharedLoadConfig
 from edgeproxy._core.config.stateful import StatefulConfig
+from edgeproxy._core.config.websocket import WebSocketConfig
 from edgeproxy._core.config.upstream import RegionConfig, UpstreamConfig
 
 __all__ = [
@@ -80,6 +81,7 @@ __all__ = [
     "ServerConfig",
     "SharedLoadConfig",
     "StatefulConfig",
+    "WebSocketConfig",
     "TracingConfig",
     "UpstreamConfig",
     "check_header_name",

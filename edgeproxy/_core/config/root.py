@@ -26,6 +26,7 @@ from edgeproxy._core.config.routing import HealthConfig, RoutingConfig
 from edgeproxy._core.config.server import AdminConfig, LimitsConfig, PopConfig, ServerConfig
 from edgeproxy._core.config.sharedload import SharedLoadConfig
 from edgeproxy._core.config.stateful import StatefulConfig
+from edgeproxy._core.config.websocket import WebSocketConfig
 from edgeproxy._core.config.upstream import RegionConfig, UpstreamConfig
 
 __all__ = ["Config"]
@@ -81,6 +82,10 @@ class Config(Section):
     stateful: StatefulConfig = Field(
         default_factory=StatefulConfig,
         description="Stateful requests sent to the region holding their state.",
+    )
+    websocket: WebSocketConfig = Field(
+        default_factory=WebSocketConfig,
+        description="WebSocket sessions (the Realtime API): limits and keep-alive.",
     )
     geo: GeoConfig = Field(default_factory=GeoConfig, description="Client geo and residency.")
     admission: AdmissionConfig = Field(

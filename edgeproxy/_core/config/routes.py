@@ -232,6 +232,14 @@ class RouteConfig(Section):
         "token bound below 1; off: such requests go to the regions, as any other.",
     )
 
+    websocket: Literal["realtime", "any", "off"] = Field(
+        "realtime",
+        description="WebSocket handshakes this route takes: 'realtime' those to a Realtime "
+        "endpoint (a path ending /realtime: routed by model, metered by its events); 'any' "
+        "those to any path as well (relayed as they are: routing, limits and metrics only); "
+        "'off' none (a handshake is answered as a plain request).",
+    )
+
     pass_response_headers: list[str] = Field(
         default_factory=list,
         description="Region response headers this route passes to clients, of those dropped "

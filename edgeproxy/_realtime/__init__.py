@@ -1,0 +1,1 @@
+"""WebSocket sessions: the Realtime API and plain WebSockets, relayed to the regions."""
