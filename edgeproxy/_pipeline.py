@@ -120,7 +120,7 @@ class Pipeline:
         self.models = ModelList(config, regions, self.failover)
         # WebSocket sessions (the Realtime API): routed at their handshake, then relayed.
         self.sessions = Sessions(
-            config, regions, plugins, self.admission, self.obtainer, self.upstream
+            config, regions, plugins, self.admission, self.obtainer, self.upstream, self.owners
         )
         self.in_flight = 0
         # Futures of wait_idle() callers, resolved when in_flight drops to zero.

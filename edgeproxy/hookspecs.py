@@ -82,6 +82,9 @@ def edgeproxy_request_received(
     for JSON bodies, ``ctx.tenant`` and ``ctx.priority``. Return a response
     (for example a 401, or a static answer) to answer directly.
 
+    A WebSocket handshake (``request.websocket``; a Realtime session at a path ending
+    ``/realtime``) comes here first too: a response refuses it before the upgrade.
+
     *First result wins*: the first non-``None`` result (a response) is
     sent, and later implementations do not run.
     """
@@ -95,6 +98,9 @@ def edgeproxy_route(
 
     Return a new list to override or filter them (an empty list answers 503
     ``no_region``), or ``None`` to keep the router's choice.
+
+    A WebSocket session is routed here at its handshake, and its regions are tried in
+    this order until one completes its own; the session then stays on that region.
 
     *First result wins*: the first non-``None`` result is used, and later
     implementations do not run.
@@ -169,6 +175,10 @@ def edgeproxy_response_complete(request: Exchange, ctx: RequestContext) -> Await
     for LLM answers, ``ctx.usage`` (the upstream's token counts). These are the fields of
     the request's outcome, ``ctx.outcome`` (an ``Outcome`` record: also its cache status,
     degradation, hedge and continuations), read the same on the context.
+
+    A WebSocket session calls it once, when the session ends: ``ctx.status`` is 101,
+    ``ctx.usage`` the sum of its Realtime responses' usage, and ``ctx.outcome.session``
+    its totals (messages and bytes each way, responses, the close code, who ended it).
 
     The request is answered: an implementation may change ``ctx`` for the ones after
     it (a client address anonymized for the access log, say), its facts included;

@@ -59,7 +59,7 @@ class Accept:
     """The subprotocol chosen among those the client offered (the region's choice)."""
     headers: tuple[tuple[str, str], ...] = ()
     """Extra response headers (``x-edgeproxy-region``, the request id)."""
-    max_message: int = 16 * 1024 * 1024
+    max_message: int = 4 * 1024 * 1024
     """The largest message taken from the client; past it the session closes with 1009."""
     compress: bool = True
     """permessage-deflate, when the client offers it."""

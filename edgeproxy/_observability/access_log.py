@@ -26,7 +26,8 @@ string, which may carry secrets), ``route`` (the ``[[routes]]`` name),
 and ``usage`` (the region's token counts, for LLM answers). A WebSocket session
 (status 101) is one line when it ends, ``usage`` its responses' sum, with
 ``websocket``: messages and bytes each way, Realtime responses, events refused,
-the close code and who ended it. Timings are milliseconds or null. Prompts and answers are never logged.
+the close code and who ended it. Timings are milliseconds or null. Prompts and
+answers are never logged.
 """
 
 from __future__ import annotations

@@ -27,9 +27,12 @@ __all__ = [
     "ClientEvent",
     "client_event",
     "error_event",
+    "query_call",
     "query_model",
+    "query_value",
     "region_event_type",
     "region_usage",
+    "session_id",
     "session_model",
     "sum_usage",
 ]
@@ -92,13 +95,34 @@ def _READ_WHOLE(kind: str) -> bool:  # noqa: N802 - a predicate table, read as a
     return kind == "response.done" or kind.startswith("session.") or kind == "error"
 
 
-def query_model(target: str) -> str | None:
-    """The ``model=`` of a handshake's query string (OpenAI's ``/v1/realtime?model=...``)."""
+def query_value(target: str, name: str) -> str | None:
+    """The value of ``name`` in a handshake's query string (the last, when repeated)."""
     _, _, query = target.partition("?")
     if not query:
         return None
-    values = parse_qs(query, keep_blank_values=False).get("model")
+    values = parse_qs(query, keep_blank_values=False).get(name)
     return values[-1] if values else None
+
+
+def query_model(target: str) -> str | None:
+    """The ``model=`` of a handshake's query string (OpenAI's ``/v1/realtime?model=...``)."""
+    return query_value(target, "model")
+
+
+def query_call(target: str) -> str | None:
+    """The ``call_id=`` of a handshake's query: a session joining a call (a WebRTC or SIP
+    call's sideband, or a session reconnecting to the region that holds it)."""
+    return query_value(target, "call_id")
+
+
+def session_id(body: dict[str, Any]) -> str | None:
+    """The id of the session a region's ``session.created`` made."""
+    session = body.get("session")
+    if isinstance(session, dict):
+        found = session.get("id")
+        if isinstance(found, str) and found:
+            return found
+    return None
 
 
 def session_model(body: dict[str, Any]) -> str | None:

@@ -17,6 +17,7 @@ from edgeproxy._protocol.realtime import (
     error_event,
     region_event_type,
     region_usage,
+    session_id,
     session_model,
     sum_usage,
 )
@@ -38,6 +39,7 @@ class Meter:
         "_first_delta",
         "_rate",
         "_tickets",
+        "created",
         "model",
         "open_responses",
         "responses",
@@ -63,6 +65,8 @@ class Meter:
         self.responses = 0
         self.usage: dict[str, Any] | None = None
         self.model: str | None = None
+        # Told the id of the session its region made (its owner is that region).
+        self.created: Callable[[str], object] | None = None
 
     @property
     def busy(self) -> bool:
@@ -122,6 +126,10 @@ class Meter:
             model = session_model(body)
             if model is not None:
                 self.model = model
+            if kind == "session.created" and self.created is not None:
+                made = session_id(body)
+                if made is not None:
+                    self.created(made)
 
     def abandon(self) -> None:
         """The session ended: a response asked for and never done keeps the estimate it

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any, Final
 
 from edgeproxy._admission.admission import AdmissionStage
+from edgeproxy._cache.keys import cache_scope
 from edgeproxy._core.config import Config
 from edgeproxy._core.context import RequestContext
 from edgeproxy._core.errors import ProxyError
@@ -35,9 +36,16 @@ from edgeproxy._obtain.forward import UpstreamStage
 from edgeproxy._obtain.obtainer import Obtainer
 from edgeproxy._plugins import Plugins
 from edgeproxy._protocol.endpoints import openai_endpoint
-from edgeproxy._protocol.realtime import client_event, error_event, query_model, session_model
+from edgeproxy._protocol.realtime import (
+    client_event,
+    error_event,
+    query_call,
+    query_model,
+    session_model,
+)
 from edgeproxy._realtime.meter import Meter
 from edgeproxy._realtime.relay import Drain, Relay
+from edgeproxy._routing.owners import Owner, Owners
 from edgeproxy._routing.routeplan import RoutePlan
 from edgeproxy._upstream.pool import split_origin
 from edgeproxy._upstream.regions import Region, RegionSet, websocket_tls
@@ -90,6 +98,7 @@ class Sessions:
         admission: AdmissionStage,
         obtainer: Obtainer,
         upstream: UpstreamStage,
+        owners: Owners,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
@@ -99,6 +108,7 @@ class Sessions:
         self.admission = admission
         self.obtainer = obtainer
         self.upstream = upstream
+        self.owners = owners
         self.clock = clock
         self.sockets = RegionSockets(
             connect_timeout=self.settings.connect_timeout,
@@ -213,8 +223,10 @@ class Sessions:
             if realtime and model is None:
                 return await self._model_first(request, ctx, meter, guard)
             ctx.fix("realtime" if realtime else None, guard=guard, model=model)
-            plan = await self._plan(request, ctx)
+            plan = await self._plan(request, ctx, await self._owner(ctx) if realtime else None)
             region, socket = await self._connect(request, ctx, plan)
+            if meter is not None:
+                self._owns(meter, ctx, region)
             client = await request.accept(self._accept(ctx, region, socket))
             return await self._run(request, ctx, client, socket, meter)
         finally:
@@ -234,11 +246,44 @@ class Sessions:
         self.refused[reason] = self.refused.get(reason, 0) + 1
         return error
 
-    async def _plan(self, request: Exchange, ctx: RequestContext) -> RoutePlan:
+    async def _owner(self, ctx: RequestContext) -> str | None:
+        """The region holding the call or session a handshake joins (``call_id=``); None
+        when any may take it. An id of another scope is the API's 404; one known nowhere
+        is routed as any session (it may have been made where the proxy cannot see)."""
+        call = query_call(ctx.target)
+        owners = self.owners
+        if call is None or not owners.enabled:
+            return None
+        known = await owners.owner(call)
+        if not isinstance(known, Owner):
+            return None
+        if not owners.allows(known, cache_scope(ctx)):
+            owners.other_scope_total += 1
+            raise ProxyError(
+                404,
+                "invalid_request_error",
+                f"Call with id '{call}' not found.",
+                code="call_not_found",
+                param="call_id",
+            )
+        return known.region if known.region in self.regions.by_name else None
+
+    def _owns(self, meter: Meter, ctx: RequestContext, region: Region) -> None:
+        """The session the region makes is its own: a handshake joining it goes there."""
+        owners = self.owners
+        if owners.enabled:
+            scope = cache_scope(ctx)
+            name = region.name
+            # Not waited for: the id reaches the client before any other PoP is asked.
+            meter.created = lambda made: owners.remember(made, name, scope)
+
+    async def _plan(
+        self, request: Exchange, ctx: RequestContext, owner: str | None = None
+    ) -> RoutePlan:
         if "edgeproxy_route" in self.plugins.active:
-            plan = await self.obtainer.route(request, ctx)
+            plan = await self.obtainer.route(request, ctx, owner=owner)
         else:
-            plan = self.obtainer.ranked(ctx)
+            plan = self.obtainer.ranked(ctx, owner=owner)
         if isinstance(plan, Failure):
             self.refused["route"] = self.refused.get("route", 0) + 1
             raise plan.error
@@ -403,14 +448,16 @@ class Sessions:
                 model = session_model(event.body)
         ctx.fix("realtime", guard=guard, model=model)
         try:
-            plan = await self._plan(request, ctx)
-            _, socket = await self._connect(request, ctx, plan)
+            plan = await self._plan(request, ctx, await self._owner(ctx))
+            region, socket = await self._connect(request, ctx, plan)
         except ProxyError as err:
             ctx.outcome.status = err.status
             ctx.outcome.error = err.code or err.type
             await _close_with(client, err)
             return StreamResponse.sent_by(request, 101)
         assert not isinstance(first, Closed)
+        if meter is not None:
+            self._owns(meter, ctx, region)
         return await self._run(request, ctx, client, socket, meter, first)
 
     # -- /status --------------------------------------------------------------------

@@ -24,9 +24,10 @@ class WebSocketConfig(Section):
         "the next region is tried.",
     )
     max_message_size: Count = Field(
-        16 * 1024 * 1024,
-        description="Largest message relayed either way, in bytes (a Realtime audio append "
-        "is base64 in JSON); past it the session closes with 1009.",
+        4 * 1024 * 1024,
+        description="Largest message relayed either way, in bytes; past it the session "
+        "closes with 1009. A Realtime client appends audio in chunks of a few KiB; each "
+        "session may hold one message this size each way, so it bounds their memory.",
     )
     buffer: Count = Field(
         1024 * 1024,
