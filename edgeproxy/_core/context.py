@@ -314,7 +314,7 @@ def start_context(
     # keyword defaults costs more than the stores, once per request.
     out: Outcome = _new(Outcome)
     out.region = out.upstream_ttfb = out.degraded = out.cache = out.cache_key = None
-    out.first_byte_at = out.usage = out.error = out.finished_at = None
+    out.first_byte_at = out.usage = out.error = out.finished_at = out.session = None
     out.attempts = out.status = out.bytes_out = 0
     out.hedged = out.response_is_sse = False
     out.continuations = ()

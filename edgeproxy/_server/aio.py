@@ -188,8 +188,8 @@ def exchange_for(
     ping_interval: float | None,
 ) -> AiohttpExchange:
     """The pipeline's exchange for ``request``: a WebSocket handshake's when it asks for
-    one (checked only on a request whose parser saw an Upgrade)."""
-    if request.message.upgrade and is_websocket_upgrade(
+    one."""
+    if is_websocket_upgrade(
         request.headers.get(hdrs.CONNECTION), request.headers.get(hdrs.UPGRADE)
     ):
         return AiohttpWebSocketExchange(request, strip_prefix, server, ping_interval)

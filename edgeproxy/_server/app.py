@@ -11,7 +11,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from aiohttp import web
+from aiohttp import hdrs, web
 from aiohttp.typedefs import Middleware
 from aiohttp.web_urldispatcher import AbstractResource
 from yarl import URL
@@ -394,7 +394,7 @@ class EdgeProxy:
 
     async def _serve(self, request: web.Request, strip_prefix: str) -> web.StreamResponse:
         # serve_exchange() inlined: the aiohttp listener's path is the hottest.
-        if request.message.upgrade:
+        if hdrs.UPGRADE in request.headers:
             exchange: AiohttpExchange = exchange_for(
                 request, strip_prefix, self._server_header, self.config.websocket.ping_interval
             )
