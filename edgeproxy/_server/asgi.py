@@ -327,6 +327,9 @@ class AsgiApp:
     Mounted without either, the proxy opens on its first request, once, with a warning
     that says how to open and close it properly (it is then closed by nobody).
 
+    A ``websocket`` scope is a handshake the pipeline accepts or refuses like any
+    request (see :mod:`edgeproxy._server.asgiws`).
+
     A server may put a callable in the scope's ``extensions["edgeproxy.reset"]``: an
     aborted answer calls it to reset the request's stream at once (the HTTP/2 listener
     does; otherwise the application raises :class:`AnswerAborted` to its server). One in
@@ -346,9 +349,13 @@ class AsgiApp:
             await self._http(scope, receive, send)
         elif kind == "lifespan":
             await self._lifespan(receive, send)
+        elif kind == "websocket":
+            # Imported here: the WebSocket exchange builds on this module's helpers.
+            from edgeproxy._server import asgiws
+
+            await asgiws.serve(self, scope, receive, send)
         else:
-            # WebSockets are not proxied: refuse the handshake.
-            await send({"type": "websocket.close", "code": 1003})
+            raise ValueError(f"unknown ASGI scope type {kind!r}")
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         proxy = self.proxy
@@ -372,7 +379,7 @@ class AsgiApp:
         if exchange.aborted:
             raise AnswerAborted("the answer was aborted")
 
-    async def _answer(self, exchange: AsgiExchange) -> StreamResponse:
+    async def _answer(self, exchange: Exchange) -> StreamResponse:
         if not self.proxy.is_open and not await self._open_on_first_request():
             return own_answer(
                 ProxyError(
