@@ -21,6 +21,11 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from edgeproxy import EdgeProxy, Response, hookimpl
+from edgeproxy._core.config import Config
+from edgeproxy._core.context import start_context
+from edgeproxy._core.outcome import SessionTotals
+from edgeproxy._observability.access_log import record
+from edgeproxy._protocol.headers import request_ids
 
 from .conftest import ProxyFactory, eventually
 
@@ -431,8 +436,8 @@ async def test_a_thousand_idle_sessions_and_their_memory(
         try:
             before = tracemalloc.take_snapshot()
             opened: list[aiohttp.ClientWebSocketResponse] = []
-            for batch in range(sessions // 100):
-                more = await asyncio.gather(*(open_session(http, proxy) for _ in range(100)))
+            for _ in range(sessions // 100):
+                more = await asyncio.gather(*(open_session(http, proxy) for _i in range(100)))
                 opened.extend(more)
             for ws in opened:
                 await ws.receive_str()
@@ -459,19 +464,7 @@ async def test_a_thousand_idle_sessions_and_their_memory(
     await eventually(lambda: proxy.status()["websocket"]["open"] == 0)
 
 
-def test_a_sessions_access_log_line(tmp_path: Any) -> None:
-    from edgeproxy._core.outcome import SessionTotals
-    from edgeproxy._observability.access_log import record
-
-    class Ctx:
-        pass
-
-    from multidict import CIMultiDict
-
-    from edgeproxy._core.config import Config
-    from edgeproxy._core.context import start_context
-    from edgeproxy._protocol.headers import request_ids
-
+def test_a_sessions_access_log_line() -> None:
     rid, trace = request_ids(None, None)
     config = Config.from_mapping(
         {"regions": [{"name": "r", "url": "http://127.0.0.1:1"}]}, environ={}
@@ -492,9 +485,14 @@ def test_a_sessions_access_log_line(tmp_path: Any) -> None:
     ctx.outcome.status = 101
     ctx.outcome.usage = {"total_tokens": 3}
     ctx.outcome.session = SessionTotals(
-        messages_in=2, messages_out=5, bytes_in=10, responses=1, close_code=1000, ended_by="client"
+        messages_in=2,
+        messages_out=5,
+        bytes_in=10,
+        responses=1,
+        close_code=1000,
+        ended_by="client",
     )
-    line = record(object(), ctx)  # type: ignore[arg-type]
+    line = record(None, ctx)  # type: ignore[arg-type]
     assert line["status"] == 101 and line["path"] == "/v1/realtime"
     assert line["websocket"]["messages_out"] == 5 and line["websocket"]["ended_by"] == "client"
     assert orjson.dumps(line)
