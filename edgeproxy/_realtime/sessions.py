@@ -113,7 +113,7 @@ class Sessions:
         self.sockets = RegionSockets(
             connect_timeout=self.settings.connect_timeout,
             max_message=self.settings.max_message_size,
-            compress=self.settings.compression,
+            compress=self.settings.compression == "both",
             ping_interval=self.settings.ping_interval,
             tls=lambda: websocket_tls(config),
         )
@@ -377,7 +377,7 @@ class Sessions:
             subprotocol=socket.subprotocol,
             headers=(("x-edgeproxy-region", region.name), ("x-request-id", ctx.request_id)),
             max_message=settings.max_message_size,
-            compress=settings.compression,
+            compress=settings.compression != "off",
             buffer=settings.buffer,
         )
 
@@ -431,7 +431,7 @@ class Sessions:
             Accept(
                 headers=(("x-request-id", ctx.request_id),),
                 max_message=settings.max_message_size,
-                compress=settings.compression,
+                compress=settings.compression != "off",
                 buffer=settings.buffer,
             )
         )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from edgeproxy._core.config.base import Section
@@ -57,7 +59,9 @@ class WebSocketConfig(Section):
         description="Most sessions open for one tenant (as the entry hooks set it; 0: no "
         "cap); past it, 429 at the handshake.",
     )
-    compression: bool = Field(
-        True,
-        description="permessage-deflate toward the client and the region, where each offers it.",
+    compression: Literal["client", "both", "off"] = Field(
+        "client",
+        description="permessage-deflate: 'client', toward a client that offers it (the edge "
+        "link, where bytes cost time); 'both', offered to the regions as well; 'off'. Each "
+        "compressed link holds a deflate state of some 150 KiB per session.",
     )
