@@ -291,3 +291,21 @@ async def test_a_token_limit_answers_response_create_with_an_error_event() -> No
     client.incoming.put_nowait(Closed(1000))
     await task
     assert outcome.session is not None and outcome.session.refused == 1
+
+
+async def test_a_response_create_spelt_with_json_escapes_is_still_checked() -> None:
+    from edgeproxy._admission.ratelimit import RateLimiter
+    from edgeproxy._core.config import AdmissionConfig
+
+    limiter = RateLimiter(AdmissionConfig(key_tokens_per_minute=1))
+    charges = [c for c in limiter.charges("tenant", "ip", 1) if c.limit.unit == "tokens"]
+    meter = Meter(rate=limiter, charges=charges, first_delta=lambda _: None)
+    spelt = '{"type":"response\\u002ecreate"}'
+    assert orjson.loads(spelt)["type"] == "response.create"
+    first = meter.from_client(spelt)
+    assert first is not None and await first is None  # within the limit: relayed
+    second = meter.from_client(spelt)
+    assert second is not None
+    refusal = await second
+    assert refusal is not None and "rate_limit_exceeded" in refusal
+    assert meter.from_client('{"type":"input_audio_buffer.append","audio":"AAAA"}') is None

@@ -40,6 +40,7 @@ class WsRegion:
         self.refuse: int | None = None
         self.hold: asyncio.Event | None = None
         self.handshakes = 0
+        self.flooded = 0
         self.open = 0
         self.seen: list[str] = []
         self.headers: list[CIMultiDict[str]] = []
@@ -95,6 +96,12 @@ class WsRegion:
                     kind = json.loads(msg.data).get("type")
                 except ValueError:
                     kind = None
+                if kind == "flood":
+                    # Deltas as fast as the proxy takes them, counted as they go.
+                    chunk = "A" * 65536
+                    while True:
+                        await ws.send_str(chunk)
+                        self.flooded += len(chunk)
                 if kind == "response.create":
                     await ws.send_str(json.dumps({"type": "response.created"}))
                     await ws.send_str(
@@ -349,6 +356,40 @@ async def test_a_drain_lets_the_response_under_way_finish_then_closes_with_1001(
     assert done["type"] == "response.done"
     assert closing["error"]["code"] == "session_closing"
     assert close.type is aiohttp.WSMsgType.CLOSE and close.data == 1001
+
+
+async def test_a_client_that_never_reads_holds_the_proxy_to_its_buffer_bound(
+    ws_region: RegionMaker, make_proxy: ProxyFactory
+) -> None:
+    region = await ws_region("r")
+    buffer = 256 * 1024
+    proxy = await make_proxy(tables(region), websocket={"buffer": buffer})
+    reader = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=reader) as http:
+        ws = await open_session(http, proxy)
+        await ws.receive_str()
+        # The client's socket stops being read from here on.
+        transport = ws._response.connection.transport  # type: ignore[union-attr]
+        assert transport is not None
+        transport.pause_reading()
+        await ws.send_str(json.dumps({"type": "flood"}))
+        (relay,) = proxy.pipeline.sessions._open
+        # However long the region pushes, what the proxy holds toward the client stays
+        # within its bound (one message over it at most), and the region is stopped.
+        last = -1
+        for _ in range(50):
+            await eventually(lambda: region.flooded > 0)
+            held = relay.client.buffered()
+            assert held <= buffer + 65536 + 1024, held
+            if region.flooded == last:
+                break
+            last = region.flooded
+            await asyncio.sleep(0.05)
+        assert region.flooded < 64 * 1024 * 1024
+        transport.resume_reading()
+        await ws.close()
+    # The region, flooding still, never answers the proxy's close: it is cut loose.
+    await eventually(lambda: proxy.status()["websocket"]["open"] == 0)
 
 
 async def test_a_reload_closes_open_sessions_with_1012_and_takes_new_ones(

@@ -45,6 +45,10 @@ def _sendable(code: int) -> bool:
     return code in _SENDABLE or 3000 <= code <= 4999
 
 
+# Sessions whose sides are being closed (see Relay.run), held until they are.
+_ENDING: set[asyncio.Task[None]] = set()
+
+
 @dataclass(frozen=True, slots=True)
 class Drain:
     """Why open sessions are being closed: the close code and the error event's words."""
@@ -125,35 +129,40 @@ class Relay:
         try:
             await self._ended.wait()
         except asyncio.CancelledError:
-            # Cut (a drain's grace is over, the proxy stops): the client hears why.
+            # Cut (a drain's grace is over, the proxy stops, the client's connection went):
+            # the client hears why, where it still can.
             drain = self._drain
+            message = drain.message if drain is not None else "the proxy is shutting down"
             self._finish(
                 _End(
                     "drain" if drain is not None else "proxy",
                     drain.code if drain is not None else GOING_AWAY,
                     drain.reason if drain is not None else "the proxy is shutting down",
-                    self._event(
-                        drain.message if drain is not None else "the proxy is shutting down",
-                        "session_closing",
-                    ),
+                    self._event(message, "session_closing"),
                 )
             )
-            await self._close()
             raise
         finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            if self.meter is not None:
-                self.meter.abandon()
+            # The sides are closed in a task of their own, which a second cancellation
+            # cannot cut short: a side left open would hold its connection (and a region's
+            # session) until the peer gave up. Each close is bounded.
+            ending = asyncio.get_running_loop().create_task(self._end_sides(tasks))
+            _ENDING.add(ending)
+            ending.add_done_callback(_ENDING.discard)
+            await asyncio.shield(ending)
+
+    async def _end_sides(self, tasks: list[asyncio.Task[None]]) -> None:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self.meter is not None:
+            self.meter.abandon()
         await self._close()
 
     async def _close(self) -> None:
         end = self._end
         assert end is not None
         totals = self.totals
-        if totals.close_code is not None:
-            return  # closed already (cancelled while closing)
         totals.close_code = end.code
         totals.ended_by = end.by
         if self.outcome.error is None and end.by not in ("client",):

@@ -110,7 +110,10 @@ class AiohttpSocket(WebSocket):
         if ws.closed:
             return
         try:
-            async with asyncio.timeout(_CLOSE_WAIT):
+            # aiohttp gives up on a peer's close frame after _CLOSE_WAIT and lets the
+            # connection go; this bounds a close frame stuck behind a peer that does not
+            # read (cancelled, aiohttp closes the transport).
+            async with asyncio.timeout(_CLOSE_WAIT + 1.0):
                 await ws.close(code=code, message=reason.encode()[:123])
         except (TimeoutError, ConnectionError, RuntimeError):
             pass
