@@ -32,6 +32,7 @@ from edgeproxy._server.h2flow import FlowSite, H2Flow
 from edgeproxy._server.h2limits import H2Limits
 from edgeproxy._server.h2request import head_refusal, header_list_size, request_fields
 from edgeproxy._server.h2serverengine import MalformedRequest, SelfDependent, ServerEngine
+from edgeproxy._server.h2websocket import WEBSOCKET, H2WebSocketExchange
 
 __all__ = ["ConnectionSite", "H2Connection"]
 
@@ -102,7 +103,8 @@ class H2Connection(H2Flow, H2Limits, asyncio.Protocol):
                 jh2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: self.max_streams,
                 jh2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: list_size,
                 jh2.settings.SettingCodes.INITIAL_WINDOW_SIZE: _STREAM_WINDOW,
-                jh2.settings.SettingCodes.ENABLE_CONNECT_PROTOCOL: 0,
+                # WebSockets over HTTP/2 (RFC 8441): h2websocket.
+                jh2.settings.SettingCodes.ENABLE_CONNECT_PROTOCOL: 1,
             },
         )
         # A block past the size advertised is decoded still, to answer 431 on its stream
@@ -317,8 +319,8 @@ class H2Connection(H2Flow, H2Limits, asyncio.Protocol):
         elif kind is jh2.events.StreamReset:
             stream = self.streams.get(event.stream_id)
             if stream is not None:
-                if not stream.answered:
-                    self._spend()  # cancelled before its answer ended
+                if not stream.answered and not stream.upgraded:
+                    self._spend()  # cancelled before its answer ended (a WebSocket's never ends)
                 self._gone(stream)
         elif kind is MalformedRequest:
             self._malformed(event.stream_id, event.reason, 0)
@@ -367,11 +369,19 @@ class H2Connection(H2Flow, H2Limits, asyncio.Protocol):
             self._refuse(stream_id, _REFUSED)
             return
         try:
-            method, scheme, target, headers, length = request_fields(raw)
+            method, scheme, target, headers, length, protocol = request_fields(raw)
         except Malformed as exc:
             self._malformed(stream_id, str(exc), 0)
             return
-        stream = H2Exchange(self, stream_id, method, target, scheme, headers, length, ended)
+        stream: H2Exchange
+        if protocol == WEBSOCKET:
+            if ended:
+                self._malformed(stream_id, "an extended CONNECT that ends its stream", 0)
+                return
+            stream = H2WebSocketExchange(self, stream_id, target, scheme, headers)
+        else:
+            # A plain CONNECT, or another :protocol: the pipeline refuses its method.
+            stream = H2Exchange(self, stream_id, method, target, scheme, headers, length, ended)
         stream.refusal = head_refusal(raw, self.guard.limits)
         if ended and length:
             self._malformed(stream_id, f"no DATA for a content-length of {length}", 0)
@@ -420,7 +430,9 @@ class H2Connection(H2Flow, H2Limits, asyncio.Protocol):
         self._drop(stream)
         stream._wake()
         task = stream._task
-        if task is not None and not task.done():
+        # An accepted WebSocket's session learns it from receive() (1006), and closes the
+        # region's side itself.
+        if task is not None and not task.done() and not stream.upgraded:
             task.cancel()
 
     def _drop(self, stream: H2Exchange) -> None:

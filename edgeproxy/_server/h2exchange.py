@@ -95,6 +95,7 @@ class H2Exchange(Exchange):
         "started",
         "taken_at",
         "unacked",
+        "upgraded",
     )
 
     def __init__(
@@ -144,6 +145,7 @@ class H2Exchange(Exchange):
         # that carries DATA after it.
         self.bodiless = method == "HEAD"
         self.refusal: ProxyError | None = None  # the listener's answer, before the pipeline
+        self.upgraded = False  # a WebSocket handshake accepted: the stream is its session's
 
     # -- the request body ----------------------------------------------------------
 

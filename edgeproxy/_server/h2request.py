@@ -25,7 +25,7 @@ __all__ = [
     "upgrade_request",
 ]
 
-_PSEUDO: Final = frozenset({b":method", b":scheme", b":authority", b":path"})
+_PSEUDO: Final = frozenset({b":method", b":scheme", b":authority", b":path", b":protocol"})
 _UPGRADE_DROPPED: Final = frozenset(
     {b"connection", b"keep-alive", b"proxy-connection", b"upgrade", b"http2-settings", b"host"}
 )
@@ -70,9 +70,10 @@ def head_refusal(raw: list[tuple[bytes, bytes]], limits: LimitsConfig) -> ProxyE
 
 def request_fields(
     raw: list[tuple[bytes, bytes]],
-) -> tuple[str, str, str, CIMultiDictProxy[str], int | None]:
+) -> tuple[str, str, str, CIMultiDictProxy[str], int | None, str | None]:
     """A request header block checked as RFC 9113 §8.2 and §8.3.1 ask: its method, scheme,
-    target, fields (``:authority`` as ``Host``, cookies joined) and content-length.
+    target, fields (``:authority`` as ``Host``, cookies joined), content-length, and the
+    ``:protocol`` of an extended CONNECT (RFC 8441 §4; None for any other request).
     Raises :class:`Malformed`."""
     pseudo: dict[bytes, bytes] = {}
     fields: CIMultiDict[str] = CIMultiDict()
@@ -111,7 +112,17 @@ def request_fields(
     authority = pseudo.get(b":authority")
     for value in pseudo.values():
         field_value(b":", value)
-    if method == b"CONNECT":
+    protocol = pseudo.get(b":protocol")
+    if protocol is not None:
+        # The listener advertises SETTINGS_ENABLE_CONNECT_PROTOCOL, so this is an extended
+        # CONNECT: a target like any request's, and nothing else may carry it.
+        path = pseudo.get(b":path")
+        if method != b"CONNECT" or not path or b":scheme" not in pseudo or not authority:
+            raise Malformed(":protocol outside an extended CONNECT with :scheme, :path, :authority")
+        if not protocol:
+            raise Malformed("an empty :protocol")
+        target = path.decode("latin-1")
+    elif method == b"CONNECT":
         if b":scheme" in pseudo or b":path" in pseudo or not authority:
             raise Malformed("a CONNECT request has :authority alone")
         target = authority.decode("latin-1")
@@ -135,6 +146,7 @@ def request_fields(
         target,
         CIMultiDictProxy(fields),
         length,
+        protocol.decode("latin-1") if protocol is not None else None,
     )
 
 

@@ -45,7 +45,12 @@ when its client resets the stream or leaves. On top of jh2, with the limits of
 * **the header list**: SETTINGS_MAX_HEADER_LIST_SIZE is what HTTP/1.1 takes; a request past
   it, or past ``max_headers`` or ``max_header_size``, gets 431 on its stream alone;
 * **idle**: a connection with no stream for ``keepalive_timeout`` gets GOAWAY and closes;
-  one the client closed or reset frees its place under the caps at once.
+  one the client closed or reset frees its place under the caps at once;
+* **WebSockets** (RFC 8441): SETTINGS_ENABLE_CONNECT_PROTOCOL is advertised, and a
+  ``CONNECT`` with ``:protocol websocket`` is a WebSocket handshake
+  (:mod:`~edgeproxy._server.h2websocket`): a stream like any other under these limits,
+  whose DATA is bounded by the message size rather than the body's limits, and which is
+  not stalled for being idle.
 
 Request bodies are bounded as on every front end (size, stall, rate, deadline). A
 request's receive window (64 KiB) is given back as the pipeline reads its body, so an
@@ -56,7 +61,8 @@ apart; :mod:`~edgeproxy._server.h2connection` runs one HTTP/2 connection and its
 lifecycle, with :mod:`~edgeproxy._server.h2flow` (the answers, flow control) and
 :mod:`~edgeproxy._server.h2limits` (abuse, deadlines, idle) as its base classes, on
 :mod:`~edgeproxy._server.h2serverengine` (jh2 with per-stream errors);
-:mod:`~edgeproxy._server.h2exchange` is one stream as the pipeline's exchange. This module
+:mod:`~edgeproxy._server.h2exchange` is one stream as the pipeline's exchange, and
+:mod:`~edgeproxy._server.h2websocket` one WebSocket's. This module
 is the site that serves them. What the listener shares with the upstream pools (frames,
 fields, the engine's setup, flow control) is :mod:`edgeproxy._http2`.
 """
