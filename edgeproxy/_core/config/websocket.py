@@ -43,8 +43,9 @@ class WebSocketConfig(Section):
     )
     ping_interval: FinitePositive = Field(
         20.0,
-        description="Seconds between the proxy's pings to the client (a client that "
-        "answers none for two intervals is gone) and to the region.",
+        description="Seconds between the proxy's pings to each side of a session; a side "
+        "whose pong does not come within half of it is gone (the session ends as if it "
+        "closed).",
     )
     max_sessions: Count = Field(
         10_000, description="Most sessions open in this process; past it, 503 at the handshake."
