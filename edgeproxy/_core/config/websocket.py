@@ -43,9 +43,10 @@ class WebSocketConfig(Section):
     )
     ping_interval: FinitePositive = Field(
         20.0,
-        description="Seconds between the proxy's pings to each side of a session; a side "
-        "whose pong does not come within half of it is gone (the session ends as if it "
-        "closed).",
+        description="Seconds between the proxy's pings to each side of a session. A region, "
+        "or a client of the HTTP/1.1 listener, whose pong does not come within half of it "
+        "is gone; over HTTP/2 a client that stops taking data is ended by "
+        "server.h2_send_stall_timeout.",
     )
     max_sessions: Count = Field(
         10_000, description="Most sessions open in this process; past it, 503 at the handshake."
