@@ -24,7 +24,10 @@ behaviour, ``GET /_control`` returns it with the counters,
 Besides chat completions, completions and embeddings, a region speaks the
 OpenAI Responses API, statefully (``previous_response_id`` works only on the
 region that stored the response), and Anthropic's Messages API (with
-assistant prefill continuations), with the same faults.
+assistant prefill continuations), with the same faults. At any path ending
+``/realtime`` it speaks OpenAI's Realtime API over a WebSocket (text, audio and
+function calls, usage in ``response.done``), with faults of its own
+(``realtime_refuse``, ``realtime_accept_delay``, ``realtime_fault``).
 
 :func:`answer_text` is the deterministic answer to a prompt, to compare
 what a client received (spliced from a continuation or not) against.

@@ -8,7 +8,8 @@ Chat, completions, Responses and Messages requests also go through the region's 
 LLM server (:class:`~edgeproxy.testing._generation.GenerationModel`): a FIFO queue in front
 of ``max_running`` generation slots and a prefix (KV) cache
 (:mod:`edgeproxy.testing._kv`) whose hits make the first token come sooner;
-the load is reported as vLLM reports it (:mod:`edgeproxy.testing._load`).
+the load is reported as vLLM reports it (:mod:`edgeproxy.testing._load`). A WebSocket to a
+path ending ``/realtime`` is a Realtime API session (:mod:`edgeproxy.testing._realtime`).
 
 It runs on the region's own event loop thread. Counters are written there
 and read from the test's thread, hence the lock around them.
@@ -26,7 +27,7 @@ from typing import Any, Final
 
 from edgeproxy.testing import _answers as answers
 from edgeproxy.testing._behavior import Behavior, Fault, behavior_from_mapping
-from edgeproxy.testing._counters import Counters
+from edgeproxy.testing._counters import Counters, RealtimeStats
 from edgeproxy.testing._exchange import (
     BadRequest,
     ClientGone,
@@ -57,6 +58,7 @@ from edgeproxy.testing._load import (
 )
 from edgeproxy.testing._messages import SeenHeaders
 from edgeproxy.testing._objects import ObjectStore
+from edgeproxy.testing._realtime import serve as serve_realtime
 from edgeproxy.testing._responses import DEFAULT_CAPACITY, ResponseStore
 
 __all__ = ["Counters", "RegionApp"]
@@ -142,6 +144,7 @@ class RegionApp(GenerationModel):
         self.responses = ResponseStore(responses_capacity)
         self.objects = ObjectStore()  # conversations, files, batches, vector stores
         self.seen = SeenHeaders()
+        self.realtime = RealtimeStats()  # what the Realtime sessions have seen
 
     @property
     def kv_capacity_blocks(self) -> int:
@@ -242,6 +245,7 @@ class RegionApp(GenerationModel):
                 objects_stored=objects.stored,
                 object_lookups_total=objects.lookups_total,
                 object_lookup_misses_total=objects.lookup_misses_total,
+                **self.realtime.counters(),
             )
 
     def reset_counters(self) -> None:
@@ -250,6 +254,7 @@ class RegionApp(GenerationModel):
             self._zero_counters()
         self.responses.reset_counters()
         self.objects.reset_counters()
+        self.realtime.reset_counters()
 
     def _zero_counters(self) -> None:
         # The totals start again from zero and the peaks from what holds now: a new region's
@@ -302,6 +307,8 @@ class RegionApp(GenerationModel):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             await self._http(scope, receive, send)
+        elif scope["type"] == "websocket":
+            await self._websocket(scope, receive, send)
         elif scope["type"] == "lifespan":
             await self._lifespan(receive, send)
 
@@ -323,12 +330,7 @@ class RegionApp(GenerationModel):
             return
 
         handle = StreamHandle.from_send(send)
-        key = scope.get("client") or (handle.connection_key if handle else None)
-        conn = self._connections.get(key)
-        if conn is None:
-            conn = self._new_connection(key)
-        if handle is not None:
-            conn.handle = handle
+        conn = self._connection(scope, handle)
         ex = Exchange(self, scope, receive, send, handle)
 
         if handle is not None and handle.http2:
@@ -378,6 +380,27 @@ class RegionApp(GenerationModel):
             if ex.cancelled and not self._stopping:
                 with self._lock:
                     self._cancelled += 1
+
+    async def _websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A WebSocket: the Realtime API at paths ending ``/realtime``, refused elsewhere."""
+        handle = StreamHandle.from_send(send)
+        conn = self._connection(scope, handle)
+        # Counted as a request that stays in flight while its session is open, and its
+        # connection is known, so that a kill drops it.
+        self._enter(conn, scope["path"], scope["http_version"], handle)
+        try:
+            await serve_realtime(self, scope, receive, send, handle)
+        finally:
+            self._leave(conn)
+
+    def _connection(self, scope: Scope, handle: StreamHandle | None) -> _Connection:
+        key = scope.get("client") or (handle.connection_key if handle else None)
+        conn = self._connections.get(key)
+        if conn is None:
+            conn = self._new_connection(key)
+        if handle is not None:
+            conn.handle = handle
+        return conn
 
     def _new_connection(self, key: object) -> _Connection:
         if len(self._connections) >= _CONNECTIONS_PRUNE_AT:

@@ -15,6 +15,11 @@ Fault = Literal["5xx", "reset", "stall", "stall_body", "slow_headers", "goaway",
 
 FAULTS: Final[frozenset[str]] = frozenset(get_args(Fault))
 
+RealtimeFault = Literal["close", "drop", "stall"]
+"""The ways a fake region's Realtime session can fail mid-response; see :class:`Behavior`."""
+
+REALTIME_FAULTS: Final[frozenset[str]] = frozenset(get_args(RealtimeFault))
+
 
 def seconds(name: str, value: object) -> float:
     """``value`` as a duration, checked: a finite number of seconds, at least 0."""
@@ -106,6 +111,10 @@ _VALIDATORS: Final[dict[str, Callable[[str, object], object]]] = {
     "continuation_overlap": lambda n, v: _count(n, v, 0),
     "fault_retry_after": _text,
     "fault_count": lambda n, v: None if v is None else _count(n, v, 1),
+    "realtime_refuse": lambda n, v: None if v is None else _status(n, v),
+    "realtime_accept_delay": seconds,
+    "realtime_fault": _one_of(REALTIME_FAULTS),
+    "realtime_fault_after_deltas": lambda n, v: _count(n, v, 0),
 }
 
 
@@ -232,6 +241,32 @@ class Behavior:
         the region's seeded generator, instead of ``fault_after_tokens``: a
         stream always breaks after its first token and before its last.
 
+    Realtime sessions (a WebSocket to a path ending ``/realtime``; see
+    :mod:`edgeproxy.testing._realtime`) read ``ttft``, ``inter_token_delay`` and ``tokens``
+    at each ``response.create``: ``ttft`` before a response's first delta,
+    ``inter_token_delay`` between two. The faults above do not apply to them; these do:
+
+    ``realtime_refuse``
+        ``None``, or an HTTP status (400-599) that answers every Realtime handshake instead
+        of the upgrade, with an OpenAI error body (and ``Retry-After`` from
+        ``fault_retry_after`` when that is set): 401, 429, 503...
+    ``realtime_accept_delay``
+        Seconds a handshake waits before it is answered (accepted or refused), for
+        connect-timeout tests; a client that leaves meanwhile opens no session.
+    ``realtime_fault``
+        ``None`` or one of, applied to every response that starts while it is set, after
+        ``realtime_fault_after_deltas`` deltas (a text delta, an audio delta with its
+        transcript delta, or a piece of a function call's arguments; ``0``: right after the
+        response's opening events; past the last delta: before the closing events):
+
+        * ``"close"``: close the session abnormally, code 1011 (internal error);
+        * ``"drop"``: close the TCP connection without a close frame (the client sees
+          1006); on HTTP/2 reset the session's stream;
+        * ``"stall"``: send nothing more, ever, while the socket stays open and the
+          region keeps reading, until the client leaves or the region stops.
+    ``realtime_fault_after_deltas``
+        Where ``realtime_fault`` strikes (2 by default).
+
     Continuations (chat completions, as vLLM and llama.cpp serve them): a
     request whose last message has ``role: assistant`` asks for the rest of
     that answer. With ``"continue_final_message": true`` (vLLM's switch,
@@ -275,6 +310,10 @@ class Behavior:
     continuation_overlap: int = 0
     fault_retry_after: str | None = None
     fault_count: int | None = None
+    realtime_refuse: int | None = None
+    realtime_accept_delay: float = 0.0
+    realtime_fault: RealtimeFault | None = None
+    realtime_fault_after_deltas: int = 2
 
     def __setattr__(self, name: str, value: object) -> None:
         validator = _VALIDATORS.get(name)

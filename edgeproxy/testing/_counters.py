@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
-__all__ = ["Counters"]
+__all__ = ["Counters", "RealtimeStats"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +91,34 @@ class Counters:
     object_lookup_misses_total: int = 0
     """Those that did not (answered the API's 404)."""
 
+    # Realtime sessions (see edgeproxy.testing._realtime). Each handshake also counts as a
+    # request (``requests_by_path``), in flight while its session is open.
+    realtime_sessions_total: int = 0
+    """Realtime handshakes accepted."""
+    realtime_sessions_open: int = 0
+    """Realtime sessions open now (a gauge; a reset does not zero it)."""
+    realtime_refused_total: int = 0
+    """Realtime handshakes answered with an HTTP status instead (``realtime_refuse``, or a
+    WebSocket to a path that is no Realtime endpoint)."""
+    realtime_messages_received_total: int = 0
+    """Messages the clients sent in their sessions, well formed or not."""
+    realtime_messages_sent_total: int = 0
+    """Events the region sent in its sessions (``error`` events included)."""
+    realtime_responses_total: int = 0
+    """Responses that ended with ``response.done`` (cancelled ones included)."""
+    realtime_responses_cancelled_total: int = 0
+    """Of those, the ones ``response.cancel`` cut short."""
+    realtime_errors_total: int = 0
+    """``error`` events sent (malformed, unknown or refused client events)."""
+    realtime_faults_total: int = 0
+    """Responses that got ``realtime_fault``."""
+    realtime_last_path: str | None = None
+    """The path of the last Realtime handshake (``None`` before any)."""
+    realtime_last_query: str | None = None
+    """Its query string, undecoded (``model=gpt-realtime``)."""
+    realtime_last_headers: Mapping[str, str] = field(default_factory=dict)
+    """Its headers, by lower-case name (repeated ones joined with ``", "``)."""
+
     @property
     def kv_hit_rate(self) -> float:
         """``cached_tokens_total / prompt_tokens_total`` (0.0 before any prompt)."""
@@ -133,4 +162,63 @@ class Counters:
             "objects_stored": self.objects_stored,
             "object_lookups_total": self.object_lookups_total,
             "object_lookup_misses_total": self.object_lookup_misses_total,
+            "realtime_sessions_total": self.realtime_sessions_total,
+            "realtime_sessions_open": self.realtime_sessions_open,
+            "realtime_refused_total": self.realtime_refused_total,
+            "realtime_messages_received_total": self.realtime_messages_received_total,
+            "realtime_messages_sent_total": self.realtime_messages_sent_total,
+            "realtime_responses_total": self.realtime_responses_total,
+            "realtime_responses_cancelled_total": self.realtime_responses_cancelled_total,
+            "realtime_errors_total": self.realtime_errors_total,
+            "realtime_faults_total": self.realtime_faults_total,
+            "realtime_last_path": self.realtime_last_path,
+            "realtime_last_query": self.realtime_last_query,
+            "realtime_last_headers": dict(self.realtime_last_headers),
         }
+
+
+_REALTIME_TOTALS: Final = (
+    "sessions_total refused_total messages_received_total messages_sent_total responses_total "
+    "responses_cancelled_total errors_total faults_total"
+).split()
+
+
+class RealtimeStats:
+    """The counters of a region's Realtime sessions (``Counters.realtime_*``): written on
+    the region's loop, read from any thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._totals = dict.fromkeys(_REALTIME_TOTALS, 0)
+        self._open = 0
+        self._last: tuple[str, str, dict[str, str]] | None = None
+
+    def add(self, name: str, amount: int = 1) -> None:
+        """Add to the total ``realtime_<name>``."""
+        with self._lock:
+            self._totals[name] += amount
+
+    def handshake(self, path: str, query: str, headers: dict[str, str]) -> None:
+        with self._lock:
+            self._last = (path, query, headers)
+
+    def opened(self, change: int) -> None:
+        """A session opened (``+1``) or ended (``-1``)."""
+        with self._lock:
+            self._open += change
+            self._totals["sessions_total"] += max(0, change)
+
+    def counters(self) -> dict[str, Any]:
+        """The ``realtime_*`` fields of :class:`Counters`."""
+        with self._lock:
+            out: dict[str, Any] = {f"realtime_{k}": v for k, v in self._totals.items()}
+            out["realtime_sessions_open"] = self._open
+            path, query, headers = self._last or (None, None, {})
+        out |= {"realtime_last_path": path, "realtime_last_query": query}
+        out["realtime_last_headers"] = dict(headers)
+        return out
+
+    def reset_counters(self) -> None:
+        with self._lock:
+            self._totals = dict.fromkeys(_REALTIME_TOTALS, 0)
+            self._last = None
