@@ -216,8 +216,14 @@ class Relay:
                     self._finish(
                         self._region_failed("the region sent a message over max_message_size")
                     )
-                elif code in (NORMAL, GOING_AWAY) or (code != 1006 and _sendable(code)):
+                elif code == NORMAL or 3000 <= code <= 4999:
+                    # The region's own end (an application's code): passed on as it is.
                     self._finish(_End("region", code, message.reason))
+                elif _sendable(code):
+                    # The region went away or failed, saying so: its code, and the event.
+                    end = self._region_failed(f"the region closed the session ({code})")
+                    end.code, end.reason = code, message.reason or end.reason
+                    self._finish(end)
                 else:
                     self._finish(self._region_failed(f"the region's connection was lost ({code})"))
                 return
