@@ -12,9 +12,11 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import re
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import openai
 import pytest
 import trustme
@@ -376,3 +378,96 @@ async def test_chromiums_websocket_over_http2(
         assert "response.done" in await browser.evaluate("window.kinds")
     # Chromium carried the WebSocket on the page's HTTP/2 connection (RFC 8441).
     assert page.versions == ["2"]
+
+
+# -- the model from the first event, limits, compression, metrics ---------------------
+
+
+async def test_a_session_without_a_model_is_routed_by_its_first_session_update(
+    make_region: RegionFactory, make_proxy: ProxyFactory
+) -> None:
+    other = await make_region("other", model="other-model")
+    serving = await make_region("serving", model=MODEL, tokens=3)
+    proxy = await make_proxy(
+        [
+            {"name": "other", "url": other.url, "models": ["other-model"]},
+            {"name": "serving", "url": serving.url, "models": [MODEL]},
+        ]
+    )
+    async with aiohttp.ClientSession() as http:
+        ws = await http.ws_connect(proxy.url + "/v1/realtime")
+        update = {"type": "session.update", "session": {"type": "realtime", "model": MODEL}}
+        await ws.send_str(json.dumps(update))
+        kinds = [json.loads(await ws.receive_str())["type"] for _ in range(2)]
+        assert kinds == ["session.created", "session.updated"]
+        await ws.close()
+        # A first event naming a model no region serves: the error, then 1013.
+        ws = await http.ws_connect(proxy.url + "/v1/realtime")
+        bad = {"type": "session.update", "session": {"type": "realtime", "model": "nope"}}
+        await ws.send_str(json.dumps(bad))
+        error = json.loads(await ws.receive_str())
+        close = await ws.receive()
+    assert serving.counters().realtime_sessions_total == 1
+    assert other.counters().realtime_sessions_total == 0
+    assert error["type"] == "error" and error["error"]["code"] == "model_not_found"
+    assert close.type is aiohttp.WSMsgType.CLOSE and close.data == 1013
+
+
+async def test_an_oversize_message_ends_the_session_with_1009(
+    region: FakeRegion, make_proxy: ProxyFactory
+) -> None:
+    proxy = await make_proxy([region], websocket={"max_message_size": 4096})
+    async with aiohttp.ClientSession() as http:
+        ws = await http.ws_connect(proxy.url + f"/v1/realtime?model={MODEL}")
+        await ws.receive_str()
+        append = {"type": "input_audio_buffer.append", "audio": "A" * 8192}
+        await ws.send_str(json.dumps(append))
+        close = await ws.receive()
+    assert close.type is aiohttp.WSMsgType.CLOSE and close.data == 1009
+    await eventually(lambda: region.counters().realtime_sessions_open == 0)
+    assert region.counters().realtime_messages_received_total == 0
+
+
+async def test_compression_toward_a_client_that_offers_it(
+    region: FakeRegion, make_proxy: ProxyFactory
+) -> None:
+    proxy = await make_proxy([region])
+    async with aiohttp.ClientSession() as http:
+        ws = await http.ws_connect(proxy.url + f"/v1/realtime?model={MODEL}", compress=15)
+        agreed = ws._response.headers.get("Sec-WebSocket-Extensions", "")
+        assert json.loads(await ws.receive_str())["type"] == "session.created"
+        await ws.close()
+        plain = await http.ws_connect(proxy.url + f"/v1/realtime?model={MODEL}")
+        offered_none = plain._response.headers.get("Sec-WebSocket-Extensions")
+        await plain.close()
+    assert agreed.startswith("permessage-deflate")
+    assert offered_none is None
+    # The region's link is not compressed by default (a deflate state per session).
+    assert "sec-websocket-extensions" not in region.counters().realtime_last_headers
+
+
+async def test_the_sessions_prometheus_series(region: FakeRegion, make_proxy: ProxyFactory) -> None:
+    proxy = await make_proxy([region])
+    async with sdk(proxy.url) as client, client.realtime.connect(model=MODEL) as conn:
+        await conn.conversation.item.create(item=user_item("hello"))
+        await conn.response.create()
+        await until(conn, "response.done")
+        async with aiohttp.ClientSession() as http:
+            async with http.get(proxy.admin_url + "/metrics") as response:
+                during = await response.text()
+    await eventually(lambda: proxy.status()["websocket"]["open"] == 0)
+    async with aiohttp.ClientSession() as http:
+        async with http.get(proxy.admin_url + "/metrics") as response:
+            after = await response.text()
+    assert "edgeproxy_websocket_sessions_open 1.0" in during
+    assert "edgeproxy_websocket_sessions_open 0.0" in after
+    assert "edgeproxy_websocket_sessions_total 1.0" in after
+    assert "edgeproxy_websocket_realtime_responses_total 1.0" in after
+    assert 'edgeproxy_websocket_messages_total{direction="in"}' in after
+    assert "edgeproxy_websocket_session_duration_seconds_count 1.0" in after
+    assert "edgeproxy_websocket_realtime_first_delta_seconds_count 1.0" in after
+    # The session's usage reached the token counters, as any request's does.
+    tokens = re.search(
+        r'edgeproxy_tokens_total\{[^}]*kind="completion"[^}]*region="r1"[^}]*\} ([0-9.]+)', after
+    )
+    assert tokens is not None and float(tokens.group(1)) > 0
