@@ -26,8 +26,8 @@ from edgeproxy._core.config.routing import HealthConfig, RoutingConfig
 from edgeproxy._core.config.server import AdminConfig, LimitsConfig, PopConfig, ServerConfig
 from edgeproxy._core.config.sharedload import SharedLoadConfig
 from edgeproxy._core.config.stateful import StatefulConfig
-from edgeproxy._core.config.websocket import WebSocketConfig
 from edgeproxy._core.config.upstream import RegionConfig, UpstreamConfig
+from edgeproxy._core.config.websocket import WebSocketConfig
 
 __all__ = ["Config"]
 
