@@ -372,7 +372,7 @@ async def test_chromiums_websocket_over_http2(
         tmp_path, f"--ignore-certificate-errors-spki-list={spki_hash(cert_path)}"
     ) as browser:
         await browser.send("Page.navigate", url=proxy.url + "/page")
-        assert await browser.wait_for("window.wsClosed !== null", timeout=60)
+        assert await browser.wait_for('typeof window.wsClosed === "number"', timeout=60)
         assert await browser.evaluate("window.wsClosed") == 1000
         assert await browser.evaluate("window.text") == answer_text(USER_TEXT, 8)
         assert "response.done" in await browser.evaluate("window.kinds")

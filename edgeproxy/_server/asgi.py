@@ -14,17 +14,28 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any, Protocol
-from urllib.parse import quote
 
-from multidict import CIMultiDict, CIMultiDictProxy
+from multidict import CIMultiDict
 
 from edgeproxy._core.config import Config
 from edgeproxy._core.errors import ProxyError
-from edgeproxy._core.exchange import Exchange, TlsInfo, Writer
+from edgeproxy._core.exchange import Exchange, Writer
 from edgeproxy._core.response import StreamResponse
 from edgeproxy._protocol.bodies import BodyTooLarge, body_wait
+from edgeproxy._server.asgiscope import (
+    CONNECTION_HEADERS,
+    CUT_WAIT,
+    ClientGone,
+    Message,
+    Receive,
+    Scope,
+    Send,
+    scope_headers,
+    scope_target,
+    scope_tls,
+)
+from edgeproxy._server.asgiws import serve as serve_websocket
 from edgeproxy._server.headchecks import check_head, own_answer
 from edgeproxy._server.listener import ConnectionGuard
 
@@ -32,24 +43,7 @@ __all__ = ["AnswerAborted", "AsgiApp", "AsgiExchange", "ClientGone", "Served"]
 
 logger = logging.getLogger("edgeproxy")
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-
-# Headers a response may not carry on HTTP/2 (RFC 9113 8.2.2): the connection's own.
-_CONNECTION_HEADERS = frozenset(
-    {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "upgrade"}
-)
 _NO_BODY_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "DELETE", "TRACE"})
-# The TLS extension gives the protocol version as its wire number.
-_TLS_VERSIONS = {0x0301: "TLSv1", 0x0302: "TLSv1.1", 0x0303: "TLSv1.2", 0x0304: "TLSv1.3"}
-# How long an answer cut at shutdown may wait for the client to take its last event.
-_CUT_WAIT = 0.5
-
-
-class ClientGone(ConnectionResetError):
-    """The client disconnected (``http.disconnect``) while its request was served."""
 
 
 class AnswerAborted(Exception):
@@ -79,40 +73,6 @@ class Served(Protocol):
     async def serve_exchange(self, exchange: Exchange) -> StreamResponse: ...
 
 
-def _target(scope: Scope) -> str:
-    raw = scope.get("raw_path")
-    path = raw.decode("latin-1") if raw else quote(scope.get("path", "/"), safe="/%:@!$&'()*+,;=")
-    root = scope.get("root_path", "")
-    if root and path.startswith(root):
-        # Mounted (Starlette's Mount, FastAPI's mount): the prefix is the host's.
-        path = path[len(root) :] or "/"
-    query = scope.get("query_string", b"")
-    return f"{path}?{query.decode('latin-1')}" if query else path
-
-
-def _headers(raw: list[tuple[bytes, bytes]]) -> CIMultiDictProxy[str]:
-    # As aiohttp decodes them: bytes that are not UTF-8 survive as surrogates, so the
-    # head check can refuse them by name.
-    return CIMultiDictProxy(
-        CIMultiDict(
-            (name.decode("latin-1"), value.decode("utf-8", "surrogateescape"))
-            for name, value in raw
-        )
-    )
-
-
-def _tls(scope: Scope, version: str) -> TlsInfo | None:
-    extension = scope.get("extensions", {}).get("tls")
-    if not isinstance(extension, dict):
-        return TlsInfo(alpn="h2" if version == "2" else None)
-    number = extension.get("tls_version")
-    return TlsInfo(
-        _TLS_VERSIONS.get(number) if isinstance(number, int) else None,
-        "h2" if version == "2" else extension.get("alpn"),
-        extension.get("server_name"),
-    )
-
-
 class AsgiExchange(Exchange):
     """One ASGI HTTP request (scope, ``receive``, ``send``) as the pipeline's exchange."""
 
@@ -140,15 +100,15 @@ class AsgiExchange(Exchange):
         # listener's own.
         self._guard = guard
         self.method = scope["method"]
-        self.target = _target(scope)
-        headers = self.headers = _headers(scope.get("headers", []))
+        self.target = scope_target(scope)
+        headers = self.headers = scope_headers(scope.get("headers", []))
         client = scope.get("client")
         self.client = client[0] if client else None
         self.scheme = scope.get("scheme", "http")
         self.version = version = scope.get("http_version", "1.1")
         server = scope.get("server")
         self.host = headers.get("Host") or (f"{server[0]}:{server[1]}" if server else "")
-        self.tls = _tls(scope, version) if self.scheme == "https" else None
+        self.tls = scope_tls(scope, version) if self.scheme == "https" else None
         length = headers.get("Content-Length")
         self.content_length = int(length) if length is not None and length.isdigit() else None
         self.body_exists = (
@@ -265,7 +225,7 @@ class AsgiExchange(Exchange):
         raw = [
             (name.lower().encode("latin-1"), value.encode("utf-8"))
             for name, value in headers.items()
-            if not (h2 and name.lower() in _CONNECTION_HEADERS)
+            if not (h2 and name.lower() in CONNECTION_HEADERS)
         ]
         if length is not None and "Content-Length" not in headers:
             raw.append((b"content-length", str(length).encode()))
@@ -303,7 +263,7 @@ class AsgiExchange(Exchange):
     async def cut(self, data: bytes) -> None:
         if not self._gone and self._started:
             with contextlib.suppress(TimeoutError, ConnectionResetError):
-                async with asyncio.timeout(_CUT_WAIT):
+                async with asyncio.timeout(CUT_WAIT):
                     await self.write(data)
         self.abort()
 
@@ -351,9 +311,8 @@ class AsgiApp:
             await self._lifespan(receive, send)
         elif kind == "websocket":
             # Imported here: the WebSocket exchange builds on this module's helpers.
-            from edgeproxy._server import asgiws
 
-            await asgiws.serve(self, scope, receive, send)
+            await serve_websocket(self._answer, scope, receive, send)
         else:
             raise ValueError(f"unknown ASGI scope type {kind!r}")
 

@@ -17,14 +17,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Awaitable, Callable
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 import orjson
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from edgeproxy._core.exchange import Exchange, Writer
-from edgeproxy._core.response import Response
+from edgeproxy._core.response import Response, StreamResponse
 from edgeproxy._core.websocket import (
     GOING_AWAY,
     INTERNAL_ERROR,
@@ -35,21 +36,18 @@ from edgeproxy._core.websocket import (
     Closed,
     WebSocket,
 )
-from edgeproxy._server.asgi import (
-    _CONNECTION_HEADERS,
-    _CUT_WAIT,
+from edgeproxy._server.asgiscope import (
+    CONNECTION_HEADERS,
+    CUT_WAIT,
     ClientGone,
     Message,
     Receive,
     Scope,
     Send,
-    _headers,
-    _target,
-    _tls,
+    scope_headers,
+    scope_target,
+    scope_tls,
 )
-
-if TYPE_CHECKING:
-    from edgeproxy._server.asgi import AsgiApp
 
 __all__ = ["AsgiWebSocket", "AsgiWebSocketExchange", "close_reason", "refusal_code", "serve"]
 
@@ -187,8 +185,8 @@ class AsgiWebSocketExchange(Exchange):
         self._receive = receive
         self._send = send
         self.method = "GET"
-        self.target = _target(scope)
-        headers = _headers(scope.get("headers", []))
+        self.target = scope_target(scope)
+        headers = scope_headers(scope.get("headers", []))
         offered = scope.get("subprotocols")
         if offered and "Sec-WebSocket-Protocol" not in headers:
             # A server may keep the offer only in the scope (uvicorn's wsproto does); the
@@ -204,7 +202,7 @@ class AsgiWebSocketExchange(Exchange):
         self.version = version = scope.get("http_version", "1.1")
         server = scope.get("server")
         self.host = headers.get("Host") or (f"{server[0]}:{server[1]}" if server else "")
-        self.tls = _tls(scope, version) if self.scheme == "https" else None
+        self.tls = scope_tls(scope, version) if self.scheme == "https" else None
         self.content_length = None
         self.body_exists = False
         self._denial = _DENIAL in scope.get("extensions", {})
@@ -313,7 +311,7 @@ class AsgiWebSocketExchange(Exchange):
             raw = [
                 (name.lower().encode("latin-1"), value.encode("utf-8"))
                 for name, value in headers.items()
-                if name.lower() not in _CONNECTION_HEADERS
+                if name.lower() not in CONNECTION_HEADERS
             ]
             if length is not None and "Content-Length" not in headers:
                 raw.append((b"content-length", str(length).encode()))
@@ -406,8 +404,14 @@ class AsgiWebSocketExchange(Exchange):
         return self._aborted
 
 
-async def serve(app: AsgiApp, scope: Scope, receive: Receive, send: Send) -> None:
-    """Serve one ``websocket`` scope through ``app``'s proxy."""
+async def serve(
+    answer_of: Callable[[Exchange], Awaitable[StreamResponse]],
+    scope: Scope,
+    receive: Receive,
+    send: Send,
+) -> None:
+    """Serve one ``websocket`` scope: ``answer_of`` is the ASGI application's way to its
+    proxy's pipeline (the not-open 503 and the head checks first, as for HTTP)."""
     if (await receive())["type"] != "websocket.connect":
         return  # the client left before its handshake reached the application
     exchange = AsgiWebSocketExchange(scope, receive, send)
@@ -415,7 +419,7 @@ async def serve(app: AsgiApp, scope: Scope, receive: Receive, send: Send) -> Non
     assert task is not None
     exchange.bind(task)
     try:
-        answer = await app._answer(exchange)
+        answer = await answer_of(exchange)
         # A whole-body answer is for the front end to send, as under HTTP; any other answer
         # the pipeline left unsent is no refusal, and the handshake gets the default close.
         if not exchange.answered and isinstance(answer, Response) and not answer.prepared:
@@ -426,7 +430,7 @@ async def serve(app: AsgiApp, scope: Scope, receive: Receive, send: Send) -> Non
             return  # the client left: nothing to answer, nobody to tell
         # Shutdown: the client is told, without waiting long on it.
         with contextlib.suppress(TimeoutError, ClientGone):
-            async with asyncio.timeout(_CUT_WAIT):
+            async with asyncio.timeout(CUT_WAIT):
                 await exchange.settle(GOING_AWAY)
         raise
     except ClientGone:
