@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Any, NamedTuple
 
 from multidict import CIMultiDict
 
@@ -29,7 +30,7 @@ from edgeproxy._core.config import Config
 from edgeproxy._core.context import RequestContext, start_context
 from edgeproxy._core.errors import ProxyError
 from edgeproxy._core.exchange import Exchange
-from edgeproxy._core.response import StreamResponse
+from edgeproxy._core.response import Response, StreamResponse
 from edgeproxy._local.model import LocalAnswer
 from edgeproxy._obtain import Obtainer
 from edgeproxy._obtain.continuation import ContinuationStage
@@ -40,10 +41,12 @@ from edgeproxy._obtain.modellist import ModelList
 from edgeproxy._plugins import PluginError, Plugins, hook_answer
 from edgeproxy._protocol.clientip import client_ip_resolver
 from edgeproxy._protocol.compression import Compression
+from edgeproxy._protocol.dialects import RESPONSES
 from edgeproxy._protocol.endpoints import openai_endpoint
 from edgeproxy._protocol.headers import request_ids
 from edgeproxy._realtime.relay import Drain
 from edgeproxy._realtime.sessions import Sessions
+from edgeproxy._routing.chains import ChainRecord, EdgeChains
 from edgeproxy._routing.owners import (
     Missing,
     Owner,
@@ -77,6 +80,17 @@ _CREATED_ANSWER_LIMIT = 1024 * 1024
 # How open WebSocket sessions are closed when the proxy stops, or reloads.
 SHUTDOWN = Drain(1001, "going away", "the proxy is shutting down; reconnect")
 RELOAD = Drain(1012, "service restart", "the proxy is reloading its configuration; reconnect")
+
+
+class _Chained(NamedTuple):
+    """What :meth:`Pipeline._chained` made of a request whose chain the edge may hold."""
+
+    ctx: RequestContext
+    state: StatefulRequest | None
+    owner: str | None
+    chain: ChainRecord | None
+    held: tuple[str, bool] | None
+    answer: Response | None
 
 
 class Pipeline:
@@ -117,6 +131,8 @@ class Pipeline:
         # Where each stored object lives (a stored response, a conversation, a file, a batch,
         # a vector store): the requests that refer to it go there.
         self.owners = Owners(config.stateful, clock=regions.clock)
+        # Responses chains held at the edge (routes with responses_state = "edge").
+        self.chains = EdgeChains(config, regions, clock=regions.clock)
         self.models = ModelList(config, regions, self.failover)
         # WebSocket sessions (the Realtime API): routed at their handshake, then relayed.
         self.sessions = Sessions(
@@ -223,6 +239,8 @@ class Pipeline:
             route: RoutePlan | Failure | None = None  # the regions ranked, or why none
             owner: str | None = None  # the one region holding the request's state
             state: StatefulRequest | None = None  # the stored objects it refers to or makes
+            chain: ChainRecord | None = None  # a stored response whose chain the edge holds
+            held: tuple[str, bool] | None = None  # a response the edge holds, retrieved
             try:
                 admitted = await self.admission.admit(request, ctx)
             except Overloaded as err:
@@ -257,7 +275,14 @@ class Pipeline:
                 # coroutine for the others: most requests have nothing to do with one).
                 if self.owners.enabled:
                     state = stateful_request(ctx)
-                    if state is not None and state.refs:
+                    if state is not None and self.chains.active:
+                        # A chain the edge holds: to its owner, or taken on here.
+                        chained = await self._chained(ctx, state)
+                        if chained.answer is not None:
+                            response = self.responder.own(chained.ctx, chained.answer)
+                            return response
+                        ctx, state, owner, chain, held = chained[:5]
+                    elif state is not None and state.refs:
                         owner = await self._owner(state)
                 # route: the one ranked plan that failover, hedging and continuation draw on.
                 if "edgeproxy_route" in active:
@@ -276,6 +301,21 @@ class Pipeline:
                 shed=shed,
                 keep_late=ctx.route.deadline_action == "race",
             )
+            if chain is not None and owner is not None and ctx.outcome.state is None:
+                # The owner could not continue the chain (down, restarted, keeps none):
+                # the edge takes it on, if it holds it.
+                again = await self._taken_on(request, ctx, chain, obtained, shed)
+                if again is not None:
+                    ctx, obtained = again
+                    owner = None
+            elif held is not None and isinstance(obtained, AttemptResponse):
+                if obtained.status == 404:
+                    # The owner forgot a response the edge holds (a restart): the edge's.
+                    answer = await self.chains.answer(ctx, *held)
+                    if answer is not None:
+                        await obtained.aclose()
+                        response = self.responder.own(ctx, answer)
+                        return response
             if isinstance(obtained, Failure):
                 error = obtained.error
                 if owner is not None and obtained.kind is FailureKind.UPSTREAM:
@@ -318,6 +358,8 @@ class Pipeline:
                     else None
                 ),
             )
+            if chain is not None and 200 <= upstream.status < 300:
+                await self.chains.hold(chain, ctx.outcome.stored)
             return response
         except ProxyError as err:
             response = await self._error(request, ctx, err, heartbeat)
@@ -358,6 +400,95 @@ class Pipeline:
             self.in_flight -= 1
             if not self.in_flight and self._idle_waiters:
                 self._now_idle()
+
+    async def _chained(self, ctx: RequestContext, state: StatefulRequest) -> _Chained:
+        """A request on a route whose Responses chains the edge holds: the request (its
+        chain's whole input when the edge takes it on), its state, its owner, the turn it
+        will hold, a held response it retrieves or deletes, or the edge's own answer (while
+        the owner cannot give it)."""
+        chains = self.chains
+        chain = chains.record_of(ctx)
+        held = chains.object_of(ctx) if chain is None else None
+        if held is None and (chain is None or chain.parent is None):
+            # Nothing held to look at (a chain's first turn is held as it is answered).
+            owner = await self._owner(state) if state.refs else None
+            return _Chained(ctx, state, owner, chain, None, None)
+        failure: ProxyError | None = None
+        try:
+            owner = await self._owner(state)
+        except ProxyError as err:
+            owner, failure = None, err
+        why = chains.takes_over(owner)
+        if why is not None:
+            if chain is not None:
+                expanded = await chains.expanded(ctx, chain, why)
+                if expanded is not None:
+                    ctx, rescued, owner = await self._rescued(ctx, expanded)
+                    return _Chained(ctx, rescued, owner, chain, None, None)
+            else:
+                assert held is not None
+                answer = await chains.answer(ctx, *held)
+                if answer is not None:
+                    return _Chained(ctx, state, owner, None, held, answer)
+        if failure is not None:
+            raise failure
+        if held is not None and ctx.method == "DELETE":
+            await chains.store.delete(held[0])  # the owner deletes its own; the edge's goes too
+        return _Chained(ctx, state, owner, chain, held, None)
+
+    async def _rescued(
+        self, ctx: RequestContext, expanded: dict[str, Any]
+    ) -> tuple[RequestContext, StatefulRequest | None, str | None]:
+        """The request with its chain's whole input (its own outcome kept), its state and
+        the owner of what else it refers to."""
+        rescued = ctx.with_json(expanded)
+        rescued.outcome = ctx.outcome
+        rescued.outcome.state = "edge"
+        state = stateful_request(rescued)
+        owner = await self._owner(state) if state is not None and state.refs else None
+        return rescued, state, owner
+
+    async def _taken_on(
+        self,
+        request: Exchange,
+        ctx: RequestContext,
+        chain: ChainRecord,
+        obtained: AttemptResponse | Degraded | Failure,
+        shed: ProxyError | None,
+    ) -> tuple[RequestContext, AttemptResponse | Degraded | Failure] | None:
+        """When the owner could not continue the chain (unreachable, or its answer says it
+        holds no such response or keeps none), the chain taken on by the edge: the request
+        expanded, and its answer from the regions the router ranks. None: the owner's
+        answer stands."""
+        if isinstance(obtained, Failure):
+            if obtained.kind is not FailureKind.UPSTREAM:
+                return None
+            why = "owner_unavailable"
+        elif isinstance(obtained, AttemptResponse) and obtained.status in (400, 404):
+            try:
+                answer = await obtained.read_more(_CREATED_ANSWER_LIMIT)
+            except UpstreamError:
+                return None
+            if not RESPONSES.forgot(obtained.status, answer):
+                return None
+            why = "owner_forgot"
+            if obtained.status == 400:
+                # Not a response it lost: it keeps none (llama-server). Asked no more.
+                self.chains.learn_stateless(obtained.region.name)
+                why = "owner_cannot_store"
+        else:
+            return None
+        expanded = await self.chains.expanded(ctx, chain, why)
+        if expanded is None:
+            return None
+        if isinstance(obtained, AttemptResponse):
+            await obtained.aclose()
+        ctx, _, owner = await self._rescued(ctx, expanded)
+        route = self.obtainer.ranked(ctx, owner=owner)
+        again = await self.obtainer.obtain(
+            request, ctx, route=route, shed=shed, keep_late=ctx.route.deadline_action == "race"
+        )
+        return ctx, again
 
     async def _owner(self, state: StatefulRequest) -> str | None:
         """The region holding the objects a request refers to; None when any may answer

@@ -300,3 +300,51 @@ async def test_a_previous_response_id_gets_llama_servers_own_400(
         400,
         "llama0",
     )
+
+
+async def test_a_chain_held_at_the_edge_goes_on_through_llama_server(
+    llama_cpp_server: LlamaCppServers, make_proxy: ProxyFactory
+) -> None:
+    """On a route that holds Responses chains at the edge, llama-server (which stores
+    nothing) answers a chain of turns end to end: each follow-up is sent with the whole
+    conversation instead of its ``previous_response_id``, streamed or not, and marked."""
+    url = await llama_cpp_server()
+    proxy = await make_proxy(
+        regions(url),
+        upstream={"read_timeout": 60.0},
+        routes=[{"name": "edge", "path": "/", "responses_state": "edge"}],
+    )
+    oa, _ = clients(proxy)
+    try:
+        first = await oa.responses.create(model=MODEL, input="Say hello.", max_output_tokens=8)
+        previous, states = first.id, []
+        for turn, stream in enumerate((False, True, False)):
+            request: dict[str, Any] = {
+                "model": MODEL,
+                "input": f"And again, {turn}.",
+                "max_output_tokens": 8,
+                "previous_response_id": previous,
+            }
+            if stream:
+                async with oa.responses.with_streaming_response.create(
+                    **request, stream=True
+                ) as raw:
+                    states.append(raw.headers.get("x-edgeproxy-state"))
+                    completed = [
+                        event async for event in raw.parse() if event.type == "response.completed"
+                    ]
+                previous = completed[-1].response.id
+            else:
+                raw_json = await oa.responses.with_raw_response.create(**request)
+                states.append(raw_json.headers.get("x-edgeproxy-state"))
+                previous = raw_json.parse().id
+            assert previous.startswith("resp_")
+    finally:
+        await oa.close()
+    assert states == ["edge", "edge", "edge"]
+    chains = proxy.status()["chains"]
+    assert chains["held_total"] == 4
+    # The first follow-up learnt it from llama-server's own 400; the rest were sent whole
+    # without asking it first.
+    assert chains["rescued"]["owner_cannot_store"] == 3
+    assert chains["stateless_regions"] == ["llama0"]

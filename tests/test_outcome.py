@@ -28,6 +28,8 @@ WRITERS = {
     "_cache/stage.py",
     "_answer/responder.py",
     "_answer/body.py",  # the Responder's body loops
+    "_realtime/sessions.py",  # a WebSocket session's handshake: its region, status, usage
+    "_realtime/relay.py",  # a session relayed: what it sent, and how it ended
 }
 
 

@@ -99,6 +99,8 @@ async def body(
         recorder.finish()
     if usage is not None:
         out.usage = usage.result()
+        if usage.keeps:
+            out.stored = usage.kept()
 
 
 async def through(
@@ -155,3 +157,5 @@ async def through(
         out.bytes_out += sent
     if usage is not None:
         out.usage = usage.result()
+        if usage.keeps:
+            out.stored = usage.kept()

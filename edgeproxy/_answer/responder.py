@@ -169,6 +169,9 @@ class Responder:
         headers.append(("X-Request-Id", ctx.request_id))
         if ctx.outcome.cache:
             headers.append(("X-Edgeproxy-Cache", ctx.outcome.cache))
+        if ctx.outcome.state is not None:
+            # A chain the edge rescued: its input was expanded from what the edge held.
+            headers.append(("X-Edgeproxy-State", ctx.outcome.state))
         if upstream.other_model is not None:
             # Another model than asked answered: the ladder's lighter rung (degraded), or a
             # larger context window for a request too long for the model.
@@ -200,7 +203,9 @@ class Responder:
             resp.content_length = content_length
         out = ctx.outcome
         out.response_is_sse = content_type.startswith("text/event-stream")
-        usage = UsageTracker.for_response(ctx.path, content_type, reply.status, ctx.json)
+        usage = UsageTracker.for_response(
+            ctx.path, content_type, reply.status, ctx.json, _keeps(ctx)
+        )
         try:
             # Inside the try: the client may already be gone when headers go out.
             await resp.prepare(request)
@@ -298,7 +303,7 @@ class Responder:
             )
             return resp
         out.status = 200
-        usage = UsageTracker.for_response(ctx.path, content_type, 200, ctx.json)
+        usage = UsageTracker.for_response(ctx.path, content_type, 200, ctx.json, _keeps(ctx))
         splice: Splice | None = None
         if legs is not None:
             splice = legs.splice(ctx, 200, content_type)
@@ -662,3 +667,11 @@ def _after_heartbeats_error(answer: Answer) -> ProxyError:
     """What a client is told when, after heartbeats (200 sent), the answer is not a 200
     stream: another answer cannot follow the 200 already sent."""
     return ProxyError(503, "service_unavailable", "no region answered", code="no_region")
+
+
+def _keeps(ctx: RequestContext) -> bool:
+    """Whether the answer's stored response is kept for the edge's copy of its chain."""
+    facts = ctx.facts
+    return (
+        ctx.route.responses_state == "edge" and facts is not None and facts.dialect == "responses"
+    )

@@ -10,7 +10,10 @@ written here, and only by these writers (``tests/test_outcome.py`` holds them to
   key at lookup;
 * the :class:`~edgeproxy._answer.responder.Responder`, the one writer of
   downstream bytes, from what it sent: the status, the bytes, the first byte's
-  time, whether as SSE, the usage of the answer and why it ended early.
+  time, whether as SSE, the usage of the answer (and the stored response, where
+  the edge holds its chain) and why it ended early;
+* a WebSocket session (:mod:`edgeproxy._realtime`): its handshake, the region and
+  status, its usage; its relay, what it sent and how it ended (``session``).
 
 Hooks, metrics and the access log read it when the request is complete
 (``ctx.outcome``, or the same names on the context itself).
@@ -94,6 +97,11 @@ class Outcome:
     """The answer's token counts (a continued stream's summed)."""
     error: str | None = None
     """Why the answer failed or ended early."""
+    stored: dict[str, Any] | None = None
+    """The stored response a region answered with, as it returned it, where the edge holds
+    its chain (a route's ``responses_state = "edge"``)."""
+    state: str | None = None
+    """``edge`` when the request's chain was rescued by the edge (its input expanded)."""
     session: SessionTotals | None = None
     """A WebSocket session's totals (None for any other request)."""
     # -- the pipeline, on every way out --------------------------------------------------

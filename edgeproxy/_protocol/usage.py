@@ -44,10 +44,27 @@ class UsageTracker:
     the end.
     """
 
-    __slots__ = ("_sse", "_dialect", "_buf", "_usage", "_overflow", "_body", "_deltas", "_mark")
+    __slots__ = (
+        "_sse",
+        "_dialect",
+        "_buf",
+        "_usage",
+        "_overflow",
+        "_body",
+        "_deltas",
+        "_mark",
+        "_kept",
+        "keeps",
+    )
 
-    def __init__(self, *, sse: bool, dialect: Dialect = CHAT, body: Any = None) -> None:
+    def __init__(
+        self, *, sse: bool, dialect: Dialect = CHAT, body: Any = None, keep: bool = False
+    ) -> None:
         self._sse = sse
+        # Keep the answer the usage came in (a stored Responses response whose chain the
+        # edge holds): it is parsed for the usage anyway.
+        self.keeps = keep
+        self._kept: dict[str, Any] | None = None
         self._dialect = dialect
         self._buf = b""
         self._usage: dict[str, Any] | None = None
@@ -63,19 +80,20 @@ class UsageTracker:
 
     @classmethod
     def for_response(
-        cls, path: str, content_type: str, status: int, body: Any = None
+        cls, path: str, content_type: str, status: int, body: Any = None, keep: bool = False
     ) -> UsageTracker | None:
         """The tracker of an answer of ``status`` and ``content_type`` to ``path``; ``body``:
-        the request's JSON, for the estimate of a stream that counts nothing."""
+        the request's JSON, for the estimate of a stream that counts nothing; ``keep``:
+        keep the answer the usage came in (:meth:`kept`)."""
         if status != 200:
             return None
         endpoint = openai_endpoint(path)
         if endpoint is None or not endpoint.usage:
             return None
         if content_type.startswith("text/event-stream"):
-            return cls(sse=True, dialect=endpoint.dialect, body=body)
+            return cls(sse=True, dialect=endpoint.dialect, body=body, keep=keep)
         if "json" in content_type:
-            return cls(sse=False, dialect=endpoint.dialect)
+            return cls(sse=False, dialect=endpoint.dialect, keep=keep)
         return None
 
     def feed(self, chunk: bytes, events: list[SSEEvent] | None = None) -> None:
@@ -109,6 +127,18 @@ class UsageTracker:
         usage = self._dialect.usage_of(obj)
         if usage is not None:
             self._usage = self._dialect.merge_usage(self._usage, usage)
+            if self.keeps:
+                self._kept = obj
+
+    def kept(self) -> dict[str, Any] | None:
+        """The answer the usage came in, once :meth:`result` was asked: the JSON answer, or
+        what the dialect's final event carries it in (a Responses stream's ``response``)."""
+        obj = self._kept
+        if obj is None or not self._sse:
+            return obj
+        inside = self._dialect.usage_inside
+        inner = obj.get(inside) if inside else None
+        return inner if isinstance(inner, dict) else None
 
     def result(self) -> dict[str, Any] | None:
         if not self._sse and not self._overflow and self._buf:

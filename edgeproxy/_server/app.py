@@ -702,6 +702,11 @@ class EdgeProxy:
             },
             "cache": self._pipeline.cache.status() if self._pipeline is not None else None,
             "stateful": (self._pipeline.owners.snapshot() if self._pipeline is not None else None),
+            "chains": (
+                self._pipeline.chains.snapshot()
+                if self._pipeline is not None and self._pipeline.chains.active
+                else None
+            ),
             "websocket": (
                 self._pipeline.sessions.snapshot() if self._pipeline is not None else None
             ),

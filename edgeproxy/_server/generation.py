@@ -105,6 +105,9 @@ async def open_generation(number: int, config: Config, plugins: Plugins) -> Gene
         # The owners of stored objects: Redis when configured (else this process's memory).
         await pipeline.owners.open()
         stack.push_async_callback(pipeline.owners.close)
+        # The Responses chains the edge holds: Redis when configured (else memory).
+        await pipeline.chains.open()
+        stack.push_async_callback(pipeline.chains.close)
         # The sessions' client to the regions' WebSockets.
         stack.push_async_callback(pipeline.sessions.close)
         # The router lets go of its geo database once the regions are closed.

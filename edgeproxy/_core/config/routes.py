@@ -232,6 +232,14 @@ class RouteConfig(Section):
         "token bound below 1; off: such requests go to the regions, as any other.",
     )
 
+    responses_state: Literal["owner", "edge"] = Field(
+        "owner",
+        description="Where a Responses chain's state (previous_response_id) lives: 'owner', "
+        "at the region that stored it only; 'edge', held by the proxy as well (each stored "
+        "response's input and output items, in [stateful]'s Redis), so that a chain whose "
+        "owner is down, forgot it, or cannot store goes on at another region, its input "
+        "expanded (marked X-Edgeproxy-State: edge).",
+    )
     websocket: Literal["realtime", "any", "off"] = Field(
         "realtime",
         description="WebSocket handshakes this route takes: 'realtime' those to a Realtime "

@@ -83,3 +83,27 @@ class StatefulConfig(RedisSection):
         description="Retry-After seconds of the 503 a request gets while the region holding "
         "its state is unavailable.",
     )
+    edge_prefix: str = Field(
+        "edgeproxy:chain:",
+        description="Prefix of the Responses chains the edge holds (routes with "
+        "responses_state = 'edge'): <prefix><response id>.",
+    )
+    edge_retention: FinitePositive = Field(
+        30 * 24 * 3600.0,
+        description="Seconds the edge holds each stored response of a chain (OpenAI keeps "
+        "stored responses 30 days).",
+    )
+    edge_max_chain_bytes: Count = Field(
+        4 * 1024 * 1024,
+        description="Most bytes of one chain the edge holds (every turn's input and output "
+        "items, as JSON); a turn past it is not held, and the chain goes on at its owner only.",
+    )
+    edge_max_turns: Count = Field(
+        256,
+        description="Most turns of one chain the edge holds; a turn past it is not held.",
+    )
+    edge_memory_bytes: Count = Field(
+        64 * 1024 * 1024,
+        description="Bytes of chains each process keeps in memory when no Redis is set (the "
+        "oldest turns forgotten first); with Redis, chains live there.",
+    )

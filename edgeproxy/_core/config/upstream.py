@@ -194,6 +194,13 @@ class RegionConfig(Section):
         description="What the region runs: 'generic', 'openai', 'vllm', 'sglang' or "
         "'llama.cpp'; it decides how the region continues a broken stream (continuation).",
     )
+    stores_responses: bool | None = Field(
+        None,
+        description="Whether the region keeps the Responses API's stored responses, so that "
+        "previous_response_id works there. Unset: yes, except for server = 'llama.cpp' "
+        "(llama-server refuses previous_response_id). A region that does not is sent a "
+        "chain's whole input instead, on routes with responses_state = 'edge'.",
+    )
     continuation: ContinuationMethod = Field(
         "auto",
         description="How this region continues a chat stream another region broke (routes' "
@@ -283,6 +290,14 @@ class RegionConfig(Section):
         """Seconds between two fetches of the region's models: ``models_refresh``, 60 when
         unset."""
         return _MODELS_REFRESH if self.models_refresh is None else self.models_refresh
+
+    @property
+    def keeps_responses(self) -> bool:
+        """Whether the region keeps stored responses: ``stores_responses``, unset meaning
+        yes unless it runs llama.cpp."""
+        if self.stores_responses is not None:
+            return self.stores_responses
+        return self.server != "llama.cpp"
 
     @property
     def learns_models(self) -> bool:

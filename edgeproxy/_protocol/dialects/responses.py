@@ -585,6 +585,47 @@ class ResponsesDialect(Dialect):
             item_id=item_id if isinstance(item_id, str) and item_id else None,
         )
 
+    # -- chains held at the edge -----------------------------------------------------
+
+    def own_items(self, body: dict[str, Any]) -> list[Any]:
+        """The request's own ``input`` as a list of items (a string is one user message)."""
+        given = body.get("input")
+        if isinstance(given, str):
+            return [{"type": "message", "role": "user", "content": given}]
+        return list(given) if isinstance(given, list) else []
+
+    def expanded(
+        self, body: dict[str, Any], turns: list[tuple[list[Any], dict[str, Any]]]
+    ) -> dict[str, Any]:
+        """``body`` without its ``previous_response_id``: the chain's turns (each its input
+        items, then its response's output items, as the region returned them: reasoning
+        and other opaque items included) before its own input, as the API reads them."""
+        items: list[Any] = []
+        for own, response in turns:
+            items.extend(own)
+            output = response.get("output")
+            if isinstance(output, list):
+                items.extend(output)
+        items.extend(self.own_items(body))
+        out = {k: v for k, v in body.items() if k != "previous_response_id"}
+        out["input"] = items
+        return out
+
+    def forgot(self, status: int, answer: bytes) -> bool:
+        """Whether a region's error answer says it cannot continue from a
+        ``previous_response_id``: it holds no such response (404), or it keeps none at all
+        (llama-server's 400)."""
+        if status not in (400, 404):
+            return False
+        error = loads(answer)
+        detail = error.get("error") if isinstance(error, dict) else None
+        if not isinstance(detail, dict):
+            return False
+        if detail.get("code") == "previous_response_not_found":
+            return True
+        message = detail.get("message")
+        return isinstance(message, str) and "previous_response_id" in message
+
     def assemble(self, events: list[SSEEvent]) -> dict[str, Any] | None:
         for event in reversed(events):
             if event.event in ("response.completed", "response.incomplete"):
