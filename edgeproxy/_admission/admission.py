@@ -173,17 +173,7 @@ class AdmissionStage:
             except ProxyError:
                 self.invalid_total += 1
                 raise
-        # For the queue, and for logs even when nothing queues.
-        header = self.config.priority_header
-        if header and not ctx.priority:
-            raw = ctx.headers.get(header)
-            if raw is not None:
-                self._priority(ctx, raw)
-        poison = self.poison
-        if poison is not None and poison.limiting:
-            refused = poison.limited(ctx)
-            if refused is not None:
-                raise refused
+        self._caller(ctx)
         ticket: RateTicket | None = None
         if self.rate.enabled:
             ticket = await self._rate_limit(request, ctx, body)
@@ -210,16 +200,7 @@ class AdmissionStage:
         session), without a slot: ``[websocket]`` caps sessions. Returns the session's
         token-unit charges, which each Realtime ``response.create`` is checked against
         (empty: no token limit applies). Raises ``ProxyError`` (429) as :meth:`admit`."""
-        header = self.config.priority_header
-        if header and not ctx.priority:
-            raw = ctx.headers.get(header)
-            if raw is not None:
-                self._priority(ctx, raw)
-        poison = self.poison
-        if poison is not None and poison.limiting:
-            refused = poison.limited(ctx)
-            if refused is not None:
-                raise refused
+        self._caller(ctx)
         rate = self.rate
         self.admitted_total += 1
         if not rate.enabled:
@@ -251,6 +232,20 @@ class AdmissionStage:
         if not charges:
             return None
         return await rate.take(charges, estimate)
+
+    def _caller(self, ctx: RequestContext) -> None:
+        """The caller's priority (for the queue, and for logs even when nothing queues), and
+        a caller limited for poison refused (``ProxyError``)."""
+        header = self.config.priority_header
+        if header and not ctx.priority:
+            raw = ctx.headers.get(header)
+            if raw is not None:
+                self._priority(ctx, raw)
+        poison = self.poison
+        if poison is not None and poison.limiting:
+            refused = poison.limited(ctx)
+            if refused is not None:
+                raise refused
 
     def _priority(self, ctx: RequestContext, raw: str) -> None:
         """``ctx.priority`` from the priority header's value ``raw``."""

@@ -115,24 +115,23 @@ def query_call(target: str) -> str | None:
     return query_value(target, "call_id")
 
 
-def session_id(body: dict[str, Any]) -> str | None:
-    """The id of the session a region's ``session.created`` made."""
+def _session_field(body: dict[str, Any], name: str) -> str | None:
     session = body.get("session")
     if isinstance(session, dict):
-        found = session.get("id")
+        found = session.get(name)
         if isinstance(found, str) and found:
             return found
     return None
 
 
+def session_id(body: dict[str, Any]) -> str | None:
+    """The id of the session a region's ``session.created`` made."""
+    return _session_field(body, "id")
+
+
 def session_model(body: dict[str, Any]) -> str | None:
     """The model a ``session.update`` (or a region's ``session.created``) names."""
-    session = body.get("session")
-    if isinstance(session, dict):
-        model = session.get("model")
-        if isinstance(model, str) and model:
-            return model
-    return None
+    return _session_field(body, "model")
 
 
 def _count(value: object) -> int:
