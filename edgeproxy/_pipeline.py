@@ -308,14 +308,18 @@ class Pipeline:
                 if again is not None:
                     ctx, obtained = again
                     owner = None
-            elif held is not None and isinstance(obtained, AttemptResponse):
-                if obtained.status == 404:
-                    # The owner forgot a response the edge holds (a restart): the edge's.
-                    answer = await self.chains.answer(ctx, *held)
-                    if answer is not None:
+            elif held is not None and (
+                (isinstance(obtained, AttemptResponse) and obtained.status == 404)
+                or (isinstance(obtained, Failure) and obtained.kind is FailureKind.UPSTREAM)
+            ):
+                # The owner forgot a response the edge holds (a restart), or could not be
+                # reached: the edge's copy answers.
+                answer = await self.chains.answer(ctx, *held)
+                if answer is not None:
+                    if isinstance(obtained, AttemptResponse):
                         await obtained.aclose()
-                        response = self.responder.own(ctx, answer)
-                        return response
+                    response = self.responder.own(ctx, answer)
+                    return response
             if isinstance(obtained, Failure):
                 error = obtained.error
                 if owner is not None and obtained.kind is FailureKind.UPSTREAM:
@@ -341,6 +345,11 @@ class Pipeline:
                 recorder = await self.cache.recorder_for(request, upstream.other_model)
             if state is not None and state.creates and 200 <= upstream.status < 300:
                 await self._remember(upstream, state)
+                if chain is not None and not upstream.attempt.sse:
+                    # A JSON answer is held whole (read by _remember): its turn is held
+                    # before the client has its id, for a follow-up through another PoP.
+                    await self.chains.hold_answer(chain, upstream.attempt.first)
+                    chain = None
             plan = route if isinstance(route, RoutePlan) else None
             if plan is not None and plan.affinity is not None:
                 plan.routed(upstream.region)  # its KV cache now holds the prompt
@@ -466,7 +475,7 @@ class Pipeline:
             why = "owner_unavailable"
         elif isinstance(obtained, AttemptResponse) and obtained.status in (400, 404):
             try:
-                answer = await obtained.read_more(_CREATED_ANSWER_LIMIT)
+                answer = await obtained.read_error(_CREATED_ANSWER_LIMIT)
             except UpstreamError:
                 return None
             if not RESPONSES.forgot(obtained.status, answer):

@@ -330,8 +330,9 @@ async def test_a_chain_held_at_the_edge_goes_on_through_llama_server(
                     **request, stream=True
                 ) as raw:
                     states.append(raw.headers.get("x-edgeproxy-state"))
+                    events = await raw.parse()
                     completed = [
-                        event async for event in raw.parse() if event.type == "response.completed"
+                        event async for event in events if event.type == "response.completed"
                     ]
                 previous = completed[-1].response.id
             else:

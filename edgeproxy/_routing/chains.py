@@ -22,6 +22,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import orjson
+
 from edgeproxy._cache.keys import cache_scope
 from edgeproxy._core.config import Config
 from edgeproxy._core.context import RequestContext
@@ -153,6 +155,17 @@ class EdgeChains:
         if turn is not None:
             await self.store.put(turn)
 
+    async def hold_answer(self, record: ChainRecord, answer: bytes | None) -> None:
+        """:meth:`hold` for a JSON answer read whole, before it is relayed."""
+        if not answer:
+            return
+        try:
+            stored = orjson.loads(answer)
+        except orjson.JSONDecodeError:
+            return
+        if isinstance(stored, dict):
+            await self.hold(record, stored)
+
     # -- retrieve and delete ---------------------------------------------------------
 
     def object_of(self, ctx: RequestContext) -> tuple[str, bool] | None:
@@ -173,8 +186,7 @@ class EdgeChains:
     async def answer(self, ctx: RequestContext, response_id: str, items: bool) -> Response | None:
         """The edge's own answer for a held response (None: not held, or not the
         caller's)."""
-        turns = await self._whole(response_id, cache_scope(ctx))
-        held = turns[-1] if turns else await self._held(response_id, cache_scope(ctx))
+        held = await self._held(response_id, cache_scope(ctx))
         if held is None:
             return None
         self.answered_total += 1
@@ -183,13 +195,17 @@ class EdgeChains:
             return Response.json({"id": response_id, "object": "response", "deleted": True})
         if not items:
             return Response.json(held.response)
-        data = [item for turn in (turns or [held]) for item in turn.input]
-        # Newest first, as the API lists them by default.
+        # The response's own input, newest first, as the API lists it by default.
+        data = RESPONSES.listed_items(held.id, held.input)
         data.reverse()
-        first = data[0].get("id") if data and isinstance(data[0], dict) else None
-        last = data[-1].get("id") if data and isinstance(data[-1], dict) else None
         return Response.json(
-            {"object": "list", "data": data, "first_id": first, "last_id": last, "has_more": False}
+            {
+                "object": "list",
+                "data": data,
+                "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None,
+                "has_more": False,
+            }
         )
 
     async def _held(self, response_id: str, scope: str) -> Turn | None:
