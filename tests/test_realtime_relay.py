@@ -309,3 +309,17 @@ async def test_a_response_create_spelt_with_json_escapes_is_still_checked() -> N
     refusal = await second
     assert refusal is not None and "rate_limit_exceeded" in refusal
     assert meter.from_client('{"type":"input_audio_buffer.append","audio":"AAAA"}') is None
+
+
+def test_a_clients_type_is_read_quickly_only_where_nothing_could_override_it() -> None:
+    from edgeproxy._protocol.realtime import client_event_type
+
+    audio = '{"type":"input_audio_buffer.append","audio":"' + "QUJD" * 2000 + '"}'
+    assert client_event_type(audio) == "input_audio_buffer.append"
+    # A later key, or an escape that could spell one, is read as the region reads it.
+    twice = '{"type":"input_audio_buffer.append","audio":"AAAA","type":"response.create"}'
+    escaped = '{"type":"input_audio_buffer.append","audio":"AAAA","t\\u0079pe":"response.create"}'
+    assert client_event_type(twice) == "response.create"
+    assert client_event_type(escaped) == "response.create"
+    assert client_event_type('{"type":"response\\u002ecreate"}') == "response.create"
+    assert client_event_type('{"event_id":"e","type":"session.update"}') == "session.update"

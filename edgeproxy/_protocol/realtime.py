@@ -26,6 +26,7 @@ __all__ = [
     "REALTIME_SUFFIX",
     "ClientEvent",
     "client_event",
+    "client_event_type",
     "error_event",
     "query_call",
     "query_model",
@@ -68,6 +69,17 @@ def client_event(message: str | bytes) -> ClientEvent:
         return ClientEvent(None, None)
     kind = body.get("type")
     return ClientEvent(kind if type(kind) is str else None, body)
+
+
+def client_event_type(message: str) -> str | None:
+    """A client's event's type, read as the region will read it, without parsing an audio
+    append's base64: from its opening ``"type"`` when nothing later could override it (no
+    second ``"type"`` key, no escape that could spell one), else from the whole event."""
+    if "\\" not in message:
+        found = _TYPE_AT_START.match(message[:_HEAD])
+        if found is not None and message.find('"type"', found.end()) < 0:
+            return found.group(1)
+    return client_event(message).type
 
 
 def region_event_type(message: str | bytes) -> tuple[str | None, dict[str, Any] | None]:

@@ -14,6 +14,7 @@ from edgeproxy._admission.ratelimit import Charge, RateLimiter, RateTicket
 from edgeproxy._core.errors import ProxyError
 from edgeproxy._protocol.realtime import (
     client_event,
+    client_event_type,
     error_event,
     region_event_type,
     region_usage,
@@ -78,20 +79,13 @@ class Meter:
         or of an error event to answer the client with instead (a token limit)."""
         if isinstance(message, bytes):
             return None  # no event of the API is binary: the region answers it
-        if (
-            "response.create" not in message
-            and "session.update" not in message
-            and "\\u" not in message
-        ):
-            # Neither type can be in it, however the region reads it (a JSON escape could
-            # spell one: those are parsed). Spares an audio append's parse.
-            return None
-        event = client_event(message)
-        kind = event.type
+        kind = client_event_type(message)
         if kind == "response.create":
             return self._create()
-        if kind == "session.update" and event.body is not None and self.model is None:
-            self.model = session_model(event.body)
+        if kind == "session.update" and self.model is None:
+            body = client_event(message).body
+            if body is not None:
+                self.model = session_model(body)
         return None
 
     async def _create(self) -> str | None:
