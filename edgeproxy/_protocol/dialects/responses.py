@@ -297,6 +297,320 @@ class ResponsesDialect(Dialect):
             turns.extend(given[:10_000])
         return turns
 
+    def last_question(self, body: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
+        """``input`` as a string, or the last of its items when it is a user message of
+        text only."""
+        given = body.get("input")
+        if isinstance(given, str):
+            return given, {**body, "input": None}
+        if not isinstance(given, list) or not given:
+            return None
+        last = given[-1]
+        if not isinstance(last, dict) or last.get("role") != "user":
+            return None
+        if last.get("type", "message") != "message":
+            return None
+        text = plain_text(last.get("content"), ("input_text",))
+        if text is None:
+            return None
+        asked = {k: v for k, v in last.items() if k != "content"}
+        return text, {**body, "input": [*given[:-1], asked]}
+
+    def text_turns(self, body: dict[str, Any]) -> list[tuple[str, str]]:
+        """``instructions`` as the system prompt, then ``input``: a string (one user turn) or
+        a list of message items, each with a string ``content`` or a list of
+        ``input_text``/``output_text`` parts. Reasoning items are passed over; any other item
+        (a function call, its output, an image part...) is a 400."""
+        turns: list[tuple[str, str]] = []
+        instructions = body.get("instructions")
+        if isinstance(instructions, str) and instructions:
+            turns.append(("system", instructions))
+        elif instructions is not None and not isinstance(instructions, str):
+            raise self.invalid("instructions must be a string", "instructions", "invalid_type")
+        given = body.get("input")
+        if isinstance(given, str):
+            turns.append(("user", given))
+            return turns
+        if not isinstance(given, list):
+            raise self.invalid("input must be a string or a list of items", "input", "invalid_type")
+        if not given:
+            raise self.invalid("input must not be empty", "input", "empty_array")
+        for i, item in enumerate(given):
+            where = f"input[{i}]"
+            if not isinstance(item, dict):
+                raise self.invalid(f"{where} must be an object", where, "invalid_type")
+            kind = item.get("type", "message")
+            if kind in _SILENT_ITEMS:
+                continue
+            if kind != "message":
+                raise self.invalid(
+                    f"{where}: the proxy's own answers read text only, not {kind!r} items",
+                    where,
+                    "unsupported_content",
+                )
+            named = item.get("role")
+            role = _ROLES.get(named) if isinstance(named, str) else None
+            if role is None:
+                raise self.invalid(
+                    f"{where}.role must be one of {', '.join(sorted(_ROLES))}",
+                    f"{where}.role",
+                    "invalid_value",
+                )
+            content = item.get("content")
+            if not isinstance(content, (str, list)):
+                raise self.invalid(
+                    f"{where}.content must be a string or a list of text parts",
+                    f"{where}.content",
+                    "invalid_type",
+                )
+            turns.append(
+                (role, text_parts(self, f"{where}.content", content, _TEXT_PARTS, "parts"))
+            )
+        return turns
+
+    def stateful(self, body: dict[str, Any]) -> bool:
+        """A stored response or conversation it refers to, a stored prompt template
+        (``prompt``), items referred to by id (``item_reference``), or a background run
+        (polled for later by its id)."""
+        if self.state_refs(body) or body.get("background") is True or body.get("prompt"):
+            return True
+        given = body.get("input")
+        return isinstance(given, list) and any(
+            isinstance(item, dict) and item.get("type") == "item_reference"
+            for item in given[:10_000]
+        )
+
+    def deterministic(self, body: dict[str, Any]) -> bool:
+        return body.get("temperature") == 0
+
+    def state_refs(self, body: dict[str, Any]) -> list[tuple[str, str]]:
+        refs: list[tuple[str, str]] = []
+        previous = body.get("previous_response_id")
+        if isinstance(previous, str) and previous:
+            refs.append(("previous_response_id", previous))
+        conversation = body.get("conversation")
+        if isinstance(conversation, dict):
+            conversation = conversation.get("id")
+        if isinstance(conversation, str) and conversation:
+            refs.append(("conversation", conversation))
+        # Uploaded files in the input (an input_file's or an input_image's file_id), and the
+        # vector stores file_search reads: the region holding them must answer too.
+        given = body.get("input")
+        if isinstance(given, list):
+            for item in given[:_MAX_SCANNED]:
+                parts = item.get("content") if isinstance(item, dict) else None
+                if not isinstance(parts, list):
+                    continue
+                for part in parts[:_MAX_SCANNED]:
+                    file_id = part.get("file_id") if isinstance(part, dict) else None
+                    if isinstance(file_id, str) and file_id:
+                        refs.append(("input", file_id))
+        tools = body.get("tools")
+        if isinstance(tools, list):
+            for tool in tools[:_MAX_SCANNED]:
+                stores = tool.get("vector_store_ids") if isinstance(tool, dict) else None
+                if isinstance(stores, list):
+                    refs.extend(("tools", s) for s in stores[:_MAX_SCANNED] if isinstance(s, str))
+        return refs
+
+    def stores(self, body: dict[str, Any]) -> bool:
+        return body.get("store") is not False or bool(body.get("conversation"))
+
+    def include_usage(self, body: dict[str, Any]) -> bool:
+        return True  # the response at its end always carries it
+
+    def continuable(self, body: dict[str, Any]) -> bool:
+        """Only a deterministic request that neither stores nor refers to state: the same
+        request again gives the same answer, and creates no second stored response."""
+        return self.deterministic(body) and self.stateless(body)
+
+    def created_in(self, event: SSEEvent) -> str | None:
+        # The stream's first event, before any token: the stored response's id. Its type is
+        # in its data too (some servers send no event line).
+        if event.event not in ("response.created", None):
+            return None
+        obj = loads(event.data)
+        if not isinstance(obj, dict) or obj.get("type", event.event) != "response.created":
+            return None
+        response = obj.get("response")
+        return self.created_id(response) if isinstance(response, dict) else None
+
+    def ref_not_found(self, field: str, object_id: str) -> ProxyError:
+        if field == "previous_response_id":
+            return ProxyError(
+                404,
+                "invalid_request_error",
+                f"Previous response with id '{object_id}' not found.",
+                code="previous_response_not_found",
+                param=field,
+            )
+        if field == "conversation":
+            # OpenAI names neither the field nor a code here.
+            return CONVERSATIONS.not_found(object_id)
+        if field == "input":
+            return FILES.not_found(object_id)
+        if field == "tools":
+            return VECTOR_STORES.not_found(object_id)
+        return super().ref_not_found(field, object_id)
+
+    def requires(self, body: dict[str, Any]) -> tuple[str, ...]:
+        # A stored prompt (``prompt``) may name the model.
+        return () if body.get("prompt") is not None else self.required
+
+    def needs_turns(self, body: dict[str, Any]) -> bool:
+        # A follow-up of a stored response or conversation, or a stored prompt, has a
+        # conversation already: its input may be left out, or empty.
+        return not (
+            body.get("previous_response_id") or body.get("conversation") or body.get("prompt")
+        )
+
+    def check(self, body: dict[str, Any]) -> ProxyError | None:
+        err = super().check(body)
+        if err is not None:
+            return err
+        if body.get("input") is None and self.needs_turns(body):
+            return self.invalid(
+                "Missing required parameter: 'input'.", "input", "missing_required_parameter"
+            )
+        conversation = body.get("conversation")
+        if isinstance(conversation, dict) and not isinstance(conversation.get("id"), str):
+            return self.invalid(
+                "Invalid type for 'conversation.id': expected a string.",
+                "conversation",
+                "invalid_type",
+            )
+        return None
+
+    # -- streams -----------------------------------------------------------------------------
+
+    def commits(self, event: SSEEvent) -> bool:
+        name = event.event
+        if event.comment:
+            return False  # a keep-alive comment is no content
+        if name is None:
+            # No event line: the type is in the data (some servers send it only there).
+            obj = loads(event.data)
+            name = obj.get("type") if isinstance(obj, dict) else None
+            if not isinstance(name, str):
+                return True
+        return (
+            name.endswith(".delta")
+            or name == "response.output_item.done"
+            or name in _ENDS
+            or name == "error"
+        )
+
+    def counted(self, usage: dict[str, Any]) -> dict[str, Any]:
+        # input_tokens includes the cached ones (input_tokens_details.cached_tokens).
+        if "prompt_tokens" in usage:
+            return usage
+        return counted_io(usage, tokens(usage.get("input_tokens")))
+
+    def is_end(self, event: SSEEvent) -> bool:
+        return event.event in _ENDS
+
+    def is_error(self, event: SSEEvent) -> bool:
+        return event.event in ("error", "response.failed")
+
+    # -- what the proxy writes ---------------------------------------------------------------
+
+    def error_event(self, err: ProxyError, *, sequence: int = 0) -> bytes:
+        """The Responses API's ``error`` event, with OpenAI's ``error`` object beside its
+        fields: the openai SDK raises ``APIError`` on it."""
+        code = err.code or err.type
+        data = {
+            "type": "error",
+            "code": code,
+            "message": err.message,
+            "param": err.param,
+            "sequence_number": sequence,
+            "error": {"type": err.type, "code": code, "message": err.message, "param": err.param},
+        }
+        return named_event("error", data)
+
+    def answer_id(self) -> str:
+        return response_id()
+
+    def own_usage(self, usage: dict[str, Any]) -> dict[str, Any]:
+        return responses_usage(usage) or {}
+
+    def response_object(
+        self, text: AnswerText, status: str, output: list[Any], usage: Any
+    ) -> dict[str, Any]:
+        return response_object(text, status, output, usage)
+
+    def answer(self, text: AnswerText) -> dict[str, Any]:
+        reason = INCOMPLETE.get(text.finish or "")
+        status = "incomplete" if reason else "completed"
+        out = response_object(text, status, output_items(text), text.usage)
+        if reason:
+            out["incomplete_details"] = {"reason": reason}
+        return out
+
+    def text_of(self, answer: dict[str, Any]) -> AnswerText | None:
+        if answer.get("object") != "response" or answer.get("status") not in (
+            "completed",
+            "incomplete",
+        ):
+            return None
+        output = answer.get("output")
+        if not isinstance(output, list) or len(output) != 1:
+            return None
+        item = output[0]
+        if not isinstance(item, dict) or item.get("type") != "message":
+            return None
+        parts = item.get("content")
+        if not isinstance(parts, list):
+            return None
+        text = []
+        for part in parts:
+            if not isinstance(part, dict) or part.get("type") != "output_text":
+                return None
+            if not isinstance(part.get("text"), str):
+                return None
+            text.append(part["text"])
+        details = answer.get("incomplete_details")
+        reason = details.get("reason") if isinstance(details, dict) else None
+        finish = "length" if reason == "max_output_tokens" else "stop"
+        usage = answer.get("usage")
+        item_id = item.get("id")
+        return ResponseText(
+            str(answer.get("id") or response_id()),
+            str(answer.get("model") or ""),
+            created if isinstance(created := answer.get("created_at"), int) else 0,
+            "".join(text),
+            finish,
+            usage if isinstance(usage, dict) else None,
+            response=answer,
+            item_id=item_id if isinstance(item_id, str) and item_id else None,
+        )
+
+    # -- chains held at the edge -----------------------------------------------------
+
+    def own_items(self, body: dict[str, Any]) -> list[Any]:
+        """The request's own ``input`` as a list of items (a string is one user message)."""
+        given = body.get("input")
+        if isinstance(given, str):
+            return [{"type": "message", "role": "user", "content": given}]
+        return list(given) if isinstance(given, list) else []
+
+    def expanded(
+        self, body: dict[str, Any], turns: list[tuple[list[Any], dict[str, Any]]]
+    ) -> dict[str, Any]:
+        """``body`` without its ``previous_response_id``: the chain's turns (each its input
+        items, then its response's output items, as the region returned them: reasoning
+        and other opaque items included) before its own input, as the API reads them."""
+        items: list[Any] = []
+        for own, response in turns:
+            items.extend(own)
+            output = response.get("output")
+            if isinstance(output, list):
+                items.extend(output)
+        items.extend(self.own_items(body))
+        out = {k: v for k, v in body.items() if k != "previous_response_id"}
+        out["input"] = items
+        return out
+
     def listed_items(self, response_id: str, items: list[Any]) -> list[dict[str, Any]]:
         """A held response's input items as ``GET .../input_items`` lists them: each with an
         id (its own, else one derived from the response's) and a message's text as
