@@ -243,6 +243,8 @@ class Pipeline:
             held: tuple[str, bool] | None = None  # a response the edge holds, retrieved
             try:
                 admitted = await self.admission.admit(request, ctx)
+                if admitted.rate is not None and ctx.route.rate_limit_headers:
+                    ctx.outcome.limits = admitted.rate.state()
             except Overloaded as err:
                 if ctx.route.on_overload != "degrade":
                     raise

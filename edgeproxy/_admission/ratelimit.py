@@ -42,9 +42,19 @@ from redis.crc import key_slot
 
 from edgeproxy._core.config import AdmissionConfig, RedisSettings
 from edgeproxy._core.errors import ProxyError
+from edgeproxy._core.outcome import LimitLevel
 from edgeproxy._shared.redisclient import make_client, ready
 
-__all__ = ["Charge", "Limit", "LocalBuckets", "RateLimiter", "RateTicket", "api_key", "identities"]
+__all__ = [
+    "Charge",
+    "Limit",
+    "LocalBuckets",
+    "RateLimiter",
+    "RateTicket",
+    "api_key",
+    "identities",
+    "limit_levels",
+]
 
 logger = logging.getLogger("edgeproxy")
 
@@ -138,6 +148,8 @@ class Decision:
     wait: float = 0.0
     limit: Limit | None = None
     remaining: float = 0.0
+    levels: tuple[float, ...] = ()
+    """An allowed take's: each bucket's level once charged, in the charges' order."""
 
 
 class LocalBuckets:
@@ -184,7 +196,7 @@ class LocalBuckets:
             return worst
         for charge, state in zip(charges, states, strict=True):
             state[0] -= charge.cost
-        return Decision(True)
+        return Decision(True, levels=tuple(state[0] for state in states))
 
     def settle(self, charges: Sequence[Charge], now: float | None = None) -> None:
         """Apply costs unconditionally (negative ones refund), capped at each bucket's size."""
@@ -245,7 +257,7 @@ class RedisBuckets:
         reply = await self.script(keys=keys, args=args)
         allowed, wait, worst = int(reply[0]), float(reply[1]), int(reply[2])
         if allowed:
-            return Decision(True)
+            return Decision(True, levels=tuple(float(level) for level in reply[3:]))
         charge = charges[worst - 1]
         return Decision(False, wait, charge.limit, float(reply[2 + worst]))
 
@@ -267,6 +279,28 @@ class RateTicket:
     charges: list[Charge]
     shared: bool  # paid in Redis
     estimate: int
+    levels: tuple[float, ...] = ()
+
+    def state(self) -> dict[str, LimitLevel] | None:
+        """The levels the answer's rate-limit headers state (None: unknown)."""
+        if len(self.levels) != len(self.charges):
+            return None
+        return limit_levels(self.charges, self.levels)
+
+
+def limit_levels(charges: Sequence[Charge], levels: Sequence[float]) -> dict[str, LimitLevel]:
+    """Each unit's most constrained bucket: its size, what is left, when it is full."""
+    out: dict[str, LimitLevel] = {}
+    for charge, level in zip(charges, levels, strict=True):
+        limit = charge.limit
+        left = max(0.0, level)
+        known = out.get(limit.unit)
+        if known is not None and known.remaining / max(known.limit, 1) <= left / limit.burst:
+            continue
+        out[limit.unit] = LimitLevel(
+            int(limit.burst), math.floor(left), max(0.0, (limit.burst - left) / limit.rate)
+        )
+    return out
 
 
 def _identity(value: str) -> str:
@@ -388,7 +422,7 @@ class RateLimiter:
             self.rejected[decision.limit.name] += 1
             raise self._rejection(decision)
         self.allowed_total += 1
-        return RateTicket(charges, shared, estimate)
+        return RateTicket(charges, shared, estimate, decision.levels)
 
     def settle(self, ticket: RateTicket, usage: dict[str, Any] | None) -> None:
         """Charge or refund the difference between the token estimate and the real usage."""
@@ -437,7 +471,7 @@ class RateLimiter:
         policies = [limit] + [
             lim for lim in (*self.key_limits, *self.ip_limits) if lim is not limit
         ]
-        return ProxyError(
+        refusal = ProxyError(
             429,
             limit.unit,
             f"Rate limit reached for this {scope}: {amount:g} {limit.unit} per {per}. "
@@ -451,6 +485,12 @@ class RateLimiter:
                 "RateLimit-Policy": ", ".join(p.policy() for p in policies),
             },
         )
+        refusal.limits = {
+            limit.unit: LimitLevel(
+                int(limit.burst), max(0, math.floor(decision.remaining)), decision.wait
+            )
+        }
+        return refusal
 
     # -- Redis health ------------------------------------------------------
 

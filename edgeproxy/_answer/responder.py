@@ -37,16 +37,18 @@ from edgeproxy._core.answer import Answer, AnswerBroken
 from edgeproxy._core.context import RequestContext, UpstreamReply
 from edgeproxy._core.errors import ProxyError, error_response
 from edgeproxy._core.exchange import Exchange
+from edgeproxy._core.outcome import LimitLevel
 from edgeproxy._core.response import Response, StreamResponse
 from edgeproxy._core.types import Headers
 from edgeproxy._obtain.continuation import Leg, Splice
 from edgeproxy._obtain.failover import AttemptResponse
 from edgeproxy._plugins import PluginError, Plugins
 from edgeproxy._protocol.compression import Compression, EncodedResponse
-from edgeproxy._protocol.dialects import dialect_named
+from edgeproxy._protocol.dialects import Dialect, dialect_named
 from edgeproxy._protocol.endpoints import dialect_for
 from edgeproxy._protocol.headers import strip_hop_by_hop
 from edgeproxy._protocol.modelnames import ModelRewriter
+from edgeproxy._protocol.ratelimits import limit_headers, stricter
 from edgeproxy._protocol.usage import UsageTracker
 from edgeproxy._upstream.pool import UpstreamError
 from edgeproxy._upstream.regions import Region
@@ -172,6 +174,10 @@ class Responder:
         if ctx.outcome.state is not None:
             # A chain the edge rescued: its input was expanded from what the edge held.
             headers.append(("X-Edgeproxy-State", ctx.outcome.state))
+        if ctx.outcome.limits is not None:
+            anthropic = _dialect(ctx).anthropic
+            ours = limit_headers(ctx.outcome.limits, anthropic=anthropic)
+            headers = stricter(headers, ours, anthropic=anthropic)
         if upstream.other_model is not None:
             # Another model than asked answered: the ladder's lighter rung (degraded), or a
             # larger context window for a request too long for the model.
@@ -366,6 +372,8 @@ class Responder:
             resp = StreamResponse(status=answer.status, headers=answer.headers)
             if self.draining:
                 resp.force_close()
+            if out.limits is not None:
+                _state_limits(ctx, resp, out.limits)
             out.status = answer.status
             out.response_is_sse = answer.sse
             await resp.prepare(request)
@@ -387,6 +395,8 @@ class Responder:
         if self.draining:
             resp.force_close()
         out = ctx.outcome
+        if out.limits is not None:
+            _state_limits(ctx, resp, out.limits)
         out.status = answer.status
         out.response_is_sse = answer.sse
         parts = answer.parts
@@ -442,9 +452,12 @@ class Responder:
         if out.cache:
             headers["X-Edgeproxy-Cache"] = out.cache
         headers.update(err.headers)
-        facts = ctx.facts
-        dialect = dialect_named(facts.dialect) if facts is not None else dialect_for(ctx.path)
-        return error_response(err.status, dialect.error_body(err), headers=headers)
+        dialect = _dialect(ctx)
+        answer = error_response(err.status, dialect.error_body(err), headers=headers)
+        limits = err.limits if err.limits is not None else out.limits
+        if limits is not None and ctx.route.rate_limit_headers:
+            _state_limits(ctx, answer, limits)
+        return answer
 
     async def error_after(
         self, request: Exchange, ctx: RequestContext, err: ProxyError, started: StreamResponse
@@ -460,6 +473,8 @@ class Responder:
         out = ctx.outcome
         answer.headers.setdefault("X-Edgeproxy-Region", out.region or "none")
         answer.headers["X-Request-Id"] = ctx.request_id
+        if out.limits is not None:
+            _state_limits(ctx, answer, out.limits)
         if out.degraded:
             answer.headers["X-Edgeproxy-Degraded"] = out.degraded
             if out.attempts:
@@ -675,3 +690,14 @@ def _keeps(ctx: RequestContext) -> bool:
     return (
         ctx.route.responses_state == "edge" and facts is not None and facts.dialect == "responses"
     )
+
+
+def _dialect(ctx: RequestContext) -> Dialect:
+    facts = ctx.facts
+    return dialect_named(facts.dialect) if facts is not None else dialect_for(ctx.path)
+
+
+def _state_limits(ctx: RequestContext, resp: StreamResponse, limits: dict[str, LimitLevel]) -> None:
+    """The rate limits' levels on an answer of the proxy's own, in the API's headers."""
+    for name, value in limit_headers(limits, anthropic=_dialect(ctx).anthropic):
+        resp.headers[name] = value

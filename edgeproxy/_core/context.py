@@ -10,7 +10,7 @@ import orjson
 from multidict import CIMultiDict
 
 from edgeproxy._core.config import RouteConfig
-from edgeproxy._core.outcome import Continuation, Outcome, SessionTotals
+from edgeproxy._core.outcome import Continuation, LimitLevel, Outcome, SessionTotals
 from edgeproxy._core.strictjson import DuplicateKey, loads_unique
 from edgeproxy._core.types import Headers, TraceContext
 
@@ -102,6 +102,7 @@ class _OutcomeNames:
     usage: _OutcomeName[dict[str, Any] | None] = _OutcomeName()
     error: _OutcomeName[str | None] = _OutcomeName()
     finished_at: _OutcomeName[float | None] = _OutcomeName()
+    limits: _OutcomeName[dict[str, LimitLevel] | None] = _OutcomeName()
     stored: _OutcomeName[dict[str, Any] | None] = _OutcomeName()
     state: _OutcomeName[str | None] = _OutcomeName()
     session: _OutcomeName[SessionTotals | None] = _OutcomeName()
@@ -318,7 +319,7 @@ def start_context(
     out: Outcome = _new(Outcome)
     out.region = out.upstream_ttfb = out.degraded = out.cache = out.cache_key = None
     out.first_byte_at = out.usage = out.error = out.finished_at = out.session = None
-    out.stored = out.state = None
+    out.stored = out.state = out.limits = None
     out.attempts = out.status = out.bytes_out = 0
     out.hedged = out.response_is_sse = False
     out.continuations = ()

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 
 import orjson
 
+from edgeproxy._core.outcome import LimitLevel
 from edgeproxy._core.response import Response
 
 __all__ = ["ProxyError", "error_body", "error_response"]
@@ -15,8 +16,11 @@ class ProxyError(Exception):
     """An error the pipeline answers itself, with a status and an OpenAI-shaped JSON body.
 
     Stages raise it; the pipeline turns it into the response. ``headers``
-    carries extras such as ``Retry-After``.
+    carries extras such as ``Retry-After``; ``limits``, a rate limit's levels (a 429's),
+    which the answer states in its API's rate-limit headers.
     """
+
+    limits: dict[str, LimitLevel] | None = None
 
     def __init__(
         self,

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-__all__ = ["Continuation", "Outcome", "SessionTotals"]
+__all__ = ["Continuation", "LimitLevel", "Outcome", "SessionTotals"]
 
 
 class Continuation(NamedTuple):
@@ -36,6 +36,18 @@ class Continuation(NamedTuple):
     """The region (or ``local``) that took the answer on; ``none`` when none did."""
     outcome: str
     """``continued``, or why not: ``failed``, ``limit``, ``impossible``, ``budget``."""
+
+
+class LimitLevel(NamedTuple):
+    """Where a caller stands against one unit's rate limit once its request was charged:
+    the most constrained of its buckets of that unit."""
+
+    limit: int
+    """The bucket's size (its burst)."""
+    remaining: int
+    """What is left in it."""
+    reset: float
+    """Seconds until it is full again."""
 
 
 @dataclass(slots=True)
@@ -97,6 +109,10 @@ class Outcome:
     """The answer's token counts (a continued stream's summed)."""
     error: str | None = None
     """Why the answer failed or ended early."""
+    limits: dict[str, LimitLevel] | None = None
+    """The rate limits' levels by unit (``requests``, ``tokens``) after the request was
+    charged, for the answer's rate-limit headers (None: no limit, or the route sends
+    none)."""
     stored: dict[str, Any] | None = None
     """The stored response a region answered with, as it returned it, where the edge holds
     its chain (a route's ``responses_state = "edge"``)."""

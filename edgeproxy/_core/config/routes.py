@@ -232,6 +232,14 @@ class RouteConfig(Section):
         "token bound below 1; off: such requests go to the regions, as any other.",
     )
 
+    rate_limit_headers: bool = Field(
+        True,
+        description="Tell clients where they stand against [admission]'s limits, on every "
+        "answer of the route (its 429s included), in their API's own headers: OpenAI's "
+        "x-ratelimit-{limit,remaining,reset}-{requests,tokens}, Anthropic's "
+        "anthropic-ratelimit-* on Messages; where a region sends its own, the stricter "
+        "stands. Off: the limits are not revealed (a 429 keeps Retry-After).",
+    )
     responses_state: Literal["owner", "edge"] = Field(
         "owner",
         description="Where a Responses chain's state (previous_response_id) lives: 'owner', "
