@@ -39,6 +39,14 @@ When no candidate matches any block, or the request has no prompt key, the
 router chooses as it does without affinity. After the first byte, the
 request's blocks are recorded for the region that answered (whichever it
 was: failover and hedging included).
+
+**Cache intent** (``prompt_cache_affinity``, :mod:`edgeproxy._routing.cacheintent`):
+a request that states its own (OpenAI's ``prompt_cache_key``, Anthropic's
+``cache_control`` breakpoints) is keyed by it instead of its prompt's blocks. The
+region holding its key (the one that answered the last request naming it, within
+the key's TTL) counts as a whole match, the others as none, weighed against load
+and under the balance guard as above; the region that answers holds the key from
+then on.
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from edgeproxy._cache.keys import cache_scope
 from edgeproxy._protocol.endpoints import (
     CHAT_COMPLETIONS,
     COMPLETIONS,
@@ -55,6 +64,7 @@ from edgeproxy._protocol.endpoints import (
     openai_endpoint,
 )
 from edgeproxy._protocol.prefix import PromptKey, prompt_key
+from edgeproxy._routing.cacheintent import IntentKey, IntentTable, intent_key
 
 if TYPE_CHECKING:
     from edgeproxy._core.config import RoutingConfig
@@ -68,19 +78,23 @@ __all__ = ["Affinity", "AffinityPlan"]
 class AffinityPlan:
     """One request's prompt key and what affinity decided for it.
 
-    ``chosen``: the region affinity put first because a prefix matched there;
-    ``balanced``: the balance guard set affinity aside; ``matched``: the
+    ``key``: the prompt's blocks, None for a request keyed by its cache intent;
+    ``intent``: that intent, and ``table`` the keys' regions it is looked up in;
+    ``chosen``: the region affinity put first because a prefix (or the intent's key)
+    matched there; ``balanced``: the balance guard set affinity aside; ``matched``: the
     candidates holding some of the prompt, when affinity ranked them.
     """
 
-    key: PromptKey
+    key: PromptKey | None
     chosen: Region | None = None
     balanced: bool = False
     matched: tuple[Region, ...] = ()
+    intent: IntentKey | None = None
+    table: IntentTable | None = None
 
 
 class Affinity:
-    """Prompt keys, the ranking by prefix match and load, and the balance guard."""
+    """Prompt keys and cache intents, the ranking by match and load, and the balance guard."""
 
     def __init__(self, routing: RoutingConfig) -> None:
         self.block_chars = routing.prefix_block_chars
@@ -91,10 +105,21 @@ class Affinity:
         self.balance_rel = routing.balance_rel_threshold
         self.session_header = routing.session_header
         self.session_from_user = routing.session_from_user
+        # The region of each cache key the clients named (prompt-cache affinity).
+        self.intents: IntentTable | None = (
+            IntentTable(
+                routing.prompt_cache_index_size,
+                routing.prompt_cache_ttl,
+                routing.prompt_cache_ttl_extended,
+            )
+            if routing.prompt_cache_affinity
+            else None
+        )
 
     def plan(self, ctx: RequestContext) -> AffinityPlan | None:
-        """The prompt key of a chat or completions POST with a JSON body; None for any other
-        request, or a prompt too short to key and no session."""
+        """The prompt key of a chat, completions, Responses or Messages POST with a JSON
+        body, or its cache intent where it states one; None for any other request, or a
+        prompt too short to key and no session."""
         if ctx.method != "POST":
             return None
         endpoint = openai_endpoint(ctx.path)
@@ -103,17 +128,25 @@ class Affinity:
         body = ctx.json
         if not isinstance(body, dict):
             return None
-        turns: list[Any] | None = None
-        if endpoint is CHAT_COMPLETIONS:
-            chat = True
-        elif endpoint is COMPLETIONS:
+        if endpoint is COMPLETIONS:
             chat = False
-        elif endpoint is RESPONSES or endpoint is MESSAGES:
-            # Their turns written as chat's: the system prompt, then the conversation.
+        elif endpoint is CHAT_COMPLETIONS or endpoint is RESPONSES or endpoint is MESSAGES:
             chat = True
-            turns = endpoint.dialect.conversation(body)
         else:
             return None
+        if self.intents is not None:
+            marked = endpoint.dialect.cache_intent(body)
+            if marked:
+                model = body.get("model")
+                intent = intent_key(
+                    marked, scope=cache_scope(ctx), model=model if isinstance(model, str) else None
+                )
+                if intent is not None:
+                    return AffinityPlan(None, intent=intent, table=self.intents)
+        turns: list[Any] | None = None
+        if endpoint is RESPONSES or endpoint is MESSAGES:
+            # Their turns written as chat's: the system prompt, then the conversation.
+            turns = endpoint.dialect.conversation(body)
         session = ctx.headers.get(self.session_header) if self.session_header else None
         if not session and self.session_from_user:
             user = body.get("user")
@@ -138,8 +171,12 @@ class Affinity:
         """A sort key per candidate of ``scored`` ((score, region)), lower first: minus its
         prefix match and load; None when affinity has nothing to say (no match anywhere)
         or the balance guard sets it aside. Sets ``plan.matched``."""
-        blocks = plan.key.blocks
         plan.matched = ()
+        if plan.intent is not None and plan.table is not None:
+            return self._intent_keys(plan, plan.intent, plan.table, scored, now, load)
+        if plan.key is None:
+            return None
+        blocks = plan.key.blocks
         matches = [region.prefix_index.match(blocks, now) for _, region in scored]
         if not any(matches):
             return None
@@ -159,6 +196,34 @@ class Affinity:
         plan.matched = tuple(matched)
         return keys
 
+    def _intent_keys(
+        self,
+        plan: AffinityPlan,
+        intent: IntentKey,
+        table: IntentTable,
+        scored: list[tuple[float, Region]],
+        now: float,
+        load: Callable[[Region, float], float],
+    ) -> list[float] | None:
+        """:meth:`keys` for a request keyed by its cache intent: the region holding the key
+        matches it whole, the others not at all."""
+        held = table.holder(intent, now)
+        if held is None:
+            return None
+        name = held[0]
+        # Not a candidate (down, ejected, filtered out): the router's own choice.
+        holder = next((i for i, (_, region) in enumerate(scored) if region.name == name), None)
+        if holder is None:
+            return None
+        if self.unbalanced([load(region, now) for _, region in scored]):
+            plan.balanced = True
+            return None
+        load_weight = self.load_weight * min([score for score, _ in scored])
+        keys = [-load_weight / score for score, _ in scored]
+        keys[holder] -= self.prefix_weight
+        plan.matched = (scored[holder][1],)
+        return keys
+
     def unbalanced(self, loads: list[float]) -> bool:
         """SGLang's guard: the loads differ by more than both thresholds."""
         low, high = min(loads), max(loads)
@@ -166,8 +231,12 @@ class Affinity:
 
     @staticmethod
     def routed(plan: AffinityPlan, region: Region, now: float) -> None:
-        """``region`` answered the request (its first byte came): it now holds the prompt."""
-        region.prefix_index.record(plan.key.blocks, now)
+        """``region`` answered the request (its first byte came): it now holds the prompt,
+        or the cache the request named."""
+        if plan.intent is not None and plan.table is not None:
+            plan.table.record(plan.intent, region.name, now)
+        elif plan.key is not None:
+            region.prefix_index.record(plan.key.blocks, now)
         region.affinity_requests_total += 1
         if plan.chosen is region:
             region.affinity_hits_total += 1

@@ -159,6 +159,29 @@ class RoutingConfig(Section):
         True,
         description="Without a session header, the body's 'user' member is the session key.",
     )
+    # -- prompt-cache affinity: docs/routing.md#prompt-cache-affinity -------------------
+    prompt_cache_affinity: bool = Field(
+        True,
+        description="With prefix_affinity, a request stating its cache intent (OpenAI's "
+        "prompt_cache_key, Anthropic's cache_control breakpoints) is keyed by it, not by its "
+        "prompt's blocks: the requests naming one cache, within one tenant or credential "
+        "scope, go to the region that answered the last of them while it holds it.",
+    )
+    prompt_cache_ttl: FinitePositive = Field(
+        300.0,
+        description="Seconds a cache key stays with its region after the last request naming "
+        "it (the providers' default cache lifetime: 5 minutes).",
+    )
+    prompt_cache_ttl_extended: FinitePositive = Field(
+        3600.0,
+        description="The same for an Anthropic breakpoint asking the extended TTL "
+        "(a cache_control with ttl '1h').",
+    )
+    prompt_cache_index_size: Count = Field(
+        65536,
+        description="Cache keys remembered, over all regions (least recently routed out "
+        "first); about 150 bytes each.",
+    )
     # -- load reported by the regions: docs/routing.md#load-reported-by-the-regions -----
     load_report_max_age: FinitePositive = Field(
         5.0,
@@ -203,6 +226,12 @@ class RoutingConfig(Section):
     def _check_affinity_ranked(self) -> RoutingConfig:
         if self.prefix_affinity and "affinity" not in self.rank:
             raise ValueError("prefix_affinity needs 'affinity' in rank, where it is to decide")
+        return self
+
+    @model_validator(mode="after")
+    def _check_prompt_cache_ttls(self) -> RoutingConfig:
+        if self.prompt_cache_ttl_extended < self.prompt_cache_ttl:
+            raise ValueError("prompt_cache_ttl_extended must not be shorter than prompt_cache_ttl")
         return self
 
     @field_validator("retry_statuses")

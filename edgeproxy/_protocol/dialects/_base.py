@@ -313,6 +313,12 @@ class Dialect:
         messages = body.get("messages")
         return messages[:_MAX_ITEMS] if isinstance(messages, list) else []
 
+    def cache_intent(self, body: dict[str, Any]) -> list[tuple[Any, bool | None]] | None:
+        """What the client asks the provider to cache, for prompt-cache affinity: blocks in
+        the provider's cache order up to the last one marked, each with its mark (None: none;
+        True: the extended TTL; False: the default). None: the request states no intent."""
+        return None
+
     def text_turns(self, body: dict[str, Any]) -> list[tuple[str, str]]:
         """The whole conversation as ``(role, text)`` turns, the system prompt first, for a
         reader of text only (the local model): roles as chat templates know them

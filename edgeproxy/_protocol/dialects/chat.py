@@ -204,6 +204,12 @@ class ChatDialect(Dialect):
         "verbosity": (str,),
     }
 
+    def cache_intent(self, body: dict[str, Any]) -> list[tuple[Any, bool | None]] | None:
+        """``prompt_cache_key``: the client's name for the cache its requests share (OpenAI
+        routes the requests naming it to the same machines)."""
+        key = body.get("prompt_cache_key")
+        return [({"prompt_cache_key": key}, False)] if isinstance(key, str) and key else None
+
     def check(self, body: dict[str, Any]) -> ProxyError | None:
         """The base checks, then the items of the lists every server reads item by item:
         each message an object with a string ``role`` (its content and the role's value

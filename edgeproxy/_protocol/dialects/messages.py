@@ -379,6 +379,34 @@ class MessagesDialect(Dialect):
         system = body.get("system")
         return [{"role": "system", "content": system}, *turns] if system else turns
 
+    def cache_intent(self, body: dict[str, Any]) -> list[tuple[Any, bool | None]] | None:
+        """The blocks Anthropic caches, in its order: ``tools``, the ``system`` blocks, then
+        each message's content blocks (a string is one text block), up to the last carrying
+        ``cache_control``, whose ``"ttl": "1h"`` marks the extended TTL. Each block is taken
+        without its ``cache_control``: a breakpoint that moves changes no prefix."""
+        tools = body.get("tools")
+        groups: list[tuple[Any, Any]] = [("tools", tools if isinstance(tools, list) else None)]
+        groups.append(("system", body.get("system")))
+        for message in super().conversation(body):
+            if isinstance(message, dict):
+                groups.append((message.get("role"), message.get("content")))
+        blocks: list[tuple[Any, bool | None]] = []
+        end = 0
+        for where, value in groups:
+            if isinstance(value, str):
+                value = [{"type": "text", "text": value}]
+            elif not isinstance(value, list):
+                continue
+            for block in value:
+                control = block.get("cache_control") if isinstance(block, dict) else None
+                if isinstance(control, dict):
+                    block = {k: v for k, v in block.items() if k != "cache_control"}
+                    blocks.append(([where, block], control.get("ttl") == "1h"))
+                    end = len(blocks)
+                else:
+                    blocks.append(([where, block], None))
+        return blocks[:end] if end else None
+
     def text_turns(self, body: dict[str, Any]) -> list[tuple[str, str]]:
         """``system`` (a string or text blocks) as the system prompt, then ``messages``, each
         ``user`` or ``assistant`` with a string ``content`` or a list of text blocks. Any

@@ -297,6 +297,11 @@ class ResponsesDialect(Dialect):
             turns.extend(given[:10_000])
         return turns
 
+    def cache_intent(self, body: dict[str, Any]) -> list[tuple[Any, bool | None]] | None:
+        """``prompt_cache_key``, as chat's: the same key in either API names the same cache."""
+        key = body.get("prompt_cache_key")
+        return [({"prompt_cache_key": key}, False)] if isinstance(key, str) and key else None
+
     def last_question(self, body: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
         """``input`` as a string, or the last of its items when it is a user message of
         text only."""
