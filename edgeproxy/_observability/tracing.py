@@ -23,7 +23,12 @@ makes OpenTelemetry spans from the pipeline's hooks:
     answering attempt lasts until the last byte, a failed one until the
     pipeline moved on (the next attempt, the fallback, or the end);
 ``edgeproxy.fallback``
-    when the regions could not answer, with the reason.
+    when the regions could not answer, with the reason;
+``{gen_ai.operation.name} {gen_ai.request.model}`` (``chat gpt-4o``)
+    with ``[tracing] genai`` (the default), an LLM request as OpenTelemetry's GenAI
+    semantic conventions describe it (:mod:`edgeproxy._observability.genai`), from
+    arrival to the last byte, beside the stages; the GenAI metrics go through a
+    MeterProvider of their own (``genai_metrics``).
 
 Spans are made from timestamps the hooks leave in ``ctx.extra``, so the
 pipeline carries no tracing code; each finished span is handed to a batch
@@ -37,15 +42,24 @@ import importlib.util
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import PurePath
 from typing import TYPE_CHECKING, Any
 
 from edgeproxy._core.types import TraceContext
 from edgeproxy._core.version import __version__
+from edgeproxy._observability.genai import (
+    SCHEMA_URL,
+    GenAIMetrics,
+    describe,
+    server_of,
+    span_attributes,
+)
 from edgeproxy.hookspecs import hookimpl
 
 if TYPE_CHECKING:
     from edgeproxy._core.config import TracingConfig
     from edgeproxy._core.context import RequestContext, UpstreamReply
+    from edgeproxy._core.protocols import ProxyView
     from edgeproxy._upstream.regions import Region
 
 __all__ = ["Tracing", "otel_available"]
@@ -81,6 +95,9 @@ class _RequestTrace:
     fallback_at: float | None = None
     fallback_reason: str | None = None
     attempts: list[_Attempt] = field(default_factory=list)
+    # By region, the model last asked of it (its alias of the client's): the GenAI
+    # response model. Kept for unsampled requests too, whose metrics still count.
+    sent: dict[str, str | None] = field(default_factory=dict)
 
     def ns(self, monotonic: float) -> int:
         return int(monotonic * 1e9) + self.offset_ns
@@ -99,6 +116,14 @@ class Tracing:
         self.pop = pop
         self.tracer: Any = None
         self._provider: Any = None
+        # The GenAI conventions' span tracer (its schema URL names their version), metrics.
+        self.genai_tracer: Any = None
+        self.genai_metrics: GenAIMetrics | None = None
+        self._meter_provider: Any = None
+        # server.address and server.port by region name, and the URL they came from.
+        self._servers: dict[str, tuple[str, int] | None] = {}
+        self._urls: dict[str, str] = {}
+        self._local_model: str | None = None
 
     @classmethod
     def from_config(cls, config: TracingConfig, *, pop: str = "edge") -> Tracing | None:
@@ -116,13 +141,23 @@ class Tracing:
     # -- lifespan ------------------------------------------------------------------------
 
     @hookimpl
-    def edgeproxy_startup(self) -> None:
+    def edgeproxy_startup(self, proxy: ProxyView) -> None:
         if self.tracer is not None:
             return
         from opentelemetry import trace
 
+        local = proxy.config.local_model
+        if local.path:
+            # As the local model names itself.
+            stem = PurePath(local.path).name.removesuffix(".gguf")
+            self._local_model = local.model_name or f"local/{stem}"
         if self.config.exporter == "global":
             self.tracer = trace.get_tracer("edgeproxy", __version__)
+            if self.config.genai:
+                self.genai_tracer = trace.get_tracer(
+                    "edgeproxy.genai", __version__, schema_url=SCHEMA_URL
+                )
+            self._start_metrics(None)
             return
         try:
             provider = self._make_provider()
@@ -133,6 +168,68 @@ class Tracing:
             return
         self._provider = provider
         self.tracer = provider.get_tracer("edgeproxy", __version__)
+        if self.config.genai:
+            self.genai_tracer = provider.get_tracer(
+                "edgeproxy.genai", __version__, schema_url=SCHEMA_URL
+            )
+        self._start_metrics(provider.resource)
+
+    def _start_metrics(self, resource: Any) -> None:
+        """The GenAI metrics, on the application's MeterProvider ('global') or one of ours."""
+        cfg = self.config
+        if not (cfg.genai and cfg.genai_metrics):
+            return
+        from opentelemetry import metrics
+
+        if cfg.exporter == "global":
+            meter = metrics.get_meter("edgeproxy.genai", __version__, schema_url=SCHEMA_URL)
+        else:
+            try:
+                provider = self._make_meter_provider(resource)
+            except Exception as exc:  # noqa: BLE001 - metrics must not stop the proxy
+                logger.error("GenAI metrics disabled: cannot set up their exporter: %s", exc)
+                return
+            self._meter_provider = provider
+            meter = provider.get_meter("edgeproxy.genai", __version__, schema_url=SCHEMA_URL)
+        self.genai_metrics = GenAIMetrics(meter)
+
+    def _make_meter_provider(self, resource: Any) -> Any:
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+
+        cfg = self.config
+        exporter: Any
+        if cfg.exporter == "console":
+            from opentelemetry.sdk.metrics.export import ConsoleMetricExporter
+
+            exporter = ConsoleMetricExporter()
+        elif cfg.otlp_protocol == "grpc":
+            from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import (
+                OTLPMetricExporter as GrpcExporter,
+            )
+
+            exporter = GrpcExporter(
+                endpoint=cfg.otlp_metrics_endpoint or cfg.otlp_endpoint,
+                headers=cfg.otlp_headers or None,
+                timeout=cfg.otlp_timeout,
+            )
+        else:
+            from opentelemetry.exporter.otlp.proto.http.metric_exporter import (
+                OTLPMetricExporter as HttpExporter,
+            )
+
+            endpoint = cfg.otlp_metrics_endpoint
+            traces = cfg.otlp_endpoint
+            if endpoint is None and traces is not None and traces.endswith("/v1/traces"):
+                endpoint = traces.removesuffix("/v1/traces") + "/v1/metrics"
+            exporter = HttpExporter(
+                endpoint=endpoint, headers=cfg.otlp_headers or None, timeout=cfg.otlp_timeout
+            )
+        # A thread of the reader's collects and exports: requests only add to histograms.
+        reader = PeriodicExportingMetricReader(
+            exporter, export_interval_millis=cfg.metrics_export_interval * 1000
+        )
+        return MeterProvider(metric_readers=[reader], resource=resource, shutdown_on_exit=False)
 
     def _make_provider(self) -> Any:
         from opentelemetry.sdk.resources import Resource
@@ -179,10 +276,14 @@ class Tracing:
     @hookimpl
     async def edgeproxy_shutdown(self) -> None:
         provider, self._provider = self._provider, None
-        self.tracer = None
+        meters, self._meter_provider = self._meter_provider, None
+        self.tracer = self.genai_tracer = None
+        self.genai_metrics = None
+        # Both flush what is queued: blocking, so off the event loop.
         if provider is not None:
-            # Flushes what is queued: blocking, so off the event loop.
             await asyncio.to_thread(provider.shutdown)
+        if meters is not None:
+            await asyncio.to_thread(meters.shutdown)
 
     # -- request hooks -----------------------------------------------------------------
 
@@ -207,7 +308,11 @@ class Tracing:
         self, ctx: RequestContext, region: Region, headers: list[tuple[str, str]]
     ) -> None:
         state: _RequestTrace | None = ctx.extra.get(_STATE_KEY)
-        if state is None or not state.root.is_recording():
+        if state is None:
+            return
+        if self.genai_tracer is not None or self.genai_metrics is not None:
+            self._sent(ctx, region, state)
+        if not state.root.is_recording():
             return
         from opentelemetry import trace
 
@@ -232,6 +337,21 @@ class Tracing:
                 break
         else:
             headers.append(("traceparent", value))
+
+    def _sent(self, ctx: RequestContext, region: Region, state: _RequestTrace) -> None:
+        """What the GenAI telemetry needs of an attempt: the region's address and the model
+        it was asked for (its alias of the client's, as the forwarder sends it)."""
+        config = region.config
+        name = region.name
+        if self._urls.get(name) != config.url:
+            # Once per region (and again when a reload gives it another URL).
+            self._urls[name] = config.url
+            self._servers[name] = server_of(config.url)
+        model = ctx.model
+        aliased = config.model_aliases.get(model) if model is not None else None
+        if aliased is None and model is None and ctx.facts is not None:
+            model = ctx.facts.model
+        state.sent[name] = aliased or model
 
     @hookimpl(tryfirst=True)
     def edgeproxy_upstream_response(
@@ -329,6 +449,11 @@ class Tracing:
 
         root = state.root
         finished = out.finished_at if out.finished_at is not None else time.monotonic()
+        if self.genai_tracer is not None or self.genai_metrics is not None:
+            try:
+                self._genai(ctx, state, finished)
+            except Exception:  # noqa: BLE001 - the request's own spans still end
+                logger.exception("the GenAI telemetry of request %s failed", ctx.request_id)
         if not root.is_recording():
             root.end(end_time=state.ns(finished))
             return
@@ -403,3 +528,37 @@ class Tracing:
                 )
             )
         root.end(end_time=state.ns(finished))
+
+    def _genai(self, ctx: RequestContext, state: _RequestTrace, finished: float) -> None:
+        """The request's GenAI span (beside the stages, under the request's span) and
+        metrics, when it was one of an LLM API."""
+        op = describe(
+            ctx,
+            sent=state.sent,
+            servers=self._servers,
+            providers=self.config.genai_providers,
+            local_model=self._local_model,
+        )
+        if op is None:
+            return
+        if self.genai_metrics is not None:
+            self.genai_metrics.record(op, ctx, finished)
+        tracer = self.genai_tracer
+        if tracer is None or not state.root.is_recording():
+            return
+        from opentelemetry import trace
+        from opentelemetry.trace import SpanKind, Status, StatusCode
+
+        # In the proxy's own process the local model is no remote call.
+        local = ctx.outcome.degraded == "local-model" and not state.sent
+        span = tracer.start_span(
+            op.span_name,
+            context=trace.set_span_in_context(state.root),
+            kind=SpanKind.INTERNAL if local else SpanKind.CLIENT,
+            start_time=state.ns(ctx.started),
+            attributes=op.key_attributes(),
+        )
+        span.set_attributes(span_attributes(op, ctx))
+        if op.error_type is not None:
+            span.set_status(Status(StatusCode.ERROR, op.error_type))
+        span.end(end_time=state.ns(max(finished, ctx.started)))

@@ -124,8 +124,52 @@ class TracingConfig(Section):
         1.0,
         description="Share of new traces recorded; a caller's sampled flag is always followed.",
     )
+    genai: bool = Field(
+        True,
+        description=(
+            "With otel: a span per LLM request named '{gen_ai.operation.name} "
+            "{gen_ai.request.model}' with the attributes of OpenTelemetry's GenAI semantic "
+            "conventions (v1.41.0), beside the edgeproxy.* spans, which stay as they are."
+        ),
+    )
+    genai_metrics: bool = Field(
+        True,
+        description=(
+            "With otel and genai: the GenAI metrics (gen_ai.client.token.usage, "
+            "gen_ai.client.operation.duration, gen_ai.server.time_to_first_token, "
+            "gen_ai.server.time_per_output_token) through an OpenTelemetry MeterProvider, "
+            "exported as the spans are; the Prometheus metrics do not change."
+        ),
+    )
+    genai_providers: dict[str, str] = Field(
+        default_factory=dict,
+        description=(
+            'gen_ai.provider.name by region name, e.g. {"eu-azure" = "azure.ai.openai"}; '
+            "a region not named here reports the provider of the API the client spoke "
+            "('openai', or 'anthropic' for Messages). Names of no region are ignored."
+        ),
+    )
+    otlp_metrics_endpoint: str | None = Field(
+        None,
+        description=(
+            "OTLP metrics endpoint, e.g. 'http://collector:4318/v1/metrics'; unset: "
+            "otlp_endpoint with /v1/traces turned into /v1/metrics (grpc: the same "
+            "endpoint), else the OTEL_EXPORTER_OTLP_* environment variables."
+        ),
+    )
+    metrics_export_interval: Positive = Field(
+        60.0, description="Seconds between two exports of the GenAI metrics."
+    )
 
-    @field_validator("otlp_endpoint")
+    @field_validator("genai_providers")
+    @classmethod
+    def _check_providers(cls, value: dict[str, str]) -> dict[str, str]:
+        for region, provider in value.items():
+            if not provider.strip():
+                raise ValueError(f"region {region!r} names an empty provider")
+        return value
+
+    @field_validator("otlp_endpoint", "otlp_metrics_endpoint")
     @classmethod
     def _check_endpoint(cls, value: str | None) -> str | None:
         if value is not None:
