@@ -25,7 +25,7 @@ from typing import Any, Final
 from edgeproxy._admission.admission import AdmissionStage
 from edgeproxy._cache.keys import cache_scope
 from edgeproxy._core.config import Config
-from edgeproxy._core.context import RequestContext
+from edgeproxy._core.context import RequestContext, UpstreamReply
 from edgeproxy._core.errors import ProxyError
 from edgeproxy._core.exchange import Exchange
 from edgeproxy._core.outcome import SessionTotals
@@ -330,6 +330,17 @@ class Sessions:
             finally:
                 region.in_flight -= 1
             region.requests_total += 1
+            if "edgeproxy_upstream_response" in self.plugins.active:
+                # The region's answer to the handshake, as a request's head is told: 101,
+                # or the status it refused with (502 when it gave none).
+                said = 101 if not isinstance(result, Refused) else (result.status or 502)
+                await self.plugins.call_all(
+                    "edgeproxy_upstream_response",
+                    request=request,
+                    ctx=ctx,
+                    region=region,
+                    reply=UpstreamReply(said, []),
+                )
             if not isinstance(result, Refused):
                 endpoint.mark_up()
                 self.regions.health.record(region, failed=False)
