@@ -404,6 +404,17 @@ class Pipeline:
                 out.status = response.status
             if out.degraded == "lighter-model" and ctx.model is not None:
                 self.fallback.count_lighter_usage(ctx.model, out.usage)
+            usage = out.usage
+            if usage is not None and out.region is not None and not out.degraded:
+                # Each region's prompt-cache hit ratio (the status page shows it).
+                answered = self.regions.by_name.get(out.region)
+                if answered is not None:
+                    prompt = usage.get("prompt_tokens")
+                    cached = usage.get("cached_tokens")
+                    if type(prompt) is int and prompt > 0:
+                        answered.prompt_tokens_total += prompt
+                        if type(cached) is int and cached > 0:
+                            answered.cached_tokens_total += min(cached, prompt)
             if "edgeproxy_response_complete" in active:
                 await self.plugins.call_all_logged(
                     "edgeproxy_response_complete", request=request, ctx=ctx

@@ -336,6 +336,7 @@ class RateLimiter:
     """The rate limits of one proxy: configured limits, buckets, Redis state, counters."""
 
     def __init__(self, config: AdmissionConfig) -> None:
+        self.cached_weight = config.cached_token_weight
         self.config = config
         self.key_limits = _limits(
             "key", config.key_requests_per_second, config.key_burst, config.key_tokens_per_minute
@@ -425,10 +426,15 @@ class RateLimiter:
         return RateTicket(charges, shared, estimate, decision.levels)
 
     def settle(self, ticket: RateTicket, usage: dict[str, Any] | None) -> None:
-        """Charge or refund the difference between the token estimate and the real usage."""
+        """Charge or refund the difference between the token estimate and the real usage
+        (a cached prompt token counting ``cached_token_weight``)."""
         total = _total_tokens(usage)
         if total is None:
             return
+        assert usage is not None
+        cached = usage.get("cached_tokens")
+        if self.cached_weight != 1.0 and type(cached) is int and cached > 0:
+            total -= math.floor(cached * (1.0 - self.cached_weight))
         delta = total - ticket.estimate
         if not delta:
             return

@@ -192,12 +192,14 @@ class Metrics:
         overhead = None
         if upstream is not None and ttfb is not None:
             overhead = ttfb - upstream if ttfb > upstream else 0.0
-        prompt = completion = 0
+        prompt = completion = cached = written = 0
         rate = None
         usage = out.usage
         if usage:
             prompt = _count(usage.get("prompt_tokens"))
             completion = _count(usage.get("completion_tokens"))
+            cached = _count(usage.get("cached_tokens"))
+            written = _count(usage.get("cache_write_tokens"))
             if completion and out.response_is_sse and out.first_byte_at is not None:
                 streamed = finished - out.first_byte_at
                 if streamed > 0:
@@ -214,6 +216,8 @@ class Metrics:
             completion,
             rate,
             self._reason(degraded) if degraded else None,
+            cached,
+            written,
         )
         key = (route, region, cache, "yes" if degraded else "no", status_class)
         self._series.record(key, observation)

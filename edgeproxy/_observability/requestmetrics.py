@@ -58,7 +58,10 @@ HISTOGRAMS = (
 BYTES_DOC = "Response body bytes sent to clients."
 ATTEMPTS_DOC = "Requests sent to regions, retries and hedges included."
 DEGRADED_DOC = "Answers given in degraded mode (stale cache, local model, plugin), by reason."
-TOKENS_DOC = "LLM tokens of answered requests, from the regions' usage reports."
+TOKENS_DOC = (
+    "LLM tokens of answered requests, from the regions' usage reports: kind prompt, completion, "
+    "and of the prompt's, cached_prompt (read from the prompt cache) and cache_write."
+)
 RATE_DOC = "Completion tokens per second of each streamed (SSE) answer, first byte to last."
 
 
@@ -76,12 +79,27 @@ class Observation:
     completion_tokens: int
     token_rate: float | None
     reason: str | None
+    cached_tokens: int = 0
+    """Of the prompt's, those read from the region's prompt cache."""
+    cache_write_tokens: int = 0
+    """Of the prompt's, those written to it (Anthropic counts them apart)."""
 
 
 class _Cell:
     """The series of one label combination: bucket counts (not cumulative) and sums."""
 
-    __slots__ = ("counts", "sums", "bytes", "attempts", "prompt", "completion", "rate", "rate_sum")
+    __slots__ = (
+        "counts",
+        "sums",
+        "bytes",
+        "attempts",
+        "prompt",
+        "completion",
+        "cached",
+        "cache_write",
+        "rate",
+        "rate_sum",
+    )
 
     def __init__(self, buckets: int) -> None:
         self.counts = [[0] * (buckets + 1) for _ in HISTOGRAMS]
@@ -90,6 +108,8 @@ class _Cell:
         self.attempts = 0
         self.prompt = 0
         self.completion = 0
+        self.cached = 0
+        self.cache_write = 0
         self.rate = [0] * (len(TOKEN_RATE_BUCKETS) + 1)
         self.rate_sum = 0.0
 
@@ -134,6 +154,8 @@ class LocalSeries:
         cell.attempts += o.attempts
         cell.prompt += o.prompt_tokens
         cell.completion += o.completion_tokens
+        cell.cached += o.cached_tokens
+        cell.cache_write += o.cache_write_tokens
         if o.token_rate is not None:
             cell.rate[bisect_left(TOKEN_RATE_BUCKETS, o.token_rate)] += 1
             cell.rate_sum += o.token_rate
@@ -162,6 +184,10 @@ class LocalSeries:
             _add(sums["attempts"], (route,), cell.attempts)
             _add(sums["tokens"], (route, region, "prompt"), cell.prompt)
             _add(sums["tokens"], (route, region, "completion"), cell.completion)
+            if cell.cached or cell.cache_write:
+                # Of the prompt's: read from the region's prompt cache, and written to it.
+                _add(sums["tokens"], (route, region, "cached_prompt"), cell.cached)
+                _add(sums["tokens"], (route, region, "cache_write"), cell.cache_write)
             if any(cell.rate):
                 counts, total = rates.get((route, region), ([0] * len(cell.rate), 0.0))
                 rates[(route, region)] = (

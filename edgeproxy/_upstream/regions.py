@@ -199,6 +199,9 @@ class Region:
         self.learned = LearnedModels(config.learns_models)
         # The APIs it speaks (configured or learnt), and its requests translated for it.
         self.apis = SpokenApis(config.apis)
+        # The prompt tokens of its answers, and of those the ones read from its prompt cache.
+        self.prompt_tokens_total = 0
+        self.cached_tokens_total = 0
         self.affinity_requests_total = 0
         self.affinity_hits_total = 0
         self.affinity_balanced_total = 0
@@ -344,6 +347,13 @@ class Region:
                 "p95_ttfb_ms": _ms(self.ttfb.p95()),
                 "samples": self.latency.samples,
                 "geo_rtt_ms": round(self.geo_rtt * 1000, 3),
+            },
+            "prompt_cache": {
+                "prompt_tokens_total": self.prompt_tokens_total,
+                "cached_tokens_total": self.cached_tokens_total,
+                "hit_ratio": round(self.cached_tokens_total / self.prompt_tokens_total, 4)
+                if self.prompt_tokens_total
+                else None,
             },
             "affinity": {
                 "index_size": len(self.prefix_index),

@@ -5,7 +5,13 @@ from __future__ import annotations
 from pydantic import Field
 
 from edgeproxy._core.config.checks import HeaderName, Networks
-from edgeproxy._core.config.kinds import Count, CountOrZero, FiniteNonNegative, FinitePositive
+from edgeproxy._core.config.kinds import (
+    Count,
+    CountOrZero,
+    FiniteNonNegative,
+    FinitePositive,
+    Share,
+)
 from edgeproxy._core.config.redis import RedisSection, redis_url_field
 
 __all__ = ["AdmissionConfig"]
@@ -71,6 +77,12 @@ class AdmissionConfig(RedisSection):
     ip_burst: FiniteNonNegative = Field(
         0.0,
         description="Requests an IP may send at once (bucket size); 0 means one second's worth.",
+    )
+    cached_token_weight: Share = Field(
+        1.0,
+        description="What a prompt token read from a region's prompt cache counts for "
+        "against the tokens-per-minute limits, settled with the answer's usage (0.1: a "
+        "tenth, as providers bill them; 1: as any token).",
     )
     ip_tokens_per_minute: FiniteNonNegative = Field(
         0.0,

@@ -588,7 +588,11 @@ class Dialect:
 
     def counted(self, usage: dict[str, Any]) -> dict[str, Any]:
         """``usage`` with chat's fields (``prompt_tokens``, ``completion_tokens``,
-        ``total_tokens``), which every reader of usage counts; the API's own kept beside."""
+        ``total_tokens``, and ``cached_tokens`` of the prompt's read from a cache), which
+        every reader of usage counts; the API's own kept beside."""
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict) and "cached_tokens" not in usage:
+            return {**usage, "cached_tokens": tokens(details.get("cached_tokens"))}
         return usage
 
     def merge_usage(self, old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:

@@ -497,12 +497,12 @@ class MessagesDialect(Dialect):
         # Anthropic counts cache reads and writes apart from input_tokens.
         if "prompt_tokens" in usage:
             return usage
-        prompt = (
-            tokens(usage.get("input_tokens"))
-            + tokens(usage.get("cache_read_input_tokens"))
-            + tokens(usage.get("cache_creation_input_tokens"))
-        )
-        return counted_io(usage, prompt)
+        read = tokens(usage.get("cache_read_input_tokens"))
+        written = tokens(usage.get("cache_creation_input_tokens"))
+        out = counted_io(usage, tokens(usage.get("input_tokens")) + read + written)
+        out["cached_tokens"] = read
+        out["cache_write_tokens"] = written
+        return out
 
     def merge_usage(self, old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
         # Split over message_start (input, cache) and message_delta (output so far): the

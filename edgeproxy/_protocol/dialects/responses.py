@@ -509,7 +509,11 @@ class ResponsesDialect(Dialect):
         # input_tokens includes the cached ones (input_tokens_details.cached_tokens).
         if "prompt_tokens" in usage:
             return usage
-        return counted_io(usage, tokens(usage.get("input_tokens")))
+        out = counted_io(usage, tokens(usage.get("input_tokens")))
+        details = usage.get("input_tokens_details")
+        if isinstance(details, dict):
+            out["cached_tokens"] = tokens(details.get("cached_tokens"))
+        return out
 
     def is_end(self, event: SSEEvent) -> bool:
         return event.event in _ENDS
