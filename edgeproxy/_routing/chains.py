@@ -40,12 +40,14 @@ class ChainRecord:
     """What a request continuing (or starting) a held chain needs at its end, to hold its
     stored response as the next turn: its parent and its own input items."""
 
-    __slots__ = ("parent", "own_input", "scope")
+    __slots__ = ("parent", "own_input", "scope", "parent_turn")
 
     def __init__(self, parent: str | None, own_input: list[Any], scope: str) -> None:
         self.parent = parent
         self.own_input = own_input
         self.scope = scope
+        # The parent's turn, once a rescue read it: holding the new turn reads it no more.
+        self.parent_turn: Turn | None = None
 
 
 class EdgeChains:
@@ -135,6 +137,7 @@ class EdgeChains:
             return None
         self.rescued[why] += 1
         self.rescue_seconds_sum += time.monotonic() - started
+        record.parent_turn = turns[-1]
         return RESPONSES.expanded(body, [(t.input, t.response) for t in turns])
 
     async def hold(self, record: ChainRecord, stored: dict[str, Any] | None) -> None:
@@ -146,8 +149,8 @@ class EdgeChains:
         response_id = stored.get("id")
         if not isinstance(response_id, str) or not response_id:
             return
-        parent: Turn | None = None
-        if record.parent is not None:
+        parent = record.parent_turn
+        if record.parent is not None and parent is None:
             parent = await self.store.get(record.parent)
             if parent is None:
                 return  # its chain is not held whole: the owner alone continues it
