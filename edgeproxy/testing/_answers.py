@@ -6,6 +6,8 @@ OpenAI-style completions and embeddings (deterministic, from
 (:mod:`edgeproxy.testing._messages`), models, health, echo and status-code
 endpoints. Each answer is a :class:`~edgeproxy.testing._exchange.Reply`; a
 request it cannot answer raises :class:`~edgeproxy.testing._exchange.BadRequest`.
+On a region with a prefix cache, chat and completions usage (JSON, and a stream's usage
+chunk) carries ``prompt_tokens_details.cached_tokens``, as OpenAI and vLLM report it.
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ from edgeproxy.testing._exchange import (
     error_reply,
     json_reply,
     parse_json_object,
+    set_json,
 )
+from edgeproxy.testing._kv import read_prompt
 
 MAX_TOKENS: Final = 100_000
 MAX_ECHO_SIZE: Final = 256 * 2**20
@@ -133,7 +137,7 @@ def _completion(
             answer = list(content.tokens(base, n_tokens))
             words = content.continuation(answer, partial, overlap)
     generation = Generation(request, chat, len(words))
-    usage = content.usage(max(1, content.count_words(prompt)), len(words))
+    usage: dict[str, Any] = dict(content.usage(max(1, content.count_words(prompt)), len(words)))
     created = int(time.time())
     id_ = completion_id(chat=chat)
 
@@ -145,8 +149,14 @@ def _completion(
             else content.text_completion(id_, created, model, text, usage)
         )
         reply = json_reply(200, payload)
+
+        def with_cache(cached: int) -> None:
+            _report_cached(usage, request, chat=chat, cached=cached)
+            set_json(reply, payload)
+
         reply.first_delay = behavior.ttft
         reply.generation = generation
+        reply.with_cache = with_cache
         return reply
 
     parts: list[bytes] = []
@@ -163,7 +173,9 @@ def _completion(
         final = content.text_chunk(id_, created, model, "", "stop")
     parts.append(content.sse_event(final))
     options = request.get("stream_options")
+    at_usage: int | None = None
     if isinstance(options, dict) and options.get("include_usage") is True:
+        at_usage = len(parts)
         parts.append(content.usage_chunk(id_, created, model, chat=chat, usage_=usage))
     parts.append(content.SSE_DONE)
     headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
@@ -178,7 +190,7 @@ def _completion(
             + content.SSE_DONE
         )
 
-    return Reply(
+    streamed = Reply(
         200,
         headers,
         parts,
@@ -188,6 +200,29 @@ def _completion(
         generation=generation,
         stream_error=stream_error,
     )
+
+    def with_cache_streamed(cached: int) -> None:
+        _report_cached(usage, request, chat=chat, cached=cached)
+        if at_usage is not None:
+            chunk = content.usage_chunk(id_, created, model, chat=chat, usage_=usage)
+            streamed.parts[at_usage] = chunk
+
+    streamed.with_cache = with_cache_streamed
+    return streamed
+
+
+def _report_cached(
+    usage: dict[str, Any], request: dict[str, Any], *, chat: bool, cached: int
+) -> None:
+    """Add the KV cache's hit to a chat or completions ``usage``, as OpenAI and vLLM report it.
+
+    The usage counts the prompt's words, the KV model its own finer tokens: the hit is
+    scaled to the usage's count, so that the share of the prompt cached is the KV model's.
+    """
+    kv_tokens = read_prompt(request, chat=chat, block_size=1, hashed=False).tokens
+    prompt_tokens = int(usage["prompt_tokens"])
+    shown = min(prompt_tokens, cached * prompt_tokens // kv_tokens) if kv_tokens else 0
+    usage["prompt_tokens_details"] = {"cached_tokens": shown}
 
 
 def error_for(path: str, status: int, message: str, type_: str = "invalid_request_error") -> Reply:

@@ -1,6 +1,7 @@
 """The fake region's model of an LLM server's generation: a FIFO queue in front of
 ``max_running`` generation slots and a prefix (KV) cache (:mod:`edgeproxy.testing._kv`)
-whose hits make the first token come sooner.
+whose hits make the first token come sooner and are reported in the answers' usage (each
+API's own fields; none from a region without a cache).
 
 :class:`GenerationModel` is a part of :class:`~edgeproxy.testing._app.RegionApp`, its base
 class: the methods are the region's own, and its counters are written under the region's
@@ -18,6 +19,7 @@ from edgeproxy.testing import _answers as answers
 from edgeproxy.testing._behavior import Behavior, Fault
 from edgeproxy.testing._exchange import Exchange, Headers, Reply
 from edgeproxy.testing._kv import KVCache, blocks_for, read_prompt
+from edgeproxy.testing._messages import CacheReport
 
 __all__ = ["GenerationModel"]
 
@@ -85,8 +87,11 @@ class GenerationModel:
         # vLLM recomputes at least the last prompt token, so a prompt that is
         # all cached blocks still misses its last block.
         eligible = (prompt.tokens - 1) // block_size if prompt.tokens else 0
+        # The prompt's whole blocks this request adds to the cache (Anthropic reports them).
+        whole = prompt.tokens // block_size
         with self._lock:
             cached = self._kv.lookup(prompt.blocks, eligible) * block_size
+            written = sum(block not in self._kv for block in prompt.blocks[:whole]) * block_size
             self._kv.insert(prompt.blocks)
             self._kv_held += held
             uncached = prompt.tokens - cached
@@ -100,8 +105,12 @@ class GenerationModel:
             self._generation_tokens += generation.completion_tokens
             self._modelled_ttft += ttft
         try:
-            if reply.with_cache is not None:
-                reply.with_cache(cached)
+            # A server without a prefix cache reports nothing of one.
+            report = reply.with_cache if caching else None
+            if isinstance(report, CacheReport):
+                report.record(cached, written)
+            elif report is not None:
+                report(cached)
             reply.first_delay = ttft
             reply.headers.extend(
                 [

@@ -18,8 +18,10 @@ whitespace is refused (400), as Anthropic refuses it.
 
 Usage counts input tokens with the KV model's tokeniser
 (:mod:`edgeproxy.testing._kv`), which ``count_tokens`` also answers with: the
-prefix the region's KV cache held is in ``cache_read_input_tokens``, the rest
-in ``input_tokens``; ``output_tokens`` is one per text delta.
+prefix the region's KV cache held is in ``cache_read_input_tokens``; when the
+request carries a ``cache_control`` breakpoint, the prompt's whole KV blocks this
+request added to the cache are in ``cache_creation_input_tokens``; the rest in
+``input_tokens``. ``output_tokens`` is one per text delta.
 
 Errors have Anthropic's shape, ``{"type": "error", "error": {"type", "message"}}``.
 """
@@ -27,6 +29,7 @@ Errors have Anthropic's shape, ``{"type": "error", "error": {"type", "message"}}
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -109,6 +112,38 @@ def _prompt_tokens(convo: list[Any]) -> int:
     return read_prompt({"messages": convo}, chat=True, block_size=1, hashed=False).tokens
 
 
+def _has_breakpoint(request: dict[str, Any]) -> bool:
+    """Whether a block of ``tools``, ``system`` or the messages carries ``cache_control``."""
+    blocks: list[Any] = []
+    for key in ("tools", "system"):
+        value = request.get(key)
+        if isinstance(value, list):
+            blocks += value
+    for message in request.get("messages") or ():
+        body = message.get("content") if isinstance(message, dict) else None
+        if isinstance(body, list):
+            blocks += body
+    return any(isinstance(b, dict) and b.get("cache_control") is not None for b in blocks)
+
+
+class CacheReport:
+    """A Messages answer's ``Reply.with_cache``: Anthropic reports the prompt tokens read
+    from the cache and those this request wrote to it, both apart from ``input_tokens``,
+    so the region gives both (:meth:`record`); called with the read ones alone, it wrote
+    none."""
+
+    __slots__ = ("_rebuild",)
+
+    def __init__(self, rebuild: Callable[[int, int], None]) -> None:
+        self._rebuild = rebuild
+
+    def __call__(self, cached: int) -> None:
+        self._rebuild(cached, 0)
+
+    def record(self, cached: int, written: int) -> None:
+        self._rebuild(cached, written)
+
+
 def count_tokens(request: dict[str, Any]) -> Reply:
     """``POST /v1/messages/count_tokens``."""
     return json_reply(200, {"input_tokens": _prompt_tokens(_conversation(request))})
@@ -178,12 +213,13 @@ def create(request: dict[str, Any], behavior: Behavior, region_model: str) -> Re
     id_ = message_id()
     chat_request = {"messages": convo, "max_tokens": len(words)}
     prompt_tokens = _prompt_tokens(convo)
-    cached = 0
+    marked = _has_breakpoint(request)
+    cached = written = 0
 
     def usage(output_tokens: int) -> dict[str, Any]:
         return {
-            "input_tokens": prompt_tokens - cached,
-            "cache_creation_input_tokens": 0,
+            "input_tokens": prompt_tokens - cached - written,
+            "cache_creation_input_tokens": written,
             "cache_read_input_tokens": cached,
             "output_tokens": output_tokens,
             "service_tier": "standard",
@@ -266,10 +302,13 @@ def create(request: dict[str, Any], behavior: Behavior, region_model: str) -> Re
     else:
         reply = json_reply(200, json_message())
 
-    def with_cache(tokens: int) -> None:
-        nonlocal cached
+    def with_cache(read: int, wrote: int) -> None:
+        nonlocal cached, written
         # Anthropic counts at least one input token as read afresh.
-        cached = min(tokens, max(0, prompt_tokens - 1))
+        cached = min(read, max(0, prompt_tokens - 1))
+        # Only a request that asks for a cache entry is charged for writing one, and its
+        # last token, like the one read afresh, is never in it.
+        written = min(wrote, max(0, prompt_tokens - cached - 1)) if marked else 0
         if stream:
             reply.parts = events()
         else:
@@ -277,6 +316,6 @@ def create(request: dict[str, Any], behavior: Behavior, region_model: str) -> Re
 
     reply.first_delay = behavior.ttft
     reply.generation = Generation(chat_request, True, len(words))
-    reply.with_cache = with_cache
+    reply.with_cache = CacheReport(with_cache)
     reply.headers.append((b"request-id", b"req_" + secrets.token_hex(12).encode()))
     return reply
