@@ -46,7 +46,7 @@ from edgeproxy._protocol.endpoints import openai_endpoint
 from edgeproxy._protocol.headers import request_ids
 from edgeproxy._realtime.relay import Drain
 from edgeproxy._realtime.sessions import Sessions
-from edgeproxy._routing.chains import ChainRecord, EdgeChains
+from edgeproxy._routing.chains import ChainRecord, EdgeChains, HeldObject
 from edgeproxy._routing.owners import (
     Missing,
     Owner,
@@ -89,7 +89,7 @@ class _Chained(NamedTuple):
     state: StatefulRequest | None
     owner: str | None
     chain: ChainRecord | None
-    held: tuple[str, bool] | None
+    held: HeldObject | None
     answer: Response | None
 
 
@@ -240,7 +240,7 @@ class Pipeline:
             owner: str | None = None  # the one region holding the request's state
             state: StatefulRequest | None = None  # the stored objects it refers to or makes
             chain: ChainRecord | None = None  # a stored response whose chain the edge holds
-            held: tuple[str, bool] | None = None  # a response the edge holds, retrieved
+            held: HeldObject | None = None  # a response or conversation the edge holds
             try:
                 admitted = await self.admission.admit(request, ctx)
                 if admitted.rate is not None and ctx.route.rate_limit_headers:
@@ -316,7 +316,7 @@ class Pipeline:
             ):
                 # The owner forgot a response the edge holds (a restart), or could not be
                 # reached: the edge's copy answers.
-                answer = await self.chains.answer(ctx, *held)
+                answer = await self.chains.answer(ctx, held)
                 if answer is not None:
                     if isinstance(obtained, AttemptResponse):
                         await obtained.aclose()
@@ -352,6 +352,12 @@ class Pipeline:
                     # before the client has its id, for a follow-up through another PoP.
                     await self.chains.hold_answer(chain, upstream.attempt.first)
                     chain = None
+                elif self.chains.active and self.chains.conversation_made(ctx):
+                    try:
+                        answer = await upstream.read_more(_CREATED_ANSWER_LIMIT)
+                    except UpstreamError:
+                        answer = b""  # the relay reports the broken answer
+                    await self.chains.hold_created(ctx, answer)
             plan = route if isinstance(route, RoutePlan) else None
             if plan is not None and plan.affinity is not None:
                 plan.routed(upstream.region)  # its KV cache now holds the prompt
@@ -369,8 +375,11 @@ class Pipeline:
                     else None
                 ),
             )
-            if chain is not None and 200 <= upstream.status < 300:
-                await self.chains.hold(chain, ctx.outcome.stored)
+            if 200 <= upstream.status < 300 and self.chains.active:
+                if chain is not None:
+                    await self.chains.hold(chain, ctx.outcome.stored)
+                elif (added := self.chains.items_added(ctx)) is not None:
+                    await self.chains.add_items(added, added.own_input)
             return response
         except ProxyError as err:
             response = await self._error(request, ctx, err, heartbeat)
@@ -431,7 +440,7 @@ class Pipeline:
         chains = self.chains
         chain = chains.record_of(ctx)
         held = chains.object_of(ctx) if chain is None else None
-        if held is None and (chain is None or chain.parent is None):
+        if held is None and (chain is None or not chain.continues):
             # Nothing held to look at (a chain's first turn is held as it is answered).
             owner = await self._owner(state) if state.refs else None
             return _Chained(ctx, state, owner, chain, None, None)
@@ -441,6 +450,8 @@ class Pipeline:
         except ProxyError as err:
             owner, failure = None, err
         why = chains.takes_over(owner)
+        if why is None and chain is not None:
+            why = await chains.taken(chain)
         if why is not None:
             if chain is not None:
                 expanded = await chains.expanded(ctx, chain, why)
@@ -449,13 +460,13 @@ class Pipeline:
                     return _Chained(ctx, rescued, owner, chain, None, None)
             else:
                 assert held is not None
-                answer = await chains.answer(ctx, *held)
+                answer = await chains.answer(ctx, held)
                 if answer is not None:
                     return _Chained(ctx, state, owner, None, held, answer)
         if failure is not None:
             raise failure
         if held is not None and ctx.method == "DELETE":
-            await chains.store.delete(held[0])  # the owner deletes its own; the edge's goes too
+            await chains.forget(held)  # the owner deletes its own; the edge's goes too
         return _Chained(ctx, state, owner, chain, held, None)
 
     async def _rescued(

@@ -11,6 +11,7 @@ with the owner's, keeps each scope's chains to that scope, and shares them throu
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from typing import Any, NamedTuple
 
@@ -37,7 +38,7 @@ MODEL = "fake-llm"
 NEAR = {"lat": 1.3, "lon": 103.8}
 FAR = {"lat": 50.0, "lon": 8.0}
 EDGE = [{"name": "responses", "path": "/", "responses_state": "edge"}]
-NO_RESCUE = {"owner_unavailable": 0, "owner_cannot_store": 0, "owner_forgot": 0}
+NO_RESCUE = {"owner_unavailable": 0, "owner_cannot_store": 0, "owner_forgot": 0, "edge_holds": 0}
 
 
 def table(region: FakeRegion, where: dict[str, float], **extra: Any) -> dict[str, Any]:
@@ -707,3 +708,86 @@ async def test_the_default_route_holds_no_chain(
     assert proxy.status()["chains"] is None
     assert proxy.pipeline.chains.store.held_total == 0
     assert b.counters().responses_stored == 0
+
+
+# -- conversations ------------------------------------------------------------------------
+
+
+async def say(client: openai.AsyncOpenAI, text: str, conversation: str) -> Any:
+    return await client.responses.with_raw_response.create(
+        model=MODEL, input=text, conversation=conversation
+    )
+
+
+async def test_a_conversation_goes_on_at_the_edge_once_its_owner_is_gone(
+    make_region: RegionFactory, make_proxy: ProxyFactory, sdk: list[openai.AsyncOpenAI]
+) -> None:
+    a, b = await make_region("a", tokens=3), await make_region("b", tokens=3)
+    proxy = await make_proxy([table(a, NEAR), table(b, FAR)], routes=EDGE)
+    client = client_of(sdk, proxy)
+    made = await client.conversations.create(
+        items=[{"type": "message", "role": "user", "content": "my name is Ada"}]
+    )
+    first = await say(client, "remember the number 42", made.id)
+    second = await say(client, "and add one", made.id)
+    assert first.headers.get("x-edgeproxy-region") == "a"
+    assert second.headers.get("x-edgeproxy-state") is None
+    await a.kill()
+
+    third = await say(client, "what is my name?", made.id)
+    assert third.headers.get("x-edgeproxy-state") == "edge"
+    assert third.headers.get("x-edgeproxy-region") == "b"
+    # Region b was sent the whole conversation: the first items, both turns, the question.
+    answered = third.parse()
+    status, items, _ = await http("GET", f"{b.url}/v1/responses/{answered.id}/input_items")
+    texts = json.dumps(items)
+    assert status == 200
+    for said in ("my name is Ada", "remember the number 42", "and add one", "what is my name?"):
+        assert said in texts
+
+    # Taken on, the conversation stays with the edge, even once its owner is back: the
+    # owner's copy lacks the turn the edge went on with.
+    await a.restart()
+    await eventually(lambda: proxy.regions.by_name["a"].state == "up")
+    fourth = await say(client, "and now?", made.id)
+    assert fourth.headers.get("x-edgeproxy-state") == "edge"
+    assert chains(proxy)["rescued"]["owner_unavailable"] == 1
+    assert chains(proxy)["rescued"]["edge_holds"] == 1
+
+
+async def test_a_conversations_items_are_answered_by_the_edge_while_its_owner_is_down(
+    make_region: RegionFactory, make_proxy: ProxyFactory, sdk: list[openai.AsyncOpenAI]
+) -> None:
+    a, b = await make_region("a", tokens=3), await make_region("b", tokens=3)
+    proxy = await make_proxy([table(a, NEAR), table(b, FAR)], routes=EDGE)
+    client = client_of(sdk, proxy)
+    made = await client.conversations.create(
+        items=[{"type": "message", "role": "user", "content": "hello"}]
+    )
+    await say(client, "a question", made.id)
+    url = f"{proxy.url}/v1/conversations/{made.id}"
+    status, owners, _ = await http(
+        "POST",
+        url + "/items",
+        {"items": [{"type": "message", "role": "user", "content": "one more"}]},
+        authorization="Bearer sk-a",
+    )
+    assert status == 200
+    await a.kill()
+    await turn(client_of(sdk, proxy, "sk-a"), "a new chain", None)
+    await known_down(proxy, a)
+
+    status, items, _ = await http("GET", url + "/items", authorization="Bearer sk-a")
+    assert status == 200
+    texts = json.dumps(items)
+    for said in ("hello", "a question", "one more"):
+        assert said in texts
+    assert all(isinstance(item["id"], str) for item in items["data"])
+    # Another caller's scope never reads it.
+    status, _, _ = await http("GET", url + "/items", authorization="Bearer sk-b")
+    assert status in (404, 503)
+    status, gone, _ = await http("DELETE", url, authorization="Bearer sk-a")
+    assert (status, gone) == (
+        200,
+        {"id": made.id, "object": "conversation.deleted", "deleted": True},
+    )

@@ -26,7 +26,7 @@ import orjson
 from edgeproxy._core.config import StatefulConfig
 from edgeproxy._shared.redisclient import RedisClient, make_client
 
-__all__ = ["ChainStore", "Turn"]
+__all__ = ["ChainStore", "Held", "Turn"]
 
 logger = logging.getLogger("edgeproxy.stateful")
 
@@ -82,6 +82,41 @@ class Turn(NamedTuple):
                 dict(value["response"]),
             )
         except (KeyError, TypeError, ValueError):
+            return None
+
+
+# Conversations' keys: <edge_prefix>conv:<id> (a response's: <edge_prefix><id>).
+_CONVERSATION = "conv:"
+
+
+class Held(NamedTuple):
+    """A conversation the edge holds: its items, in order, as the regions returned them."""
+
+    id: str
+    scope: str
+    items: list[Any]
+    taken: bool
+    """The edge took it on (its owner could not go on): from then on the edge alone holds
+    it whole, and every request of it is sent with its items."""
+    size: int
+    created_at: int
+
+    def encode(self) -> bytes:
+        return orjson.dumps({"v": 1, **self._asdict()})
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> Held | None:
+        try:
+            value = orjson.loads(raw)
+            return cls(
+                str(value["id"]),
+                str(value["scope"]),
+                list(value["items"]),
+                bool(value["taken"]),
+                int(value["size"]),
+                int(value["created_at"]),
+            )
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
             return None
 
 
@@ -168,7 +203,12 @@ class ChainStore:
     async def put(self, turn: Turn) -> bool:
         """Hold ``turn``; False when it is not held (Redis down or failing)."""
         raw = turn.encode()
-        key = self.config.edge_prefix + turn.id
+        if not await self._write(self.config.edge_prefix + turn.id, raw):
+            return False
+        self.largest_chain_bytes = max(self.largest_chain_bytes, turn.chain_bytes)
+        return True
+
+    async def _write(self, key: str, raw: bytes) -> bool:
         if self.redis is None:
             self._keep(key, raw)
         else:
@@ -184,7 +224,6 @@ class ChainStore:
                 return False
         self.held_total += 1
         self.held_bytes_total += len(raw)
-        self.largest_chain_bytes = max(self.largest_chain_bytes, turn.chain_bytes)
         return True
 
     def _keep(self, key: str, raw: bytes) -> None:
@@ -198,8 +237,9 @@ class ChainStore:
             _, dropped = memory.popitem(last=False)
             self._memory_bytes -= len(dropped)
 
-    async def delete(self, response_id: str) -> None:
-        key = self.config.edge_prefix + response_id
+    async def delete(self, object_id: str, *, conversation: bool = False) -> None:
+        """Forget a held response, or a held conversation."""
+        key = self.config.edge_prefix + (_CONVERSATION if conversation else "") + object_id
         if self.redis is None:
             raw = self._memory.pop(key, None)
             if raw is not None:
@@ -250,6 +290,33 @@ class ChainStore:
         if any(t is None for t in turns):
             return None
         return [t for t in turns if t is not None] + [last]
+
+    # -- conversations --------------------------------------------------------------
+
+    def conversation_of(
+        self, conversation_id: str, scope: str, items: list[Any], held: Held | None = None
+    ) -> Held | None:
+        """``held`` (a new conversation when None) with ``items`` added, or None when it is
+        past the chain's bounds."""
+        size = len(orjson.dumps(items)) + (held.size if held is not None else 0)
+        if size > self.config.edge_max_chain_bytes:
+            self.not_held["too_long"] += 1
+            return None
+        if held is None:
+            return Held(conversation_id, scope, list(items), False, size, int(time.time()))
+        return held._replace(items=[*held.items, *items], size=size)
+
+    async def put_conversation(self, held: Held) -> bool:
+        if not await self._write(self.config.edge_prefix + _CONVERSATION + held.id, held.encode()):
+            return False
+        self.largest_chain_bytes = max(self.largest_chain_bytes, held.size)
+        return True
+
+    async def conversation(self, conversation_id: str) -> Held | None:
+        values = await self._get([_CONVERSATION + conversation_id])
+        if not values or values[0] is None:
+            return None
+        return Held.decode(values[0])
 
     def snapshot(self) -> dict[str, Any]:
         return {

@@ -393,10 +393,8 @@ class ResponsesDialect(Dialect):
         previous = body.get("previous_response_id")
         if isinstance(previous, str) and previous:
             refs.append(("previous_response_id", previous))
-        conversation = body.get("conversation")
-        if isinstance(conversation, dict):
-            conversation = conversation.get("id")
-        if isinstance(conversation, str) and conversation:
+        conversation = self.conversation_of(body)
+        if conversation is not None:
             refs.append(("conversation", conversation))
         # Uploaded files in the input (an input_file's or an input_image's file_id), and the
         # vector stores file_search reads: the region holding them must answer too.
@@ -603,22 +601,39 @@ class ResponsesDialect(Dialect):
             return [{"type": "message", "role": "user", "content": given}]
         return list(given) if isinstance(given, list) else []
 
-    def expanded(
-        self, body: dict[str, Any], turns: list[tuple[list[Any], dict[str, Any]]]
-    ) -> dict[str, Any]:
-        """``body`` without its ``previous_response_id``: the chain's turns (each its input
-        items, then its response's output items, as the region returned them: reasoning
-        and other opaque items included) before its own input, as the API reads them."""
+    def conversation_of(self, body: dict[str, Any]) -> str | None:
+        """The conversation a request goes on with (``conversation``: an id, or
+        ``{"id": ...}``)."""
+        conversation = body.get("conversation")
+        if isinstance(conversation, dict):
+            conversation = conversation.get("id")
+        return conversation if isinstance(conversation, str) and conversation else None
+
+    def turn_items(self, turns: list[tuple[list[Any], dict[str, Any]]]) -> list[Any]:
+        """A chain's turns as input items: each its input items, then its response's output
+        items, as the region returned them (reasoning and other opaque items included)."""
         items: list[Any] = []
         for own, response in turns:
             items.extend(own)
             output = response.get("output")
             if isinstance(output, list):
                 items.extend(output)
-        items.extend(self.own_items(body))
-        out = {k: v for k, v in body.items() if k != "previous_response_id"}
-        out["input"] = items
+        return items
+
+    def with_items(self, body: dict[str, Any], items: list[Any]) -> dict[str, Any]:
+        """``body`` without the state it refers to (``previous_response_id``,
+        ``conversation``): ``items`` (that state's, as the edge holds it) before its own
+        input, as the API reads them."""
+        out = {k: v for k, v in body.items() if k != "previous_response_id" and k != "conversation"}
+        out["input"] = [*items, *self.own_items(body)]
         return out
+
+    def expanded(
+        self, body: dict[str, Any], turns: list[tuple[list[Any], dict[str, Any]]]
+    ) -> dict[str, Any]:
+        """``body`` with its chain's turns (:meth:`turn_items`) before its own input, and
+        no ``previous_response_id``."""
+        return self.with_items(body, self.turn_items(turns))
 
     def listed_items(self, response_id: str, items: list[Any]) -> list[dict[str, Any]]:
         """A held response's input items as ``GET .../input_items`` lists them: each with an
@@ -642,8 +657,8 @@ class ResponsesDialect(Dialect):
 
     def forgot(self, status: int, answer: bytes) -> bool:
         """Whether a region's error answer says it cannot continue from a
-        ``previous_response_id``: it holds no such response (404), or it keeps none at all
-        (llama-server's 400)."""
+        ``previous_response_id`` or a ``conversation``: it holds no such response or
+        conversation (404), or it keeps none at all (llama-server's 400)."""
         if status not in (400, 404):
             return False
         error = loads(answer)
@@ -653,7 +668,12 @@ class ResponsesDialect(Dialect):
         if detail.get("code") == "previous_response_not_found":
             return True
         message = detail.get("message")
-        return isinstance(message, str) and "previous_response_id" in message
+        if not isinstance(message, str):
+            return False
+        # llama-server's 400, or a conversation's 404 (OpenAI names no code for it).
+        return "previous_response_id" in message or (
+            status == 404 and message.startswith("Conversation with id")
+        )
 
     def assemble(self, events: list[SSEEvent]) -> dict[str, Any] | None:
         for event in reversed(events):
