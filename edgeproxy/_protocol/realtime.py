@@ -72,12 +72,17 @@ def client_event(message: str | bytes) -> ClientEvent:
 
 
 def client_event_type(message: str) -> str | None:
-    """A client's event's type, read as the region will read it, without parsing an audio
-    append's base64: from its opening ``"type"`` when nothing later could override it (no
-    second ``"type"`` key, no escape that could spell one), else from the whole event."""
+    """A client's event's type, as the region will read it where the proxy acts on it
+    (``response.create``, ``session.update``), without parsing an audio append's base64:
+    its opening ``"type"``, when nothing later could override it with one of those (no
+    escape that could spell one, and no second ``"type"`` key, or neither name at all);
+    else the whole event's."""
     if "\\" not in message:
         found = _TYPE_AT_START.match(message[:_HEAD])
-        if found is not None and message.find('"type"', found.end()) < 0:
+        if found is not None and (
+            message.find('"type"', found.end()) < 0
+            or ("response.create" not in message and "session.update" not in message)
+        ):
             return found.group(1)
     return client_event(message).type
 
