@@ -23,13 +23,18 @@ from edgeproxy._core.config import (
     StatefulConfig,
     TracingConfig,
     UpstreamConfig,
+    WebSocketConfig,
     load_config,
 )
 from edgeproxy._core.context import RequestContext, UpstreamReply
 from edgeproxy._core.errors import ProxyError, error_response
 from edgeproxy._core.exchange import Exchange, TlsInfo
+from edgeproxy._core.outcome import SessionTotals
 from edgeproxy._core.response import Response, StreamResponse
 from edgeproxy._core.version import __version__
+from edgeproxy._core.websocket import Accept as WebSocketAccept
+from edgeproxy._core.websocket import Closed as WebSocketClosed
+from edgeproxy._core.websocket import WebSocket
 from edgeproxy._observability.access_log import AccessLog
 from edgeproxy._plugins import PluginError, PluginLoadError
 from edgeproxy._protocol.clientip import ClientIPResolver
@@ -77,6 +82,7 @@ __all__ = [
     "SSEEventTooLarge",
     "SSEReader",
     "ServerConfig",
+    "SessionTotals",
     "SharedLoadConfig",
     "StatefulConfig",
     "StreamResponse",
@@ -88,6 +94,10 @@ __all__ = [
     "UpstreamProtocolError",
     "UpstreamReply",
     "UpstreamTimeout",
+    "WebSocket",
+    "WebSocketAccept",
+    "WebSocketClosed",
+    "WebSocketConfig",
     "__version__",
     "error_response",
     "hookimpl",
