@@ -323,3 +323,11 @@ def test_a_clients_type_is_read_quickly_only_where_nothing_could_override_it() -
     assert client_event_type(escaped) == "response.create"
     assert client_event_type('{"type":"response\\u002ecreate"}') == "response.create"
     assert client_event_type('{"event_id":"e","type":"session.update"}') == "session.update"
+
+
+def test_a_key_carried_in_a_subprotocol_stays_at_the_edge() -> None:
+    from edgeproxy._protocol.realtime import offered_protocols
+
+    offered = ["realtime, openai-insecure-api-key.sk-secret", "openai-beta.realtime-v1"]
+    assert offered_protocols(offered, credentials=False) == ["realtime", "openai-beta.realtime-v1"]
+    assert "openai-insecure-api-key.sk-secret" in offered_protocols(offered, credentials=True)

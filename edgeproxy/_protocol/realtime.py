@@ -28,6 +28,7 @@ __all__ = [
     "client_event",
     "client_event_type",
     "error_event",
+    "offered_protocols",
     "query_call",
     "query_model",
     "query_value",
@@ -110,6 +111,21 @@ def region_event_type(message: str | bytes) -> tuple[str | None, dict[str, Any] 
 
 def _READ_WHOLE(kind: str) -> bool:  # noqa: N802 - a predicate table, read as a name
     return kind == "response.done" or kind.startswith("session.") or kind == "error"
+
+
+# A browser cannot set Authorization on a WebSocket: OpenAI's clients carry the API key in
+# a subprotocol instead (openai-insecure-api-key.<key>). It is a credential like any other.
+_KEY_PROTOCOLS: Final = ("openai-insecure-api-key.",)
+
+
+def offered_protocols(values: list[str] | tuple[str, ...], *, credentials: bool) -> list[str]:
+    """The subprotocols a client offered (its ``Sec-WebSocket-Protocol`` values), those
+    carrying a credential left out unless clients' credentials are forwarded
+    (``[server] forward_client_credentials``): the regions get their own."""
+    offered = [p.strip() for value in values for p in value.split(",") if p.strip()]
+    if credentials:
+        return offered
+    return [p for p in offered if not p.startswith(_KEY_PROTOCOLS)]
 
 
 def query_value(target: str, name: str) -> str | None:

@@ -39,6 +39,7 @@ from edgeproxy._protocol.endpoints import openai_endpoint
 from edgeproxy._protocol.realtime import (
     client_event,
     error_event,
+    offered_protocols,
     query_call,
     query_model,
     session_model,
@@ -295,12 +296,10 @@ class Sessions:
         """The first region in ``plan`` to complete the handshake; raises the JSON error
         for the client when none does."""
         outcome = ctx.outcome
-        protocols = [
-            p.strip()
-            for value in ctx.headers.getall("sec-websocket-protocol", ())
-            for p in value.split(",")
-            if p.strip()
-        ]
+        protocols = offered_protocols(
+            ctx.headers.getall("sec-websocket-protocol", ()),
+            credentials=self.config.server.forward_client_credentials,
+        )
         last: Refused | None = None
         timed_out = True
         for region in plan:
