@@ -49,9 +49,7 @@ async def test_openai_headers_on_every_answer_and_the_429(
     async with sdk(proxy.url) as client:
         seen = []
         for _ in range(3):
-            raw = await client.chat.completions.with_raw_response.create(
-                model="m", messages=USER
-            )
+            raw = await client.chat.completions.with_raw_response.create(model="m", messages=USER)
             seen.append(raw.headers)
         with pytest.raises(openai.RateLimitError) as refused:
             await client.chat.completions.create(model="m", messages=USER)
@@ -71,16 +69,12 @@ async def test_openai_headers_on_every_answer_and_the_429(
     assert refused_responses.value.response.headers["x-ratelimit-remaining-requests"] == "0"
 
 
-async def test_anthropic_headers_on_messages(
-    region: FakeRegion, make_proxy: ProxyFactory
-) -> None:
+async def test_anthropic_headers_on_messages(region: FakeRegion, make_proxy: ProxyFactory) -> None:
     proxy = await make_proxy([region], admission=LIMITS)
     async with anthropic.AsyncAnthropic(
         base_url=proxy.url, api_key="sk-ant", max_retries=0
     ) as client:
-        raw = await client.messages.with_raw_response.create(
-            model="m", max_tokens=8, messages=USER
-        )
+        raw = await client.messages.with_raw_response.create(model="m", max_tokens=8, messages=USER)
     headers = raw.headers
     assert headers["anthropic-ratelimit-requests-limit"] == "3"
     assert headers["anthropic-ratelimit-requests-remaining"] == "2"
@@ -130,9 +124,7 @@ async def test_a_route_that_keeps_its_limits_to_itself(
     )
     async with sdk(proxy.url) as client:
         for _ in range(3):
-            raw = await client.chat.completions.with_raw_response.create(
-                model="m", messages=USER
-            )
+            raw = await client.chat.completions.with_raw_response.create(model="m", messages=USER)
             assert "x-ratelimit-remaining-requests" not in raw.headers
         with pytest.raises(openai.RateLimitError) as refused:
             await client.chat.completions.create(model="m", messages=USER)
