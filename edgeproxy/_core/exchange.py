@@ -13,6 +13,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
@@ -77,7 +78,7 @@ class Exchange(ABC):
     body_exists: bool
     native: object
 
-    websocket: bool = False
+    websocket: ClassVar[bool] = False
     """The request is a WebSocket handshake (an HTTP/1.1 Upgrade, an HTTP/2 extended
     CONNECT, an ASGI ``websocket`` scope), which its front end can :meth:`accept`. Its
     ``method`` reads ``GET`` whatever the front end, so that routes match it alike."""
