@@ -322,17 +322,12 @@ def semantic_families(semantic: dict[str, Any]) -> Iterator[Metric]:
     entries = GaugeMetricFamily(f"{name}_entries", "Questions in this worker's semantic index.")
     entries.add_metric([], float(semantic.get("entries", 0)))
     yield entries
-    buckets = semantic.get("lookup_histogram")
-    if isinstance(buckets, list):
-        histogram = HistogramMetricFamily(
-            f"{name}_lookup_seconds", "Semantic lookup time: embedding, search, verification."
-        )
-        histogram.add_metric(
-            [],
-            [(str(le), float(count)) for le, count in buckets],
-            float(semantic.get("lookup_seconds_sum", 0.0)),
-        )
-        yield histogram
+    yield from _histogram(
+        f"{name}_lookup_seconds",
+        "Semantic lookup time: embedding, search, verification.",
+        semantic,
+        "lookup",
+    )
     model = semantic.get("model_verifier")
     if isinstance(model, dict):
         yield from _model_verifier_families(name, model)

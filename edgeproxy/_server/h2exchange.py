@@ -157,6 +157,11 @@ class H2Exchange(Exchange):
             self._received > expected or (ended and self._received != expected)
         ):
             return f"{self._received} bytes of DATA for a content-length of {expected}"
+        self._hold(data, flow, ended)
+        return None
+
+    def _hold(self, data: bytes, flow: int, ended: bool) -> None:
+        """Keep DATA until the request reads it (its flow-control window credited then)."""
         if data:
             self._body.append(data)
         if flow:
@@ -164,7 +169,6 @@ class H2Exchange(Exchange):
         if ended:
             self._more = False
         self._wake()
-        return None
 
     def body_ended(self) -> str | None:
         expected = self.expected

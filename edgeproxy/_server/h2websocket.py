@@ -103,12 +103,8 @@ class H2WebSocketExchange(H2Exchange):
         if session is not None:
             session.feed(data, flow, ended)
             return None
-        if data:
-            self._body.append(data)
-        self.unacked += flow
-        if ended:
-            self._more = False
-        self._wake()
+        # Before the accept: held, unacknowledged, for the session to take.
+        self._hold(data, flow, ended)
         return None
 
     def body_ended(self) -> str | None:
