@@ -28,10 +28,11 @@ BODY = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
 
 
 @contextlib.asynccontextmanager
-async def served(app: Any) -> AsyncIterator[str]:
-    """``app`` under uvicorn on an ephemeral port; its base URL."""
+async def served(app: Any, ws: str = "auto", scheme: str = "http") -> AsyncIterator[str]:
+    """``app`` under uvicorn on an ephemeral port, with the WebSocket implementation
+    ``ws``; its base URL."""
     server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
+        uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on", ws=ws)
     )
     task = asyncio.create_task(server.serve())
     try:
@@ -40,7 +41,7 @@ async def served(app: Any) -> AsyncIterator[str]:
             task.result()
             raise AssertionError("uvicorn did not start")
         port = server.servers[0].sockets[0].getsockname()[1]
-        yield f"http://127.0.0.1:{port}"
+        yield f"{scheme}://127.0.0.1:{port}"
     finally:
         server.should_exit = True
         await task

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import functools
 import os
 import socket
 from collections.abc import AsyncIterator, Callable
@@ -19,7 +20,6 @@ from typing import Any
 
 import aiohttp
 import pytest
-import uvicorn
 from hypercorn.asyncio import serve
 from hypercorn.config import Config as HypercornConfig
 from starlette.applications import Starlette
@@ -33,7 +33,7 @@ from edgeproxy._core.websocket import Accept, Closed
 from edgeproxy._server.asgi import AsgiApp
 from edgeproxy._server.asgiws import close_reason, refusal_code
 
-from .conftest import eventually
+from .test_asgi import served
 
 MAX_MESSAGE = 1024
 REFUSAL = "too many sessions from this address"
@@ -158,24 +158,7 @@ async def hypercorn_served(app: Any) -> AsyncIterator[str]:
 
 
 def uvicorn_served(ws: str) -> Callable[[Any], contextlib.AbstractAsyncContextManager[str]]:
-    @contextlib.asynccontextmanager
-    async def served(app: Any) -> AsyncIterator[str]:
-        server = uvicorn.Server(
-            uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on", ws=ws)
-        )
-        task = asyncio.create_task(server.serve())
-        try:
-            await eventually(lambda: server.started or task.done())
-            if task.done():
-                task.result()
-                raise AssertionError("uvicorn did not start")
-            port = server.servers[0].sockets[0].getsockname()[1]
-            yield f"ws://127.0.0.1:{port}"
-        finally:
-            server.should_exit = True
-            await task
-
-    return served
+    return functools.partial(served, ws=ws, scheme="ws")
 
 
 SERVERS = {
