@@ -137,6 +137,16 @@ def chains(proxy: EdgeProxy) -> dict[str, Any]:
     return snapshot
 
 
+async def edge_pair(
+    make_region: RegionFactory, make_proxy: ProxyFactory, sdk: list[openai.AsyncOpenAI]
+) -> tuple[FakeRegion, FakeRegion, EdgeProxy, openai.AsyncOpenAI]:
+    """Two regions, ``a`` nearer than ``b``, behind a proxy whose route holds chains at the
+    edge, and a client of it."""
+    a, b = await make_region("a", tokens=3), await make_region("b", tokens=3)
+    proxy = await make_proxy([table(a, NEAR), table(b, FAR)], routes=EDGE)
+    return a, b, proxy, client_of(sdk, proxy)
+
+
 async def known_down(proxy: EdgeProxy, region: FakeRegion) -> None:
     """Wait until the proxy knows ``region`` (killed) is down: its next request fails
     over, marking it so."""
@@ -205,9 +215,7 @@ async def test_an_owner_that_forgot_the_chain_is_rescued_by_the_edge(
     sdk: list[openai.AsyncOpenAI],
     stream: bool,
 ) -> None:
-    a, b = await make_region("a", tokens=3), await make_region("b", tokens=3)
-    proxy = await make_proxy([table(a, NEAR), table(b, FAR)], routes=EDGE)
-    client = client_of(sdk, proxy)
+    a, b, proxy, client = await edge_pair(make_region, make_proxy, sdk)
     first = await turn(client, "remember the number 42", None, stream=stream)
     second = await turn(client, "and add one", first.id, stream=stream)
     a.clear_responses()  # a vLLM restarted: its memory is gone, its address the same
@@ -360,9 +368,7 @@ async def test_a_region_that_keeps_no_responses_gets_every_turn_whole(
 async def test_retrieval_and_deletion_are_answered_by_the_edge_while_the_owner_is_down(
     make_region: RegionFactory, make_proxy: ProxyFactory, sdk: list[openai.AsyncOpenAI]
 ) -> None:
-    a, b = await make_region("a", tokens=3), await make_region("b", tokens=3)
-    proxy = await make_proxy([table(a, NEAR), table(b, FAR)], routes=EDGE)
-    client = client_of(sdk, proxy)
+    a, b, proxy, client = await edge_pair(make_region, make_proxy, sdk)
     first = await turn(client, "hello there", None)
     second = await turn(client, "tell me more", first.id, stream=True)
     url = f"{proxy.url}/v1/responses/{second.id}"
@@ -403,9 +409,7 @@ async def test_retrieval_and_deletion_are_answered_by_the_edge_while_the_owner_i
 async def test_the_edges_input_items_are_in_the_shape_the_owner_answered(
     make_region: RegionFactory, make_proxy: ProxyFactory, sdk: list[openai.AsyncOpenAI]
 ) -> None:
-    a, b = await make_region("a", tokens=3), await make_region("b", tokens=3)
-    proxy = await make_proxy([table(a, NEAR), table(b, FAR)], routes=EDGE)
-    client = client_of(sdk, proxy)
+    a, b, proxy, client = await edge_pair(make_region, make_proxy, sdk)
     first = await turn(client, "hello there", None)
     url = f"{proxy.url}/v1/responses/{first.id}/input_items"
     _, owners, _ = await http("GET", url, authorization="Bearer sk-a")
@@ -425,9 +429,7 @@ async def test_the_edges_input_items_are_in_the_shape_the_owner_answered(
 async def test_the_edge_answers_delete_in_the_api_shape_while_the_owner_is_down(
     make_region: RegionFactory, make_proxy: ProxyFactory, sdk: list[openai.AsyncOpenAI]
 ) -> None:
-    a, b = await make_region("a", tokens=3), await make_region("b", tokens=3)
-    proxy = await make_proxy([table(a, NEAR), table(b, FAR)], routes=EDGE)
-    client = client_of(sdk, proxy)
+    a, b, proxy, client = await edge_pair(make_region, make_proxy, sdk)
     first = await turn(client, "hello there", None)
     await a.kill()
     await turn(client, "a new chain", None)
@@ -449,9 +451,7 @@ async def test_the_edge_answers_delete_in_the_api_shape_while_the_owner_is_down(
 async def test_a_delete_with_the_owner_up_goes_to_it_and_the_edge_copy_goes_too(
     make_region: RegionFactory, make_proxy: ProxyFactory, sdk: list[openai.AsyncOpenAI]
 ) -> None:
-    a, b = await make_region("a", tokens=3), await make_region("b", tokens=3)
-    proxy = await make_proxy([table(a, NEAR), table(b, FAR)], routes=EDGE)
-    client = client_of(sdk, proxy)
+    a, b, proxy, client = await edge_pair(make_region, make_proxy, sdk)
     first = await turn(client, "hello there", None)
     second = await turn(client, "more", first.id)
 
@@ -480,9 +480,7 @@ async def test_a_delete_with_the_owner_up_goes_to_it_and_the_edge_copy_goes_too(
 async def test_a_retrieval_after_the_owner_forgot_is_answered_by_the_edge(
     make_region: RegionFactory, make_proxy: ProxyFactory, sdk: list[openai.AsyncOpenAI]
 ) -> None:
-    a, b = await make_region("a", tokens=3), await make_region("b", tokens=3)
-    proxy = await make_proxy([table(a, NEAR), table(b, FAR)], routes=EDGE)
-    client = client_of(sdk, proxy)
+    a, b, proxy, client = await edge_pair(make_region, make_proxy, sdk)
     first = await turn(client, "hello there", None, stream=True)
     a.clear_responses()
 
@@ -496,9 +494,7 @@ async def test_a_retrieval_after_the_owner_forgot_is_answered_by_the_edge(
 async def test_a_retrieval_right_after_the_owner_died_is_answered_by_the_edge(
     make_region: RegionFactory, make_proxy: ProxyFactory, sdk: list[openai.AsyncOpenAI]
 ) -> None:
-    a, b = await make_region("a", tokens=3), await make_region("b", tokens=3)
-    proxy = await make_proxy([table(a, NEAR), table(b, FAR)], routes=EDGE)
-    client = client_of(sdk, proxy)
+    a, b, proxy, client = await edge_pair(make_region, make_proxy, sdk)
     first = await turn(client, "hello there", None)
     await a.kill()
 
@@ -722,9 +718,7 @@ async def say(client: openai.AsyncOpenAI, text: str, conversation: str) -> Any:
 async def test_a_conversation_goes_on_at_the_edge_once_its_owner_is_gone(
     make_region: RegionFactory, make_proxy: ProxyFactory, sdk: list[openai.AsyncOpenAI]
 ) -> None:
-    a, b = await make_region("a", tokens=3), await make_region("b", tokens=3)
-    proxy = await make_proxy([table(a, NEAR), table(b, FAR)], routes=EDGE)
-    client = client_of(sdk, proxy)
+    a, b, proxy, client = await edge_pair(make_region, make_proxy, sdk)
     made = await client.conversations.create(
         items=[{"type": "message", "role": "user", "content": "my name is Ada"}]
     )
@@ -758,9 +752,7 @@ async def test_a_conversation_goes_on_at_the_edge_once_its_owner_is_gone(
 async def test_a_conversations_items_are_answered_by_the_edge_while_its_owner_is_down(
     make_region: RegionFactory, make_proxy: ProxyFactory, sdk: list[openai.AsyncOpenAI]
 ) -> None:
-    a, b = await make_region("a", tokens=3), await make_region("b", tokens=3)
-    proxy = await make_proxy([table(a, NEAR), table(b, FAR)], routes=EDGE)
-    client = client_of(sdk, proxy)
+    a, b, proxy, client = await edge_pair(make_region, make_proxy, sdk)
     made = await client.conversations.create(
         items=[{"type": "message", "role": "user", "content": "hello"}]
     )
