@@ -7,6 +7,8 @@ beyond them, so this test looks for one in the whole import graph, imports under
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import grimp
 
 
@@ -71,3 +73,14 @@ def test_no_import_cycle_type_only_imports_included() -> None:
     assert not cycles, "modules that import each other:\n" + "\n".join(
         " <-> ".join(component) for component in cycles
     )
+
+
+def test_no_module_is_over_800_lines() -> None:
+    """One concept a module: a module past 800 lines holds two (split it by concern)."""
+    package = Path(__file__).resolve().parent.parent / "edgeproxy"
+    long = {
+        str(path.relative_to(package)): lines
+        for path in package.rglob("*.py")
+        if (lines := len(path.read_text().splitlines())) > 800
+    }
+    assert not long, long

@@ -347,7 +347,10 @@ class EdgeChains:
             return None
         return turn
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> dict[str, Any] | None:
+        """``/status``'s ``chains`` (None where no route holds chains)."""
+        if not self.active:
+            return None
         rescues = sum(self.rescued.values())
         return {
             **self.store.snapshot(),

@@ -10,6 +10,7 @@ from aiohttp import hdrs, web
 from aiohttp.http_writer import HttpVersion10, HttpVersion11, StreamWriter
 from multidict import CIMultiDict
 
+from edgeproxy._core.config import WebSocketConfig
 from edgeproxy._core.errors import error_response
 from edgeproxy._core.exchange import Exchange, TlsInfo, Writer
 from edgeproxy._core.response import Response, StreamResponse
@@ -182,17 +183,15 @@ class AiohttpWebSocketExchange(AiohttpExchange):
 
 
 def exchange_for(
-    request: web.Request,
-    strip_prefix: str,
-    server: str,
-    ping_interval: float | None,
+    request: web.Request, strip_prefix: str, server: str, websocket: WebSocketConfig
 ) -> AiohttpExchange:
     """The pipeline's exchange for ``request``: a WebSocket handshake's when it asks for
-    one."""
-    if is_websocket_upgrade(
-        request.headers.get(hdrs.CONNECTION), request.headers.get(hdrs.UPGRADE)
+    one (its fields read only when it names an Upgrade: most requests do not)."""
+    headers = request.headers
+    if hdrs.UPGRADE in headers and is_websocket_upgrade(
+        headers.get(hdrs.CONNECTION), headers.get(hdrs.UPGRADE)
     ):
-        return AiohttpWebSocketExchange(request, strip_prefix, server, ping_interval)
+        return AiohttpWebSocketExchange(request, strip_prefix, server, websocket.ping_interval)
     return AiohttpExchange(request, strip_prefix, server)
 
 

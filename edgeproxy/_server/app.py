@@ -11,7 +11,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from aiohttp import hdrs, web
+from aiohttp import web
 from aiohttp.typedefs import Middleware
 from aiohttp.web_urldispatcher import AbstractResource
 from yarl import URL
@@ -24,7 +24,7 @@ from edgeproxy._observability.metrics import Metrics
 from edgeproxy._observability.tracing import Tracing
 from edgeproxy._pipeline import JSON_BODY_LIMIT, Pipeline
 from edgeproxy._server.admin import AdminRunner, admin_app
-from edgeproxy._server.aio import AiohttpExchange, exchange_for, send_answer
+from edgeproxy._server.aio import exchange_for, send_answer
 from edgeproxy._server.asgi import AsgiApp
 from edgeproxy._server.generation import (
     Generation,
@@ -394,12 +394,7 @@ class EdgeProxy:
 
     async def _serve(self, request: web.Request, strip_prefix: str) -> web.StreamResponse:
         # serve_exchange() inlined: the aiohttp listener's path is the hottest.
-        if hdrs.UPGRADE in request.headers:
-            exchange: AiohttpExchange = exchange_for(
-                request, strip_prefix, self._server_header, self.config.websocket.ping_interval
-            )
-        else:
-            exchange = AiohttpExchange(request, strip_prefix, self._server_header)
+        exchange = exchange_for(request, strip_prefix, self._server_header, self.config.websocket)
         generation = self._generation
         if generation is None:
             raise RuntimeError("the proxy is not open: run its app, or call start()")
@@ -702,11 +697,7 @@ class EdgeProxy:
             },
             "cache": self._pipeline.cache.status() if self._pipeline is not None else None,
             "stateful": (self._pipeline.owners.snapshot() if self._pipeline is not None else None),
-            "chains": (
-                self._pipeline.chains.snapshot()
-                if self._pipeline is not None and self._pipeline.chains.active
-                else None
-            ),
+            "chains": self._pipeline.chains.snapshot() if self._pipeline is not None else None,
             "websocket": (
                 self._pipeline.sessions.snapshot() if self._pipeline is not None else None
             ),
