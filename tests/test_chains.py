@@ -783,3 +783,33 @@ async def test_a_conversations_items_are_answered_by_the_edge_while_its_owner_is
         200,
         {"id": made.id, "object": "conversation.deleted", "deleted": True},
     )
+
+
+@pytest.mark.parametrize(
+    ("bound", "reason"),
+    [({"edge_max_turns": 2}, "too_many_turns"), ({"edge_max_chain_bytes": 2500}, "too_long")],
+)
+async def test_a_chain_past_its_bounds_is_held_no_further(
+    make_region: RegionFactory,
+    make_proxy: ProxyFactory,
+    sdk: list[openai.AsyncOpenAI],
+    bound: dict[str, int],
+    reason: str,
+) -> None:
+    a, b = await make_region("a", tokens=3), await make_region("b", tokens=3)
+    proxy = await make_proxy([table(a, NEAR), table(b, FAR)], routes=EDGE, stateful=bound)
+    client = client_of(sdk, proxy)
+    previous = None
+    for i in range(4):
+        previous = (await turn(client, f"turn {i} " + "words " * 40, previous)).id
+    status = chains(proxy)
+    # What a client can make the edge hold is bounded: the turns past it are not held...
+    assert status["not_held"][reason] >= 1
+    assert status["held_total"] < 4
+    assert status["largest_chain_bytes"] <= bound.get("edge_max_chain_bytes", 10**9)
+    # ...and the chain goes on at its owner alone: with it gone, no rescue, the 503.
+    await a.kill()
+    with pytest.raises(openai.APIStatusError) as caught:
+        await turn(client, "and then?", previous)
+    assert caught.value.status_code == 503
+    assert chains(proxy)["rescued"] == NO_RESCUE
