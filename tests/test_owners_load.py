@@ -113,6 +113,11 @@ async def test_a_request_naming_hundreds_of_objects_starves_no_other(
         "redis_prefix": redis_prefix + "owner:",
         "redis_max_connections": 3,
         "max_refs": 600,
+        # Wide: this test is about every request being served right, on a machine that may
+        # be starved of CPU. That a lookup is not queued behind a whole flood is shown
+        # without a clock by test_a_lookup_waits_for_one_batch_of_a_flood_not_all_of_it.
+        "redis_timeout": 30.0,
+        "redis_pool_timeout": 60.0,
     }
     made, other = [await make_proxy(tables(regions), stateful=stateful) for _ in range(2)]
     many = {
@@ -352,3 +357,70 @@ async def test_a_blocking_pool_serves_a_burst_past_its_size(
     finally:
         await maker.close()
         await reader.close()
+
+
+class _GatedRedis:
+    """The owners' Redis client, logging each read as it starts (its slot already taken)
+    and holding every read until ``gate`` opens: the order in which reads get a slot is
+    then fixed, whatever the machine's speed."""
+
+    def __init__(self, real: Any, gate: asyncio.Event, log: list[str]) -> None:
+        self.real, self.gate, self.log = real, gate, log
+
+    async def get(self, key: str) -> Any:
+        self.log.append(key.rsplit(":", 1)[-1])
+        await self.gate.wait()
+        return await self.real.get(key)
+
+    def pipeline(self, transaction: bool = False) -> Any:
+        pipe = self.real.pipeline(transaction=transaction)
+        real_execute, log, gate = pipe.execute, self.log, self.gate
+
+        async def execute() -> Any:
+            log.append("batch")
+            await gate.wait()
+            return await real_execute()
+
+        pipe.execute = execute
+        return pipe
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+
+async def test_a_lookup_waits_for_one_batch_of_a_flood_not_all_of_it(
+    redis_server: str, redis_prefix: str
+) -> None:
+    # Two slots for reads, four lookups of 500 unknown ids (five batches each) under way:
+    # a one-id lookup that comes now takes the next free slot after those already waiting,
+    # not after the flood's twenty batches.
+    config = StatefulConfig(
+        redis_url=redis_server,
+        redis_prefix=redis_prefix + "owner:",
+        redis_max_connections=3,
+        redis_timeout=30.0,
+        redis_pool_timeout=60.0,
+    )
+    owners = Owners(config)
+    await owners.open()
+    gate, log, real = asyncio.Event(), [], owners.redis
+    owners.redis = _GatedRedis(real, gate, log)  # type: ignore[assignment]
+    try:
+        floods = [
+            asyncio.ensure_future(owners.lookup(f"vs_{n}_{i}" for i in range(500)))
+            for n in range(4)
+        ]
+        await eventually(lambda: log == ["batch", "batch"])
+        single = asyncio.ensure_future(owners.owner("resp_single"))
+        await asyncio.sleep(0)
+        gate.set()
+        found = await asyncio.gather(*floods)
+        assert await single is Missing.UNKNOWN
+        assert all(set(f.values()) == {Missing.UNKNOWN} for f in found)
+        assert log.count("batch") == 20
+        # Two batches read while it queued, then the two floods that queued before it.
+        assert log.index("resp_single") <= 4
+        assert owners.lookup_failed_total == 0
+    finally:
+        owners.redis = real
+        await owners.close()
