@@ -108,10 +108,9 @@ class Exchange(ABC):
     async def read_chunk(self) -> bytes:
         """The next piece of the body as it arrives; ``b""`` at its end."""
 
-    async def iter_body(self) -> AsyncIterator[bytes]:
+    def iter_body(self) -> AsyncIterator[bytes]:
         """The body piece by piece, as it arrives."""
-        while chunk := await self.read_chunk():
-            yield chunk
+        return _Chunks(self)
 
     @abstractmethod
     def client_gone(self) -> bool:
@@ -157,3 +156,22 @@ class Exchange(ABC):
         """Queue ``data`` without waiting for the client to read it, then :meth:`abort`: for
         answers cut at shutdown, which must not wait on a slow client."""
         self.abort()
+
+
+class _Chunks:
+    """:meth:`Exchange.iter_body`'s iterator, a class rather than an async generator so
+    that the compiled build (mypyc, which has no async generators) compiles it too."""
+
+    __slots__ = ("_exchange",)
+
+    def __init__(self, exchange: Exchange) -> None:
+        self._exchange = exchange
+
+    def __aiter__(self) -> _Chunks:
+        return self
+
+    async def __anext__(self) -> bytes:
+        chunk = await self._exchange.read_chunk()
+        if not chunk:
+            raise StopAsyncIteration
+        return chunk

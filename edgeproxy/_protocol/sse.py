@@ -39,6 +39,7 @@ copy of ``raw``.
 from __future__ import annotations
 
 import re
+from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator
 from typing import Final, NamedTuple
 
@@ -269,15 +270,34 @@ class SSEReader:
         return _event(block, tail, tail.find(b"\r") >= 0)
 
 
-async def iter_events(
+def iter_events(
     chunks: AsyncIterable[bytes], *, max_event: int = MAX_EVENT
 ) -> AsyncIterator[SSEEvent]:
     """The events of a stream of chunks, each as soon as its blank line came (an unfinished
     last event is dropped, as the spec says)."""
-    reader = SSEReader(max_event=max_event)
-    async for chunk in chunks:
-        for event in reader.feed(chunk):
-            yield event
+    return _Events(chunks.__aiter__(), SSEReader(max_event=max_event))
+
+
+class _Events:
+    """:func:`iter_events`'s iterator, a class rather than an async generator so that the
+    compiled build (mypyc, which has no async generators) compiles it too."""
+
+    __slots__ = ("_chunks", "_reader", "_ready")
+
+    def __init__(self, chunks: AsyncIterator[bytes], reader: SSEReader) -> None:
+        self._chunks = chunks
+        self._reader = reader
+        self._ready: deque[SSEEvent] = deque()
+
+    def __aiter__(self) -> _Events:
+        return self
+
+    async def __anext__(self) -> SSEEvent:
+        ready = self._ready
+        while not ready:
+            # StopAsyncIteration from the chunks ends the events as well.
+            ready.extend(self._reader.feed(await self._chunks.__anext__()))
+        return ready.popleft()
 
 
 def events_of(body: bytes, *, whole: bool = False, max_event: int = MAX_EVENT) -> list[SSEEvent]:

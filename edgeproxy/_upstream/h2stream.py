@@ -287,18 +287,8 @@ class H2Response:
         self.headers = stream.headers
         self.http_version = "2"
 
-    async def aiter_bytes(self) -> AsyncIterator[bytes]:
-        stream = self._stream
-        try:
-            while True:
-                chunk = await stream.read(self._read_timeout)
-                if chunk is None:
-                    return
-                yield chunk
-        finally:
-            # Reached on cancellation, timeouts, errors and a consumer that
-            # breaks out early: none of them may leave the stream open.
-            stream.close()
+    def aiter_bytes(self) -> AsyncIterator[bytes]:
+        return _Body(self._stream, self._read_timeout)
 
     async def aclose(self) -> None:
         self._stream.close()
@@ -314,6 +304,37 @@ class H2Response:
                 stream.close()
         except Exception:  # pragma: no cover - interpreter shutdown, odd states
             pass
+
+
+class _Body:
+    """A response's body, chunk by chunk: a class rather than an async generator so that
+    the compiled build (mypyc, which has no async generators) compiles it too. A consumer
+    that stops early closes the response (``aclose``), which closes the stream."""
+
+    __slots__ = ("_stream", "_read_timeout")
+
+    def __init__(self, stream: Stream, read_timeout: float) -> None:
+        self._stream = stream
+        self._read_timeout = read_timeout
+
+    def __aiter__(self) -> _Body:
+        return self
+
+    async def __anext__(self) -> bytes:
+        stream = self._stream
+        try:
+            chunk = await stream.read(self._read_timeout)
+        except BaseException:
+            # Cancellation, timeouts, errors: none of them may leave the stream open.
+            stream.close()
+            raise
+        if chunk is None:
+            stream.close()
+            raise StopAsyncIteration
+        return chunk
+
+    async def aclose(self) -> None:
+        self._stream.close()
 
 
 def set_response_headers(stream: Stream, raw: list[Any]) -> None:
