@@ -18,6 +18,7 @@ from typing import Any
 
 import orjson
 
+from edgeproxy._core.build import build
 from edgeproxy._core.config import (
     Config,
     ConfigError,
@@ -185,7 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="edgeproxy",
         description="Edge-to-region reverse proxy for OpenAI-compatible LLM APIs and plain HTTP.",
     )
-    parser.add_argument("--version", action="version", version=f"edgeproxy {__version__}")
+    parser.add_argument(
+        "--version", action="version", version=f"edgeproxy {__version__} ({build()})"
+    )
     sub = parser.add_subparsers(
         dest="command",
         required=True,

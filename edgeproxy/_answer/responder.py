@@ -238,8 +238,8 @@ class Responder:
                                 sse=sse,
                                 first=first,
                             )
-                    except UpstreamError as exc:
-                        upstream.broke(exc)
+                    except UpstreamError as broke:
+                        upstream.broke(broke)
                         raise
                     upstream.body_done()
                 else:
@@ -262,16 +262,16 @@ class Responder:
             # The client went away: the pipeline's finally cancels the upstream stream.
             ctx.outcome.error = "client disconnected"
             return resp
-        except PluginError as exc:
+        except PluginError as failed:
             # Too late for a 500: end the response so it cannot pass for complete.
-            ctx.outcome.error = str(exc)
-            logger.error("%s", exc, exc_info=exc.error)
+            ctx.outcome.error = str(failed)
+            logger.error("%s", failed, exc_info=failed.error)
             await self._abort(
                 request,
                 resp,
                 500,
                 "plugin_error",
-                f"plugin {exc.plugin} failed mid-stream",
+                f"plugin {failed.plugin} failed mid-stream",
                 "plugin_error",
             )
             return resp
@@ -577,18 +577,21 @@ class Responder:
                         splice=splice,
                     )
                     break
-                except UpstreamError:
-                    # The broken leg is let go of now, its region's slot with it.
-                    if leg is not None:
-                        await leg.close()
-                        leg = None
-                    else:
-                        await upstream.aclose()
-                    leg = await legs.next_leg(request, ctx, splice, source)
-                    if leg is None:
-                        raise
-                    # A spliced answer is not stored; its own usage is the legs' sum.
-                    source, chunks, recorder, usage = leg.name, leg.chunks, None, None
+                except UpstreamError as exc:
+                    broke = exc
+                # Past the handler: the compiled build (mypyc) re-raised an exception the
+                # handler had caught when these awaits ran inside it.
+                # The broken leg is let go of now, its region's slot with it.
+                if leg is not None:
+                    await leg.close()
+                    leg = None
+                else:
+                    await upstream.aclose()
+                leg = await legs.next_leg(request, ctx, splice, source)
+                if leg is None:
+                    raise broke
+                # A spliced answer is not stored; its own usage is the legs' sum.
+                source, chunks, recorder, usage = leg.name, leg.chunks, None, None
             if splice.continued:
                 tail = splice.finish()
                 if tail:

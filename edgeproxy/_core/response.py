@@ -13,6 +13,7 @@ from typing import Any
 
 import orjson
 from multidict import CIMultiDict
+from mypy_extensions import mypyc_attr
 
 from edgeproxy._core.exchange import Exchange, Writer
 
@@ -25,6 +26,9 @@ async def _unprepared(data: bytes) -> None:
     raise RuntimeError("write() before prepare()")
 
 
+# The compiled build compiles these classes; the front ends, the local model and the
+# compression wrapper subclass them in Python.
+@mypyc_attr(allow_interpreted_subclasses=True)
 class StreamResponse:
     """A response written piece by piece: :meth:`prepare` sends the head, :meth:`write`
     each piece, :meth:`write_eof` the end."""
@@ -131,6 +135,7 @@ class StreamResponse:
             self._exchange.abort()
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class Response(StreamResponse):
     """A response whose whole body is known: sent in one go at the end of the request."""
 

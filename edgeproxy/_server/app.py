@@ -16,6 +16,7 @@ from aiohttp.typedefs import Middleware
 from aiohttp.web_urldispatcher import AbstractResource
 from yarl import URL
 
+from edgeproxy._core.build import build
 from edgeproxy._core.config import Config, ConfigError
 from edgeproxy._core.exchange import Exchange
 from edgeproxy._core.response import StreamResponse
@@ -676,6 +677,7 @@ class EdgeProxy:
             self._load_view.annotate(regions)
         return {
             "pop": self.config.pop.name,
+            "build": build(),
             "ready": self.ready,
             "draining": self.draining,
             "uptime_s": round(time.time() - self.started_at, 3),
