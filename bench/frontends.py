@@ -13,7 +13,9 @@ Ways for a client to reach the same pipeline, each a process of its own, in one 
   one runtime thread); skipped without granian (``pip install granian``);
 * with ``--tree DIR`` (a checkout of an earlier revision), ``edgeproxy h2 (before)``:
   ``server.http2`` + ``h2c`` run from DIR (``PYTHONPATH=DIR``), an HTTP/2 client; from a
-  revision before the jh2 listener, that is hypercorn's.
+  revision before the jh2 listener, that is hypercorn's. ``--tree NAME=DIR`` names the row
+  ``edgeproxy h2 (NAME)``, and ``--tree`` may be given more than once (the compiled build
+  beside the code before, say).
 
 ``--fronts NAME...`` runs only the named rows (quote the names: they have spaces).
 
@@ -68,7 +70,6 @@ import instr as ins  # noqa: E402
 
 RESULTS = HERE / "results"
 BASELINE = "aiohttp h1"
-BEFORE = " (before)"
 # KiB of resident memory per held HTTP/2 stream: hypercorn's figure, not to be exceeded.
 TARGET_KIB = 10.9
 # Request errors kept per front end (the first ones; the count says how many in all).
@@ -117,9 +118,9 @@ FRONT_ENDS = [
     FrontEnd("granian h2", False, "granian", True),
     FrontEnd("granian h1", False, "granian", False),
 ]
-# Run from --tree: the earlier revision's HTTP/2 listener.
-TREE_FRONT_ENDS = [FrontEnd("edgeproxy h2" + BEFORE, True, None, True, held=True)]
-ALL_NAMES = [f.name for f in FRONT_ENDS + TREE_FRONT_ENDS]
+# Run from each --tree: that checkout's HTTP/2 listener, as "edgeproxy h2 (NAME)".
+TREE_FRONT_END = FrontEnd("edgeproxy h2", True, None, True, held=True)
+ALL_NAMES = [f.name for f in FRONT_ENDS] + [f"{TREE_FRONT_END.name} (NAME)"]
 
 
 def _error(exc: BaseException) -> str:
@@ -677,18 +678,19 @@ def _revision(tree: Path) -> str:
 
 def select(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[FrontEnd]:
     fronts = list(FRONT_ENDS)
-    if args.tree:
-        tree = Path(args.tree).resolve()
-        fronts += [
-            FrontEnd(f.name, f.http2, f.server, f.h2_client, f.held, tree) for f in TREE_FRONT_ENDS
-        ]
+    t = TREE_FRONT_END
+    fronts += [
+        FrontEnd(f"{t.name} ({name})", t.http2, t.server, t.h2_client, t.held, Path(tree).resolve())
+        for name, tree in args.trees
+    ]
     if args.fronts:
         wanted = {n.lower() for n in args.fronts}
-        unknown = wanted - {n.lower() for n in ALL_NAMES}
+        unknown = wanted - {f.name.lower() for f in fronts}
         if unknown:
-            parser.error(f"--fronts: unknown {sorted(unknown)}; known: {ALL_NAMES}")
-        if not args.tree and any(n.endswith(BEFORE) for n in wanted):
-            parser.error("--fronts: the '(before)' rows need --tree DIR")
+            parser.error(
+                f"--fronts: unknown {sorted(unknown)}; known: {ALL_NAMES} "
+                "(a tree's row needs its --tree NAME=DIR)"
+            )
         fronts = [f for f in fronts if f.name.lower() in wanted]
     if importlib.util.find_spec("granian") is None:
         if any(f.server == "granian" for f in fronts):
@@ -726,7 +728,12 @@ def main(argv: list[str] | None = None) -> int:
         help="results as bench/results/NAME.{md,json,png} (default: frontends)",
     )
     parser.add_argument(
-        "--tree", help="a checkout of an earlier revision: adds its 'edgeproxy h2 (before)'"
+        "--tree",
+        action="append",
+        default=[],
+        metavar="[NAME=]DIR",
+        help="another checkout: adds its row 'edgeproxy h2 (NAME)' ('before' unless named); "
+        "may be given more than once",
     )
     parser.add_argument(
         "--fronts",
@@ -736,8 +743,14 @@ def main(argv: list[str] | None = None) -> int:
         help=f"run only these rows (quoted): {', '.join(ALL_NAMES)}",
     )
     args = parser.parse_args(argv)
-    if args.tree and not (Path(args.tree) / "edgeproxy").is_dir():
-        parser.error(f"--tree {args.tree}: no edgeproxy package there")
+    args.trees = []
+    for given in args.tree:
+        name, _, tree = given.rpartition("=")
+        if not (Path(tree) / "edgeproxy").is_dir():
+            parser.error(f"--tree {given}: no edgeproxy package there")
+        args.trees.append((name or "before", tree))
+    if len({name for name, _ in args.trees}) < len(args.trees):
+        parser.error("--tree: each tree needs a name of its own (NAME=DIR)")
     args.keep = False
     if args.quick:
         args.count, args.warmup, args.sse_count, args.sse_warmup = 60, 40, 12, 6
@@ -745,8 +758,8 @@ def main(argv: list[str] | None = None) -> int:
     fronts = select(args, parser)
     ins.raise_nofile()
     trees = {"now": f"{ins.ROOT}: {_revision(ins.ROOT)}"}
-    if args.tree:
-        trees["before"] = f"{Path(args.tree).resolve()}: {_revision(Path(args.tree))}"
+    for name, tree in args.trees:
+        trees[name] = f"{Path(tree).resolve()}: {_revision(Path(tree))}"
     for name, where in trees.items():
         print(f"{name}: {where}")
     started = time.monotonic()

@@ -75,6 +75,13 @@ change can be measured against the code before it in the same run::
     git worktree add /tmp/before HEAD~5
     python bench/instr.py --tree /tmp/before --count 300
 
+``--tree NAME=DIR`` names the rows, and ``--tree`` may be given more than once: the
+compiled build is a checkout whose hot modules were built in place
+(``EDGEPROXY_COMPILE=1 python setup.py build_ext --inplace``), measured beside the pure
+one and the code before::
+
+    python bench/instr.py --tree before=/tmp/before --tree compiled=/tmp/compiled
+
 A tree whose endpoint table (asked in its own interpreter) does not know ``/v1/responses``
 or ``/v1/messages`` would relay that stream as plain bytes, which is another measurement:
 its row for that stream says ``skipped`` and why, and nothing is sent there.
@@ -763,7 +770,7 @@ def targets(origin: Origin, args: argparse.Namespace, work: Path) -> Iterator[Ta
             cmd += ["-g", "daemon off; master_process off;"]
             phases = phases_for("nginx", kinds, args, sse)
             yield Target("nginx", "-", cmd, dict(os.environ), port, phases, args.wait)
-    trees = [("now", ROOT)] + ([("before", Path(args.tree).resolve())] if args.tree else [])
+    trees = [("now", ROOT), *((name, Path(tree).resolve()) for name, tree in args.trees)]
     for tree_name, tree in trees:
         env = dict(os.environ, PYTHONPATH=str(tree))
         missing = missing_apis(tree, kinds) if {"h1", "h2c"} & set(args.targets) else {}
@@ -868,8 +875,8 @@ def _json_twin(row: Row, rows: list[Row]) -> Row | None:
 
 def _line(row: Row) -> str:
     if row.skipped:
-        return f"{row.name:18} {row.tree:7} {row.skipped}"
-    text = f"{row.name:18} {row.tree:7} {row.per_request / 1000:10,.0f} k/req"
+        return f"{row.name:18} {row.tree:8} {row.skipped}"
+    text = f"{row.name:18} {row.tree:8} {row.per_request / 1000:10,.0f} k/req"
     if row.events:
         text += f"  {row.per_event / 1000:,.1f} k/event"
     return text + f"  ({row.failed} failed, {row.seconds:g} s)"
@@ -917,7 +924,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sse-concurrency", type=int, default=2)
     parser.add_argument("--events", type=int, default=100, help="tokens per streamed answer")
     parser.add_argument("--pace", type=float, default=10.0, help="ms between streamed events")
-    parser.add_argument("--tree", help="another checkout of edgeproxy to measure as 'before'")
+    parser.add_argument(
+        "--tree",
+        action="append",
+        default=[],
+        metavar="[NAME=]DIR",
+        help="another checkout of edgeproxy to measure beside this one, its rows named NAME "
+        "('before' unless named); may be given more than once",
+    )
     parser.add_argument(
         "--only",
         nargs="+",
@@ -941,8 +955,14 @@ def main(argv: list[str] | None = None) -> int:
         help="then bench_proxy.py's throughput table (--quick with --quick), in the same run",
     )
     args = parser.parse_args(argv)
-    if args.tree and not (Path(args.tree) / "edgeproxy").is_dir():
-        parser.error(f"--tree {args.tree}: no edgeproxy package there")
+    args.trees = []
+    for given in args.tree:
+        name, _, tree = given.rpartition("=")
+        if not (Path(tree) / "edgeproxy").is_dir():
+            parser.error(f"--tree {given}: no edgeproxy package there")
+        args.trees.append((name or "before", tree))
+    if len({name for name, _ in args.trees}) < len(args.trees):
+        parser.error("--tree: each tree needs a name of its own (NAME=DIR)")
     args.targets = [t for t in TARGETS if t in args.only] or list(TARGETS)
     args.kinds = [k for k in KINDS if k in args.only] or list(KINDS)
     # A SIGTERM (CI's timeout) unwinds, so that the servers this started are stopped.

@@ -263,7 +263,14 @@ _WRITES = (("/aiohttp/http_writer.py", "_write"), ("/aiohttp/http_writer.py", "_
 _WRITES_H2 = ("/edgeproxy/_http2/writes.py", "flush")
 
 
+# --by-module: edgeproxy's Python split per module rather than per component, which is
+# how the modules of the compiled build (edgeproxy/_core/build.py) were chosen.
+_BY_MODULE = False
+
+
 def python_component(filename: str) -> str:
+    if _BY_MODULE and "/edgeproxy/" in filename:
+        return "edgeproxy/" + filename.rsplit("/edgeproxy/", 1)[1]
     for mark, name in _PY_GROUPS:
         if mark in filename:
             return name
@@ -508,7 +515,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-nginx", action="store_true", help="no nginx, even if installed")
     parser.add_argument("--wait", type=float, default=240.0, help="seconds for a port to open")
     parser.add_argument("--keep", action="store_true", help="keep the callgrind files")
+    parser.add_argument(
+        "--by-module",
+        action="store_true",
+        help="split edgeproxy's Python per module instead of per component",
+    )
     args = parser.parse_args(argv)
+    global _BY_MODULE
+    _BY_MODULE = args.by_module
     args.count = args.count or (100 if args.quick else 300)
     args.warmup = args.warmup or (60 if args.quick else 200)
     args.events, args.pace = 100, 10.0
