@@ -14,14 +14,14 @@ import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import orjson
 
 from edgeproxy._protocol.dialects import Dialect
 from edgeproxy._protocol.sse import SSEEvent, events_of
 
-__all__ = ["BadEntry", "Entry", "replay_parts"]
+__all__ = ["BadEntry", "Entry", "ReadyForm", "ready_form", "replay_parts"]
 
 # Encoded entries start with this magic and version: anything else is garbage.
 _MAGIC: Final = b"EPC1"
@@ -44,6 +44,23 @@ _NOT_STORED: Final = frozenset(
         "tracestate",
     }
 )
+
+
+class ReadyForm(NamedTuple):
+    """One form an entry is served in, made once and kept with the entry: the head's
+    stored headers (content type included; never mutated: each hit copies them with its
+    own), the whole body (``body``) or its events (``parts``, an SSE form), and whether it
+    goes as a stream."""
+
+    head: list[tuple[str, str]]
+    body: bytes | None
+    parts: tuple[bytes, ...] | None
+    sse: bool
+
+    @property
+    def length(self) -> int | None:
+        """The body's size when it goes in one piece (a stream's parts go one by one)."""
+        return len(self.body) if self.body is not None else None
 
 
 class BadEntry(ValueError):
@@ -71,6 +88,12 @@ class Entry:
     _events: list[SSEEvent] | None = field(default=None, repr=False, compare=False)
     encoded: dict[str, bytes] = field(default_factory=dict, repr=False, compare=False)
     """The answer as sent in a content coding, made on the first hit that asks for it."""
+    forms: dict[tuple[bool, bool, str], ReadyForm] = field(
+        default_factory=dict, repr=False, compare=False
+    )
+    """The forms served as stored (not converted), made on the first hit that asks for
+    each: (stream?, with usage?, API) to its :class:`ReadyForm`. An entry stored again is
+    a new entry: its forms are made again."""
 
     @classmethod
     def build(
@@ -252,6 +275,35 @@ def replay_parts(
             return [entry.body], False
         return stream, True
     return [entry.body], False
+
+
+def ready_form(
+    entry: Entry, *, wants_sse: bool, include_usage: bool, dialect: Dialect
+) -> ReadyForm | None:
+    """``entry`` as the client wants it, when it goes as it was stored (a stream as a
+    stream, a JSON or raw body as it is), made once and kept with the entry; None when the
+    form is a conversion between the two, which is made per hit (:func:`replay_parts`): a
+    converted answer may carry ids made as it is written."""
+    kind = entry.kind
+    if kind == "sse":
+        if not wants_sse:
+            return None
+        form_key = (True, include_usage, dialect.name)
+    elif kind == "json" and wants_sse:
+        return None
+    else:
+        form_key = (False, False, "")
+    form = entry.forms.get(form_key)
+    if form is None:
+        if kind == "sse":
+            events = entry.events()
+            usage_only = dialect.usage_only
+            parts = tuple(e.raw for e in events if include_usage or not usage_only(e))
+            form = ReadyForm(list(entry.headers), None, parts, True)
+        else:
+            form = ReadyForm(list(entry.headers), entry.body, None, False)
+        entry.forms[form_key] = form
+    return form
 
 
 def response_headers(entry: Entry, *, sse: bool) -> list[tuple[str, str]]:

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Final
 from multidict import CIMultiDict
 
 from edgeproxy._cache.backends import CacheBackend, make_backend
-from edgeproxy._cache.entry import Entry, replay_parts, response_headers
+from edgeproxy._cache.entry import Entry, ready_form, replay_parts, response_headers
 from edgeproxy._cache.flight import (
     DONE,
     FAILED,
@@ -72,7 +72,7 @@ from edgeproxy._core.response import StreamResponse
 from edgeproxy._core.types import Headers
 from edgeproxy._protocol.compression import Compression
 from edgeproxy._protocol.endpoints import ENDPOINT_NAMED, openai_endpoint
-from edgeproxy._protocol.headers import request_id
+from edgeproxy._protocol.headers import CLIENT_CREDENTIAL_HEADERS, request_id
 from edgeproxy._upstream.endpoint import RegionEndpoints
 
 if TYPE_CHECKING:
@@ -82,6 +82,13 @@ if TYPE_CHECKING:
 __all__ = ["CachePlan", "CacheRecorder", "CacheStage"]
 
 logger = logging.getLogger("edgeproxy.cache")
+
+# What the cache made of a request it saw, remembered by the exact inputs it was made
+# from (:class:`_Known`): bodies up to this size, this many requests, this many body
+# bytes in all (the oldest forgotten first).
+_KNOWN_BODY: Final = 256 * 1024
+_KNOWN_COUNT: Final = 4096
+_KNOWN_BYTES: Final = 16 * 1024 * 1024
 
 # A key's flight is led at most this many times in a row; after that, followers
 # stop queueing behind one request at a time and go upstream on their own.
@@ -120,6 +127,18 @@ class CacheStats:
         )
         total = served + self.outcomes["MISS"]
         return round(served / total, 4) if total else None
+
+
+class _Known:
+    """What the cache made of one exact request: why it bypasses ("" when cacheable) and,
+    once a lookup made it, its plan (key included). Valid for its route only."""
+
+    __slots__ = ("plan", "reason", "route")
+
+    def __init__(self, route: object, reason: str) -> None:
+        self.route = route
+        self.reason = reason
+        self.plan: CachePlan | None = None
 
 
 # An Answer built without the named tuple's keyword handling: once per cache hit.
@@ -179,6 +198,20 @@ class CacheStage:
         self._refreshing: set[str] = set()
         self._random: Callable[[], float] = random.random
         self._closed = False
+        # What the cache made of the requests it saw (:meth:`_recognise`), and the one
+        # being looked up now (from passes() to its lookup, which follows it at once).
+        # Every input that the bypass, the key and the plan read is in a request's name:
+        # the headers named here, every value of each.
+        self._known: dict[tuple[object, ...], _Known] = {}
+        self._known_bytes = 0
+        self._current: tuple[RequestContext, _Known] | None = None
+        self._known_headers = tuple(
+            sorted(
+                set(self.key_headers.names)
+                | CLIENT_CREDENTIAL_HEADERS
+                | {"cache-control", "content-type"}
+            )
+        )
 
     # -- lifespan ----------------------------------------------------------
 
@@ -221,10 +254,72 @@ class CacheStage:
         return await self._plan(request, ctx)
 
     async def _plan(self, request: Exchange, ctx: RequestContext) -> CachePlan:
-        """The plan of a request :meth:`_bypass_reason` let through."""
+        """The plan of a request :meth:`_bypass_reason` let through; that of an identical
+        request before it when :meth:`passes` recognised this one."""
+        current, self._current = self._current, None
+        if current is not None and current[0] is ctx:
+            known = current[1]
+            plan = known.plan
+            if plan is None:
+                plan = known.plan = await self._new_plan(request, ctx)
+            else:
+                ctx.outcome.cache_key = plan.key
+            return plan
+        return await self._new_plan(request, ctx)
+
+    async def _new_plan(self, request: Exchange, ctx: RequestContext) -> CachePlan:
         key = await self._cacheable_key(request, ctx)
         ctx.outcome.cache_key = key
         return _plan_for_ctx(ctx, key, coalesce=self.config.coalesce)
+
+    def _recognise(self, ctx: RequestContext) -> _Known | None:
+        """What the cache made of a request identical to ``ctx`` in every input the bypass,
+        the key and the plan read, or of ``ctx`` itself, remembered now; None when it is not
+        remembered: not a POST, a body over ``_KNOWN_BODY``, or a hook that may rewrite the
+        request before the cache (``edgeproxy_request_received``: its JSON in place too)
+        or name its key (``edgeproxy_cache_key``)."""
+        body = ctx.body
+        if ctx.method != "POST" or body is None or len(body) > _KNOWN_BODY:
+            return None
+        active = self.plugins.active
+        if "edgeproxy_request_received" in active or "edgeproxy_cache_key" in active:
+            return None
+        headers = ctx.headers
+        facts = ctx.facts
+        route = ctx.route
+        # The API, the whole target, the body as sent (its JSON is parsed from it: no hook
+        # ran before), the tenant, the route, and every value of each header read.
+        name = (
+            ctx.target,
+            body,
+            facts.dialect if facts is not None else None,
+            ctx.tenant,
+            id(route),
+            tuple([(h, tuple(headers.getall(h))) for h in self._known_headers if h in headers]),
+        )
+        known = self._known.get(name)
+        if known is None or known.route is not route:
+            known = _Known(route, self._bypass_reason(ctx))
+            self._remember(name, known, len(body))
+        return known
+
+    def _remember(self, name: tuple[object, ...], known: _Known, size: int) -> None:
+        remembered = self._known
+        if name in remembered:
+            self._known_bytes -= size
+        remembered[name] = known
+        self._known_bytes += size
+        while len(remembered) > _KNOWN_COUNT or self._known_bytes > _KNOWN_BYTES:
+            oldest = next(iter(remembered))
+            del remembered[oldest]
+            body = oldest[1]
+            self._known_bytes -= len(body) if isinstance(body, bytes) else 0
+
+    def forget_requests(self) -> None:
+        """Forget what the cache made of the requests it saw (a test's reset)."""
+        self._known.clear()
+        self._known_bytes = 0
+        self._current = None
 
     def _bypass(self, ctx: RequestContext, reason: str) -> None:
         ctx.outcome.cache = "BYPASS"
@@ -340,10 +435,13 @@ class CacheStage:
         :meth:`lookup` has nothing to do, and the pipeline skips its coroutine."""
         if self.backend is None:
             return True
-        reason = self._bypass_reason(ctx)
+        known = self._recognise(ctx)
+        reason = self._bypass_reason(ctx) if known is None else known.reason
         if reason:
+            self._current = None
             self._bypass(ctx, reason)
             return True
+        self._current = (ctx, known) if known is not None else None
         return False
 
     async def lookup(
@@ -395,48 +493,75 @@ class CacheStage:
         outcome: str,
         now: float | None = None,
     ) -> Answer | None:
-        """``entry`` as the client asked for it (stream or JSON), or None if that is impossible."""
-        converted = replay_parts(
+        """``entry`` as the client asked for it (stream or JSON), or None if that is impossible.
+
+        A form served as stored comes from the entry's ready forms (:func:`ready_form`),
+        its compressed body from ``entry.encoded``: each made on the first hit asking for it;
+        a hit adds only what is its own (Age, the markers, its request id)."""
+        ready = ready_form(
             entry,
             wants_sse=plan.wants_sse,
             include_usage=plan.include_usage,
             dialect=plan.dialect,
         )
-        if converted is None:
-            return None
-        parts, sse = converted
+        if ready is None:
+            converted = replay_parts(
+                entry,
+                wants_sse=plan.wants_sse,
+                include_usage=plan.include_usage,
+                dialect=plan.dialect,
+            )
+            if converted is None:
+                return None
+            parts, sse = converted
+            head = response_headers(entry, sse=sse)
+            length = len(parts[0]) if len(parts) == 1 else None
+        else:
+            sse = ready.sse
+            head = ready.head
+            length = ready.length
         now = self.clock() if now is None else now
-        # Stored headers never carry these names (Entry.build drops them): append, not set.
-        # A plain list (response_headers returns a fresh one): the response copies its
-        # headers into a CIMultiDict of its own anyway, so one is built, not two.
-        headers = response_headers(entry, sse=sse)
+        # Stored headers never carry these names (Entry.build drops them): appended, in
+        # one list (the response copies it into a CIMultiDict of its own anyway).
         region = entry.region if outcome == "COALESCED" and entry.region else "none"
-        headers += (
+        headers = [
+            *head,
             ("Age", str(entry.age(now))),
             ("X-Edgeproxy-Cache", outcome),
             ("X-Edgeproxy-Cache-Key", plan.key),
             ("X-Edgeproxy-Region", region),
             ("X-Request-Id", ctx.request_id),
-        )
-        length = len(parts[0]) if len(parts) == 1 else None
-        encoding = self.compression.choose(ctx, entry.status, length, headers, sse=sse)
+        ]
+        encoding = self.compression.choose(ctx, entry.status, length, head, sse=sse)
+        body: bytes | None
         if encoding is not None:
             # Made once per coding and form, kept with the entry for the hits after.
             form = f"{encoding} {'sse' if sse else 'json'} {plan.include_usage}"
             packed = entry.encoded.get(form)
             if packed is None:
+                if ready is not None:
+                    parts = [ready.body] if ready.body is not None else list(ready.parts or ())
                 packed = entry.encoded[form] = self.compression.whole(parts, encoding)
-            parts = [packed]
             headers = [(k, v) for k, v in headers if k.lower() != "content-length"]
             headers += (("Content-Encoding", encoding), ("Vary", "Accept-Encoding"))
+            body, chunks = packed, None
+        elif ready is None:
+            body, chunks = (parts[0], None) if not sse else (None, parts)
+        else:
+            # A list of the form's own (a response takes its parts as a list).
+            body = ready.body
+            chunks = list(ready.parts) if ready.parts is not None else None
         ctx.outcome.cache = outcome
         self.stats.outcomes[outcome] += 1
         if sse:
+            if chunks is None:
+                assert body is not None
+                chunks = [body]
             return _new_tuple(
-                Answer, (entry.status, headers, "cache", None, parts, None, None, True, None, None)
+                Answer, (entry.status, headers, "cache", None, chunks, None, None, True, None, None)
             )
         return _new_tuple(
-            Answer, (entry.status, headers, "cache", parts[0], None, None, None, False, None, None)
+            Answer, (entry.status, headers, "cache", body, None, None, None, False, None, None)
         )
 
     async def recorder_for(self, request: Exchange, ctx: RequestContext) -> CacheRecorder | None:
