@@ -33,6 +33,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import orjson
+
 from edgeproxy._admission.poison import Poison
 from edgeproxy._admission.ratelimit import Charge, RateLimiter, RateTicket, api_key
 from edgeproxy._core.config import Config, RouteConfig
@@ -52,6 +54,11 @@ if TYPE_CHECKING:
 __all__ = ["Admitted", "AdmissionStage", "Overloaded"]
 
 _MIN_PRIORITY, _MAX_PRIORITY = -9999, 9999
+# Bodies found valid, remembered by their exact bytes (and all else the checks read): up
+# to this size each, this many, this many bytes in all (the oldest forgotten first).
+_VALID_BODY = 256 * 1024
+_VALID_COUNT = 4096
+_VALID_BYTES = 16 * 1024 * 1024
 _WAITING, _GRANTED, _GONE = range(3)
 
 
@@ -146,6 +153,10 @@ class AdmissionStage:
         self.queued_total = 0
         self.shed: dict[str, int] = {"queue_full": 0, "queue_timeout": 0, "evicted": 0}
         self.invalid_total = 0
+        # The bodies validation passed (their checks, exactly as it made them): the same
+        # bytes again are only parsed. A refused body is never in it.
+        self._valid: dict[tuple[object, ...], int] = {}
+        self._valid_bytes = 0
 
     async def open(self) -> None:
         await self.rate.open()
@@ -164,15 +175,35 @@ class AdmissionStage:
         route = ctx.route
         body: dict[str, Any] | None = None
         if requires_json(ctx.method, ctx.path, route):
-            try:
-                body = await read_json_body(request, ctx, self.max_body_size)
-                if route.check_bodies and ctx.method == "POST":
-                    refused = body_error(ctx.path, body)
-                    if refused is not None:
-                        raise refused
-            except ProxyError:
-                self.invalid_total += 1
-                raise
+            raw = ctx.body
+            seen: tuple[object, ...] | None = None
+            if ctx.body_read and raw is not None and len(raw) <= _VALID_BODY:
+                headers = ctx.headers
+                seen = (
+                    raw,
+                    ctx.path,
+                    ctx.method,
+                    route.check_bodies,
+                    headers.get("content-type"),
+                    headers.get("content-encoding"),
+                )
+                if seen in self._valid:
+                    # Valid bytes are valid again: parsed, not checked (a fresh value:
+                    # what reads the request may change its JSON).
+                    body = ctx._json = orjson.loads(raw)
+                    seen = None
+            if body is None:
+                try:
+                    body = await read_json_body(request, ctx, self.max_body_size)
+                    if route.check_bodies and ctx.method == "POST":
+                        refused = body_error(ctx.path, body)
+                        if refused is not None:
+                            raise refused
+                except ProxyError:
+                    self.invalid_total += 1
+                    raise
+                if seen is not None:
+                    self._remember_valid(seen, len(raw or b""))
         self._caller(ctx)
         ticket: RateTicket | None = None
         if self.rate.enabled:
@@ -193,6 +224,14 @@ class AdmissionStage:
             left = int((ctx.started + route.deadline - time.monotonic()) * 1000)
             ctx.headers[header] = str(left if left > 1 else 1)
         return Admitted(self, route, ticket, counted)
+
+    def _remember_valid(self, seen: tuple[object, ...], size: int) -> None:
+        valid = self._valid
+        valid[seen] = size
+        self._valid_bytes += size
+        while len(valid) > _VALID_COUNT or self._valid_bytes > _VALID_BYTES:
+            oldest = next(iter(valid))
+            self._valid_bytes -= valid.pop(oldest)
 
     async def admit_session(self, ctx: RequestContext) -> list[Charge]:
         """A WebSocket handshake: the checks of :meth:`admit` that a session takes (its
