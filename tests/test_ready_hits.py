@@ -17,10 +17,11 @@ from typing import Any, cast
 import aiohttp
 import orjson
 import pytest
+from aiohttp import web
 from hypothesis import HealthCheck, given, settings
 from multidict import CIMultiDict
 
-from edgeproxy import Config, Exchange, RequestContext
+from edgeproxy import Config, EdgeProxy, Exchange, RequestContext, hookimpl
 from edgeproxy._cache.entry import Entry, replay_parts, response_headers
 from edgeproxy._cache.plan import CachePlan
 from edgeproxy._cache.stage import CacheStage
@@ -435,3 +436,50 @@ async def test_a_purged_or_expired_entry_is_asked_again_end_to_end(
     clock.advance(ttl.cache_ttl + ttl.stale_while_revalidate + 1.0)
     assert (await _post(client, url, BODY))[1] == "MISS"
     assert _calls(region) == 3
+
+
+# -- the aiohttp listener's body read -------------------------------------------------
+
+
+class _ReadsAgain:
+    def __init__(self) -> None:
+        self.bodies: list[bytes] = []
+
+    @hookimpl
+    async def edgeproxy_response_complete(self, request: Exchange, ctx: RequestContext) -> None:
+        native = cast(web.Request, request.native)
+        self.bodies.append(await native.read())
+
+
+async def test_a_body_read_in_one_go_is_the_requests_and_within_the_hosts_limit(
+    make_region: RegionFactory, client: aiohttp.ClientSession
+) -> None:
+    region = await make_region("r1", model="m")
+    config = Config.from_mapping(
+        proxy_config([{"name": "r1", "url": region.url}], cache={"xfetch_beta": 0.0}),
+        environ={},
+    )
+    again = _ReadsAgain()
+    proxy = EdgeProxy(config, plugins=[again])
+    app = web.Application(client_max_size=512, middlewares=[proxy.middleware("/v1/")])
+    proxy.setup(app)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        url = f"http://127.0.0.1:{port}{CHAT}"
+        for outcome in ("MISS", "HIT"):
+            if outcome == "HIT":
+                await eventually(lambda: proxy.status()["cache"]["stores"] == 1)
+            assert (await _post(client, url, BODY))[:2] == (200, outcome)
+        # What a hook reads of the request afterwards is the body as it came.
+        assert again.bodies == [BODY, BODY]
+        # Over the host application's client_max_size: refused as aiohttp refuses it.
+        big = BODY.replace(b"hello there", b"x" * 600)
+        status, _, _ = await _post(client, url, big)
+        assert status == 413
+        assert _calls(region) == 1
+    finally:
+        await runner.cleanup()

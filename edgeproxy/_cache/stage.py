@@ -476,7 +476,9 @@ class CacheStage:
         """HIT while fresh (maybe refreshing early), STALE within stale-while-revalidate."""
         now = self.clock()
         if now < entry.fresh_until:
-            if entry.should_refresh_early(now, self.config.xfetch_beta, 1.0 - self._random()):
+            beta = self.config.xfetch_beta
+            # No draw where XFetch is off (beta 0): it could not refresh anything.
+            if beta > 0 and entry.should_refresh_early(now, beta, 1.0 - self._random()):
                 if self._refresh_later(ctx, plan):
                     self.stats.early_refreshes += 1
             return self.answer_of(ctx, plan, entry, "HIT", now)

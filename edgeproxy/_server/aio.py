@@ -82,7 +82,19 @@ class AiohttpExchange(Exchange):
         self.response: web.StreamResponse | None = None
 
     async def read(self) -> bytes:
-        return await self.request.read()
+        request = self.request
+        content = request.content
+        if request._read_bytes is None and content.is_eof():
+            # The whole body is in (a small one comes with its head): taken in one go,
+            # where request.read() would wait on it twice; the same limit, and the bytes
+            # kept for a later request.read() as it keeps them.
+            data = content.read_nowait(-1)
+            limit = request._client_max_size
+            if limit and len(data) > limit:
+                raise web.HTTPRequestEntityTooLarge(limit, len(data))
+            request._read_bytes = data
+            return data
+        return await request.read()
 
     async def read_chunk(self) -> bytes:
         return await self.request.content.readany()
