@@ -56,11 +56,8 @@ class ReadyForm(NamedTuple):
     body: bytes | None
     parts: tuple[bytes, ...] | None
     sse: bool
-
-    @property
-    def length(self) -> int | None:
-        """The body's size when it goes in one piece (a stream's parts go one by one)."""
-        return len(self.body) if self.body is not None else None
+    length: int | None
+    """The body's size when it goes in one piece (a stream's parts go one by one)."""
 
 
 class BadEntry(ValueError):
@@ -299,9 +296,9 @@ def ready_form(
             events = entry.events()
             usage_only = dialect.usage_only
             parts = tuple(e.raw for e in events if include_usage or not usage_only(e))
-            form = ReadyForm(list(entry.headers), None, parts, True)
+            form = ReadyForm(list(entry.headers), None, parts, True, None)
         else:
-            form = ReadyForm(list(entry.headers), entry.body, None, False)
+            form = ReadyForm(list(entry.headers), entry.body, None, False, len(entry.body))
         entry.forms[form_key] = form
     return form
 

@@ -454,7 +454,15 @@ class CacheStage:
         if not checked and self.passes(ctx):
             return None, None
         assert self.backend is not None
-        plan = await self._plan(request, ctx)
+        current = self._current
+        known = current[1].plan if current is not None and current[0] is ctx else None
+        if known is not None:
+            # The plan of an identical request, recognised by passes(): no coroutine.
+            self._current = None
+            plan = known
+            ctx.outcome.cache_key = plan.key
+        else:
+            plan = await self._plan(request, ctx)
         if plan.lookup:
             entry = await self.backend.get(plan.key)
             if entry is not None:
