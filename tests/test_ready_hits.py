@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from typing import Any, cast
 
 import aiohttp
+import httpx
 import orjson
 import pytest
 from aiohttp import web
@@ -483,3 +484,37 @@ async def test_a_body_read_in_one_go_is_the_requests_and_within_the_hosts_limit(
         assert _calls(region) == 1
     finally:
         await runner.cleanup()
+
+
+async def test_a_hit_on_the_http2_listener_is_the_aiohttp_listeners(
+    make_region: RegionFactory, make_proxy: ProxyFactory, client: aiohttp.ClientSession
+) -> None:
+    region = await make_region("r1")
+    h1 = await make_proxy([region], cache={"xfetch_beta": 0.0})
+    h2 = await make_proxy([region], cache={"xfetch_beta": 0.0}, server={"http2": True, "h2c": True})
+    sent = {"content-type": "application/json", "accept-encoding": "identity"}
+
+    def seen(status: int, headers: Any, body: bytes) -> tuple[int, Any, bytes]:
+        skip = PER_DELIVERY | {"date", "server", "content-length", "x-edgeproxy-cache-key"}
+        kept = sorted((k.lower(), v) for k, v in headers.items() if k.lower() not in skip)
+        return status, kept, body
+
+    answers = []
+    for proxy in (h1, h2):
+        async with httpx.AsyncClient(http1=proxy is h1, http2=proxy is h2) as http:
+            for outcome in ("MISS", "HIT", "HIT"):
+                resp = await http.post(proxy.url + CHAT, content=BODY, headers=sent)
+                assert resp.headers["x-edgeproxy-cache"] == outcome
+                if outcome == "MISS":
+                    await eventually(lambda p=proxy: p.status()["cache"]["stores"] == 1)
+                else:
+                    assert resp.http_version == ("HTTP/2" if proxy is h2 else "HTTP/1.1")
+                    answers.append(seen(resp.status_code, resp.headers, resp.content))
+    # Each listener's hits alike, and alike across listeners.
+    assert answers[0] == answers[1]
+    assert answers[2] == answers[3]
+    assert answers[0][0] == answers[2][0] == 200
+    # The region's own headers differ per answer (its timings): their names alike.
+    own = [[(k, v) for k, v in a[1] if not k.startswith("x-fake-")] for a in answers]
+    assert own[0] == own[2]
+    assert [k for k, _ in answers[0][1]] == [k for k, _ in answers[2][1]]
