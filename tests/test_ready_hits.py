@@ -247,7 +247,7 @@ async def test_a_stored_again_purged_or_expired_entry_is_not_served_from_old_for
             return found
 
         assert await hit() is None  # a miss: the plan is remembered now
-        key = stage._known[next(iter(stage._known))].plan.key  # type: ignore[union-attr]
+        key = stage.known.plans()[0].key
         backend = stage.backend
         assert backend is not None
         first = _entry("json", b'{"answer":"first"}', clock())
@@ -518,3 +518,76 @@ async def test_a_hit_on_the_http2_listener_is_the_aiohttp_listeners(
     own = [[(k, v) for k, v in a[1] if not k.startswith("x-fake-")] for a in answers]
     assert own[0] == own[2]
     assert [k for k, _ in answers[0][1]] == [k for k, _ in answers[2][1]]
+
+
+# -- the aiohttp listener's framing of a whole answer ----------------------------------
+
+
+async def _raw(port: int, request: bytes) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(request)
+        await writer.drain()
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(
+            int(line.split(b":", 1)[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length:")
+        )
+        return head + await reader.readexactly(length)
+    finally:
+        writer.close()
+
+
+def _framing(raw: bytes) -> tuple[list[bytes], bytes]:
+    """The head's lines in order, per-delivery values blanked, and the body."""
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = []
+    for line in head.split(b"\r\n"):
+        name, sep, _ = line.partition(b": ")
+        if sep and name.lower() in (b"date", b"age", b"x-request-id"):
+            line = name + b": ..."
+        lines.append(line)
+    return lines, body
+
+
+@pytest.mark.parametrize("server", ["edgeproxy", ""], ids=["server-header", "no-server"])
+@pytest.mark.parametrize("close", [False, True], ids=["keep-alive", "close"])
+async def test_a_whole_answer_framed_by_the_listener_is_what_aiohttp_frames(
+    make_region: RegionFactory,
+    make_proxy: ProxyFactory,
+    monkeypatch: pytest.MonkeyPatch,
+    server: str,
+    close: bool,
+) -> None:
+    from edgeproxy._server import aio
+
+    region = await make_region("r1")
+    proxy = await make_proxy([region], cache={"xfetch_beta": 0.0}, server={"server_header": server})
+    port = int(proxy.url.rsplit(":", 1)[1])
+    request = (
+        b"POST " + CHAT.encode() + b" HTTP/1.1\r\nHost: proxy\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\n"
+        % len(BODY)
+        + (b"Connection: close\r\n" if close else b"")
+        + b"\r\n"
+        + BODY
+    )
+    await _raw(port, request)  # the miss
+    await eventually(lambda: proxy.status()["cache"]["stores"] == 1)
+    made: list[object] = []
+    frame = aio._framed
+
+    def spy(*args: Any) -> Any:
+        made.append(frame(*args))
+        return made[-1]
+
+    monkeypatch.setattr(aio, "_framed", spy)
+    framed = await _raw(port, request)
+    assert b"\r\nX-Edgeproxy-Cache: HIT\r\n" in framed
+    assert made and made[-1] is not None  # framed by the listener, not by aiohttp
+    monkeypatch.setattr(aio, "_framed", lambda *args: None)
+    general = await _raw(port, request)
+    assert _framing(framed) == _framing(general)
+    assert (b"Connection: close" in framed) == close
+    assert (b"Server: " in framed) == bool(server)

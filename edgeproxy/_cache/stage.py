@@ -54,6 +54,7 @@ from edgeproxy._cache.keys import (
     custom_digest,
     tenant_scope,
 )
+from edgeproxy._cache.known import Known, KnownRequests
 from edgeproxy._cache.plan import (
     CachePlan,
     _directives,
@@ -72,7 +73,7 @@ from edgeproxy._core.response import StreamResponse
 from edgeproxy._core.types import Headers
 from edgeproxy._protocol.compression import Compression
 from edgeproxy._protocol.endpoints import ENDPOINT_NAMED, openai_endpoint
-from edgeproxy._protocol.headers import CLIENT_CREDENTIAL_HEADERS, request_id
+from edgeproxy._protocol.headers import request_id
 from edgeproxy._upstream.endpoint import RegionEndpoints
 
 if TYPE_CHECKING:
@@ -82,13 +83,6 @@ if TYPE_CHECKING:
 __all__ = ["CachePlan", "CacheRecorder", "CacheStage"]
 
 logger = logging.getLogger("edgeproxy.cache")
-
-# What the cache made of a request it saw, remembered by the exact inputs it was made
-# from (:class:`_Known`): bodies up to this size, this many requests, this many body
-# bytes in all (the oldest forgotten first).
-_KNOWN_BODY: Final = 256 * 1024
-_KNOWN_COUNT: Final = 4096
-_KNOWN_BYTES: Final = 16 * 1024 * 1024
 
 # A key's flight is led at most this many times in a row; after that, followers
 # stop queueing behind one request at a time and go upstream on their own.
@@ -127,18 +121,6 @@ class CacheStats:
         )
         total = served + self.outcomes["MISS"]
         return round(served / total, 4) if total else None
-
-
-class _Known:
-    """What the cache made of one exact request: why it bypasses ("" when cacheable) and,
-    once a lookup made it, its plan (key included). Valid for its route only."""
-
-    __slots__ = ("plan", "reason", "route")
-
-    def __init__(self, route: object, reason: str) -> None:
-        self.route = route
-        self.reason = reason
-        self.plan: CachePlan | None = None
 
 
 # An Answer built without the named tuple's keyword handling: once per cache hit.
@@ -198,20 +180,10 @@ class CacheStage:
         self._refreshing: set[str] = set()
         self._random: Callable[[], float] = random.random
         self._closed = False
-        # What the cache made of the requests it saw (:meth:`_recognise`), and the one
-        # being looked up now (from passes() to its lookup, which follows it at once).
-        # Every input that the bypass, the key and the plan read is in a request's name:
-        # the headers named here, every value of each.
-        self._known: dict[tuple[object, ...], _Known] = {}
-        self._known_bytes = 0
-        self._current: tuple[RequestContext, _Known] | None = None
-        self._known_headers = tuple(
-            sorted(
-                set(self.key_headers.names)
-                | CLIENT_CREDENTIAL_HEADERS
-                | {"cache-control", "content-type"}
-            )
-        )
+        # What the cache made of the requests it saw, and the one being looked up now
+        # (from passes() to its lookup, which follows it at once).
+        self.known = KnownRequests(self.key_headers.names)
+        self._current: tuple[RequestContext, Known] | None = None
 
     # -- lifespan ----------------------------------------------------------
 
@@ -271,55 +243,6 @@ class CacheStage:
         key = await self._cacheable_key(request, ctx)
         ctx.outcome.cache_key = key
         return _plan_for_ctx(ctx, key, coalesce=self.config.coalesce)
-
-    def _recognise(self, ctx: RequestContext) -> _Known | None:
-        """What the cache made of a request identical to ``ctx`` in every input the bypass,
-        the key and the plan read, or of ``ctx`` itself, remembered now; None when it is not
-        remembered: not a POST, a body over ``_KNOWN_BODY``, or a hook that may rewrite the
-        request before the cache (``edgeproxy_request_received``: its JSON in place too)
-        or name its key (``edgeproxy_cache_key``)."""
-        body = ctx.body
-        if ctx.method != "POST" or body is None or len(body) > _KNOWN_BODY:
-            return None
-        active = self.plugins.active
-        if "edgeproxy_request_received" in active or "edgeproxy_cache_key" in active:
-            return None
-        headers = ctx.headers
-        facts = ctx.facts
-        route = ctx.route
-        # The API, the whole target, the body as sent (its JSON is parsed from it: no hook
-        # ran before), the tenant, the route, and every value of each header read.
-        name = (
-            ctx.target,
-            body,
-            facts.dialect if facts is not None else None,
-            ctx.tenant,
-            id(route),
-            tuple([(h, tuple(headers.getall(h))) for h in self._known_headers if h in headers]),
-        )
-        known = self._known.get(name)
-        if known is None or known.route is not route:
-            known = _Known(route, self._bypass_reason(ctx))
-            self._remember(name, known, len(body))
-        return known
-
-    def _remember(self, name: tuple[object, ...], known: _Known, size: int) -> None:
-        remembered = self._known
-        if name in remembered:
-            self._known_bytes -= size
-        remembered[name] = known
-        self._known_bytes += size
-        while len(remembered) > _KNOWN_COUNT or self._known_bytes > _KNOWN_BYTES:
-            oldest = next(iter(remembered))
-            del remembered[oldest]
-            body = oldest[1]
-            self._known_bytes -= len(body) if isinstance(body, bytes) else 0
-
-    def forget_requests(self) -> None:
-        """Forget what the cache made of the requests it saw (a test's reset)."""
-        self._known.clear()
-        self._known_bytes = 0
-        self._current = None
 
     def _bypass(self, ctx: RequestContext, reason: str) -> None:
         ctx.outcome.cache = "BYPASS"
@@ -435,7 +358,7 @@ class CacheStage:
         :meth:`lookup` has nothing to do, and the pipeline skips its coroutine."""
         if self.backend is None:
             return True
-        known = self._recognise(ctx)
+        known = self.known.recognise(ctx, self.plugins.active, self._bypass_reason)
         reason = self._bypass_reason(ctx) if known is None else known.reason
         if reason:
             self._current = None
