@@ -591,3 +591,63 @@ async def test_a_whole_answer_framed_by_the_listener_is_what_aiohttp_frames(
     assert _framing(framed) == _framing(general)
     assert (b"Connection: close" in framed) == close
     assert (b"Server: " in framed) == bool(server)
+
+
+@pytest.mark.parametrize(
+    ("stream", "usage", "accept"),
+    [(False, False, None), (False, False, "gzip"), (True, True, None), (True, False, "gzip")],
+    ids=["json", "json-gzip", "sse-usage", "sse-gzip"],
+)
+async def test_a_hit_end_to_end_is_the_general_paths_answer(
+    make_region: RegionFactory,
+    make_proxy: ProxyFactory,
+    monkeypatch: pytest.MonkeyPatch,
+    stream: bool,
+    usage: bool,
+    accept: str | None,
+) -> None:
+    from edgeproxy._cache import stage
+
+    region = await make_region("r1")
+    proxy = await make_proxy(
+        [region],
+        cache={"xfetch_beta": 0.0},
+        routes=[{"name": "chat", "path": CHAT, "compress_sse": True}],
+    )
+    body: dict[str, Any] = {
+        "model": "m",
+        "temperature": 0,
+        "max_tokens": 300,
+        "messages": [{"role": "user", "content": "tell me everything"}],
+    }
+    if stream:
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": usage}
+    raw = orjson.dumps(body)
+    headers = {"Content-Type": "application/json", "Accept-Encoding": accept or "identity"}
+
+    async def hit(session: aiohttp.ClientSession) -> tuple[int, list[tuple[str, str]], bytes]:
+        async with session.post(proxy.url + CHAT, data=raw, headers=headers) as resp:
+            assert resp.headers["X-Edgeproxy-Cache"] == "HIT"
+            kept = [
+                (k.lower(), v)
+                for k, v in resp.headers.items()
+                if k.lower() not in PER_DELIVERY | {"date"}
+            ]
+            return resp.status, kept, await resp.read()
+
+    async with aiohttp.ClientSession(auto_decompress=False) as session:
+        async with session.post(proxy.url + CHAT, data=raw, headers=headers) as resp:
+            assert resp.headers["X-Edgeproxy-Cache"] == "MISS"
+            await resp.read()
+        await eventually(lambda: proxy.status()["cache"]["stores"] == 1)
+        ready = [await hit(session) for _ in range(2)]
+        monkeypatch.setattr(stage, "ready_form", lambda *args, **kwargs: None)
+        general = [await hit(session) for _ in range(2)]
+    assert ready[0] == ready[1] == general[0] == general[1]
+    status, kept, sent = ready[0]
+    assert status == 200
+    assert (("content-encoding", "gzip") in kept) == (accept is not None)
+    if stream and accept is None:
+        assert sent.endswith(b"data: [DONE]\n\n")
+        assert (b'"usage":{' in sent) == usage
