@@ -3,13 +3,15 @@ pipeline's answers as aiohttp responses."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from ssl import SSLObject
+from typing import Final
 
 from aiohttp import hdrs, web
 from aiohttp.abc import AbstractStreamWriter
 from aiohttp.helpers import rfc822_formatted_time
 from aiohttp.http_writer import HttpVersion10, HttpVersion11, StreamWriter
+from aiohttp.web_urldispatcher import AbstractResource
 from multidict import CIMultiDict
 
 from edgeproxy._core.config import WebSocketConfig
@@ -17,18 +19,35 @@ from edgeproxy._core.errors import error_response
 from edgeproxy._core.exchange import Exchange, TlsInfo, Writer
 from edgeproxy._core.response import Response, StreamResponse
 from edgeproxy._core.websocket import Accept, WebSocket, is_websocket_upgrade
+from edgeproxy._protocol.endpoints import ENDPOINTS
 from edgeproxy._server.listener import EdgeRequestHandler
 from edgeproxy._upstream.websocket import AiohttpSocket
 
 __all__ = [
+    "API_PATHS",
     "AiohttpExchange",
     "AiohttpWebSocketExchange",
     "UnnamedResponse",
+    "add_routes",
     "exchange_for",
+    "mount_prefix",
     "send_answer",
     "web_error",
     "web_response",
 ]
+
+# The API's own paths (OpenAI's under /v1, Anthropic's): routed as plain resources, which
+# aiohttp's router finds with one look-up in its index, where the catch-all is a regular
+# expression tried after every miss there. Any other path is the catch-all's.
+API_PATHS: Final = tuple(
+    sorted(
+        {
+            e.suffix if e.suffix.startswith("/v1/") else "/v1" + e.suffix
+            for e in ENDPOINTS
+            if not e.websocket
+        }
+    )
+)
 
 # The version strings of the requests the listener accepts, made once.
 _HTTP_VERSIONS = {HttpVersion10: "1.0", HttpVersion11: "1.1"}
@@ -194,6 +213,33 @@ class AiohttpWebSocketExchange(AiohttpExchange):
         self.response = ws
         await ws.prepare(self.request)
         return AiohttpSocket(ws, beats=self.ping_interval is not None)
+
+
+def add_routes(
+    router: web.UrlDispatcher,
+    handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+    expect: Callable[[web.Request], Awaitable[None]],
+) -> dict[AbstractResource, str]:
+    """Every path to ``handler``, a decoded newline (%0A) in it too, the API's own among
+    them as plain resources (:data:`API_PATHS`); ``expect``: their ``Expect`` handler.
+    Returns each plain resource's own path, for :func:`mount_prefix`."""
+    own: dict[AbstractResource, str] = {}
+    for path in API_PATHS:
+        resource = router.add_resource(path)
+        resource.add_route("*", handler, expect_handler=expect)
+        own[resource] = path
+    router.add_route("*", "/{tail:(?s:.*)}", handler, expect_handler=expect)
+    return own
+
+
+def mount_prefix(resource: AbstractResource | None, own: Mapping[AbstractResource, str]) -> str:
+    """The prefix the application of ``resource`` is mounted under (``add_subapp``), which
+    the region must not see; ``own``: what :func:`add_routes` returned."""
+    canonical = resource.canonical if resource is not None else ""
+    path = own.get(resource) if resource is not None else None
+    if path is not None:
+        return canonical[: -len(path)]
+    return canonical[: -len("/{tail}")] if canonical.endswith("/{tail}") else ""
 
 
 def exchange_for(

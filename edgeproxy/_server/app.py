@@ -25,7 +25,7 @@ from edgeproxy._observability.metrics import Metrics
 from edgeproxy._observability.tracing import Tracing
 from edgeproxy._pipeline import JSON_BODY_LIMIT, Pipeline
 from edgeproxy._server.admin import AdminRunner, admin_app
-from edgeproxy._server.aio import exchange_for, send_answer
+from edgeproxy._server.aio import add_routes, exchange_for, mount_prefix, send_answer
 from edgeproxy._server.asgi import AsgiApp
 from edgeproxy._server.generation import (
     Generation,
@@ -152,7 +152,7 @@ class EdgeProxy:
         # Every path, a decoded newline (%0A) in it too, and the target "*"; Expect is
         # answered by the middleware.
         expect = expect_handler(config.limits)
-        self.app.router.add_route("*", "/{tail:(?s:.*)}", self._handle, expect_handler=expect)
+        self._own_paths = add_routes(self.app.router, self._handle, expect)
         asterisk = _AsteriskResource()
         self.app.router.register_resource(asterisk)
         asterisk.add_route("*", self._handle, expect_handler=expect)
@@ -387,10 +387,8 @@ class EdgeProxy:
         resource = request.match_info.route.resource
         prefix = self._prefixes.get(resource)
         if prefix is None:
-            # Worked out once per resource (there are one or two), not per request.
-            canonical = resource.canonical if resource is not None else ""
-            prefix = canonical[: -len("/{tail}")] if canonical.endswith("/{tail}") else ""
-            self._prefixes[resource] = prefix
+            # Worked out once per resource (there are a few), not per request.
+            prefix = self._prefixes[resource] = mount_prefix(resource, self._own_paths)
         return await self._serve(request, prefix)
 
     async def _serve(self, request: web.Request, strip_prefix: str) -> web.StreamResponse:
