@@ -295,8 +295,7 @@ class _Framed(web.StreamResponse):
             return None
         writer = request.writer
         self._eof_sent = True
-        await writer.write(self._data)
-        await writer.write_eof()
+        await writer.write_eof(self._data)
         self._body_length = self._length
         return writer
 
