@@ -29,9 +29,20 @@ def _wanted() -> list[str]:
     return [MYPYC, *(line for line in requires if line and not line.startswith("#"))]
 
 
+def _asking(ask: Any, config_settings: dict[str, Any] | None) -> list[str]:
+    # setuptools runs setup.py to collect what it wants, before mypyc is there: setup.py
+    # leaves the extensions out while this variable says only that is asked.
+    os.environ["EDGEPROXY_BUILD_REQUIRES"] = "1"
+    try:
+        wanted: list[str] = ask(config_settings)
+    finally:
+        del os.environ["EDGEPROXY_BUILD_REQUIRES"]
+    return wanted + _wanted()
+
+
 def get_requires_for_build_wheel(config_settings: dict[str, Any] | None = None) -> list[str]:
-    return _setuptools.get_requires_for_build_wheel(config_settings) + _wanted()
+    return _asking(_setuptools.get_requires_for_build_wheel, config_settings)
 
 
 def get_requires_for_build_editable(config_settings: dict[str, Any] | None = None) -> list[str]:
-    return _setuptools.get_requires_for_build_editable(config_settings) + _wanted()
+    return _asking(_setuptools.get_requires_for_build_editable, config_settings)

@@ -373,20 +373,9 @@ class AttemptResponse:
         lighter one (the ladder's ``lighter`` rung) or a larger one (a context window
         too small, the route's ``larger_models``)."""
 
-    async def aiter_bytes(self) -> AsyncIterator[bytes]:
+    def aiter_bytes(self) -> AsyncIterator[bytes]:
         """The body as one iterator: :meth:`body`, with its accounting done here."""
-        first, rest = self.body()
-        if first is not None:
-            yield first
-        if rest is None:
-            return
-        try:
-            async for chunk in rest:
-                yield chunk
-        except UpstreamError as exc:
-            self.broke(exc)
-            raise
-        self.body_done()
+        return _Body(self)
 
     def body(self) -> tuple[bytes | None, AsyncIterator[bytes] | None]:
         """The body as a reader takes it with no iterator of this response's between: the
@@ -488,3 +477,40 @@ def _is_sse(headers: Headers) -> bool:
         if name.lower() == "content-type":
             return value.startswith("text/event-stream")
     return False
+
+
+class _Body:
+    """:meth:`AttemptResponse.aiter_bytes`: a class rather than an async generator, so that
+    the compiled build (mypyc has no async generators) compiles it. :meth:`~AttemptResponse.
+    body` is taken at the first chunk asked for, as the generator took it."""
+
+    __slots__ = ("_response", "_first", "_rest", "_started")
+
+    def __init__(self, response: AttemptResponse) -> None:
+        self._response = response
+        self._first: bytes | None = None
+        self._rest: AsyncIterator[bytes] | None = None
+        self._started = False
+
+    def __aiter__(self) -> _Body:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if not self._started:
+            self._started = True
+            first, self._rest = self._response.body()
+            if first is not None:
+                return first
+        rest = self._rest
+        if rest is None:
+            raise StopAsyncIteration
+        try:
+            return await rest.__anext__()
+        except StopAsyncIteration:
+            self._rest = None
+            self._response.body_done()
+            raise
+        except UpstreamError as exc:
+            self._rest = None
+            self._response.broke(exc)
+            raise
