@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from typing import Final, Protocol, cast
+from typing import Any, Final, Protocol, cast
 
 # The protocol engine, jh2 (see edgeproxy._http2.engine): the fast paths here touch its
 # internals too, one more reason its version is pinned to a tested range in setup.cfg.
@@ -45,6 +45,7 @@ import jh2.utilities
 from jh2.hpack import NeverIndexedHeaderTuple
 
 from edgeproxy._http2.engine import (
+    RECEIVING,
     RESET_STREAMS_KEPT,
     engine_config,
     peer_defaults,
@@ -52,10 +53,11 @@ from edgeproxy._http2.engine import (
     received_end_stream,
 )
 from edgeproxy._http2.fields import Malformed, parse_fields, request_method
-from edgeproxy._http2.frames import split_frames
+from edgeproxy._http2.staticpack import TABLE_SIZE_ZERO, encode_block
 from edgeproxy._http2.windows import queue_data, take_data, window_update_due
 from edgeproxy._http2.writes import QueuedWrites
 from edgeproxy._upstream.h2clientengine import ClientEngine, MalformedData, MalformedHeaders
+from edgeproxy._upstream.h2frames import ENDED, TAKEN, header_block, split_response_frames
 from edgeproxy._upstream.h2stream import H2Response, Stream, set_response_headers, timeout_waiter
 from edgeproxy._upstream.pool import (
     UpstreamError,
@@ -89,9 +91,11 @@ _MAX_UNREAD_REPLIES: Final = 1000
 _CLIENT_OPEN: Final = h2.connection.ConnectionState.CLIENT_OPEN
 _SEND_HEADERS: Final = h2.connection.ConnectionInputs.SEND_HEADERS
 _CLIENT_IDS: Final = h2.connection.AllowedStreamIDs.ODD
-# jh2 encodes (name, value, never indexed) byte triples with its compiled HPACK; without
-# it (a pure-Python fallback) h2's own send_headers is used.
+_HEADER_TABLE_SIZE: Final = h2.settings.SettingCodes.HEADER_TABLE_SIZE
+# jh2's compiled HPACK decodes to (name, value, never indexed) byte triples, which the
+# HEADERS fast path reads; its pure-Python fallback leaves every HEADERS frame to h2.
 _COMPILED_HPACK: Final = bool(h2.connection.ALTERNATIVE_HPACK)
+_END_HEADERS: Final = 0x4
 
 
 class RefusedStream(UpstreamProtocolError):
@@ -157,6 +161,9 @@ class Connection(QueuedWrites, asyncio.Protocol):
         self.streams_opened = 0
         self._unread_replies = 0  # PING/SETTINGS answered while the peer was not reading
         self._inbuf = b""  # the start of a frame not yet complete
+        # The peer changed SETTINGS_HEADER_TABLE_SIZE: the next request's header block
+        # must say the (always empty) dynamic table we use is within it.
+        self._table_size_due = False
 
     # -- state -----------------------------------------------------------
 
@@ -206,9 +213,10 @@ class Connection(QueuedWrites, asyncio.Protocol):
         self.last_recv = self.loop.time()
         pending = self._inbuf
         buf = pending + data if pending else data
-        # Complete frames only: DATA frames of an open response take the fast path
-        # (_fast_data), every other frame goes to h2 in runs, in the order received.
-        pos = split_frames(buf, self._fast_data, self._receive)
+        # Complete frames only: the HEADERS and DATA frames of an open response take the
+        # fast paths (_fast_headers, _fast_data), every other frame goes to h2 in runs, in
+        # the order received.
+        pos = split_response_frames(buf, self._fast_data, self._fast_headers, self._receive)
         if pos < 0:
             return
         self._inbuf = buf[pos:] if pos < len(buf) else b""
@@ -221,11 +229,7 @@ class Connection(QueuedWrites, asyncio.Protocol):
         try:
             events = self.h2.receive_data(frames)
         except h2.exceptions.ProtocolError as exc:
-            if not self.ready.done():
-                self.ready.set_result(UpstreamNotHTTP2.from_reply(self.pool.origin, frames))
-            # h2 has queued a GOAWAY naming the error; close() writes it out
-            # before closing, since the connection state can't be trusted.
-            self.close(UpstreamProtocolError(f"HTTP/2 protocol error from upstream: {exc}"))
+            self._protocol_error(exc, frames)
             return False
         for event in events:
             self._handle(event)
@@ -242,6 +246,98 @@ class Connection(QueuedWrites, asyncio.Protocol):
                 )
                 return False
         return not self.closing
+
+    def _protocol_error(self, exc: Exception, frames: bytes) -> None:
+        """The peer broke the connection's rules: GOAWAY, and every stream fails."""
+        if not self.ready.done():
+            self.ready.set_result(UpstreamNotHTTP2.from_reply(self.pool.origin, frames))
+        # h2 has queued a GOAWAY naming the error; close() writes it out
+        # before closing, since the connection state can't be trusted.
+        self.close(UpstreamProtocolError(f"HTTP/2 protocol error from upstream: {exc}"))
+
+    def _fast_headers(self, stream_id: int, buf: bytes, start: int, end: int, flags: int) -> int:
+        """A HEADERS frame of a response taken without h2's frame objects, state machines
+        and events: TAKEN, 0 to leave it to h2, or ENDED once its header block ended the
+        connection (HPACK could not decode it).
+
+        Taken where h2 would only decode it and move the stream on: the connection open,
+        no header block in progress, the frame within the size limit and its header block
+        whole (END_HEADERS), the stream one of ours and open for receiving. The block is
+        decoded by h2's own HPACK decoder, whose dynamic table must see every block in
+        order; then come h2's stream steps (a 1xx, the final response or trailers, and
+        END_STREAM) with the checks that make a malformed response its stream's error
+        (:class:`~edgeproxy._upstream.h2clientengine.ClientEngine`'s and
+        :func:`~edgeproxy._http2.fields.parse_fields`), as :meth:`_handle` applies them
+        to h2's events.
+        """
+        stream = self.streams.get(stream_id)
+        h2conn = self.h2
+        if stream is None or stream.finished or not flags & _END_HEADERS or not _COMPILED_HPACK:
+            return 0
+        h2stream = h2conn.streams.get(stream_id)
+        if (
+            h2stream is None
+            or end - start > h2conn.max_inbound_frame_size
+            or h2conn.incoming_buffer._headers_buffer
+            or h2conn.state_machine.state is not _CLIENT_OPEN
+        ):
+            return 0
+        machine = h2stream.state_machine
+        if machine.state not in RECEIVING:
+            return 0
+        block = header_block(stream_id, buf, start, end, flags)
+        if block is None:
+            return 0
+        try:
+            decoded = h2conn.decoder.decode(block, raw=True)
+        except Exception as exc:
+            error = _hpack_error(exc)
+            h2conn._terminate_connection(error.error_code)
+            self._protocol_error(error, b"")
+            return ENDED
+        reason = self._take_headers(stream, machine, decoded, flags & 1)
+        if reason:
+            self._malformed(stream_id, reason)
+        return TAKEN
+
+    def _take_headers(self, stream: Stream, machine: Any, decoded: list[Any], last: int) -> str:
+        """A decoded header block's steps on its stream; why it is malformed, or ""."""
+        fields = [(name, value) for name, value, _ in decoded]
+        # h2's test for a 1xx: the first :status among the leading pseudo-header fields.
+        informational = False
+        for name, value in fields:
+            if name == b":status":
+                informational = value[:1] == b"1"
+                break
+            if name[:1] != b":":
+                break
+        try:
+            if informational:
+                if last:
+                    return "an informational (1xx) response ended the stream"
+                if machine.headers_received:
+                    return "an informational (1xx) response came after the final one"
+                parse_fields(fields, trailers=False)
+                return ""
+            if machine.headers_received:
+                if not last:
+                    return "trailers did not end the stream"
+                machine.trailers_received = True
+                received_end_stream(machine)
+                parse_fields(fields, trailers=True)
+                self._ended(stream)
+                return ""
+            machine.headers_received = True
+            if last:
+                received_end_stream(machine)
+            set_response_headers(stream, fields)
+        except Malformed as exc:
+            return str(exc)
+        if last:
+            self._ended(stream)
+        else:
+            stream.wake()
+        return ""
 
     def _fast_data(self, stream_id: int, buf: bytes, start: int, end: int, last: int) -> bool:
         """A DATA frame (not padded) taken without h2's frame objects, state machines and
@@ -373,6 +469,8 @@ class Connection(QueuedWrites, asyncio.Protocol):
         elif isinstance(event, h2.events.RemoteSettingsChanged):
             if not self.ready.done():
                 self.ready.set_result(None)
+            if _HEADER_TABLE_SIZE in event.changed_settings:
+                self._table_size_due = True
             self.pool._capacity_changed(self)
             # A larger SETTINGS_INITIAL_WINDOW_SIZE opens every send window.
             for blocked in list(self.send_blocked):
@@ -478,23 +576,21 @@ class Connection(QueuedWrites, asyncio.Protocol):
 
     def _send_head(self, stream_id: int, headers: list[tuple[str, str]], end_stream: bool) -> None:
         """h2's ``send_headers`` for a new request stream, without its frame objects: h2's
-        checks and state transitions in its order, h2's own HPACK encoder, framed here."""
+        checks and state transitions in its order, the header block encoded with the
+        static table alone (:mod:`~edgeproxy._http2.staticpack`), framed here.
+
+        h2's own encoder is never used, so the peer's dynamic table stays empty and no
+        block depends on another."""
         h2conn = self.h2
-        if not _COMPILED_HPACK or stream_id in h2conn.streams:
-            h2conn.send_headers(stream_id, headers, end_stream=end_stream)
-            return
         limit = h2conn.remote_settings.max_concurrent_streams
         if h2conn.open_outbound_streams + 1 > limit:
             raise h2.exceptions.TooManyStreamsError(f"Max outbound streams is {limit}")
         h2conn.state_machine.process_input(_SEND_HEADERS)
         stream = h2conn._begin_new_stream(stream_id, _CLIENT_IDS)
-        # Encoded first: the stream's state machine, new, takes HEADERS whatever comes.
-        block = h2conn.encoder.encode(
-            [
-                (f[0].encode(), f[1].encode(), isinstance(f, NeverIndexedHeaderTuple))
-                for f in headers
-            ]
-        )
+        block = encode_block(headers)
+        if self._table_size_due:
+            self._table_size_due = False
+            block = TABLE_SIZE_ZERO + block
         stream._authority = h2.utilities.authority_from_headers(headers)
         stream.request_method = h2.utilities.extract_method_header(headers)
         queue_headers(h2conn, stream, block, end_stream)
@@ -597,6 +693,19 @@ class Connection(QueuedWrites, asyncio.Protocol):
             stream.fail(error)
         if self.transport is not None:
             self.transport.abort()
+
+
+def _hpack_error(exc: Exception) -> h2.exceptions.ProtocolError:
+    """The connection error h2 makes of what its HPACK decoder raised (its
+    ``_decode_headers``); what h2 would let through is re-raised."""
+    if isinstance(exc, h2.connection.OversizedHeaderListError):
+        # A header list past our SETTINGS_MAX_HEADER_LIST_SIZE: an HPACK bomb.
+        return h2.exceptions.DenialOfServiceError(f"Oversized header block: {exc}")
+    if isinstance(
+        exc, h2.connection.HPACKError | IndexError | TypeError | UnicodeDecodeError
+    ) or "index out of bounds" in str(exc):
+        return h2.exceptions.ProtocolError(f"Error decoding header block: {exc}")
+    raise exc
 
 
 def _error_name(code: int) -> str:

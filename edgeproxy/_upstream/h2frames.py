@@ -1,0 +1,92 @@
+"""A client connection's incoming bytes cut into frames, as
+:func:`edgeproxy._http2.frames.split_frames` cuts them, except that a response's HEADERS
+frames are offered to a fast path too, as unpadded DATA frames are: the frames of a
+whole response can then pass without the protocol engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Final
+
+from edgeproxy._http2.frames import FRAME_HEADER
+
+__all__ = ["ENDED", "TAKEN", "header_block", "split_response_frames"]
+
+TAKEN: Final = 1
+"""What a fast path returns for a frame it took (0: declined, the engine takes it)."""
+ENDED: Final = -1
+"""What a fast path returns once it ended the connection."""
+
+_DATA: Final = 0x0
+_HEADERS: Final = 0x1
+_PADDED: Final = 0x8
+_PRIORITY: Final = 0x20
+
+
+def split_response_frames(
+    buf: bytes,
+    fast_data: Callable[[int, bytes, int, int, int], bool],
+    fast_headers: Callable[[int, bytes, int, int, int], int],
+    receive: Callable[[bytes], bool],
+) -> int:
+    """Walk the complete frames of ``buf``: an unpadded DATA frame is offered to
+    ``fast_data(stream_id, buf, start, end, end_stream)``, a HEADERS frame to
+    ``fast_headers(stream_id, buf, start, end, flags)`` (:data:`TAKEN`, 0 or
+    :data:`ENDED`), every other frame (and one they decline) goes to ``receive`` in runs,
+    in the order received. Returns where the incomplete rest starts, or -1 once the
+    connection ended."""
+    size = len(buf)
+    pos = 0
+    run = -1  # where the run of frames for the engine started; -1: none
+    while size - pos >= 9:
+        hi, lo, kind, flags, stream_id = FRAME_HEADER.unpack_from(buf, pos)
+        end = pos + 9 + (hi << 16 | lo)
+        if end > size:
+            break
+        if kind == _HEADERS or (kind == _DATA and not flags & _PADDED):
+            if run >= 0:
+                if not receive(buf[run:pos]):
+                    return -1
+                run = -1
+            stream_id &= 0x7FFFFFFF
+            if kind == _DATA:
+                if fast_data(stream_id, buf, pos + 9, end, flags & 1):
+                    pos = end
+                    continue
+            else:
+                taken = fast_headers(stream_id, buf, pos + 9, end, flags)
+                if taken == ENDED:
+                    return -1
+                if taken:
+                    pos = end
+                    continue
+        if run < 0:
+            run = pos
+        pos = end
+    if run >= 0 and not receive(buf[run:pos]):
+        return -1
+    return pos
+
+
+def header_block(stream_id: int, buf: bytes, start: int, end: int, flags: int) -> bytes | None:
+    """The header block fragment of the HEADERS frame ``buf[start:end]``, its padding and
+    priority fields taken off; None where the engine must take the frame: padding
+    longer than the frame allows, a truncated priority field, or a stream made to depend
+    on itself (each a connection error, RFC 9113 §6.2, §5.3.1)."""
+    if flags & _PADDED:
+        if start == end:
+            return None
+        pad = buf[start]
+        start += 1
+        # The engine's rule: the padding shorter than what follows its length byte.
+        if pad >= end - start:
+            return None
+        end -= pad
+    if flags & _PRIORITY:
+        if end - start < 5:
+            return None
+        if int.from_bytes(buf[start : start + 4], "big") & 0x7FFFFFFF == stream_id:
+            return None
+        start += 5
+    return buf[start:end]
