@@ -1,0 +1,440 @@
+"""The upstream HTTP/2 client's response frames taken without jh2's frame objects
+(``Connection._fast_headers``, ``_fast_data``), and its request header blocks written with
+the static HPACK table alone (:mod:`edgeproxy._http2.staticpack`).
+
+A client :class:`~edgeproxy._upstream.h2conn.Connection` is fed raw frames written here by
+hand (their header blocks encoded by one hpack encoder, whose dynamic table the client's
+decoder must follow), and what it writes back is read as frames. Every rule that makes a
+malformed response its stream's error is checked on the fast path, with jh2's
+``receive_data`` made to fail so that the frame cannot have gone to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any, cast
+
+import hpack
+import hyperframe.frame as hf
+import pytest
+
+from edgeproxy._http2 import staticpack
+from edgeproxy._upstream import h2conn
+from edgeproxy._upstream.pool import UpstreamProtocolError
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+PROTOCOL_ERROR = 0x1
+STREAM_CLOSED = 0x5
+COMPRESSION_OR_PROTOCOL = {0x1, 0x9}
+ENHANCE_YOUR_CALM = 0xB
+REQUEST = [(":method", "GET"), (":scheme", "http"), (":authority", "a"), (":path", "/")]
+
+
+class _StubPool:
+    origin = "http://stub"
+
+    def stream_budget(self, now: float | None = None) -> int:
+        return 0
+
+    def _learn_stream_budget(self, accepted: int) -> None: ...
+
+    def _slot_freed(self, conn: object) -> None: ...
+
+    def _capacity_changed(self, conn: object) -> None: ...
+
+    def _connection_gone(self, conn: object) -> None: ...
+
+
+class _Wire:
+    """A transport that keeps what the client wrote."""
+
+    def __init__(self) -> None:
+        self.out = bytearray()
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.out += data
+
+    def take(self) -> bytes:
+        data, self.out = bytes(self.out), bytearray()
+        return data
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+    def abort(self) -> None:
+        self.closed = True
+
+    def get_extra_info(self, name: str) -> None:
+        return None
+
+
+def frames_of(data: bytes) -> Iterator[Any]:
+    pos = 0
+    while pos < len(data):
+        frame, length = hf.Frame.parse_frame_header(memoryview(data[pos : pos + 9]))
+        frame.parse_body(memoryview(data[pos + 9 : pos + 9 + length]))
+        pos += 9 + length
+        yield frame
+
+
+class Peer:
+    """The server's end, by hand: its SETTINGS, and header blocks from one hpack encoder."""
+
+    def __init__(self, conn: h2conn.Connection, wire: _Wire) -> None:
+        self.conn = conn
+        self.wire = wire
+        self.encoder = hpack.Encoder()
+
+    def send(self, *frames: Any) -> None:
+        self.conn.data_received(
+            b"".join(f if isinstance(f, bytes) else f.serialize() for f in frames)
+        )
+
+    def headers(self, stream_id: int, fields: list[tuple[bytes, bytes]], *flags: str) -> Any:
+        frame = hf.HeadersFrame(stream_id, flags=["END_HEADERS", *flags])
+        frame.data = self.encoder.encode(fields)
+        return frame
+
+    def written(self) -> list[Any]:
+        self.conn.flush()
+        return list(frames_of(self.wire.take()))
+
+    def open(self, fields: list[tuple[str, str]] | None = None, end: bool = True) -> int:
+        stream = self.conn.open_stream(fields or REQUEST, end)
+        assert stream is not None
+        return stream.id
+
+
+@pytest.fixture
+async def peer() -> Peer:
+    loop = asyncio.get_running_loop()
+    conn = h2conn.Connection(cast(Any, _StubPool()), loop)
+    wire = _Wire()
+    conn.connection_made(cast(Any, wire))
+    assert wire.take().startswith(PREFACE)
+    server = Peer(conn, wire)
+    server.send(hf.SettingsFrame(0), hf.SettingsFrame(0, flags=["ACK"]))
+    assert conn.ready.done()
+    wire.take()
+    return server
+
+
+@pytest.fixture
+def no_engine(peer: Peer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any frame handed to jh2 fails the test: the fast paths must take them all."""
+
+    def refuse(data: bytes) -> list[Any]:
+        raise AssertionError(f"jh2 was handed {data!r}")
+
+    monkeypatch.setattr(peer.conn.h2, "receive_data", refuse)
+
+
+def resets(frames: list[Any]) -> dict[int, int]:
+    return {f.stream_id: f.error_code for f in frames if isinstance(f, hf.RstStreamFrame)}
+
+
+def goaway(frames: list[Any]) -> int | None:
+    """The error code of the first GOAWAY (the one that names the error)."""
+    codes = [f.error_code for f in frames if isinstance(f, hf.GoAwayFrame)]
+    return codes[0] if codes else None
+
+
+# -- well-formed responses: every frame on the fast paths -----------------------------
+
+
+@pytest.mark.usefixtures("no_engine")
+async def test_a_whole_response_passes_without_the_engine(peer: Peer) -> None:
+    stream_id = peer.open()
+    stream = peer.conn.streams[stream_id]
+    body = hf.DataFrame(stream_id, data=b"hello", flags=["END_STREAM"])
+    fields = [(b":status", b"200"), (b"content-type", b"text/plain"), (b"content-length", b"5")]
+    peer.send(peer.headers(stream_id, fields), body)
+    assert stream.status == 200
+    assert stream.headers == [("content-type", "text/plain"), ("content-length", "5")]
+    assert stream.remote_ended and stream.error is None
+    assert await stream.read(1.0) == b"hello"
+    h2stream = peer.conn.h2.streams[stream_id]
+    assert h2stream.state_machine.headers_received and h2stream.closed
+    assert peer.conn.h2.open_outbound_streams == 0
+
+
+@pytest.mark.usefixtures("no_engine")
+async def test_headers_that_end_the_stream_close_it_in_h2_too(peer: Peer) -> None:
+    stream_id = peer.open()
+    peer.send(peer.headers(stream_id, [(b":status", b"204")], "END_STREAM"))
+    stream = peer.conn.streams.get(stream_id)
+    assert stream is None  # the request had ended, the response too: released
+    assert peer.conn.h2.streams[stream_id].closed
+    assert not resets(peer.written())
+
+
+@pytest.mark.usefixtures("no_engine")
+async def test_padding_and_priority_are_taken_off(peer: Peer) -> None:
+    stream_id = peer.open()
+    frame = peer.headers(stream_id, [(b":status", b"200"), (b"x-a", b"1")], "PADDED", "PRIORITY")
+    frame.pad_length = 7
+    frame.depends_on = 0
+    frame.stream_weight = 15
+    peer.send(frame, hf.DataFrame(stream_id, data=b"", flags=["END_STREAM"]))
+    stream = peer.conn.streams.get(stream_id)
+    assert stream is None or stream.error is None
+    assert not resets(peer.written())
+
+
+@pytest.mark.usefixtures("no_engine")
+async def test_informational_responses_and_trailers_pass(peer: Peer) -> None:
+    stream_id = peer.open()
+    stream = peer.conn.streams[stream_id]
+    peer.send(peer.headers(stream_id, [(b":status", b"103"), (b"link", b"</a>")]))
+    assert stream.status == 0
+    peer.send(
+        peer.headers(stream_id, [(b":status", b"200")]),
+        hf.DataFrame(stream_id, data=b"abc"),
+        peer.headers(stream_id, [(b"x-checksum", b"1")], "END_STREAM"),
+    )
+    assert stream.status == 200 and stream.remote_ended and stream.error is None
+    assert peer.conn.h2.streams[stream_id].state_machine.trailers_received
+    assert await stream.read(1.0) == b"abc"
+    assert await stream.read(1.0) is None
+
+
+async def test_the_decoder_follows_the_dynamic_table_across_both_paths(peer: Peer) -> None:
+    # Blocks that index fields (the encoder's default), some decoded on the fast path and
+    # one by jh2 (a header block split into CONTINUATION frames): each later block
+    # refers to entries the earlier ones added, whichever path decoded them.
+    ids = [peer.open() for _ in range(4)]
+    for n, stream_id in enumerate(ids):
+        fields = [(b":status", b"200"), (b"x-region", b"eu-west"), (b"x-n", str(n).encode())]
+        if n == 2:
+            block = peer.encoder.encode(fields)
+            first = hf.HeadersFrame(stream_id, data=block[:3])
+            rest = hf.ContinuationFrame(stream_id, data=block[3:], flags=["END_HEADERS"])
+            peer.send(first, rest)
+        else:
+            peer.send(peer.headers(stream_id, fields, "END_STREAM"))
+    for n, stream_id in enumerate(ids):
+        stream = peer.conn.streams.get(stream_id)
+        if stream is not None:  # n == 2 has not ended
+            assert stream.headers == [("x-region", "eu-west"), ("x-n", str(n))]
+    assert not peer.conn.closing
+    assert not resets(peer.written())
+
+
+# -- malformed responses: a stream error each -----------------------------------------
+
+MALFORMED: dict[str, tuple[list[list[tuple[bytes, bytes]]], str]] = {
+    # Blocks sent in turn (the last ends the stream, but in NOT_ENDED), and what the
+    # error names.
+    "informational-end-stream": ([[(b":status", b"100")]], "informational"),
+    "status-101": ([[(b":status", b"101")]], "101"),
+    "no-status": ([[(b"x-a", b"1")]], "no :status"),
+    "status-not-digits": ([[(b":status", b"2x0")]], "invalid :status"),
+    "unknown-pseudo": ([[(b":status", b"200"), (b":path", b"/")]], "pseudo-header"),
+    "pseudo-after-regular": ([[(b"x-a", b"1"), (b":status", b"200")]], "after a regular"),
+    "two-statuses": ([[(b":status", b"200"), (b":status", b"200")]], "more than one"),
+    "uppercase-name": ([[(b":status", b"200"), (b"X-Upper", b"1")]], "invalid field name"),
+    "bad-value": ([[(b":status", b"200"), (b"x-a", b"a\nb")]], "invalid value"),
+    "connection-specific": ([[(b":status", b"200"), (b"connection", b"close")]], "connection"),
+    "te-not-trailers": ([[(b":status", b"200"), (b"te", b"gzip")]], "connection-specific"),
+    "content-length-invalid": ([[(b":status", b"200"), (b"content-length", b"x")]], "content"),
+    "content-length-conflict": (
+        [[(b":status", b"200"), (b"content-length", b"1"), (b"content-length", b"2")]],
+        "conflicting",
+    ),
+    "content-length-on-end-stream": (
+        [[(b":status", b"200"), (b"content-length", b"3")]],
+        "0 bytes of DATA for a content-length of 3",
+    ),
+    "interim-after-final": ([[(b":status", b"200")], [(b":status", b"100")]], "after the final"),
+    "pseudo-in-trailers": ([[(b":status", b"200")], [(b":status", b"200")]], "in trailers"),
+    "bad-trailer-name": ([[(b":status", b"200")], [(b"Bad", b"1")]], "invalid field name"),
+    "trailers-without-end-stream": ([[(b":status", b"200")], [(b"x-t", b"1")]], "did not end"),
+}
+# Not ended: a 1xx with END_STREAM is malformed for that alone (101 is a 1xx to jh2 too).
+NOT_ENDED = frozenset({"interim-after-final", "trailers-without-end-stream", "status-101"})
+
+
+@pytest.mark.usefixtures("no_engine")
+@pytest.mark.parametrize("name", sorted(MALFORMED))
+async def test_a_malformed_response_is_its_streams_error(peer: Peer, name: str) -> None:
+    blocks, reason = MALFORMED[name]
+    neighbour = peer.open()
+    # The request is not ended, so that the stream is still there to reset.
+    stream_id = peer.open(end=False)
+    stream = peer.conn.streams[stream_id]
+    for n, block in enumerate(blocks):
+        last = n == len(blocks) - 1 and name not in NOT_ENDED
+        peer.send(peer.headers(stream_id, block, *(["END_STREAM"] if last else [])))
+    assert stream.error is not None
+    assert "malformed" in str(stream.error) and reason in str(stream.error)
+    with pytest.raises(UpstreamProtocolError, match="malformed"):
+        await stream.wait_headers(1.0)
+        await stream.read(1.0)  # trailers: the head had come
+    written = peer.written()
+    assert resets(written) == {stream_id: PROTOCOL_ERROR}
+    # The connection and the stream beside it carry on.
+    assert not peer.conn.closing and goaway(written) is None
+    peer.send(peer.headers(neighbour, [(b":status", b"200")], "END_STREAM"))
+    assert neighbour not in peer.conn.streams
+    assert not peer.conn.streams
+
+
+@pytest.mark.usefixtures("no_engine")
+async def test_a_malformed_response_that_ended_a_finished_exchange_has_nothing_to_reset(
+    peer: Peer,
+) -> None:
+    stream_id = peer.open()
+    stream = peer.conn.streams[stream_id]
+    peer.send(peer.headers(stream_id, [(b":status", b"200"), (b"Bad", b"1")], "END_STREAM"))
+    assert stream.error is not None and "invalid field name" in str(stream.error)
+    assert not resets(peer.written())
+    assert peer.conn.h2.streams[stream_id].closed
+
+
+@pytest.mark.usefixtures("no_engine")
+async def test_data_past_the_content_length_of_fast_headers_is_a_stream_error(
+    peer: Peer,
+) -> None:
+    stream_id = peer.open()
+    stream = peer.conn.streams[stream_id]
+    peer.send(
+        peer.headers(stream_id, [(b":status", b"200"), (b"content-length", b"2")]),
+        hf.DataFrame(stream_id, data=b"abc", flags=["END_STREAM"]),
+    )
+    assert stream.error is not None and "more DATA than its content-length" in str(stream.error)
+    assert resets(peer.written()) == {stream_id: PROTOCOL_ERROR}
+
+
+async def test_head_and_304_responses_expect_no_content(peer: Peer) -> None:
+    stream_id = peer.open([(":method", "HEAD"), *REQUEST[1:]])
+    stream = peer.conn.streams[stream_id]
+    peer.send(peer.headers(stream_id, [(b":status", b"200"), (b"content-length", b"10")]))
+    assert stream.expected_length == 0
+    peer.send(hf.DataFrame(stream_id, data=b"", flags=["END_STREAM"]))
+    assert stream.error is None and stream.remote_ended
+
+
+# -- what only the engine may decide: left to it ---------------------------------------
+
+
+async def test_padding_longer_than_the_frame_is_a_connection_error(peer: Peer) -> None:
+    stream_id = peer.open()
+    frame = peer.headers(stream_id, [(b":status", b"200")], "PADDED")
+    raw = bytearray(frame.serialize())
+    raw[9] = 250  # the padding's length, past the frame's end
+    peer.send(bytes(raw))
+    assert peer.conn.closing
+    assert goaway(list(frames_of(bytes(peer.wire.out)))) == PROTOCOL_ERROR
+
+
+async def test_a_stream_that_depends_on_itself_is_a_connection_error(peer: Peer) -> None:
+    stream_id = peer.open()
+    frame = peer.headers(stream_id, [(b":status", b"200")], "PRIORITY")
+    frame.depends_on = stream_id
+    peer.send(frame)
+    assert peer.conn.closing
+    assert goaway(list(frames_of(bytes(peer.wire.out)))) == PROTOCOL_ERROR
+
+
+async def test_a_header_block_hpack_cannot_decode_ends_the_connection(peer: Peer) -> None:
+    stream_id = peer.open()
+    stream = peer.conn.streams[stream_id]
+    frame = hf.HeadersFrame(stream_id, flags=["END_HEADERS"])
+    frame.data = b"\xff\x80\x80\x80\x80"  # an index far past both tables
+    peer.send(frame)
+    assert peer.conn.closing
+    assert stream.error is not None and "protocol error" in str(stream.error)
+    assert goaway(list(frames_of(bytes(peer.wire.out)))) in COMPRESSION_OR_PROTOCOL
+
+
+async def test_an_oversized_header_list_ends_the_connection_calmly(peer: Peer) -> None:
+    stream_id = peer.open()
+    big = [(b":status", b"200")] + [(f"x-{n}".encode(), b"v" * 1000) for n in range(80)]
+    frame = hf.HeadersFrame(stream_id, flags=["END_HEADERS"])
+    frame.data = peer.encoder.encode(big)
+    # Past our SETTINGS_MAX_HEADER_LIST_SIZE, in frames too large: sent as one anyway.
+    peer.conn.h2.max_inbound_frame_size = len(frame.data)
+    peer.send(frame)
+    assert peer.conn.closing
+    assert goaway(list(frames_of(bytes(peer.wire.out)))) == ENHANCE_YOUR_CALM
+
+
+async def test_headers_on_a_stream_we_reset_go_to_the_engine(peer: Peer) -> None:
+    stream_id = peer.open()
+    other = peer.open()
+    peer.conn.streams[stream_id].close()
+    peer.written()
+    # Decoded by jh2 all the same: the table it adds to is the next block's.
+    fields = [(b":status", b"200"), (b"x-shared", b"table entry")]
+    peer.send(peer.headers(stream_id, fields))
+    peer.send(peer.headers(other, fields, "END_STREAM"))
+    assert not peer.conn.closing
+    assert other not in peer.conn.streams
+    assert resets(peer.written()) == {stream_id: STREAM_CLOSED}
+
+
+# -- request header blocks: the static table alone -------------------------------------
+
+
+def test_a_request_block_decodes_to_its_fields() -> None:
+    fields = [
+        (":method", "POST"),
+        (":scheme", "https"),
+        (":authority", "api.example"),
+        (":path", "/v1/chat/completions"),
+        ("content-type", "application/json"),
+        ("user-agent", "x" * 300),  # a length past the 7-bit prefix
+        ("x-custom-header", "é"),
+        ("accept-encoding", "gzip, deflate"),
+        ("authorization", "Bearer secret"),
+    ]
+    sensitive = hpack.NeverIndexedHeaderTuple("authorization", "Bearer secret")
+    block = staticpack.encode_block([*fields[:-1], cast(tuple[str, str], sensitive)])
+    decoder = hpack.Decoder()
+    decoded = decoder.decode(block)
+    assert decoded == fields
+    assert isinstance(decoded[-1], hpack.NeverIndexedHeaderTuple)
+    assert not isinstance(decoded[0], hpack.NeverIndexedHeaderTuple)
+    # Nothing was added to the decoder's dynamic table.
+    assert len(decoder.header_table.dynamic_entries) == 0
+    # Whole static entries are one byte each: :method POST, :scheme https, accept-encoding.
+    assert block[:2] == b"\x83\x87"
+    assert staticpack.encode_field(b"accept-encoding", b"gzip, deflate") == b"\x90"
+    # The same fields again give the same bytes (from the kept encodings).
+    again = staticpack.encode_block(fields[:-1])
+    assert block.startswith(again) and again == staticpack.encode_block(fields[:-1])
+
+
+def test_sensitive_fields_are_never_kept() -> None:
+    secret = cast(tuple[str, str], hpack.NeverIndexedHeaderTuple("authorization", "Bearer k1"))
+    staticpack.encode_block([secret])
+    assert ("authorization", "Bearer k1") not in staticpack._ENCODED
+
+
+def test_names_past_the_4_bit_prefix_are_encoded_right() -> None:
+    for index, (name, _) in enumerate(staticpack._STATIC, 1):
+        block = staticpack.encode_field(name, b"some value")
+        assert hpack.Decoder().decode(block, raw=True) == [(name, b"some value")], index
+
+
+async def test_a_smaller_header_table_is_acknowledged_in_the_next_block(peer: Peer) -> None:
+    settings = hf.SettingsFrame(0)
+    settings.settings = {hf.SettingsFrame.HEADER_TABLE_SIZE: 0}
+    peer.send(settings)
+    peer.written()
+    decoder = hpack.Decoder()
+    decoder.max_allowed_table_size = 0
+    blocks = []
+    for _ in range(2):
+        peer.open()
+        headers = [f for f in peer.written() if isinstance(f, hf.HeadersFrame)]
+        blocks.append(headers[0].data)
+    assert blocks[0][:1] == staticpack.TABLE_SIZE_ZERO
+    assert blocks[1][:1] != staticpack.TABLE_SIZE_ZERO  # once is enough
+    for block in blocks:
+        assert decoder.decode(block) == REQUEST
