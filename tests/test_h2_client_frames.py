@@ -438,3 +438,61 @@ async def test_a_smaller_header_table_is_acknowledged_in_the_next_block(peer: Pe
     assert blocks[1][:1] != staticpack.TABLE_SIZE_ZERO  # once is enough
     for block in blocks:
         assert decoder.decode(block) == REQUEST
+
+
+# -- the request's own frames, and windows handed back ----------------------------------
+
+
+async def test_a_request_moves_h2s_stream_as_send_headers_and_send_data_would(
+    peer: Peer,
+) -> None:
+    whole = peer.open()
+    machine = peer.conn.h2.streams[whole].state_machine
+    assert machine.state is h2conn._HALF_CLOSED_LOCAL
+    assert machine.client and machine.headers_sent
+    streamed = peer.open(end=False)
+    h2stream = peer.conn.h2.streams[streamed]
+    assert h2stream.state_machine.state is h2conn._STREAM_OPEN
+    window = peer.conn.h2.outbound_flow_control_window
+    peer.conn.send_data(streamed, memoryview(b"abc"), False)
+    peer.conn.send_data(streamed, memoryview(b"de"), True)
+    assert h2stream.state_machine.state is h2conn._HALF_CLOSED_LOCAL
+    assert peer.conn.h2.outbound_flow_control_window == window - 5
+    assert h2stream.outbound_flow_control_window == 65535 - 5
+    frames = peer.written()
+    data = [f for f in frames if isinstance(f, hf.DataFrame)]
+    assert [(f.stream_id, f.data, "END_STREAM" in f.flags) for f in data] == [
+        (streamed, b"abc", False),
+        (streamed, b"de", True),
+    ]
+    heads = [f for f in frames if isinstance(f, hf.HeadersFrame)]
+    assert [("END_STREAM" in f.flags) for f in heads] == [True, False]
+    # Past the end, h2 itself refuses, as it would have.
+    with pytest.raises(Exception, match="(?i)closed|invalid input"):
+        peer.conn.send_data(streamed, memoryview(b"f"), True)
+
+
+async def test_bytes_of_ended_streams_open_the_connection_window_as_h2_would(
+    peer: Peer,
+) -> None:
+    # Responses read after they ended: their streams are closed, so only the
+    # connection's window takes the bytes back, and updates once half of it is used.
+    chunk = b"x" * 16384
+    per_response = h2conn._STREAM_WINDOW
+    window = peer.conn.h2._inbound_flow_control_window_manager
+    for n in range(8):
+        stream_id = peer.open()
+        stream = peer.conn.streams[stream_id]
+        frames: list[Any] = [peer.headers(stream_id, [(b":status", b"200")])]
+        frames += [hf.DataFrame(stream_id, data=chunk) for _ in range(per_response // 16384 - 1)]
+        frames.append(hf.DataFrame(stream_id, data=chunk, flags=["END_STREAM"]))
+        peer.send(*frames)
+        assert peer.conn.h2.streams[stream_id].closed
+        assert len(await stream.read(1.0) or b"") == per_response
+        updates = [f for f in peer.written() if isinstance(f, hf.WindowUpdateFrame)]
+        if n < 7:
+            assert not updates
+            assert window._bytes_processed == (n + 1) * per_response
+        else:
+            assert [(f.stream_id, f.window_increment) for f in updates] == [(0, 8 * per_response)]
+            assert window._bytes_processed == 0

@@ -45,19 +45,18 @@ import jh2.utilities
 from jh2.hpack import NeverIndexedHeaderTuple
 
 from edgeproxy._http2.engine import (
-    RECEIVING,
     RESET_STREAMS_KEPT,
     engine_config,
     peer_defaults,
-    queue_headers,
     received_end_stream,
 )
 from edgeproxy._http2.fields import Malformed, parse_fields, request_method
 from edgeproxy._http2.staticpack import TABLE_SIZE_ZERO, encode_block
-from edgeproxy._http2.windows import queue_data, take_data, window_update_due
+from edgeproxy._http2.windows import take_data, window_update_due
 from edgeproxy._http2.writes import QueuedWrites
 from edgeproxy._upstream.h2clientengine import ClientEngine, MalformedData, MalformedHeaders
 from edgeproxy._upstream.h2frames import ENDED, TAKEN, header_block, split_response_frames
+from edgeproxy._upstream.h2send import request_data, request_headers
 from edgeproxy._upstream.h2stream import H2Response, Stream, set_response_headers, timeout_waiter
 from edgeproxy._upstream.pool import (
     UpstreamError,
@@ -96,6 +95,8 @@ _HEADER_TABLE_SIZE: Final = h2.settings.SettingCodes.HEADER_TABLE_SIZE
 # HEADERS fast path reads; its pure-Python fallback leaves every HEADERS frame to h2.
 _COMPILED_HPACK: Final = bool(h2.connection.ALTERNATIVE_HPACK)
 _END_HEADERS: Final = 0x4
+_STREAM_OPEN: Final = h2.stream.StreamState.OPEN
+_HALF_CLOSED_LOCAL: Final = h2.stream.StreamState.HALF_CLOSED_LOCAL
 
 
 class RefusedStream(UpstreamProtocolError):
@@ -283,7 +284,9 @@ class Connection(QueuedWrites, asyncio.Protocol):
         ):
             return 0
         machine = h2stream.state_machine
-        if machine.state not in RECEIVING:
+        state = machine.state
+        # RECEIVING's two states, by identity: an Enum's hash is a Python call.
+        if state is not _STREAM_OPEN and state is not _HALF_CLOSED_LOCAL:
             return 0
         block = header_block(stream_id, buf, start, end, flags)
         if block is None:
@@ -585,7 +588,8 @@ class Connection(QueuedWrites, asyncio.Protocol):
         limit = h2conn.remote_settings.max_concurrent_streams
         if h2conn.open_outbound_streams + 1 > limit:
             raise h2.exceptions.TooManyStreamsError(f"Max outbound streams is {limit}")
-        h2conn.state_machine.process_input(_SEND_HEADERS)
+        if h2conn.state_machine.state is not _CLIENT_OPEN:
+            h2conn.state_machine.process_input(_SEND_HEADERS)  # raises as h2 does
         stream = h2conn._begin_new_stream(stream_id, _CLIENT_IDS)
         block = encode_block(headers)
         if self._table_size_due:
@@ -593,7 +597,7 @@ class Connection(QueuedWrites, asyncio.Protocol):
             block = TABLE_SIZE_ZERO + block
         stream._authority = h2.utilities.authority_from_headers(headers)
         stream.request_method = h2.utilities.extract_method_header(headers)
-        queue_headers(h2conn, stream, block, end_stream)
+        request_headers(h2conn, stream, block, end_stream)
 
     def send_data(self, stream_id: int, data: memoryview, end_stream: bool) -> None:
         """h2's ``send_data`` without its frame objects: h2's checks, state transitions
@@ -609,7 +613,7 @@ class Connection(QueuedWrites, asyncio.Protocol):
         ):
             h2conn.send_data(stream_id, data, end_stream=end_stream)  # raises as h2 does
             return
-        queue_data(h2conn, stream, data, end_stream)
+        request_data(h2conn, stream, data, end_stream)
 
     def start_draining(self) -> None:
         if not self.draining:
@@ -650,11 +654,12 @@ class Connection(QueuedWrites, asyncio.Protocol):
         h2conn = self.h2
         conn_window = h2conn._inbound_flow_control_window_manager
         h2stream = h2conn.streams.get(stream_id)
-        stream_window = h2stream._inbound_window_manager if h2stream is not None else None
-        if (
-            not window_update_due(conn_window, size)
-            and (stream_window is None or not window_update_due(stream_window, size))
-            and (h2stream is None or h2stream.open)
+        # h2 hands a closed stream's bytes back to the connection's window alone.
+        stream_window = (
+            h2stream._inbound_window_manager if h2stream is not None and h2stream.open else None
+        )
+        if not window_update_due(conn_window, size) and (
+            stream_window is None or not window_update_due(stream_window, size)
         ):
             conn_window._bytes_processed += size
             if stream_window is not None:

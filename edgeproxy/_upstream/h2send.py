@@ -1,0 +1,56 @@
+"""What a request sends on its h2c stream (the HEADERS that open it, the DATA of its body),
+with jh2's state machines moved as jh2 moves them but without their ``process_input``
+where the move is the usual one: a new stream opened, a body sent on an open one. Any
+other state takes jh2's own steps (:func:`~edgeproxy._http2.engine.queue_headers`,
+:func:`~edgeproxy._http2.windows.queue_data`), which raise as jh2 does.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+import jh2.connection
+import jh2.stream
+
+from edgeproxy._http2.engine import queue_headers
+from edgeproxy._http2.frames import FRAME_HEADER, header_frames
+from edgeproxy._http2.windows import queue_data
+
+__all__ = ["request_data", "request_headers"]
+
+_CLIENT_OPEN: Final = jh2.connection.ConnectionState.CLIENT_OPEN
+_IDLE: Final = jh2.stream.StreamState.IDLE
+_OPEN: Final = jh2.stream.StreamState.OPEN
+_HALF_CLOSED_LOCAL: Final = jh2.stream.StreamState.HALF_CLOSED_LOCAL
+
+
+def request_headers(engine: Any, h2stream: Any, block: bytes, end_stream: bool) -> None:
+    """The header ``block`` of a request queued on its new ``h2stream``: the stream's
+    state machine moved (jh2's ``request_sent``, then END_STREAM), the frames queued."""
+    machine = h2stream.state_machine
+    if machine.state is not _IDLE:
+        queue_headers(engine, h2stream, block, end_stream)
+        return
+    machine.client = True
+    machine.headers_sent = True
+    machine.state = _HALF_CLOSED_LOCAL if end_stream else _OPEN
+    engine._data_to_send += header_frames(
+        h2stream.stream_id, block, end_stream, engine.max_outbound_frame_size
+    )
+
+
+def request_data(engine: Any, h2stream: Any, data: memoryview, end: bool) -> None:
+    """One unpadded DATA frame of a request body queued, both send windows charged; the
+    caller has made sure that the windows and the frame size allow ``data``."""
+    machine = h2stream.state_machine
+    if machine.state is not _OPEN or engine.state_machine.state is not _CLIENT_OPEN:
+        queue_data(engine, h2stream, data, end)
+        return
+    if end:
+        machine.state = _HALF_CLOSED_LOCAL
+    size = len(data)
+    h2stream.outbound_flow_control_window -= size
+    engine.outbound_flow_control_window -= size
+    out = engine._data_to_send
+    out += FRAME_HEADER.pack(size >> 16, size & 0xFFFF, 0, 1 if end else 0, h2stream.stream_id)
+    out += data
