@@ -19,8 +19,9 @@ import hpack
 import hyperframe.frame as hf
 import pytest
 
+from edgeproxy._http2 import fields as http2_fields
 from edgeproxy._http2 import staticpack
-from edgeproxy._upstream import h2conn
+from edgeproxy._upstream import h2conn, h2head
 from edgeproxy._upstream.pool import UpstreamProtocolError
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
@@ -496,3 +497,62 @@ async def test_bytes_of_ended_streams_open_the_connection_window_as_h2_would(
         else:
             assert [(f.stream_id, f.window_increment) for f in updates] == [(0, 8 * per_response)]
             assert window._bytes_processed == 0
+
+
+# -- a final response's head, the short way ---------------------------------------------
+
+HEAD_BLOCKS = [
+    [(b":status", b"200")],
+    [(b":status", b"200"), (b"server", b"nginx"), (b"content-length", b"12")],
+    [(b":status", b"204"), (b"content-length", b"0"), (b"content-length", b"0")],
+    [(b":status", b"599"), (b"x-empty", b""), (b"te", b"trailers"), (b"x-utf8", "é".encode())],
+    [(b":status", b"200"), (b"content-length", b"1"), (b"content-length", b"2")],
+    [(b":status", b"200"), (b"content-length", b"-1")],
+    [(b":status", b"200"), (b"content-length", b"")],
+    [(b":status", b"103")],
+    [(b":status", b"101")],
+    [(b":status", b"2000")],
+    [(b":status", b"099")],
+    [(b":status", b"20x")],
+    [(b"server", b"x"), (b":status", b"200")],
+    [(b":status", b"200"), (b":status", b"200")],
+    [(b":status", b"200"), (b":path", b"/")],
+    [(b":status", b"200"), (b"Server", b"x")],
+    [(b":status", b"200"), (b"x-a", b" padded")],
+    [(b":status", b"200"), (b"connection", b"close")],
+    [(b":status", b"200"), (b"te", b"gzip")],
+    [(b"x-a", b"1")],
+    [],
+]
+
+
+@pytest.mark.parametrize("block", HEAD_BLOCKS, ids=range(len(HEAD_BLOCKS)))
+def test_the_short_way_gives_what_parse_fields_gives_or_leaves_it_to_it(
+    block: list[tuple[bytes, bytes]],
+) -> None:
+    decoded = [(name, value, False) for name, value in block]
+    try:
+        expected: Any = http2_fields.parse_fields(block, trailers=False)
+    except http2_fields.Malformed:
+        expected = None
+    for _ in range(2):  # the second time from the kept fields
+        head = h2head.final_head(decoded)
+        if head is not None:
+            assert head == expected
+        elif expected is not None:
+            # Left to parse_fields: of the well-formed blocks, only 1xx ones.
+            assert expected[0] < 200
+
+
+def test_only_fields_not_marked_never_indexed_are_kept() -> None:
+    h2head._CHECKED.clear()
+    decoded = [
+        (b":status", b"200"),
+        (b"set-cookie", b"session=1"),
+        (b"x-kept", b"1"),
+        (b"content-length", b"3"),
+    ]
+    marked = [(n, v, n == b"set-cookie") for n, v in decoded]
+    head = h2head.final_head(marked)
+    assert head == (200, [("set-cookie", "session=1"), ("x-kept", "1"), ("content-length", "3")], 3)
+    assert set(h2head._CHECKED) == {(b"x-kept", b"1", False)}

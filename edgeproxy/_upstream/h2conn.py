@@ -56,8 +56,15 @@ from edgeproxy._http2.windows import take_data, window_update_due
 from edgeproxy._http2.writes import QueuedWrites
 from edgeproxy._upstream.h2clientengine import ClientEngine, MalformedData, MalformedHeaders
 from edgeproxy._upstream.h2frames import ENDED, TAKEN, header_block, split_response_frames
+from edgeproxy._upstream.h2head import final_head
 from edgeproxy._upstream.h2send import request_data, request_headers
-from edgeproxy._upstream.h2stream import H2Response, Stream, set_response_headers, timeout_waiter
+from edgeproxy._upstream.h2stream import (
+    H2Response,
+    Stream,
+    set_head,
+    set_response_headers,
+    timeout_waiter,
+)
 from edgeproxy._upstream.pool import (
     UpstreamError,
     UpstreamNotHTTP2,
@@ -303,12 +310,13 @@ class Connection(QueuedWrites, asyncio.Protocol):
             self._malformed(stream_id, reason)
         return TAKEN
 
-    def _take_headers(self, stream: Stream, machine: Any, decoded: list[Any], last: int) -> str:
+    def _take_headers(
+        self, stream: Stream, machine: Any, decoded: list[tuple[bytes, bytes, bool]], last: int
+    ) -> str:
         """A decoded header block's steps on its stream; why it is malformed, or ""."""
-        fields = [(name, value) for name, value, _ in decoded]
         # h2's test for a 1xx: the first :status among the leading pseudo-header fields.
         informational = False
-        for name, value in fields:
+        for name, value, _ in decoded:
             if name == b":status":
                 informational = value[:1] == b"1"
                 break
@@ -320,20 +328,24 @@ class Connection(QueuedWrites, asyncio.Protocol):
                     return "an informational (1xx) response ended the stream"
                 if machine.headers_received:
                     return "an informational (1xx) response came after the final one"
-                parse_fields(fields, trailers=False)
+                parse_fields(_pairs(decoded), trailers=False)
                 return ""
             if machine.headers_received:
                 if not last:
                     return "trailers did not end the stream"
                 machine.trailers_received = True
                 received_end_stream(machine)
-                parse_fields(fields, trailers=True)
+                parse_fields(_pairs(decoded), trailers=True)
                 self._ended(stream)
                 return ""
             machine.headers_received = True
             if last:
                 received_end_stream(machine)
-            set_response_headers(stream, fields)
+            head = final_head(decoded)
+            if head is None:
+                set_response_headers(stream, _pairs(decoded))
+            else:
+                set_head(stream, *head)
         except Malformed as exc:
             return str(exc)
         if last:
@@ -698,6 +710,10 @@ class Connection(QueuedWrites, asyncio.Protocol):
             stream.fail(error)
         if self.transport is not None:
             self.transport.abort()
+
+
+def _pairs(decoded: list[tuple[bytes, bytes, bool]]) -> list[tuple[bytes, bytes]]:
+    return [(name, value) for name, value, _ in decoded]
 
 
 def _hpack_error(exc: Exception) -> h2.exceptions.ProtocolError:

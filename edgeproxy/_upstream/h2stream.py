@@ -18,6 +18,7 @@ __all__ = [
     "H2Response",
     "Stream",
     "StreamConnection",
+    "set_head",
     "set_response_headers",
     "timeout_waiter",
 ]
@@ -339,7 +340,11 @@ class _Body:
 
 def set_response_headers(stream: Stream, raw: list[Any]) -> None:
     """Take the final response's header block; raises :class:`Malformed`."""
-    status, headers, length = parse_fields(raw, trailers=False)
+    set_head(stream, *parse_fields(raw, trailers=False))
+
+
+def set_head(stream: Stream, status: int, headers: Headers, length: int | None) -> None:
+    """Take the final response's checked head; raises :class:`Malformed` for a 1xx."""
     if status < 200:
         raise Malformed(f"informational :status {status} where the final one was due")
     stream.headers = headers
