@@ -22,7 +22,8 @@ import pytest
 from edgeproxy._http2 import fields as http2_fields
 from edgeproxy._http2 import staticpack
 from edgeproxy._upstream import h2conn, h2head
-from edgeproxy._upstream.pool import UpstreamProtocolError
+from edgeproxy._upstream.h2pool import H2Pool
+from edgeproxy._upstream.pool import PoolLimits, UpstreamProtocolError
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 PROTOCOL_ERROR = 0x1
@@ -556,3 +557,34 @@ def test_only_fields_not_marked_never_indexed_are_kept() -> None:
     head = h2head.final_head(marked)
     assert head == (200, [("set-cookie", "session=1"), ("x-kept", "1"), ("content-length", "3")], 3)
     assert set(h2head._CHECKED) == {(b"x-kept", b"1", False)}
+
+
+def test_a_requests_fields_are_sorted_by_name_as_http2_asks() -> None:
+    pool = H2Pool("http://region.example:8080", PoolLimits())
+    headers = [
+        ("Host", "other.example"),
+        ("Connection", "keep-alive"),
+        ("TE", "Trailers"),
+        ("Transfer-Encoding", "chunked"),
+        (":path", "/smuggled"),
+        ("Authorization", "Bearer k"),
+        ("X-Request-Id", "r1"),
+        ("Content-Type", "application/json"),
+    ]
+    for _ in range(2):  # the second time from the kept names
+        block = pool._header_block("POST", "/v1/x", headers, b"{}", None)
+        assert block == [
+            (":method", "POST"),
+            (":scheme", "http"),
+            (":authority", "other.example"),
+            (":path", "/v1/x"),
+            ("te", "trailers"),
+            ("authorization", "Bearer k"),
+            ("x-request-id", "r1"),
+            ("content-type", "application/json"),
+            ("content-length", "2"),
+        ]
+        marked = [type(f) is staticpack.NeverIndexed for f in block]
+        assert marked == [False] * 5 + [True, True, False, False]
+    given = [("Content-Length", "2")]
+    assert pool._header_block("POST", "/", given, b"{}", "a")[-1] == ("content-length", "2")

@@ -22,7 +22,7 @@ from typing import Final
 
 from jh2.hpack.table import HeaderTable
 
-__all__ = ["TABLE_SIZE_ZERO", "encode_block", "encode_field"]
+__all__ = ["TABLE_SIZE_ZERO", "NeverIndexed", "encode_block", "encode_field"]
 
 TABLE_SIZE_ZERO: Final = b"\x20"
 """A dynamic table size update to 0 (§6.3): always within what the peer allows."""
@@ -41,6 +41,13 @@ _NEVER_INDEXED: Final = 0x10  # a literal never indexed (§6.2.3)
 # client's: emptied when full.
 _ENCODED: dict[tuple[str, str], bytes] = {}
 _ENCODED_MAX: Final = 2048
+
+
+class NeverIndexed(tuple[str, str]):
+    """A (name, value) field that :func:`encode_block` writes as a never-indexed literal:
+    a plain tuple's subclass, built without a Python-level constructor."""
+
+    __slots__ = ()
 
 
 def _integer(value: int, prefix_bits: int, first: int) -> bytes:
@@ -72,13 +79,17 @@ def encode_field(name: bytes, value: bytes, sensitive: bool = False) -> bytes:
     first = _NEVER_INDEXED if sensitive else _NOT_INDEXED
     index = _NAMES.get(name, 0)
     head = _integer(index, 4, first) if index else bytes((first,)) + _string(name)
+    size = len(value)
+    if size < 127:  # the usual value: its length one byte
+        return head + bytes((size,)) + value
     return head + _string(value)
 
 
 def encode_block(fields: Iterable[tuple[str, str]]) -> bytes:
     """The header block of ``fields`` (names in lower case). A field of a tuple subclass
-    (hpack's ``NeverIndexedHeaderTuple``) is a never-indexed literal, encoded afresh each
-    time and not kept: credentials, and values that change with every request."""
+    (:class:`NeverIndexed`, or hpack's ``NeverIndexedHeaderTuple``) is a never-indexed
+    literal, encoded afresh each time and not kept: credentials, and values that change
+    with every request."""
     encoded = _ENCODED
     parts = []
     for field in fields:

@@ -42,7 +42,6 @@ import jh2.exceptions
 import jh2.settings
 import jh2.stream
 import jh2.utilities
-from jh2.hpack import NeverIndexedHeaderTuple
 
 from edgeproxy._http2.engine import (
     RESET_STREAMS_KEPT,
@@ -75,7 +74,6 @@ __all__ = [
     "Connection",
     "ConnectionPool",
     "H2Response",
-    "NeverIndexedHeaderTuple",
     "RefusedStream",
     "Stream",
     "timeout_waiter",

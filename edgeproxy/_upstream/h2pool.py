@@ -30,14 +30,14 @@ import random
 import ssl
 from collections import deque
 from collections.abc import Callable
-from typing import Final, cast
+from typing import Final
 from urllib.parse import urlsplit
 
 from edgeproxy._core.types import Body, Headers
+from edgeproxy._http2.staticpack import NeverIndexed
 from edgeproxy._upstream.h2conn import (
     Connection,
     H2Response,
-    NeverIndexedHeaderTuple,
     RefusedStream,
     timeout_waiter,
 )
@@ -75,6 +75,35 @@ _CONNECTION_SPECIFIC: Final = frozenset(
 _NEVER_INDEXED: Final = frozenset(
     {"x-request-id", "traceparent", "tracestate", "authorization", "proxy-authorization"}
 )
+
+
+# How _header_block takes a request's field, by its name as given (kept with the name in
+# lower case; bounded, since clients choose names: emptied when full).
+_PLAIN: Final = 0
+_NEVER: Final = 1
+_LENGTH: Final = 2
+_CONNECTION: Final = 3
+_PSEUDO: Final = 4
+_NAME_KINDS: dict[str, tuple[str, int]] = {}
+_NAME_KINDS_MAX: Final = 512
+
+
+def _name_kind(name: str) -> tuple[str, int]:
+    lname = name.lower()
+    if lname in _CONNECTION_SPECIFIC:
+        kind = _CONNECTION
+    elif lname[:1] == ":":
+        kind = _PSEUDO
+    elif lname == "content-length":
+        kind = _LENGTH
+    elif lname in _NEVER_INDEXED:
+        kind = _NEVER
+    else:
+        kind = _PLAIN
+    if len(_NAME_KINDS) >= _NAME_KINDS_MAX:
+        _NAME_KINDS.clear()
+    known = _NAME_KINDS[name] = (lname, kind)
+    return known
 
 
 def _stream_limit(conn: Connection) -> int:
@@ -319,22 +348,25 @@ class H2Pool:
             (":path", target or "/"),
         ]
         has_length = False
+        kinds = _NAME_KINDS
         for name, value in headers:
-            lname = name.lower()
-            if lname in _CONNECTION_SPECIFIC:
+            known = kinds.get(name)
+            if known is None:
+                known = _name_kind(name)
+            lname, kind = known
+            if kind == _PLAIN:
+                block.append((lname, value))
+            elif kind == _NEVER:
+                block.append(NeverIndexed((lname, value)))
+            elif kind == _LENGTH:
+                has_length = True
+                block.append((lname, value))
+            elif kind == _CONNECTION:
                 if lname == "host" and authority is None:
                     block[2] = (":authority", value)
                 elif lname == "te" and value.strip().lower() == "trailers":
                     block.append(("te", "trailers"))
-                continue
-            if lname[:1] == ":":
-                continue
-            if lname == "content-length":
-                has_length = True
-            if lname in _NEVER_INDEXED:
-                block.append(cast(tuple[str, str], NeverIndexedHeaderTuple(lname, value)))
-                continue
-            block.append((lname, value))
+            # _PSEUDO: dropped
         if not has_length and isinstance(body, bytes | bytearray | memoryview):
             # Not required by HTTP/2, but lets servers size buffers and reject
             # oversized bodies before reading them.
