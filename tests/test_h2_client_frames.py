@@ -588,3 +588,21 @@ def test_a_requests_fields_are_sorted_by_name_as_http2_asks() -> None:
         assert marked == [False] * 5 + [True, True, False, False]
     given = [("Content-Length", "2")]
     assert pool._header_block("POST", "/", given, b"{}", "a")[-1] == ("content-length", "2")
+
+
+async def test_a_new_request_stream_is_the_one_jh2_would_begin(peer: Peer) -> None:
+    from edgeproxy._upstream import h2send
+
+    engine = peer.conn.h2
+    ours = h2send.new_request_stream(engine, 1)
+    assert engine.highest_outbound_stream_id == 1 and engine.streams[1] is ours
+    theirs = engine._begin_new_stream(3, h2conn.h2.connection.AllowedStreamIDs.ODD)
+    for name in ("max_inbound_frame_size", "max_outbound_frame_size", "config"):
+        assert getattr(ours, name) == getattr(theirs, name), name
+    assert type(ours) is type(theirs)
+    assert ours.outbound_flow_control_window == theirs.outbound_flow_control_window
+    assert vars(ours._inbound_window_manager) == vars(theirs._inbound_window_manager)
+    assert ours.state_machine.state is theirs.state_machine.state
+    # An id jh2 would refuse goes to jh2, which refuses it.
+    with pytest.raises(h2conn.h2.exceptions.StreamIDTooLowError):
+        h2send.new_request_stream(engine, 1)

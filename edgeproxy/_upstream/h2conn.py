@@ -56,7 +56,7 @@ from edgeproxy._http2.writes import QueuedWrites
 from edgeproxy._upstream.h2clientengine import ClientEngine, MalformedData, MalformedHeaders
 from edgeproxy._upstream.h2frames import ENDED, TAKEN, header_block, split_response_frames
 from edgeproxy._upstream.h2head import final_head
-from edgeproxy._upstream.h2send import request_data, request_headers
+from edgeproxy._upstream.h2send import new_request_stream, request_data, request_headers
 from edgeproxy._upstream.h2stream import (
     H2Response,
     Stream,
@@ -94,7 +94,6 @@ _ANSWERED: Final = (h2.events.PingReceived, h2.events.RemoteSettingsChanged)
 _MAX_UNREAD_REPLIES: Final = 1000
 _CLIENT_OPEN: Final = h2.connection.ConnectionState.CLIENT_OPEN
 _SEND_HEADERS: Final = h2.connection.ConnectionInputs.SEND_HEADERS
-_CLIENT_IDS: Final = h2.connection.AllowedStreamIDs.ODD
 _HEADER_TABLE_SIZE: Final = h2.settings.SettingCodes.HEADER_TABLE_SIZE
 # jh2's compiled HPACK decodes to (name, value, never indexed) byte triples, which the
 # HEADERS fast path reads; its pure-Python fallback leaves every HEADERS frame to h2.
@@ -600,7 +599,7 @@ class Connection(QueuedWrites, asyncio.Protocol):
             raise h2.exceptions.TooManyStreamsError(f"Max outbound streams is {limit}")
         if h2conn.state_machine.state is not _CLIENT_OPEN:
             h2conn.state_machine.process_input(_SEND_HEADERS)  # raises as h2 does
-        stream = h2conn._begin_new_stream(stream_id, _CLIENT_IDS)
+        stream = new_request_stream(h2conn, stream_id)
         block = encode_block(headers)
         if self._table_size_due:
             self._table_size_due = False
@@ -608,6 +607,14 @@ class Connection(QueuedWrites, asyncio.Protocol):
         stream._authority = h2.utilities.authority_from_headers(headers)
         stream.request_method = h2.utilities.extract_method_header(headers)
         request_headers(h2conn, stream, block, end_stream)
+
+    def send_window(self, stream_id: int) -> int:
+        """What ``stream_id`` may send now (h2's ``local_flow_control_window``)."""
+        h2conn = self.h2
+        h2stream = h2conn.streams.get(stream_id)
+        if h2stream is None:
+            return h2conn.local_flow_control_window(stream_id)  # raises as h2 does
+        return min(h2conn.outbound_flow_control_window, h2stream.outbound_flow_control_window)
 
     def send_data(self, stream_id: int, data: memoryview, end_stream: bool) -> None:
         """h2's ``send_data`` without its frame objects: h2's checks, state transitions

@@ -16,12 +16,32 @@ from edgeproxy._http2.engine import queue_headers
 from edgeproxy._http2.frames import FRAME_HEADER, header_frames
 from edgeproxy._http2.windows import queue_data
 
-__all__ = ["request_data", "request_headers"]
+__all__ = ["new_request_stream", "request_data", "request_headers"]
 
+_ODD: Final = jh2.connection.AllowedStreamIDs.ODD
 _CLIENT_OPEN: Final = jh2.connection.ConnectionState.CLIENT_OPEN
 _IDLE: Final = jh2.stream.StreamState.IDLE
 _OPEN: Final = jh2.stream.StreamState.OPEN
 _HALF_CLOSED_LOCAL: Final = jh2.stream.StreamState.HALF_CLOSED_LOCAL
+
+
+def new_request_stream(engine: Any, stream_id: int) -> Any:
+    """jh2's ``_begin_new_stream`` for the client's next stream, an odd id past the last:
+    the engine's own stream class made at once, with the windows and frame sizes jh2
+    gives it. Any other id is jh2's, which raises."""
+    if stream_id <= engine.highest_outbound_stream_id or not stream_id & 1:
+        return engine._begin_new_stream(stream_id, _ODD)
+    stream = engine.stream_class(
+        stream_id,
+        config=engine.config,
+        inbound_window_size=engine.local_settings.initial_window_size,
+        outbound_window_size=engine.remote_settings.initial_window_size,
+    )
+    stream.max_inbound_frame_size = engine.max_inbound_frame_size
+    stream.max_outbound_frame_size = engine.max_outbound_frame_size
+    engine.streams[stream_id] = stream
+    engine.highest_outbound_stream_id = stream_id
+    return stream
 
 
 def request_headers(engine: Any, h2stream: Any, block: bytes, end_stream: bool) -> None:

@@ -24,9 +24,7 @@ __all__ = [
 ]
 
 
-class _FlowWindows(Protocol):
-    def local_flow_control_window(self, stream_id: int) -> int: ...
-
+class _FrameSize(Protocol):
     @property
     def max_outbound_frame_size(self) -> int: ...
 
@@ -39,13 +37,15 @@ class StreamConnection(Protocol):
     def loop(self) -> asyncio.AbstractEventLoop: ...
 
     @property
-    def h2(self) -> _FlowWindows: ...
+    def h2(self) -> _FrameSize: ...
 
     @property
     def writable(self) -> bool: ...
 
     @property
     def send_blocked(self) -> set[Stream]: ...
+
+    def send_window(self, stream_id: int) -> int: ...
 
     def send_data(self, stream_id: int, data: memoryview, end_stream: bool) -> None: ...
 
@@ -201,7 +201,7 @@ class Stream:
                 # The peer finished the response and reset the stream: it
                 # does not need the rest of the body (RFC 9113, 8.1).
                 return False
-            window = h2conn.local_flow_control_window(self.id) if conn.writable else 0
+            window = conn.send_window(self.id) if conn.writable else 0
             if window <= 0 and len(view):
                 conn.send_blocked.add(self)
                 try:
