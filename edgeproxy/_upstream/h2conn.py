@@ -49,7 +49,7 @@ from edgeproxy._http2.engine import (
     peer_defaults,
     received_end_stream,
 )
-from edgeproxy._http2.fields import Malformed, parse_fields, request_method
+from edgeproxy._http2.fields import Malformed, parse_fields
 from edgeproxy._http2.staticpack import TABLE_SIZE_ZERO, encode_block
 from edgeproxy._http2.windows import take_data, window_update_due
 from edgeproxy._http2.writes import QueuedWrites
@@ -562,7 +562,7 @@ class Connection(QueuedWrites, asyncio.Protocol):
         h2conn = self.h2
         try:
             stream_id = h2conn.get_next_available_stream_id()
-            self._send_head(stream_id, headers, end_stream)
+            method = self._send_head(stream_id, headers, end_stream)
         except h2.exceptions.TooManyStreamsError:
             return None
         except h2.exceptions.NoAvailableStreamIDError:
@@ -573,7 +573,7 @@ class Connection(QueuedWrites, asyncio.Protocol):
             # sent, so the request can go elsewhere.
             self.close(UpstreamProtocolError(f"HTTP/2 connection unusable: {exc}"))
             return None
-        stream = Stream(self, stream_id, head=request_method(headers) == "HEAD")
+        stream = Stream(self, stream_id, head=method == "HEAD")
         stream.local_ended = end_stream
         self.streams[stream_id] = stream
         self.idle_since = None
@@ -586,13 +586,13 @@ class Connection(QueuedWrites, asyncio.Protocol):
         self.flush_soon()
         return stream
 
-    def _send_head(self, stream_id: int, headers: list[tuple[str, str]], end_stream: bool) -> None:
+    def _send_head(self, stream_id: int, headers: list[tuple[str, str]], end_stream: bool) -> str:
         """h2's ``send_headers`` for a new request stream, without its frame objects: h2's
         checks and state transitions in its order, the header block encoded with the
         static table alone (:mod:`~edgeproxy._http2.staticpack`), framed here.
 
         h2's own encoder is never used, so the peer's dynamic table stays empty and no
-        block depends on another."""
+        block depends on another. Returns the request's method ("" without one)."""
         h2conn = self.h2
         limit = h2conn.remote_settings.max_concurrent_streams
         if h2conn.open_outbound_streams + 1 > limit:
@@ -604,9 +604,18 @@ class Connection(QueuedWrites, asyncio.Protocol):
         if self._table_size_due:
             self._table_size_due = False
             block = TABLE_SIZE_ZERO + block
-        stream._authority = h2.utilities.authority_from_headers(headers)
-        stream.request_method = h2.utilities.extract_method_header(headers)
+        # What h2's send_headers notes of the request, from its leading pseudo-header fields.
+        method = ""
+        for name, value in headers:
+            if name == ":method":
+                method = value
+                stream.request_method = value.encode()
+            elif name == ":authority":
+                stream._authority = value.encode()
+            elif name[:1] != ":":
+                break
         request_headers(h2conn, stream, block, end_stream)
+        return method
 
     def send_window(self, stream_id: int) -> int:
         """What ``stream_id`` may send now (h2's ``local_flow_control_window``)."""
