@@ -20,10 +20,17 @@
   per long-lived connection); only streams closed by RST_STREAM are kept, and
   only the last :data:`~edgeproxy._http2.engine.RESET_STREAMS_KEPT` of them
   (:class:`~edgeproxy._http2.engine.ResetStreams`).
+* A response's HEADERS and DATA frames, and a request's, pass without h2's frame objects,
+  events and state machines' calls wherever h2 would only count them and move the
+  stream on (``_fast_headers``, ``_fast_data``, :mod:`~edgeproxy._upstream.h2send`); h2
+  takes every other frame, and the header blocks of both paths go through its one HPACK
+  decoder. Request header blocks use the static table alone
+  (:mod:`~edgeproxy._http2.staticpack`), so h2's encoder is never used.
 
-With :mod:`~edgeproxy._upstream.h2clientengine`, this is the only module of the upstream layer
-that imports the HTTP/2 protocol engine (``h2`` and ``hpack``); what the listener shares of
-it is :mod:`edgeproxy._http2`.
+With :mod:`~edgeproxy._upstream.h2clientengine`, :mod:`~edgeproxy._upstream.h2frames`
+and :mod:`~edgeproxy._upstream.h2send`, this is the only module of the upstream layer that
+imports the HTTP/2 protocol engine (``h2`` and ``hpack``); what the listener shares of it
+is :mod:`edgeproxy._http2`.
 """
 
 from __future__ import annotations
@@ -54,7 +61,13 @@ from edgeproxy._http2.staticpack import TABLE_SIZE_ZERO, encode_block
 from edgeproxy._http2.windows import window_update_due
 from edgeproxy._http2.writes import QueuedWrites
 from edgeproxy._upstream.h2clientengine import ClientEngine, MalformedData, MalformedHeaders
-from edgeproxy._upstream.h2frames import ENDED, TAKEN, header_block, split_response_frames
+from edgeproxy._upstream.h2frames import (
+    ENDED,
+    TAKEN,
+    decode_error,
+    header_block,
+    split_response_frames,
+)
 from edgeproxy._upstream.h2head import final_head
 from edgeproxy._upstream.h2send import new_request_stream, request_data, request_headers
 from edgeproxy._upstream.h2stream import (
@@ -298,7 +311,7 @@ class Connection(QueuedWrites, asyncio.Protocol):
         try:
             decoded = h2conn.decoder.decode(block, raw=True)
         except Exception as exc:
-            error = _hpack_error(exc)
+            error = decode_error(exc)
             h2conn._terminate_connection(error.error_code)
             self._protocol_error(error, b"")
             return ENDED
@@ -745,19 +758,6 @@ class Connection(QueuedWrites, asyncio.Protocol):
 
 def _pairs(decoded: list[tuple[bytes, bytes, bool]]) -> list[tuple[bytes, bytes]]:
     return [(name, value) for name, value, _ in decoded]
-
-
-def _hpack_error(exc: Exception) -> h2.exceptions.ProtocolError:
-    """The connection error h2 makes of what its HPACK decoder raised (its
-    ``_decode_headers``); what h2 would let through is re-raised."""
-    if isinstance(exc, h2.connection.OversizedHeaderListError):
-        # A header list past our SETTINGS_MAX_HEADER_LIST_SIZE: an HPACK bomb.
-        return h2.exceptions.DenialOfServiceError(f"Oversized header block: {exc}")
-    if isinstance(
-        exc, h2.connection.HPACKError | IndexError | TypeError | UnicodeDecodeError
-    ) or "index out of bounds" in str(exc):
-        return h2.exceptions.ProtocolError(f"Error decoding header block: {exc}")
-    raise exc
 
 
 def _error_name(code: int) -> str:

@@ -1,7 +1,8 @@
 """A client connection's incoming bytes cut into frames, as
 :func:`edgeproxy._http2.frames.split_frames` cuts them, except that a response's HEADERS
 frames are offered to a fast path too, as unpadded DATA frames are: the frames of a
-whole response can then pass without the protocol engine.
+whole response can then pass without the protocol engine; and the connection error jh2
+makes of a header block its HPACK decoder cannot decode.
 """
 
 from __future__ import annotations
@@ -9,9 +10,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Final
 
+import jh2.connection
+import jh2.exceptions
+
 from edgeproxy._http2.frames import FRAME_HEADER
 
-__all__ = ["ENDED", "TAKEN", "header_block", "split_response_frames"]
+__all__ = ["ENDED", "TAKEN", "decode_error", "header_block", "split_response_frames"]
 
 TAKEN: Final = 1
 """What a fast path returns for a frame it took (0: declined, the engine takes it)."""
@@ -90,3 +94,16 @@ def header_block(stream_id: int, buf: bytes, start: int, end: int, flags: int) -
             return None
         start += 5
     return buf[start:end]
+
+
+def decode_error(exc: Exception) -> jh2.exceptions.ProtocolError:
+    """The connection error jh2 makes of what its HPACK decoder raised (its
+    ``_decode_headers``); what jh2 would let through is re-raised."""
+    if isinstance(exc, jh2.connection.OversizedHeaderListError):
+        # A header list past our SETTINGS_MAX_HEADER_LIST_SIZE: an HPACK bomb.
+        return jh2.exceptions.DenialOfServiceError(f"Oversized header block: {exc}")
+    if isinstance(
+        exc, jh2.connection.HPACKError | IndexError | TypeError | UnicodeDecodeError
+    ) or "index out of bounds" in str(exc):
+        return jh2.exceptions.ProtocolError(f"Error decoding header block: {exc}")
+    raise exc
