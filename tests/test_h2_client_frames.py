@@ -12,7 +12,7 @@ malformed response its stream's error is checked on the fast path, with jh2's
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any, cast
 
 import hpack
@@ -606,20 +606,3 @@ async def test_a_new_request_stream_is_the_one_jh2_would_begin(peer: Peer) -> No
     # An id jh2 would refuse goes to jh2, which refuses it.
     with pytest.raises(h2conn.h2.exceptions.StreamIDTooLowError):
         h2send.new_request_stream(engine, 1)
-
-
-async def test_a_body_that_needs_no_wait_is_sent_at_once_and_any_other_is_left(
-    peer: Peer,
-) -> None:
-    async def streamed() -> AsyncIterator[bytes]:
-        yield b"x"
-
-    stream = peer.conn.streams[peer.open(end=False)]
-    assert not stream.send_now(streamed())
-    assert not stream.send_now(b"x" * 70_000)  # past one frame and the stream window
-    assert not [f for f in peer.written() if isinstance(f, hf.DataFrame)]
-    assert stream.send_now(b'{"a": 1}') and stream.local_ended
-    data = [f for f in peer.written() if isinstance(f, hf.DataFrame)]
-    assert [(f.data, "END_STREAM" in f.flags) for f in data] == [(b'{"a": 1}', True)]
-    assert peer.conn.h2.streams[stream.id].state_machine.state is h2conn._HALF_CLOSED_LOCAL
-    assert peer.conn.streams[peer.open()].send_now(None)

@@ -279,8 +279,7 @@ class H2Pool:
                 continue
             must_wait = False
             try:
-                if not stream.send_now(body):
-                    await stream.send_body(body, limits.write_timeout)
+                await stream.send_body(body, limits.write_timeout)
                 await stream.wait_headers(limits.read_timeout)
             except RefusedStream:
                 stream.close()

@@ -177,29 +177,6 @@ class Stream:
 
     # -- sending ---------------------------------------------------------
 
-    def send_now(self, body: Body) -> bool:
-        """Send a body that needs no waiting (none, or bytes within the send windows and
-        one frame) as :meth:`send_body` would, without its coroutines; False where
-        :meth:`send_body` must (a streamed body, a window or frame too small, a stream
-        that failed or was let go), having sent nothing."""
-        if body is None:
-            return True
-        if not isinstance(body, bytes | bytearray | memoryview):
-            return False
-        conn = self.conn
-        if self.error is not None or self.released or not conn.writable:
-            return False
-        view = memoryview(body).cast("B")
-        size = len(view)
-        if size > conn.send_window(self.id) or size > conn.h2.max_outbound_frame_size:
-            return False
-        conn.send_data(self.id, view, True)
-        conn.flush_soon()
-        self.local_ended = True
-        if self.remote_ended:
-            conn.release(self)
-        return True
-
     async def send_body(self, body: Body, write_timeout: float) -> None:
         if body is None:
             return
