@@ -206,10 +206,12 @@ async def test_informational_responses_and_trailers_pass(peer: Peer) -> None:
 
 
 async def test_the_decoder_follows_the_dynamic_table_across_both_paths(peer: Peer) -> None:
-    # Blocks that index fields (the encoder's default), some decoded on the fast path and
-    # one by jh2 (a header block split into CONTINUATION frames): each later block
-    # refers to entries the earlier ones added, whichever path decoded them.
+    # Blocks that index fields (the encoder's default): decoded on the fast path, by jh2
+    # (the response of a stream we reset) and gathered from CONTINUATION frames. Each
+    # later block refers to entries the earlier ones added, whichever path decoded them.
     ids = [peer.open() for _ in range(4)]
+    peer.conn.streams[ids[1]].close()
+    peer.written()
     for n, stream_id in enumerate(ids):
         fields = [(b":status", b"200"), (b"x-region", b"eu-west"), (b"x-n", str(n).encode())]
         if n == 2:
@@ -218,13 +220,121 @@ async def test_the_decoder_follows_the_dynamic_table_across_both_paths(peer: Pee
             rest = hf.ContinuationFrame(stream_id, data=block[3:], flags=["END_HEADERS"])
             peer.send(first, rest)
         else:
-            peer.send(peer.headers(stream_id, fields, "END_STREAM"))
+            peer.send(peer.headers(stream_id, fields))
     for n, stream_id in enumerate(ids):
-        stream = peer.conn.streams.get(stream_id)
-        if stream is not None:  # n == 2 has not ended
-            assert stream.headers == [("x-region", "eu-west"), ("x-n", str(n))]
+        if n != 1:
+            headers = peer.conn.streams[stream_id].headers
+            assert headers == [("x-region", "eu-west"), ("x-n", str(n))]
     assert not peer.conn.closing
-    assert not resets(peer.written())
+    assert resets(peer.written()) == {ids[1]: STREAM_CLOSED}
+
+
+# -- header blocks in CONTINUATION frames ------------------------------------------------
+
+
+def split_block(
+    peer: Peer, stream_id: int, fields: list[tuple[bytes, bytes]], *flags: str
+) -> list[Any]:
+    """A HEADERS frame (with ``flags``) and CONTINUATION frames of 5 bytes each."""
+    block = peer.encoder.encode(fields)
+    first = hf.HeadersFrame(stream_id, data=block[:5], flags=list(flags))
+    rest = [hf.ContinuationFrame(stream_id, data=block[i : i + 5]) for i in range(5, len(block), 5)]
+    rest[-1].flags.add("END_HEADERS")
+    return [first, *rest]
+
+
+@pytest.mark.usefixtures("no_engine")
+@pytest.mark.parametrize("split", [1, 7, 4096])
+async def test_a_block_in_continuation_frames_passes_without_the_engine(
+    peer: Peer, split: int
+) -> None:
+    stream_id = peer.open()
+    stream = peer.conn.streams[stream_id]
+    fields = [(b":status", b"200"), (b"content-type", b"text/plain"), (b"x-long", b"v" * 40)]
+    frames = split_block(peer, stream_id, fields, "PADDED", "PRIORITY")
+    frames[0].pad_length = 2
+    frames[0].depends_on = 0
+    raw = b"".join(f.serialize() for f in frames)
+    raw += hf.DataFrame(stream_id, data=b"ok", flags=["END_STREAM"]).serialize()
+    for start in range(0, len(raw), split):
+        peer.conn.data_received(raw[start : start + split])
+    assert stream.status == 200 and stream.remote_ended and stream.error is None
+    assert stream.headers[-1] == ("x-long", "v" * 40)
+    assert await stream.read(1.0) == b"ok"
+    # The next block refers to what this one added to the table.
+    other = peer.open()
+    peer.send(peer.headers(other, fields, "END_STREAM"))
+    assert other not in peer.conn.streams and not peer.conn.closing
+
+
+@pytest.mark.usefixtures("no_engine")
+async def test_a_block_in_continuation_frames_may_end_the_stream(peer: Peer) -> None:
+    stream_id = peer.open()
+    stream = peer.conn.streams[stream_id]
+    peer.send(
+        *split_block(peer, stream_id, [(b":status", b"204"), (b"x-a", b"1" * 9)], "END_STREAM")
+    )
+    assert stream.status == 204 and stream.remote_ended and stream.released
+
+
+INTERLOPERS = {
+    "ping": lambda stream_id: hf.PingFrame(0, opaque_data=b"12345678"),
+    "data": lambda stream_id: hf.DataFrame(stream_id, data=b"x"),
+    "headers": lambda stream_id: hf.HeadersFrame(
+        stream_id + 2, data=b"\x88", flags=["END_HEADERS"]
+    ),
+    "continuation-elsewhere": lambda stream_id: hf.ContinuationFrame(
+        stream_id + 2, data=b"\x88", flags=["END_HEADERS"]
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(INTERLOPERS))
+async def test_any_other_frame_inside_a_block_is_a_connection_error(peer: Peer, name: str) -> None:
+    stream_id = peer.open()
+    peer.open()
+    stream = peer.conn.streams[stream_id]
+    frames = split_block(peer, stream_id, [(b":status", b"200"), (b"x-a", b"1" * 9)])
+    peer.send(frames[0], INTERLOPERS[name](stream_id), *frames[1:])
+    assert peer.conn.closing
+    assert stream.error is not None and "protocol error" in str(stream.error)
+    assert goaway(list(frames_of(bytes(peer.wire.out)))) == PROTOCOL_ERROR
+
+
+async def test_a_block_of_too_many_or_too_large_frames_is_a_connection_error(
+    peer: Peer,
+) -> None:
+    stream_id = peer.open()
+    fields = [(b":status", b"200"), (b"x-a", b"1" * 400)]
+    block = peer.encoder.encode(fields)
+    frames = [hf.HeadersFrame(stream_id, data=block[:1])]
+    frames += [hf.ContinuationFrame(stream_id, data=block[i : i + 1]) for i in range(1, 70)]
+    peer.send(*frames)
+    assert peer.conn.closing
+    assert goaway(list(frames_of(bytes(peer.wire.out)))) == PROTOCOL_ERROR
+
+
+async def test_a_continuation_past_the_frame_size_is_a_frame_size_error(peer: Peer) -> None:
+    stream_id = peer.open()
+    frames = split_block(peer, stream_id, [(b":status", b"200"), (b"x-a", b"1" * 9)])
+    frames[-1].data += b"\x00" * 16384  # the frame's length is declared, and too long
+    peer.send(*frames)
+    assert peer.conn.closing
+    assert goaway(list(frames_of(bytes(peer.wire.out)))) == 0x6
+
+
+async def test_a_block_of_a_stream_let_go_meanwhile_goes_to_the_engine(peer: Peer) -> None:
+    stream_id = peer.open()
+    other = peer.open()
+    fields = [(b":status", b"200"), (b"x-shared", b"entry" * 3)]
+    frames = split_block(peer, stream_id, fields)
+    peer.send(frames[0])
+    peer.conn.streams[stream_id].close()  # a timeout, say, before the block ended
+    peer.send(*frames[1:])
+    assert not peer.conn.closing
+    peer.send(peer.headers(other, fields))
+    assert peer.conn.streams[other].headers == [("x-shared", "entry" * 3)]
+    assert resets(peer.written()) == {stream_id: STREAM_CLOSED}
 
 
 # -- malformed responses: a stream error each -----------------------------------------

@@ -57,6 +57,7 @@ from edgeproxy._http2.engine import (
     received_end_stream,
 )
 from edgeproxy._http2.fields import Malformed, parse_fields
+from edgeproxy._http2.frames import header_frames
 from edgeproxy._http2.staticpack import TABLE_SIZE_ZERO, encode_block
 from edgeproxy._http2.windows import window_update_due
 from edgeproxy._http2.writes import QueuedWrites
@@ -64,16 +65,16 @@ from edgeproxy._upstream.h2clientengine import ClientEngine, MalformedData, Malf
 from edgeproxy._upstream.h2frames import (
     ENDED,
     TAKEN,
+    GatheredBlock,
     decode_error,
     header_block,
     split_response_frames,
 )
-from edgeproxy._upstream.h2head import final_head
+from edgeproxy._upstream.h2head import block_steps
 from edgeproxy._upstream.h2send import new_request_stream, request_data, request_headers
 from edgeproxy._upstream.h2stream import (
     H2Response,
     Stream,
-    set_head,
     set_response_headers,
     timeout_waiter,
 )
@@ -112,6 +113,7 @@ _HEADER_TABLE_SIZE: Final = h2.settings.SettingCodes.HEADER_TABLE_SIZE
 # HEADERS fast path reads; its pure-Python fallback leaves every HEADERS frame to h2.
 _COMPILED_HPACK: Final = bool(h2.connection.ALTERNATIVE_HPACK)
 _END_HEADERS: Final = 0x4
+_HEADERS: Final = 0x1
 _STREAM_OPEN: Final = h2.stream.StreamState.OPEN
 _HALF_CLOSED_LOCAL: Final = h2.stream.StreamState.HALF_CLOSED_LOCAL
 
@@ -182,6 +184,8 @@ class Connection(QueuedWrites, asyncio.Protocol):
         # The peer changed SETTINGS_HEADER_TABLE_SIZE: the next request's header block
         # must say the (always empty) dynamic table we use is within it.
         self._table_size_due = False
+        # A response's header block in CONTINUATION frames, gathered by _fast_headers.
+        self._block: GatheredBlock | None = None
 
     # -- state -----------------------------------------------------------
 
@@ -244,6 +248,12 @@ class Connection(QueuedWrites, asyncio.Protocol):
 
     def _receive(self, frames: bytes) -> bool:
         """Hand complete frames to h2 and act on its events; False once the connection ends."""
+        if self._block is not None:
+            # Only the CONTINUATION frames of the header block gathered here may come.
+            self._connection_error(
+                h2.exceptions.ProtocolError("Invalid frame during header block.")
+            )
+            return False
         try:
             events = self.h2.receive_data(frames)
         except h2.exceptions.ProtocolError as exc:
@@ -273,24 +283,28 @@ class Connection(QueuedWrites, asyncio.Protocol):
         # before closing, since the connection state can't be trusted.
         self.close(UpstreamProtocolError(f"HTTP/2 protocol error from upstream: {exc}"))
 
-    def _fast_headers(self, stream_id: int, buf: bytes, start: int, end: int, flags: int) -> int:
-        """A HEADERS frame of a response taken without h2's frame objects, state machines
-        and events: TAKEN, 0 to leave it to h2, or ENDED once its header block ended the
-        connection (HPACK could not decode it).
+    def _fast_headers(
+        self, stream_id: int, buf: bytes, start: int, end: int, flags: int, kind: int
+    ) -> int:
+        """A response's HEADERS frame (``kind``), or a CONTINUATION of one, taken without
+        h2's frame objects, state machines and events: TAKEN, 0 to leave it to h2, or
+        ENDED once it ended the connection.
 
-        Taken where h2 would only decode it and move the stream on: the connection open,
-        no header block in progress, the frame within the size limit and its header block
-        whole (END_HEADERS), the stream one of ours and open for receiving. The block is
-        decoded by h2's own HPACK decoder, whose dynamic table must see every block in
-        order; then come h2's stream steps (a 1xx, the final response or trailers, and
-        END_STREAM) with the checks that make a malformed response its stream's error
-        (:class:`~edgeproxy._upstream.h2clientengine.ClientEngine`'s and
-        :func:`~edgeproxy._http2.fields.parse_fields`), as :meth:`_handle` applies them
-        to h2's events.
+        Taken where h2 would only decode the block and move the stream on: the connection
+        open, no header block of h2's in progress, the frame within the size limit, the
+        stream one of ours and open for receiving. A block in CONTINUATION frames is
+        gathered here, and until it ends any other frame is a connection error, as in h2.
+        The block is decoded by h2's own HPACK decoder, whose dynamic table must see every
+        block in order; then come h2's stream steps with the checks that make a malformed
+        response its stream's error (:func:`~edgeproxy._upstream.h2head.block_steps`).
         """
+        if self._block is not None:
+            return self._continue_block(stream_id, buf, start, end, flags, kind)
+        if kind != _HEADERS or not _COMPILED_HPACK:
+            return 0  # a CONTINUATION of h2's own block, or one h2 names the error of
         stream = self.streams.get(stream_id)
         h2conn = self.h2
-        if stream is None or stream.finished or not flags & _END_HEADERS or not _COMPILED_HPACK:
+        if stream is None or stream.finished:
             return 0
         h2stream = h2conn.streams.get(stream_id)
         if (
@@ -308,61 +322,54 @@ class Connection(QueuedWrites, asyncio.Protocol):
         block = header_block(stream_id, buf, start, end, flags)
         if block is None:
             return 0
-        try:
-            decoded = h2conn.decoder.decode(block, raw=True)
-        except Exception as exc:
-            error = decode_error(exc)
-            h2conn._terminate_connection(error.error_code)
-            self._protocol_error(error, b"")
-            return ENDED
-        reason = self._take_headers(stream, machine, decoded, flags & 1)
-        if reason:
-            self._malformed(stream_id, reason)
-        return TAKEN
+        if not flags & _END_HEADERS:
+            self._block = GatheredBlock(stream_id, block, flags & 1)
+            return TAKEN
+        return self._take_block(stream, machine, block, flags & 1)
 
-    def _take_headers(
-        self, stream: Stream, machine: Any, decoded: list[tuple[bytes, bytes, bool]], last: int
-    ) -> str:
-        """A decoded header block's steps on its stream; why it is malformed, or ""."""
-        # h2's test for a 1xx: the first :status among the leading pseudo-header fields.
-        informational = False
-        for name, value, _ in decoded:
-            if name == b":status":
-                informational = value[:1] == b"1"
-                break
-            if name[:1] != b":":
-                break
+    def _take_block(self, stream: Stream, machine: Any, block: bytes, last: int) -> int:
         try:
-            if informational:
-                if last:
-                    return "an informational (1xx) response ended the stream"
-                if machine.headers_received:
-                    return "an informational (1xx) response came after the final one"
-                parse_fields(_pairs(decoded), trailers=False)
-                return ""
-            if machine.headers_received:
-                if not last:
-                    return "trailers did not end the stream"
-                machine.trailers_received = True
-                received_end_stream(machine)
-                parse_fields(_pairs(decoded), trailers=True)
-                self._ended(stream)
-                return ""
-            machine.headers_received = True
-            if last:
-                received_end_stream(machine)
-            head = final_head(decoded)
-            if head is None:
-                set_response_headers(stream, _pairs(decoded))
-            else:
-                set_head(stream, *head)
-        except Malformed as exc:
-            return str(exc)
-        if last:
+            decoded = self.h2.decoder.decode(block, raw=True)
+        except Exception as exc:
+            return self._connection_error(decode_error(exc))
+        reason, ended = block_steps(stream, machine, decoded, last)
+        if reason:
+            self._malformed(stream.id, reason)
+        elif ended:
             self._ended(stream)
         else:
             stream.wake()
-        return ""
+        return TAKEN
+
+    def _continue_block(
+        self, stream_id: int, buf: bytes, start: int, end: int, flags: int, kind: int
+    ) -> int:
+        """A frame while a header block gathered here is in progress."""
+        gathered = cast(GatheredBlock, self._block)
+        h2conn = self.h2
+        size = h2conn.max_inbound_frame_size
+        got = gathered.add(stream_id, kind, buf, start, end, flags, size)
+        if got is None:
+            return TAKEN
+        self._block = None
+        if not isinstance(got, bytes):
+            return self._connection_error(got)
+        stream = self.streams.get(stream_id)
+        h2stream = h2conn.streams.get(stream_id)
+        if stream is not None and not stream.finished and h2stream is not None:
+            machine = h2stream.state_machine
+            if machine.state is _STREAM_OPEN or machine.state is _HALF_CLOSED_LOCAL:
+                return self._take_block(stream, machine, got, gathered.end_stream)
+        # The stream was let go meanwhile: h2 decodes the block and answers as it would.
+        last = bool(gathered.end_stream)
+        return TAKEN if self._receive(header_frames(stream_id, got, last, size)) else ENDED
+
+    def _connection_error(self, error: Exception) -> int:
+        """A connection error found on a fast path: GOAWAY naming it, as h2 would."""
+        self._block = None
+        self.h2._terminate_connection(cast(h2.exceptions.ProtocolError, error).error_code)
+        self._protocol_error(error, b"")
+        return ENDED
 
     def _fast_data(self, stream_id: int, buf: bytes, start: int, end: int, last: int) -> bool:
         """A DATA frame (not padded) taken without h2's frame objects, state machines and
@@ -375,7 +382,7 @@ class Connection(QueuedWrites, asyncio.Protocol):
         h2's two windows are charged, and its stream state changed, as h2 does.
         """
         stream = self.streams.get(stream_id)
-        if stream is None or stream.finished:
+        if stream is None or stream.finished or self._block is not None:
             return False
         length = end - start
         # edgeproxy._http2.windows.take_data's conditions and charges, the stream's states
@@ -754,10 +761,6 @@ class Connection(QueuedWrites, asyncio.Protocol):
             stream.fail(error)
         if self.transport is not None:
             self.transport.abort()
-
-
-def _pairs(decoded: list[tuple[bytes, bytes, bool]]) -> list[tuple[bytes, bytes]]:
-    return [(name, value) for name, value, _ in decoded]
 
 
 def _error_name(code: int) -> str:
