@@ -364,10 +364,10 @@ class Connection(QueuedWrites, asyncio.Protocol):
         last = bool(gathered.end_stream)
         return TAKEN if self._receive(header_frames(stream_id, got, last, size)) else ENDED
 
-    def _connection_error(self, error: Exception) -> int:
+    def _connection_error(self, error: h2.exceptions.ProtocolError) -> int:
         """A connection error found on a fast path: GOAWAY naming it, as h2 would."""
         self._block = None
-        self.h2._terminate_connection(cast(h2.exceptions.ProtocolError, error).error_code)
+        self.h2._terminate_connection(error.error_code)
         self._protocol_error(error, b"")
         return ENDED
 
