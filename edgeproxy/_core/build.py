@@ -25,10 +25,17 @@ COMPILED: Final = (
     "edgeproxy._http2.fields",
     "edgeproxy._http2.frames",
     "edgeproxy._http2.windows",
+    "edgeproxy._obtain.attempt",
+    "edgeproxy._obtain.failover",
+    "edgeproxy._obtain.forward",
     "edgeproxy._protocol.headers",
     "edgeproxy._protocol.sse",
     "edgeproxy._protocol.usage",
+    "edgeproxy._upstream.h2frames",
+    "edgeproxy._upstream.h2head",
+    "edgeproxy._upstream.h2send",
     "edgeproxy._upstream.h2stream",
+    "edgeproxy._upstream.http1",
 )
 
 
@@ -46,7 +53,7 @@ def compiled_modules() -> tuple[str, ...]:
 
 def build() -> str:
     """The build in words, as ``edgeproxy --version`` and ``/status`` give it: ``"pure
-    Python"``, ``"compiled (mypyc, 14 modules)"``, or a partial one named as such (a
+    Python"``, ``"compiled (mypyc, 19 modules)"``, or a partial one named as such (a
     compiled module missing means an install that mixes builds, worth knowing)."""
     count = len(compiled_modules())
     if count == 0:

@@ -42,10 +42,10 @@ class _Chunks:
             chunk = await self._content.readany()
         except aiohttp.EofStream:
             raise StopAsyncIteration from None
-        except TimeoutError as exc:
-            raise UpstreamTimeout("upstream read timed out", phase="read") from exc
-        except aiohttp.ClientError as exc:
-            raise UpstreamProtocolError(f"upstream body broke: {exc}") from exc
+        except TimeoutError as timed_out:
+            raise UpstreamTimeout("upstream read timed out", phase="read") from timed_out
+        except aiohttp.ClientError as broke:
+            raise UpstreamProtocolError(f"upstream body broke: {broke}") from broke
         if not chunk:
             raise StopAsyncIteration
         return chunk
@@ -147,10 +147,10 @@ class AiohttpPool:
                 await resp.read()
         except (aiohttp.ClientConnectionError, OSError) as exc:
             raise UpstreamConnectError(f"cannot connect to {self.origin}: {exc}") from exc
-        except TimeoutError as exc:
+        except TimeoutError as timed_out:
             raise UpstreamTimeout(
                 f"timed out connecting to {self.origin}", phase="connect"
-            ) from exc
+            ) from timed_out
 
     async def request(
         self,
@@ -175,19 +175,24 @@ class AiohttpPool:
                 allow_redirects=False,
                 compress=None,
             )
-        except aiohttp.ClientConnectorError as exc:
-            raise UpstreamConnectError(f"cannot connect to {self.origin}: {exc}") from exc
-        except aiohttp.ConnectionTimeoutError as exc:
+        # A name of its own per clause: the compiled build types each by its first clause.
+        except aiohttp.ClientConnectorError as refused:
+            raise UpstreamConnectError(f"cannot connect to {self.origin}: {refused}") from refused
+        except aiohttp.ConnectionTimeoutError as waited:
             # Waiting for a pooled connection or opening one: nothing was sent.
             raise UpstreamTimeout(
-                f"timed out connecting to {self.origin}: {exc}", phase="connect"
-            ) from exc
-        except aiohttp.ServerTimeoutError as exc:
-            raise UpstreamTimeout(f"upstream {self.origin} timed out: {exc}", phase="read") from exc
-        except TimeoutError as exc:
-            raise UpstreamTimeout(f"upstream {self.origin} timed out", phase="connect") from exc
-        except aiohttp.ClientError as exc:
-            raise UpstreamProtocolError(f"upstream {self.origin} failed: {exc}") from exc
+                f"timed out connecting to {self.origin}: {waited}", phase="connect"
+            ) from waited
+        except aiohttp.ServerTimeoutError as slow:
+            raise UpstreamTimeout(
+                f"upstream {self.origin} timed out: {slow}", phase="read"
+            ) from slow
+        except TimeoutError as timed_out:
+            raise UpstreamTimeout(
+                f"upstream {self.origin} timed out", phase="connect"
+            ) from timed_out
+        except aiohttp.ClientError as failed:
+            raise UpstreamProtocolError(f"upstream {self.origin} failed: {failed}") from failed
         if not 200 <= resp.status <= 599:
             # aiohttp returns a 101 (it skips other 1xx) and any three-digit
             # status as the final answer; neither can be relayed.
