@@ -2,9 +2,10 @@
 
 ``COMPILED`` is the one list of the modules a compiled build compiles: ``setup.py`` reads
 it (as a literal, without importing the package) when ``EDGEPROXY_COMPILE=1``, and
-:func:`build` looks at how each of them was loaded. The list holds the modules every
-request or every streamed event runs through, and only those whose compiled form measured
-cheaper (``docs/performance.md`` has the figures); the rest stay Python either way.
+:func:`build` looks at how each of them was loaded. The list holds the modules that
+``bench/instr_profile.py --by-module`` finds costliest per request or per streamed event
+and that compile as they are; the rest stay Python either way (``docs/performance.md``
+has the figures, and what kept the others out).
 """
 
 from __future__ import annotations
