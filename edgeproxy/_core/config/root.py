@@ -26,6 +26,7 @@ from edgeproxy._core.config.routing import HealthConfig, RoutingConfig
 from edgeproxy._core.config.server import AdminConfig, LimitsConfig, PopConfig, ServerConfig
 from edgeproxy._core.config.sharedload import SharedLoadConfig
 from edgeproxy._core.config.stateful import StatefulConfig
+from edgeproxy._core.config.structure import structure_problems
 from edgeproxy._core.config.upstream import RegionConfig, UpstreamConfig
 from edgeproxy._core.config.websocket import WebSocketConfig
 
@@ -134,6 +135,9 @@ class Config(Section):
             config = cls.model_validate(merged)
         except ValidationError as exc:
             errors = format_errors(exc, model=cls, origins=origins)
+            # Pydantic runs the whole config's checks only once every field passed, and
+            # stops at the first: these few, read from the parsed data, come in one pass.
+            errors += [p for p in structure_problems(merged) if p not in errors]
             raise ConfigError(errors, source=source) from None
         if base_dir is not None:
             config._base_dir = Path(base_dir).resolve()
@@ -145,19 +149,19 @@ class Config(Section):
         return self._base_dir
 
     @model_validator(mode="after")
-    def _check_regions(self) -> Config:
-        if not self.regions:
-            raise ValueError("regions: at least one [[regions]] entry is required")
-        seen: set[str] = set()
-        for region in self.regions:
-            if region.name in seen:
-                raise ValueError(f"regions: duplicate region name {region.name!r}")
-            seen.add(region.name)
-        names: set[str] = set()
-        for route in self.routes:
-            if route.name in names:
-                raise ValueError(f"routes: duplicate route name {route.name!r}")
-            names.add(route.name)
+    def _check_structure(self) -> Config:
+        # The same checks that from_mapping runs on the parsed data when a field fails.
+        shape = self.model_dump(
+            include={
+                "regions": {"__all__": {"name"}},
+                "routes": {"__all__": {"name", "fallback"}},
+                "local_model": {"path"},
+            }
+        )
+        problems = structure_problems(shape)
+        if problems:
+            # One error per validator: from_mapping adds the others.
+            raise ValueError(problems[0])
         return self
 
     @model_validator(mode="after")
