@@ -20,10 +20,13 @@ import orjson
 
 from edgeproxy._core.build import build
 from edgeproxy._core.config import (
+    CONFIG_ENV,
+    DEFAULT_CONFIG_PATH,
     Config,
     ConfigError,
     config_docs_markdown,
-    load_config,
+    find_config,
+    load_found,
 )
 from edgeproxy._core.version import __version__
 from edgeproxy._opscli import add_commands as add_operator_commands
@@ -109,8 +112,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from edgeproxy._server.app import serve
     from edgeproxy._server.supervisor import Supervisor
 
+    found = find_config(args.config)
+
     def load() -> Config:
-        return _apply_flags(load_config(args.config), args)
+        return _apply_flags(load_found(found), args)
 
     try:
         config = load()
@@ -154,14 +159,16 @@ def _cmd_worker(args: argparse.Namespace) -> int:
 def _cmd_check_config(args: argparse.Namespace) -> int:
     from edgeproxy._server.tls import check_tls_files
 
+    found = find_config(args.file)
     try:
-        config = load_config(args.file)
+        config = load_found(found)
         check_tls_files(config)
     except ConfigError as exc:
         print(f"edgeproxy: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     names = ", ".join(r.name for r in config.regions)
-    print(f"{args.file}: OK ({len(config.regions)} regions: {names})")
+    count = len(config.regions)
+    print(f"{found.describe()}: OK ({count} region{'' if count == 1 else 's'}: {names})")
     return 0
 
 
@@ -181,6 +188,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         return EXIT_CONFIG
 
 
+_CONFIG_HELP = f"the TOML config (default: ${CONFIG_ENV}, else {DEFAULT_CONFIG_PATH})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="edgeproxy",
@@ -196,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     serve = sub.add_parser("serve", help="run the proxy from a TOML config file")
-    serve.add_argument("--config", required=True, help="path to the TOML config")
+    serve.add_argument("--config", help=_CONFIG_HELP)
     _add_listener_flags(serve)
     serve.add_argument("--workers", help="[server] workers: a number, or 'auto' (one per core)")
     serve.set_defaults(func=_cmd_serve)
@@ -210,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.set_defaults(func=_cmd_worker)
 
     check = sub.add_parser("check-config", help="validate a config file and list every error")
-    check.add_argument("file")
+    check.add_argument("file", nargs="?", help=_CONFIG_HELP)
     check.set_defaults(func=_cmd_check_config)
 
     docs = sub.add_parser("config-docs", help="print every config key as a markdown table")

@@ -2,8 +2,12 @@
 ``status``, ``top``, ``reload``, ``purge``, and ``bench-client`` (a bounded load generator
 for smoke tests, against the client listener).
 
+Without ``--admin``, the admin listener's address is the ``[admin]`` section of the
+config ``serve`` reads (``--config``, ``EDGEPROXY_CONFIG`` or the default path), else
+:data:`DEFAULT_ADMIN` where there is no config at the default path.
+
 Every failure to reach or use the admin listener is one line on stderr and exit code 1,
-never a traceback; bad flags are argparse's exit code 2.
+never a traceback; bad flags, and a config that does not load, exit 2.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
@@ -26,6 +31,13 @@ import orjson
 from rich.console import Console
 from rich.live import Live
 
+from edgeproxy._core.config import (
+    CONFIG_ENV,
+    DEFAULT_CONFIG_PATH,
+    ConfigError,
+    find_config,
+    load_found,
+)
 from edgeproxy._opsview import status_view, top_view
 
 if TYPE_CHECKING:
@@ -43,13 +55,22 @@ MAX_CONCURRENCY = 256
 MIN_INTERVAL = 0.1
 
 
+# What a failure to reach the listener suggests, wherever its address came from.
+_WHERE_HINT = "set --admin URL or --config PATH"
+
+
 class OpsError(Exception):
-    """A failure the command reports as one line on stderr, exiting 1."""
+    """A failure the command reports on stderr, exiting ``code``: 1, or 2 for a config
+    that does not load (as ``serve`` exits for it)."""
+
+    def __init__(self, message: str, code: int = 1) -> None:
+        super().__init__(message)
+        self.code = code
 
 
-def _fail(message: str) -> int:
+def _fail(message: str, code: int = 1) -> int:
     print(f"edgeproxy: {message}", file=sys.stderr)
-    return 1
+    return code
 
 
 def _verify(cacert: str | None) -> ssl.SSLContext | bool:
@@ -79,11 +100,61 @@ def _error_text(response: httpx.Response) -> str:
     return response.text[:200].strip() or response.reason_phrase
 
 
-class Admin:
-    """The admin listener at ``url``: requests with the token, errors as :class:`OpsError`."""
+@dataclass(frozen=True, slots=True)
+class AdminAddress:
+    """Where the admin listener is, what said so, and the config's token if it has one."""
 
-    def __init__(self, url: str, *, token: str | None, cacert: str | None, timeout: float) -> None:
+    url: str
+    origin: str
+    token: str | None = None
+
+
+def admin_address(admin: str | None, config: str | None) -> AdminAddress:
+    """``--admin`` if given; else the ``[admin]`` section of the config ``serve`` would
+    read; else :data:`DEFAULT_ADMIN`, when no config names one and there is none at the
+    default path. :class:`OpsError` (exit 2) when that config does not load."""
+    if admin is not None:
+        return AdminAddress(admin, "given by --admin")
+    found = find_config(config)
+    if not found.named and not Path(found.path).exists():
+        return AdminAddress(
+            DEFAULT_ADMIN,
+            f"the default: no --admin, --config or {CONFIG_ENV}, and no {found.path}",
+        )
+    try:
+        loaded = load_found(found).admin
+    except ConfigError as exc:
+        raise OpsError(f"{exc}\n(give --admin URL to skip the config)", code=2) from None
+    where = f"{found.path}, " + ("named by " if found.named else "") + found.origin
+    if not loaded.enabled:
+        raise OpsError(f"[admin] of {where}: enabled = false, there is no listener to reach")
+    if loaded.port == 0:
+        raise OpsError(
+            f"[admin] of {where}: port = 0 is picked when the proxy starts (it logs it);"
+            " give --admin URL"
+        )
+    try:
+        token = loaded.resolved_token()
+    except ValueError:
+        token = None  # the variable is the server's, not set here: --token gives it
+    return AdminAddress(loaded.client_url(), f"from [admin] of {where}", token)
+
+
+class Admin:
+    """The admin listener at ``url``: requests with the token, errors as :class:`OpsError`.
+    ``origin`` says where the URL came from, for the errors."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        token: str | None,
+        cacert: str | None,
+        timeout: float,
+        origin: str = "given by --admin",
+    ) -> None:
         self.url = _check_url(url, "--admin")
+        self.origin = origin
         import httpx
 
         headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -101,10 +172,16 @@ class Admin:
         try:
             response = self._client.request(method, path, **kwargs)
         except httpx.TimeoutException:
-            raise OpsError(f"the admin listener at {self.url} did not answer in time") from None
+            raise OpsError(
+                f"the admin listener at {self.url} ({self.origin}) did not answer in time"
+                f" ({_WHERE_HINT})"
+            ) from None
         except httpx.HTTPError as exc:
             reason = str(exc) or type(exc).__name__
-            raise OpsError(f"cannot reach the admin listener at {self.url}: {reason}") from None
+            raise OpsError(
+                f"cannot reach the admin listener at {self.url} ({self.origin}): {reason}"
+                f" ({_WHERE_HINT})"
+            ) from None
         if response.status_code in (401, 403):
             raise OpsError(
                 f"the admin listener at {self.url} refused the request"
@@ -124,8 +201,15 @@ class Admin:
 
 
 def _admin(args: argparse.Namespace) -> Admin:
+    address = admin_address(args.admin, args.config)
     token = args.token if args.token is not None else os.environ.get(TOKEN_ENV) or None
-    return Admin(args.admin, token=token, cacert=args.cacert, timeout=args.timeout)
+    return Admin(
+        address.url,
+        token=token if token is not None else address.token,
+        cacert=args.cacert,
+        timeout=args.timeout,
+        origin=address.origin,
+    )
 
 
 def _with_admin(
@@ -137,11 +221,11 @@ def _with_admin(
         try:
             admin = _admin(args)
         except OpsError as exc:
-            return _fail(str(exc))
+            return _fail(str(exc), exc.code)
         try:
             return command(args, admin)
         except OpsError as exc:
-            return _fail(str(exc))
+            return _fail(str(exc), exc.code)
         except KeyboardInterrupt:
             return 130
         finally:
@@ -181,7 +265,14 @@ def _cmd_top(args: argparse.Namespace, admin: Admin) -> int:
 
     def frame() -> Any:
         updated = datetime.datetime.now().strftime("%H:%M:%S")
-        return top_view(status, admin=admin.url, updated=updated, error=error, width=console.width)
+        return top_view(
+            status,
+            admin=admin.url,
+            updated=updated,
+            error=error,
+            width=console.width,
+            live=not args.once,
+        )
 
     if args.once:
         console.print(frame())
@@ -216,12 +307,11 @@ def _cmd_reload(args: argparse.Namespace, admin: Admin) -> int:
         old = "the old generation" if body.get("in_place") else "the old workers"
         print(f"reloaded: generation {body.get('generation')} serving, {old} draining")
         return 0
-    unsupported = response.status_code == 409 and "reload_unsupported" in response.text
-    if response.status_code in (404, 405) or unsupported:
-        return _fail(
-            f"{admin.url} is a single process, which cannot reload its config: run it with"
-            " [server] workers >= 2 (a supervisor reloads by starting new workers) or restart it"
-        )
+    if response.status_code == 409 and "reload_unsupported" in response.text:
+        # A proxy embedded in a host application: serve, one process or several, reloads.
+        return _fail(f"{admin.url} cannot reload: {_error_text(response)}")
+    if response.status_code in (404, 405):
+        return _fail(f"{admin.url} has no POST /reload (an older edgeproxy): restart it")
     message = _error_text(response)
     if response.status_code == 409:
         return _fail(f"reload refused, the running config stays:\n{message}")
@@ -415,7 +505,15 @@ def _bounded(kind: type[int] | type[float], low: float, high: float) -> Any:
 def _connection_flags(parser: argparse.ArgumentParser, *, admin: bool) -> None:
     if admin:
         parser.add_argument(
-            "--admin", default=DEFAULT_ADMIN, help=f"admin listener URL (default {DEFAULT_ADMIN})"
+            "--admin",
+            default=None,
+            help=f"admin listener URL (default: [admin] of the config, else {DEFAULT_ADMIN})",
+        )
+        parser.add_argument(
+            "--config",
+            default=None,
+            help=f"the config whose [admin] to reach, as serve reads it (default:"
+            f" ${CONFIG_ENV}, else {DEFAULT_CONFIG_PATH} where it exists)",
         )
         parser.add_argument(
             "--token", default=None, help=f"admin bearer token (default: ${TOKEN_ENV})"
@@ -452,7 +550,8 @@ def add_commands(sub: Any) -> None:
     top.set_defaults(func=_with_admin(_cmd_top))
 
     reload = sub.add_parser(
-        "reload", help="reload the config (serve --workers N); non-zero with the errors if refused"
+        "reload",
+        help="reload the running proxy's config from its file; non-zero with the errors if refused",
     )
     _connection_flags(reload, admin=True)
     reload.set_defaults(func=_with_admin(_cmd_reload))

@@ -250,10 +250,17 @@ def _float(value: Any) -> float | None:
 
 
 def top_view(
-    status: dict[str, Any] | None, *, admin: str, updated: str, error: str | None, width: int
+    status: dict[str, Any] | None,
+    *,
+    admin: str,
+    updated: str,
+    error: str | None,
+    width: int,
+    live: bool = True,
 ) -> RenderableType:
     """One frame of ``edgeproxy top``: the status view with the latency sparklines; the
-    last good ``status`` with the error above it when the admin stopped answering."""
+    last good ``status`` with the error above it when the admin stopped answering.
+    ``live``: frames follow until Ctrl-C, which the frame says (not for ``--once``)."""
     title = Text(f"edgeproxy top  {admin}  {updated}", style="bold reverse")
     parts: list[RenderableType] = [title]
     if error is not None:
@@ -263,5 +270,6 @@ def top_view(
         workers = workers_table(status)
         if workers is not None:
             parts.append(workers)
-    parts.append(Text("Ctrl-C quits", style="dim"))
+    if live:
+        parts.append(Text("Ctrl-C quits", style="dim"))
     return Group(*parts)

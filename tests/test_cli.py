@@ -28,7 +28,7 @@ def test_check_config_ok(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     path = tmp_path / "edge.toml"
     path.write_text('[[regions]]\nname = "a"\nurl = "http://127.0.0.1:9101"\n')
     assert main(["check-config", str(path)]) == 0
-    assert "OK (1 regions: a)" in capsys.readouterr().out
+    assert "OK (1 region: a)" in capsys.readouterr().out
 
 
 def test_check_config_lists_every_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -197,13 +197,13 @@ async def test_an_https_admin_is_verified_with_cacert(
         await runner.cleanup()
 
 
-async def test_reload_on_a_single_process_exits_non_zero(
+async def test_reload_of_an_embedded_proxy_exits_non_zero(
     make_region: RegionFactory, make_proxy: ProxyFactory, capsys: pytest.CaptureFixture[str]
 ) -> None:
     proxy = await make_proxy([await make_region("ap-1")])
     code, _, err = await run_cli(["reload", "--admin", proxy.admin_url], capsys)
     assert code == 1
-    assert "is a single process, which cannot reload its config" in err
+    assert "cannot reload: this proxy has no config file to read again" in err
 
 
 async def test_purge_by_key_prefix_and_tenant(

@@ -25,7 +25,15 @@ from edgeproxy._core.config.docs import config_docs_markdown, iter_config_keys
 from edgeproxy._core.config.env import ENV_PREFIX
 from edgeproxy._core.config.errors import ConfigError
 from edgeproxy._core.config.geo import BUILTIN_GROUPS, GeoConfig
-from edgeproxy._core.config.loader import config_from_mapping, load_config
+from edgeproxy._core.config.loader import (
+    CONFIG_ENV,
+    DEFAULT_CONFIG_PATH,
+    ConfigPath,
+    config_from_mapping,
+    find_config,
+    load_config,
+    load_found,
+)
 from edgeproxy._core.config.local_model import LocalModelConfig
 from edgeproxy._core.config.observability import (
     DEFAULT_LATENCY_BUCKETS,
@@ -52,6 +60,8 @@ from edgeproxy._core.config.websocket import WebSocketConfig
 
 __all__ = [
     "BUILTIN_GROUPS",
+    "CONFIG_ENV",
+    "DEFAULT_CONFIG_PATH",
     "DEFAULT_FALLBACK",
     "DEFAULT_LATENCY_BUCKETS",
     "ENV_PREFIX",
@@ -62,6 +72,7 @@ __all__ = [
     "CacheConfig",
     "Config",
     "ConfigError",
+    "ConfigPath",
     "FallbackRung",
     "GeoConfig",
     "HealthConfig",
@@ -88,7 +99,9 @@ __all__ = [
     "check_redis_url",
     "config_docs_markdown",
     "config_from_mapping",
+    "find_config",
     "iter_config_keys",
     "load_config",
+    "load_found",
     "redis_settings",
 ]

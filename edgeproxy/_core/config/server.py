@@ -232,6 +232,14 @@ class AdminConfig(Section):
             )
         return self
 
+    def client_url(self) -> str:
+        """The URL a client on this machine reaches the listener at: a wildcard address
+        (every interface) is reached on loopback."""
+        host = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(self.host, self.host)
+        if ":" in host:
+            host = f"[{host}]"
+        return f"{'https' if self.tls_cert else 'http'}://{host}:{self.port}"
+
     def resolved_token(self, environ: Mapping[str, str] | None = None) -> str | None:
         """The token, ``token_env`` read from ``environ`` (``os.environ`` when None).
 
