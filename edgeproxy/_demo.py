@@ -7,6 +7,7 @@ import asyncio
 import importlib.util
 import os
 import signal
+from collections.abc import Mapping
 from typing import Any
 
 from edgeproxy._core.config import config_from_mapping
@@ -18,17 +19,28 @@ _DEMO_REGIONS: list[dict[str, Any]] = [
     {"name": "ap-northeast-1", "lat": 35.68, "lon": 139.69, "ttft_factor": 1.5},
     {"name": "us-west-2", "lat": 45.52, "lon": -122.68, "ttft_factor": 3.0},
 ]
+# The one model name the demo serves, the regions and the local model alike: the tiny local
+# model would answer any name with its gibberish and a 200, so that a mistyped name would
+# look as if it worked; it gets the usual 404 model_not_found instead.
+DEMO_MODEL = "demo"
+# Variables that say which names the local model answers for: the demo then leaves it so.
+_NAMES_FROM_ENV = frozenset(
+    ("EDGEPROXY_LOCAL_MODEL__MODELS", "EDGEPROXY_LOCAL_MODEL__SERVE_ALL_MODELS")
+)
 
 
-def _demo_local_model() -> tuple[dict[str, Any] | None, str]:
+def _demo_local_model(environ: Mapping[str, str]) -> tuple[dict[str, Any] | None, str]:
     """The local model's settings and a line describing it.
 
     A configured model (``EDGEPROXY_LOCAL_MODEL__PATH``) wins; else the tiny
     random-weight test model is built, so the fallback can be seen with no download.
+    Either answers for the demo's model name only, unless the environment says which
+    names (``EDGEPROXY_LOCAL_MODEL__MODELS`` or ``__SERVE_ALL_MODELS``).
     """
-    configured = os.environ.get("EDGEPROXY_LOCAL_MODEL__PATH")
+    names = {} if _NAMES_FROM_ENV.intersection(environ) else {"models": [DEMO_MODEL]}
+    configured = environ.get("EDGEPROXY_LOCAL_MODEL__PATH")
     if configured:
-        return None, configured
+        return names, configured
     if importlib.util.find_spec("llama_cpp") is None:
         return None, "off (pip install 'edgeproxy[local]' for llama-cpp-python)"
     try:
@@ -38,7 +50,7 @@ def _demo_local_model() -> tuple[dict[str, Any] | None, str]:
     except ImportError as exc:
         return None, f"off ({exc})"
     return (
-        {"path": str(path), "max_tokens": 64, "model_name": "local/tiny-demo"},
+        {"path": str(path), "max_tokens": 64, "model_name": "local/tiny-demo", **names},
         "tiny random-weight test model: gibberish by design "
         "(EDGEPROXY_LOCAL_MODEL__PATH=model.gguf for a real one)",
     )
@@ -48,11 +60,12 @@ async def run_demo(args: argparse.Namespace) -> int:
     from edgeproxy.testing import Behavior, FakeRegion
 
     count = max(1, min(args.regions, len(_DEMO_REGIONS)))
+    model = DEMO_MODEL
     fakes = [
         FakeRegion(
             name=spec["name"],
             # The model the requests below name: the proxy learns it from /v1/models.
-            model="demo",
+            model=model,
             behavior=Behavior(
                 ttft=args.ttft * float(spec["ttft_factor"]),
                 inter_token_delay=args.inter_token_delay,
@@ -80,8 +93,8 @@ async def run_demo(args: argparse.Namespace) -> int:
         }
         if args.grace_period is not None:
             data["server"]["grace_period"] = args.grace_period
-        local_model, local_line = _demo_local_model()
-        if local_model is not None:
+        local_model, local_line = _demo_local_model(os.environ)
+        if local_model:
             data["local_model"] = local_model
         config = config_from_mapping(data)
         proxy = EdgeProxy(config)
@@ -94,19 +107,21 @@ edgeproxy demo: PoP {config.pop.name}, {count} emulated regions
   admin   {proxy.admin_url}  (--admin-port moves it)
   status  {proxy.admin_url}/  (the status page; its JSON at /status)
   local   {local_line}
+  model   {model}, the one name the regions and the local model serve: any other
+          gets 404 model_not_found, as a real API answers a mistyped name
 
 Try:
   curl -s {url}/v1/chat/completions -H 'content-type: application/json' \\
-       -d '{{"model":"demo","messages":[{{"role":"user","content":"hello"}}]}}'
+       -d '{{"model":"{model}","messages":[{{"role":"user","content":"hello"}}]}}'
   curl -sN {url}/v1/chat/completions -H 'content-type: application/json' \\
-       -d '{{"model":"demo","stream":true,"messages":[{{"role":"user","content":"hello"}}]}}'
+       -d '{{"model":"{model}","stream":true,"messages":[{{"role":"user","content":"hello"}}]}}'
   curl -s {proxy.admin_url}/status
 
 Make every region fail, and the local model answers (X-Edgeproxy-Degraded: local-model):
   for r in {" ".join(f.url for f in fakes)}; do
     curl -s -X POST $r/_control -d '{{"fault":"5xx","fault_status":503}}'; done
   curl -si {url}/v1/chat/completions -H 'content-type: application/json' \\
-       -d '{{"model":"demo","messages":[{{"role":"user","content":"hello"}}]}}'
+       -d '{{"model":"{model}","messages":[{{"role":"user","content":"hello"}}]}}'
 Each request tries every region once (X-Edgeproxy-Attempts), then the local model answers,
 on every request: an outage is never the caller's fault. Repair them, and the next requests
 go back to the regions (a region failing often is ejected for 30 s first):
