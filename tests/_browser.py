@@ -7,11 +7,12 @@ import asyncio
 import contextlib
 import itertools
 import json
+import os
 import shutil
 import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import aiohttp
 import pytest
@@ -21,6 +22,19 @@ from .conftest import eventually, stop_process
 CHROMIUM = next(
     (p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None
 )
+# The tests that drive it: tests/test_statuspage.py, tests/test_browser_h2.py,
+# tests/test_http_version.py and tests/test_realtime.py (one test each, the second with two
+# cases). Where the browser is expected (.ci/run sets this), a missing one fails them rather
+# than skipping them, so that a CI without it cannot pass unnoticed.
+EXPECTED = os.environ.get("EDGEPROXY_EXPECT_CHROMIUM", "") not in ("", "0")
+NO_CHROMIUM = "no chromium binary (Debian: apt-get install chromium)"
+
+
+def no_browser(reason: str) -> NoReturn:
+    """Skip the test for ``reason``, or fail it where the browser is expected."""
+    if EXPECTED:
+        pytest.fail(f"{reason}, and EDGEPROXY_EXPECT_CHROMIUM is set (as .ci/run sets it)")
+    pytest.skip(reason)
 
 
 class Chromium:
@@ -80,7 +94,7 @@ class Chromium:
 async def launch(tmp_path: Path, *flags: str) -> AsyncIterator[Chromium]:
     """Headless Chromium with a fresh profile under ``tmp_path``; skips when there is none."""
     if CHROMIUM is None:
-        pytest.skip("no chromium binary (Debian: apt-get install chromium)")
+        no_browser(NO_CHROMIUM)
     profile = tmp_path / "chromium-profile"
     proc = subprocess.Popen(
         [
@@ -109,7 +123,7 @@ async def launch(tmp_path: Path, *flags: str) -> AsyncIterator[Chromium]:
                 lambda: port_file.exists() and port_file.read_text().count("\n") >= 1, 60
             )
         except AssertionError:
-            pytest.skip(f"chromium did not start (exit code {proc.poll()})")
+            no_browser(f"chromium did not start (exit code {proc.poll()})")
         port = int(port_file.read_text().split()[0])
         pages: list[dict[str, Any]] = []
         for _ in range(100):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import json
 import re
+import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import pytest
 
 from edgeproxy import EdgeProxy
 
-from ._browser import Chromium, launch
+from ._browser import CHROMIUM, EXPECTED, NO_CHROMIUM, Chromium, launch
 from .conftest import ProxyFactory, RegionFactory, eventually
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
@@ -107,3 +108,13 @@ async def test_status_page_in_headless_chromium_shows_regions_and_updates(
     (tmp_path / "status-page.png").write_bytes(png)
     ARTIFACTS.mkdir(exist_ok=True)
     (ARTIFACTS / "status-page.png").write_bytes(png)
+
+
+def test_the_browser_is_there_where_it_is_expected() -> None:
+    """.ci/run sets EDGEPROXY_EXPECT_CHROMIUM: there, the browser tests run, never skip."""
+    if not EXPECTED:
+        pytest.skip("EDGEPROXY_EXPECT_CHROMIUM is not set (.ci/run sets it)")
+    assert CHROMIUM is not None, NO_CHROMIUM
+    found = subprocess.run([CHROMIUM, "--version"], capture_output=True, timeout=60, check=False)
+    assert found.returncode == 0, found.stderr.decode(errors="replace")
+    assert b"Chromium" in found.stdout or b"Chrome" in found.stdout, found.stdout
