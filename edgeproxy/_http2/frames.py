@@ -18,6 +18,7 @@ from typing import Final
 __all__ = [
     "ENDED",
     "FRAME_HEADER",
+    "TAKEN",
     "TOO_LARGE",
     "FrameReader",
     "header_frames",
@@ -26,14 +27,17 @@ __all__ = [
 
 # The 9-byte frame header (RFC 9113 §4.1): length (24 bits), type, flags, stream id.
 FRAME_HEADER: Final = struct.Struct(">BHBBL")
+_DATA: Final = 0x0
 _HEADERS: Final = 0x1
 _CONTINUATION: Final = 0x9
 _END_STREAM: Final = 0x1
 _END_HEADERS: Final = 0x4
 _PADDED: Final = 0x8
 
+TAKEN: Final = 1
+"""What a fast path returns for a frame it took (0: declined, the engine takes it)."""
 ENDED: Final = -1
-"""What :meth:`FrameReader.feed` returns once the engine ended the connection."""
+"""What :meth:`FrameReader.feed` and a fast path return once the connection ended."""
 TOO_LARGE: Final = -2
 """What :meth:`FrameReader.feed` returns for a frame declared past the size limit."""
 _HEADER_SIZE: Final = FRAME_HEADER.size
@@ -62,12 +66,15 @@ def split_frames(
     buf: bytes,
     fast_data: Callable[[int, bytes, int, int, int], bool],
     receive: Callable[[bytes], bool],
+    fast_headers: Callable[[int, bytes, int, int, int, int], int] | None = None,
 ) -> int:
     """Walk the complete frames of ``buf``: each unpadded DATA frame is offered to
-    ``fast_data(stream_id, buf, start, end, end_stream)`` first, every other frame (and a
-    DATA frame it declines) goes to ``receive`` in runs, in the order received. Returns
-    where the incomplete rest starts, or -1 once ``receive`` returned False (the
-    connection ended). Both ends of a connection take DATA the same way."""
+    ``fast_data(stream_id, buf, start, end, end_stream)`` first and, where given, each
+    HEADERS and CONTINUATION frame to ``fast_headers(stream_id, buf, start, end, flags,
+    kind)`` (:data:`TAKEN`, 0 or :data:`ENDED`; the client's, for a response's head);
+    every other frame (and one they decline) goes to ``receive`` in runs, in the order
+    received. Returns where the incomplete rest starts, or -1 once the connection ended.
+    Both ends of a connection take DATA the same way."""
     size = len(buf)
     pos = 0
     run = -1  # where the run of frames for the engine started; -1: none
@@ -76,14 +83,26 @@ def split_frames(
         end = pos + 9 + (hi << 16 | lo)
         if end > size:
             break
-        if kind == 0 and not flags & _PADDED:
+        if (kind == _DATA and not flags & _PADDED) or (
+            fast_headers is not None and (kind == _HEADERS or kind == _CONTINUATION)
+        ):
             if run >= 0:
                 if not receive(buf[run:pos]):
                     return -1
                 run = -1
-            if fast_data(stream_id & 0x7FFFFFFF, buf, pos + 9, end, flags & 1):
-                pos = end
-                continue
+            stream_id &= 0x7FFFFFFF
+            if kind == _DATA:
+                if fast_data(stream_id, buf, pos + 9, end, flags & 1):
+                    pos = end
+                    continue
+            else:
+                assert fast_headers is not None
+                taken = fast_headers(stream_id, buf, pos + 9, end, flags, kind)
+                if taken == ENDED:
+                    return -1
+                if taken:
+                    pos = end
+                    continue
         if run < 0:
             run = pos
         pos = end

@@ -16,6 +16,10 @@ from edgeproxy._http2.frames import FRAME_HEADER
 
 __all__ = ["queue_data", "take_data", "window_update_due"]
 
+_OPEN: Final = jh2.stream.StreamState.OPEN
+_HALF_CLOSED_LOCAL: Final = jh2.stream.StreamState.HALF_CLOSED_LOCAL
+assert {_OPEN, _HALF_CLOSED_LOCAL} == RECEIVING
+
 _SEND_DATA: Final = jh2.connection.ConnectionInputs.SEND_DATA
 _STREAM_SEND_DATA: Final = jh2.stream.StreamInputs.SEND_DATA
 _STREAM_SEND_END_STREAM: Final = jh2.stream.StreamInputs.SEND_END_STREAM
@@ -39,7 +43,12 @@ def take_data(
     ):
         return None
     machine = h2stream.state_machine
-    if machine.state not in RECEIVING or (after_headers and not machine.headers_received):
+    state = machine.state
+    # RECEIVING's two states compared by identity: an Enum's hash is a Python call, and
+    # this runs for every DATA frame at either end.
+    if (state is not _OPEN and state is not _HALF_CLOSED_LOCAL) or (
+        after_headers and not machine.headers_received
+    ):
         return None
     conn_window = h2conn._inbound_flow_control_window_manager
     stream_window = h2stream._inbound_window_manager

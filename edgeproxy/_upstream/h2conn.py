@@ -57,9 +57,9 @@ from edgeproxy._http2.engine import (
     received_end_stream,
 )
 from edgeproxy._http2.fields import Malformed, parse_fields
-from edgeproxy._http2.frames import header_frames
+from edgeproxy._http2.frames import header_frames, split_frames
 from edgeproxy._http2.staticpack import TABLE_SIZE_ZERO, encode_block
-from edgeproxy._http2.windows import window_update_due
+from edgeproxy._http2.windows import take_data, window_update_due
 from edgeproxy._http2.writes import QueuedWrites
 from edgeproxy._upstream.h2clientengine import ClientEngine, MalformedData, MalformedHeaders
 from edgeproxy._upstream.h2frames import (
@@ -68,7 +68,6 @@ from edgeproxy._upstream.h2frames import (
     GatheredBlock,
     decode_error,
     header_block,
-    split_response_frames,
 )
 from edgeproxy._upstream.h2head import block_steps
 from edgeproxy._upstream.h2send import new_request_stream, request_data, request_headers
@@ -238,7 +237,7 @@ class Connection(QueuedWrites, asyncio.Protocol):
         # Complete frames only: the HEADERS and DATA frames of an open response take the
         # fast paths (_fast_headers, _fast_data), every other frame goes to h2 in runs, in
         # the order received.
-        pos = split_response_frames(buf, self._fast_data, self._fast_headers, self._receive)
+        pos = split_frames(buf, self._fast_data, self._receive, self._fast_headers)
         if pos < 0:
             return
         self._inbuf = buf[pos:] if pos < len(buf) else b""
@@ -385,29 +384,11 @@ class Connection(QueuedWrites, asyncio.Protocol):
         if stream is None or stream.finished or self._block is not None:
             return False
         length = end - start
-        # edgeproxy._http2.windows.take_data's conditions and charges, the stream's states
-        # compared by identity (an Enum's hash is a Python call): every DATA frame's cost.
-        h2conn = self.h2
-        h2stream = h2conn.streams.get(stream_id)
-        if (
-            h2stream is None
-            or length > h2conn.max_inbound_frame_size
-            or h2conn.incoming_buffer._headers_buffer
-            or h2conn.state_machine.state is not _CLIENT_OPEN
-        ):
+        h2stream = take_data(
+            self.h2, stream_id, length, connection_open=_CLIENT_OPEN, after_headers=True
+        )
+        if h2stream is None:
             return False
-        machine = h2stream.state_machine
-        state = machine.state
-        if (
-            state is not _STREAM_OPEN and state is not _HALF_CLOSED_LOCAL
-        ) or not machine.headers_received:
-            return False
-        conn_window = h2conn._inbound_flow_control_window_manager
-        stream_window = h2stream._inbound_window_manager
-        if conn_window.current_window_size < length or stream_window.current_window_size < length:
-            return False
-        conn_window.current_window_size -= length
-        stream_window.current_window_size -= length
         if length:
             stream.received_length += length
             expected = stream.expected_length
@@ -418,7 +399,7 @@ class Connection(QueuedWrites, asyncio.Protocol):
             stream.chunks.append(buf[start:end])
             stream.unacked += length
         if last:
-            received_end_stream(machine)
+            received_end_stream(h2stream.state_machine)
             self._ended(stream)
             return True
         stream.wake()

@@ -1,19 +1,18 @@
-"""A client connection's incoming bytes cut into frames, as
-:func:`edgeproxy._http2.frames.split_frames` cuts them, except that a response's HEADERS
-and CONTINUATION frames are offered to a fast path too, as unpadded DATA frames are: the frames of a
-whole response can then pass without the protocol engine; and the connection error jh2
-makes of a header block its HPACK decoder cannot decode.
+"""What the client's fast path for a response's HEADERS and CONTINUATION frames reads of
+them (:func:`edgeproxy._http2.frames.split_frames` offers them to it, as it offers unpadded
+DATA frames): the header block past padding and priority, a block gathered across
+CONTINUATION frames, and the connection error jh2 makes of a block its HPACK decoder
+cannot decode.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Final
 
 import jh2.connection
 import jh2.exceptions
 
-from edgeproxy._http2.frames import FRAME_HEADER
+from edgeproxy._http2.frames import ENDED, TAKEN
 
 __all__ = [
     "CONTINUATIONS_KEPT",
@@ -22,67 +21,14 @@ __all__ = [
     "GatheredBlock",
     "decode_error",
     "header_block",
-    "split_response_frames",
 ]
 
-TAKEN: Final = 1
-"""What a fast path returns for a frame it took (0: declined, the engine takes it)."""
-ENDED: Final = -1
-"""What a fast path returns once it ended the connection."""
-
-_DATA: Final = 0x0
-_HEADERS: Final = 0x1
 _CONTINUATION: Final = 0x9
 _END_HEADERS: Final = 0x4
 CONTINUATIONS_KEPT: Final = 64
 """jh2's bound on the CONTINUATION frames of one header block (its frame buffer's)."""
 _PADDED: Final = 0x8
 _PRIORITY: Final = 0x20
-
-
-def split_response_frames(
-    buf: bytes,
-    fast_data: Callable[[int, bytes, int, int, int], bool],
-    fast_headers: Callable[[int, bytes, int, int, int, int], int],
-    receive: Callable[[bytes], bool],
-) -> int:
-    """Walk the complete frames of ``buf``: an unpadded DATA frame is offered to
-    ``fast_data(stream_id, buf, start, end, end_stream)``, a HEADERS frame to
-    ``fast_headers(stream_id, buf, start, end, flags, kind)`` (:data:`TAKEN`, 0 or
-    :data:`ENDED`), every other frame (and one they decline) goes to ``receive`` in runs,
-    in the order received. Returns where the incomplete rest starts, or -1 once the
-    connection ended."""
-    size = len(buf)
-    pos = 0
-    run = -1  # where the run of frames for the engine started; -1: none
-    while size - pos >= 9:
-        hi, lo, kind, flags, stream_id = FRAME_HEADER.unpack_from(buf, pos)
-        end = pos + 9 + (hi << 16 | lo)
-        if end > size:
-            break
-        if kind == _HEADERS or kind == _CONTINUATION or (kind == _DATA and not flags & _PADDED):
-            if run >= 0:
-                if not receive(buf[run:pos]):
-                    return -1
-                run = -1
-            stream_id &= 0x7FFFFFFF
-            if kind == _DATA:
-                if fast_data(stream_id, buf, pos + 9, end, flags & 1):
-                    pos = end
-                    continue
-            else:
-                taken = fast_headers(stream_id, buf, pos + 9, end, flags, kind)
-                if taken == ENDED:
-                    return -1
-                if taken:
-                    pos = end
-                    continue
-        if run < 0:
-            run = pos
-        pos = end
-    if run >= 0 and not receive(buf[run:pos]):
-        return -1
-    return pos
 
 
 def header_block(stream_id: int, buf: bytes, start: int, end: int, flags: int) -> bytes | None:
