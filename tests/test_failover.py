@@ -382,17 +382,26 @@ async def test_deadline_race_hands_the_running_attempt_to_the_fallback(
         [{"name": "slow", "url": slow.url}],
         routes=chat_route(deadline=0.2, deadline_action="race"),
     )
-    failover = proxy.pipeline.failover
     handed: list[Any] = []
-    send = failover.send
 
-    async def spy(*args: Any, **kwargs: Any) -> Any:
-        result = await send(*args, **kwargs)
-        if isinstance(result, Failure):
-            handed.append((result.kind, result.error, result.pending))
-        return result
+    class Spy:
+        """The obtainer's failover, recording each failure it hands back (a wrapper, not
+        a patched method: the compiled build's classes take no new attributes)."""
 
-    failover.send = spy  # type: ignore[method-assign]
+        def __init__(self, real: Any) -> None:
+            self.real = real
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.real, name)
+
+        async def send(self, *args: Any, **kwargs: Any) -> Any:
+            result = await self.real.send(*args, **kwargs)
+            if isinstance(result, Failure):
+                handed.append((result.kind, result.error, result.pending))
+            return result
+
+    obtainer = proxy.pipeline.obtainer
+    obtainer.failover = Spy(obtainer.failover)
     async with aiohttp.ClientSession() as client:
         async with client.post(proxy.url + CHAT, json=BODY) as resp:
             # No local model to race against: the attempt is dropped, the deadline answers.

@@ -15,6 +15,7 @@ from multidict import CIMultiDict
 
 from edgeproxy._core.config import RouteConfig
 from edgeproxy._core.context import RequestContext, start_context
+from edgeproxy._obtain.attempt import Attempt
 from edgeproxy._obtain.failover import AttemptResponse
 from edgeproxy._protocol.dialects import OPENAI
 from edgeproxy._protocol.dialects import RESPONSES as RESPONSES_DIALECT
@@ -365,50 +366,55 @@ def test_what_a_request_refers_to_and_makes() -> None:
     assert refs(context("POST", "/v1/responses", body, json)) is None
 
 
-class _Attempt:
-    """What :meth:`AttemptResponse.read_more` uses of an attempt: its body so far."""
+class _Response:
+    """The upstream response an attempt holds (its head; the body is the attempt's)."""
 
-    def __init__(self, first: bytes, rest: list[bytes | Exception]) -> None:
-        self.first: bytes | None = first
-        self.eof = False
-        self.broken: list[Exception] = []
-
-        async def chunks() -> AsyncIterator[bytes]:
-            for chunk in rest:
-                if isinstance(chunk, Exception):
-                    raise chunk
-                yield chunk
-
-        self.iterator = chunks()
-
-    def broke(self, exc: Exception) -> None:
-        self.broken.append(exc)
+    status = 200
+    headers: list[tuple[str, str]] = []
+    http_version = "1.1"
 
 
-def answer_of(attempt: _Attempt) -> AttemptResponse:
-    answer = object.__new__(AttemptResponse)
-    answer.attempt = attempt  # type: ignore[assignment]
-    return answer
+async def _chunks(rest: list[bytes | Exception]) -> AsyncIterator[bytes]:
+    for chunk in rest:
+        if isinstance(chunk, Exception):
+            raise chunk
+        yield chunk
 
 
-async def test_a_created_objects_answer_in_pieces_is_read_on_until_its_id() -> None:
+def answer_of(proxy: Any, first: bytes, rest: list[bytes | Exception]) -> AttemptResponse:
+    """An attempt at the proxy's one region, as the attempt loop leaves it after its first
+    chunk, with the rest of the body to come from ``rest``: real objects, as the compiled
+    build takes no stand-ins for them."""
+    region = proxy.regions.by_name["r"]
+    attempt = Attempt(proxy.pipeline.failover, region, "primary", set())
+    attempt.response = _Response()
+    attempt.first, attempt.iterator = first, _chunks(rest)
+    return AttemptResponse(attempt, 1)
+
+
+async def test_a_created_objects_answer_in_pieces_is_read_on_until_its_id(
+    make_region: RegionFactory, make_proxy: ProxyFactory
+) -> None:
     # A region may send a JSON answer in several pieces: its id is read whole, and the
     # pieces are kept to be relayed as they came.
-    attempt = _Attempt(b'{"id": "file-', [b'1", "object": ', b'"file"}'])
-    assert created_id(OPENAI, attempt.first or b"", sse=False) is None
-    whole = await answer_of(attempt).read_more(1024)
+    region = await make_region("r")
+    proxy = await make_proxy([{"name": "r", "url": region.url}])
+    answer = answer_of(proxy, b'{"id": "file-', [b'1", "object": ', b'"file"}'])
+    assert created_id(OPENAI, answer.attempt.first or b"", sse=False) is None
+    whole = await answer.read_more(1024)
     assert created_id(OPENAI, whole, sse=False) == "file-1"
-    assert attempt.eof and attempt.first == b'{"id": "file-1", "object": "file"}'
+    assert answer.attempt.eof and answer.attempt.first == b'{"id": "file-1", "object": "file"}'
     # Bounded: what is past the limit is left to stream.
-    attempt = _Attempt(b"[", [b"1" * 10, b"2" * 10, b"3"])
-    assert await answer_of(attempt).read_more(15) == b"[" + b"1" * 10 + b"2" * 10
-    assert not attempt.eof
+    answer = answer_of(proxy, b"[", [b"1" * 10, b"2" * 10, b"3"])
+    assert await answer.read_more(15) == b"[" + b"1" * 10 + b"2" * 10
+    assert not answer.attempt.eof
     # A break is raised, counted against the region, and what came is kept.
-    broken = UpstreamError("reset")
-    attempt = _Attempt(b'{"id"', [b": ", broken])
+    errors = proxy.regions.by_name["r"].errors_total
+    answer = answer_of(proxy, b'{"id"', [b": ", UpstreamError("reset")])
     with pytest.raises(UpstreamError):
-        await answer_of(attempt).read_more(1024)
-    assert attempt.broken == [broken] and attempt.first == b'{"id": '
+        await answer.read_more(1024)
+    assert answer.attempt.first == b'{"id": '
+    assert proxy.regions.by_name["r"].errors_total == errors + 1
 
 
 def test_a_stream_announces_the_stored_response_in_its_first_event() -> None:
