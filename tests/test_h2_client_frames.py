@@ -25,54 +25,14 @@ from edgeproxy._upstream import h2conn, h2head
 from edgeproxy._upstream.h2pool import H2Pool
 from edgeproxy._upstream.pool import PoolLimits, UpstreamProtocolError
 
+from ._h2stubs import StubPool, Wire
+
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 PROTOCOL_ERROR = 0x1
 STREAM_CLOSED = 0x5
 COMPRESSION_OR_PROTOCOL = {0x1, 0x9}
 ENHANCE_YOUR_CALM = 0xB
 REQUEST = [(":method", "GET"), (":scheme", "http"), (":authority", "a"), (":path", "/")]
-
-
-class _StubPool:
-    origin = "http://stub"
-
-    def stream_budget(self, now: float | None = None) -> int:
-        return 0
-
-    def _learn_stream_budget(self, accepted: int) -> None: ...
-
-    def _slot_freed(self, conn: object) -> None: ...
-
-    def _capacity_changed(self, conn: object) -> None: ...
-
-    def _connection_gone(self, conn: object) -> None: ...
-
-
-class _Wire:
-    """A transport that keeps what the client wrote."""
-
-    def __init__(self) -> None:
-        self.out = bytearray()
-        self.closed = False
-
-    def write(self, data: bytes) -> None:
-        self.out += data
-
-    def take(self) -> bytes:
-        data, self.out = bytes(self.out), bytearray()
-        return data
-
-    def is_closing(self) -> bool:
-        return self.closed
-
-    def close(self) -> None:
-        self.closed = True
-
-    def abort(self) -> None:
-        self.closed = True
-
-    def get_extra_info(self, name: str) -> None:
-        return None
 
 
 def frames_of(data: bytes) -> Iterator[Any]:
@@ -87,7 +47,7 @@ def frames_of(data: bytes) -> Iterator[Any]:
 class Peer:
     """The server's end, by hand: its SETTINGS, and header blocks from one hpack encoder."""
 
-    def __init__(self, conn: h2conn.Connection, wire: _Wire) -> None:
+    def __init__(self, conn: h2conn.Connection, wire: Wire) -> None:
         self.conn = conn
         self.wire = wire
         self.encoder = hpack.Encoder()
@@ -115,8 +75,8 @@ class Peer:
 @pytest.fixture
 async def peer() -> Peer:
     loop = asyncio.get_running_loop()
-    conn = h2conn.Connection(cast(Any, _StubPool()), loop)
-    wire = _Wire()
+    conn = h2conn.Connection(cast(Any, StubPool()), loop)
+    wire = Wire()
     conn.connection_made(cast(Any, wire))
     assert wire.take().startswith(PREFACE)
     server = Peer(conn, wire)

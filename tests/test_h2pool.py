@@ -50,6 +50,7 @@ from edgeproxy._upstream.pool import (
 )
 from edgeproxy.testing import HostileRegion
 
+from ._h2stubs import StubPool, Wire
 from .conftest import stop_process
 
 Scope = dict[str, Any]
@@ -1057,51 +1058,11 @@ def test_trailers_may_not_carry_pseudo_headers() -> None:
 # DATA frames taken without h2's frame machinery (Connection._fast_data)
 
 
-class _StubPool:
-    origin = "http://stub"
-
-    def stream_budget(self, now: float | None = None) -> int:
-        return 0
-
-    def _slot_freed(self, conn: object) -> None: ...
-
-    def _capacity_changed(self, conn: object) -> None: ...
-
-    def _connection_gone(self, conn: object) -> None: ...
-
-
-class _Wire:
-    """A transport that keeps what the client wrote, for the server side to read."""
-
-    def __init__(self) -> None:
-        self.out = bytearray()
-        self.closed = False
-
-    def write(self, data: bytes) -> None:
-        self.out += data
-
-    def take(self) -> bytes:
-        data, self.out = bytes(self.out), bytearray()
-        return data
-
-    def is_closing(self) -> bool:
-        return self.closed
-
-    def close(self) -> None:
-        self.closed = True
-
-    def abort(self) -> None:
-        self.closed = True
-
-    def get_extra_info(self, name: str) -> None:
-        return None
-
-
-async def _exchange() -> tuple[h2conn.Connection, _Wire, h2.connection.H2Connection, int]:
+async def _exchange() -> tuple[h2conn.Connection, Wire, h2.connection.H2Connection, int]:
     """A client Connection with one open request, and the server's h2 connection."""
     loop = asyncio.get_running_loop()
-    conn = h2conn.Connection(cast(Any, _StubPool()), loop)
-    wire = _Wire()
+    conn = h2conn.Connection(cast(Any, StubPool()), loop)
+    wire = Wire()
     conn.connection_made(cast(Any, wire))
     server = h2.connection.H2Connection(
         h2.config.H2Configuration(client_side=False, header_encoding=None)
