@@ -743,14 +743,7 @@ def main(argv: list[str] | None = None) -> int:
         help=f"run only these rows (quoted): {', '.join(ALL_NAMES)}",
     )
     args = parser.parse_args(argv)
-    args.trees = []
-    for given in args.tree:
-        name, _, tree = given.rpartition("=")
-        if not (Path(tree) / "edgeproxy").is_dir():
-            parser.error(f"--tree {given}: no edgeproxy package there")
-        args.trees.append((name or "before", tree))
-    if len({name for name, _ in args.trees}) < len(args.trees):
-        parser.error("--tree: each tree needs a name of its own (NAME=DIR)")
+    args.trees = ins.named_trees(parser, args.tree)
     args.keep = False
     if args.quick:
         args.count, args.warmup, args.sse_count, args.sse_warmup = 60, 40, 12, 6

@@ -913,6 +913,20 @@ def _exit_on_signal(signum: int, _frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
+def named_trees(parser: argparse.ArgumentParser, given: list[str]) -> list[tuple[str, str]]:
+    """The ``--tree [NAME=]DIR`` arguments as (name, dir) pairs, 'before' unless named;
+    ``parser`` refuses a folder without edgeproxy in it, or two trees of one name."""
+    trees = []
+    for one in given:
+        name, _, tree = one.rpartition("=")
+        if not (Path(tree) / "edgeproxy").is_dir():
+            parser.error(f"--tree {one}: no edgeproxy package there")
+        trees.append((name or "before", tree))
+    if len({name for name, _ in trees}) < len(trees):
+        parser.error("--tree: each tree needs a name of its own (NAME=DIR)")
+    return trees
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--quick", action="store_true", help="a short run for CI")
@@ -955,14 +969,7 @@ def main(argv: list[str] | None = None) -> int:
         help="then bench_proxy.py's throughput table (--quick with --quick), in the same run",
     )
     args = parser.parse_args(argv)
-    args.trees = []
-    for given in args.tree:
-        name, _, tree = given.rpartition("=")
-        if not (Path(tree) / "edgeproxy").is_dir():
-            parser.error(f"--tree {given}: no edgeproxy package there")
-        args.trees.append((name or "before", tree))
-    if len({name for name, _ in args.trees}) < len(args.trees):
-        parser.error("--tree: each tree needs a name of its own (NAME=DIR)")
+    args.trees = named_trees(parser, args.tree)
     args.targets = [t for t in TARGETS if t in args.only] or list(TARGETS)
     args.kinds = [k for k in KINDS if k in args.only] or list(KINDS)
     # A SIGTERM (CI's timeout) unwinds, so that the servers this started are stopped.
