@@ -356,14 +356,28 @@ _requests = st.fixed_dictionaries(
 )
 
 
-def _key(request: dict[str, Any], config: Config) -> str:
-    headers: CIMultiDict[str] = CIMultiDict(request["headers"])
+def _keyed_config(forwarded: bool) -> Config:
+    return Config.from_mapping(
+        proxy_config(
+            [{"name": "r1", "url": "http://127.0.0.1:9"}],
+            cache={"vary_headers": _VARY},
+            server={"forward_client_credentials": forwarded},
+        ),
+        environ={},
+    )
+
+
+def _context(
+    request: dict[str, Any], config: Config, extra: tuple[tuple[str, str], ...] = ()
+) -> RequestContext:
+    """A chat request of ``request``'s fields at entry, its body read; ``extra``: headers
+    before the request's own."""
     ctx = start_context(
         "id",
         trace_context(None),
         "POST",
         CHAT + request["query"],
-        headers,
+        CIMultiDict([*extra, *request["headers"]]),
         "192.0.2.1",
         0.0,
         config.route_for("POST", CHAT),
@@ -375,6 +389,11 @@ def _key(request: dict[str, Any], config: Config) -> str:
     ctx.body = orjson.dumps(request["body"])
     ctx.body_read = True
     ctx._json = request["body"]
+    return ctx
+
+
+def _key(request: dict[str, Any], config: Config) -> str:
+    ctx = _context(request, config)
     scope = cache_scope(ctx)
     return f"{scope}:{_post_digest(ctx, request['body'], scope, KeyHeaders(config))}"
 
@@ -406,14 +425,7 @@ def _answer_fields(request: dict[str, Any], forwarded_credentials: bool) -> Any:
 def test_two_requests_share_an_entry_only_if_all_that_can_change_the_answer_is_equal(
     forwarded: bool, first: dict[str, Any], second: dict[str, Any]
 ) -> None:
-    config = Config.from_mapping(
-        proxy_config(
-            [{"name": "r1", "url": "http://127.0.0.1:9"}],
-            cache={"vary_headers": _VARY},
-            server={"forward_client_credentials": forwarded},
-        ),
-        environ={},
-    )
+    config = _keyed_config(forwarded)
     same_key = _key(first, config) == _key(second, config)
     same_fields = _answer_fields(first, forwarded) == _answer_fields(second, forwarded)
     assert same_key == same_fields

@@ -34,7 +34,7 @@ from edgeproxy._protocol.headers import trace_context
 from edgeproxy.testing import FakeRegion
 
 from .conftest import FakeClock, ProxyFactory, RegionFactory, eventually, proxy_config
-from .test_cache_key_security import _VARY, _key, _requests
+from .test_cache_key_security import _context, _key, _keyed_config, _requests
 
 CHAT = "/v1/chat/completions"
 CHAT_API = dialect_named("chat.completions")
@@ -287,35 +287,11 @@ async def test_a_stored_again_purged_or_expired_entry_is_not_served_from_old_for
 def test_a_remembered_plan_is_the_one_the_request_would_get_anew(
     forwarded: bool, first: dict[str, Any], second: dict[str, Any]
 ) -> None:
-    config = Config.from_mapping(
-        proxy_config(
-            [{"name": "r1", "url": "http://127.0.0.1:9"}],
-            cache={"vary_headers": _VARY},
-            server={"forward_client_credentials": forwarded},
-        ),
-        environ={},
-    )
+    config = _keyed_config(forwarded)
     stage = CacheStage(config, Plugins())
 
     def context(request: dict[str, Any]) -> RequestContext:
-        ctx = start_context(
-            "id",
-            trace_context(None),
-            "POST",
-            CHAT + request["query"],
-            CIMultiDict([("content-type", "application/json"), *request["headers"]]),
-            "192.0.2.1",
-            0.0,
-            config.route_for("POST", CHAT),
-            "http",
-            "1.1",
-            "proxy",
-        )
-        ctx.tenant = request["tenant"]
-        ctx.body = orjson.dumps(request["body"])
-        ctx.body_read = True
-        ctx._json = request["body"]
-        return ctx
+        return _context(request, config, (("content-type", "application/json"),))
 
     async def planned(request: dict[str, Any]) -> str | None:
         ctx = context(request)
