@@ -18,6 +18,18 @@ from edgeproxy._cli import main
 from .conftest import RegionFactory, eventually, spawn_serve, wait_ready
 
 
+async def local_model_state(client: aiohttp.ClientSession, admin: str) -> str:
+    """The demo's local model's state once it has stopped loading (loaded in the background
+    at start; up to two minutes on a loaded machine), as the admin /status gives it."""
+    for _ in range(1200):
+        async with client.get(admin + "/status") as resp:
+            state: str = (await resp.json())["fallback"]["local_model"]["state"]
+        if state not in ("idle", "loading"):
+            break
+        await asyncio.sleep(0.1)
+    return state
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -254,13 +266,7 @@ async def test_the_demo_banner_steps_give_the_local_model_then_the_regions_again
         assert admin
         async with aiohttp.ClientSession() as client:
             # The local model loads in the background: the steps start once it is ready.
-            for _ in range(1200):
-                async with client.get(admin.group(1) + "/status") as resp:
-                    state = (await resp.json())["fallback"]["local_model"]["state"]
-                if state not in ("idle", "loading"):
-                    break
-                await asyncio.sleep(0.1)
-            assert state == "ready", state
+            assert await local_model_state(client, admin.group(1)) == "ready"
             for region in fail[0].split():
                 async with client.post(region + "/_control", data=fail[1]) as resp:
                     assert resp.status == 200

@@ -21,6 +21,8 @@ import pytest
 from edgeproxy import Config
 from edgeproxy._demo import DEMO_MODEL, _demo_local_model
 
+from .test_cli import local_model_state
+
 needs_local_model = pytest.mark.skipif(
     importlib.util.find_spec("llama_cpp") is None
     or importlib.util.find_spec("gguf") is None
@@ -119,13 +121,7 @@ async def test_a_mistyped_model_gets_404_from_the_demo_with_the_regions_up_or_do
         async with aiohttp.ClientSession() as client:
             # The local model loads in the background: the requests start once it is ready,
             # so that a mistyped name could reach it.
-            for _ in range(1200):
-                async with client.get(admin.group(1) + "/status") as resp:
-                    state = (await resp.json())["fallback"]["local_model"]["state"]
-                if state not in ("idle", "loading"):
-                    break
-                await asyncio.sleep(0.1)
-            assert state == "ready", state
+            assert await local_model_state(client, admin.group(1)) == "ready"
             status, payload, _ = await _post(client, chat, good)
             assert status == 200, payload
             status, payload, headers = await _post(client, chat, typo)
