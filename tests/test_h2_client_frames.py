@@ -21,6 +21,7 @@ import pytest
 
 from edgeproxy._http2 import fields as http2_fields
 from edgeproxy._http2 import staticpack
+from edgeproxy._http2.engine import HALF_CLOSED_LOCAL, STREAM_OPEN
 from edgeproxy._upstream import h2conn, h2head
 from edgeproxy._upstream.h2pool import H2Pool
 from edgeproxy._upstream.pool import PoolLimits, UpstreamProtocolError
@@ -520,15 +521,15 @@ async def test_a_request_moves_h2s_stream_as_send_headers_and_send_data_would(
 ) -> None:
     whole = peer.open()
     machine = peer.conn.h2.streams[whole].state_machine
-    assert machine.state is h2conn._HALF_CLOSED_LOCAL
+    assert machine.state is HALF_CLOSED_LOCAL
     assert machine.client and machine.headers_sent
     streamed = peer.open(end=False)
     h2stream = peer.conn.h2.streams[streamed]
-    assert h2stream.state_machine.state is h2conn._STREAM_OPEN
+    assert h2stream.state_machine.state is STREAM_OPEN
     window = peer.conn.h2.outbound_flow_control_window
     peer.conn.send_data(streamed, memoryview(b"abc"), False)
     peer.conn.send_data(streamed, memoryview(b"de"), True)
-    assert h2stream.state_machine.state is h2conn._HALF_CLOSED_LOCAL
+    assert h2stream.state_machine.state is HALF_CLOSED_LOCAL
     assert peer.conn.h2.outbound_flow_control_window == window - 5
     assert h2stream.outbound_flow_control_window == 65535 - 5
     frames = peer.written()

@@ -30,11 +30,13 @@ from edgeproxy._http2.frames import header_frames
 
 __all__ = [
     "CLOSED_BY_END_STREAM",
+    "HALF_CLOSED_LOCAL",
     "RECEIVING",
     "RESET_STREAMS_KEPT",
     "Engine",
     "EngineStream",
     "ResetStreams",
+    "STREAM_OPEN",
     "engine_config",
     "peer_defaults",
     "queue_headers",
@@ -48,15 +50,17 @@ RESET_STREAMS_KEPT: Final = 1024
 _RESET_BY: Final = frozenset(
     {h2.stream.StreamClosedBy.SEND_RST_STREAM, h2.stream.StreamClosedBy.RECV_RST_STREAM}
 )
-_HALF_CLOSED_LOCAL: Final = h2.stream.StreamState.HALF_CLOSED_LOCAL
+STREAM_OPEN: Final = h2.stream.StreamState.OPEN
+HALF_CLOSED_LOCAL: Final = h2.stream.StreamState.HALF_CLOSED_LOCAL
 _HALF_CLOSED_REMOTE: Final = h2.stream.StreamState.HALF_CLOSED_REMOTE
 _CLOSED: Final = h2.stream.StreamState.CLOSED
 _STREAM_SEND_HEADERS: Final = h2.stream.StreamInputs.SEND_HEADERS
 _STREAM_SEND_END_STREAM: Final = h2.stream.StreamInputs.SEND_END_STREAM
 CLOSED_BY_END_STREAM: Final = h2.stream.StreamClosedBy.RECV_END_STREAM
 """How a stream closed whose peer's END_STREAM closed it."""
-RECEIVING: Final = frozenset({h2.stream.StreamState.OPEN, h2.stream.StreamState.HALF_CLOSED_LOCAL})
-"""The states in which a stream still takes frames from the peer."""
+RECEIVING: Final = frozenset({STREAM_OPEN, HALF_CLOSED_LOCAL})
+"""The states in which a stream still takes frames from the peer (compared by identity
+with the two names on the paths every frame takes: an Enum's hash is a Python call)."""
 
 
 def engine_config(*, client_side: bool) -> Any:
@@ -88,7 +92,7 @@ def peer_defaults(*, peer_is_client: bool) -> Any:
 
 def received_end_stream(machine: Any) -> None:
     """h2's stream state machine on a received END_STREAM (its stream_ended/_half_closed)."""
-    if machine.state is _HALF_CLOSED_LOCAL:
+    if machine.state is HALF_CLOSED_LOCAL:
         machine.state = _CLOSED
         machine.stream_closed_by = CLOSED_BY_END_STREAM
     else:

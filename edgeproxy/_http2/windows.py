@@ -11,14 +11,11 @@ from typing import Any, Final
 import jh2.connection
 import jh2.stream
 
-from edgeproxy._http2.engine import RECEIVING
+from edgeproxy._http2.engine import HALF_CLOSED_LOCAL, STREAM_OPEN
 from edgeproxy._http2.frames import FRAME_HEADER
 
 __all__ = ["queue_data", "take_data", "window_update_due"]
 
-_OPEN: Final = jh2.stream.StreamState.OPEN
-_HALF_CLOSED_LOCAL: Final = jh2.stream.StreamState.HALF_CLOSED_LOCAL
-assert {_OPEN, _HALF_CLOSED_LOCAL} == RECEIVING
 
 _SEND_DATA: Final = jh2.connection.ConnectionInputs.SEND_DATA
 _STREAM_SEND_DATA: Final = jh2.stream.StreamInputs.SEND_DATA
@@ -44,9 +41,8 @@ def take_data(
         return None
     machine = h2stream.state_machine
     state = machine.state
-    # RECEIVING's two states compared by identity: an Enum's hash is a Python call, and
-    # this runs for every DATA frame at either end.
-    if (state is not _OPEN and state is not _HALF_CLOSED_LOCAL) or (
+    # RECEIVING's two states, by identity: this runs for every DATA frame at either end.
+    if (state is not STREAM_OPEN and state is not HALF_CLOSED_LOCAL) or (
         after_headers and not machine.headers_received
     ):
         return None

@@ -51,7 +51,9 @@ import jh2.stream
 import jh2.utilities
 
 from edgeproxy._http2.engine import (
+    HALF_CLOSED_LOCAL,
     RESET_STREAMS_KEPT,
+    STREAM_OPEN,
     engine_config,
     peer_defaults,
     received_end_stream,
@@ -113,8 +115,6 @@ _HEADER_TABLE_SIZE: Final = h2.settings.SettingCodes.HEADER_TABLE_SIZE
 _COMPILED_HPACK: Final = bool(h2.connection.ALTERNATIVE_HPACK)
 _END_HEADERS: Final = 0x4
 _HEADERS: Final = 0x1
-_STREAM_OPEN: Final = h2.stream.StreamState.OPEN
-_HALF_CLOSED_LOCAL: Final = h2.stream.StreamState.HALF_CLOSED_LOCAL
 
 
 class RefusedStream(UpstreamProtocolError):
@@ -316,7 +316,7 @@ class Connection(QueuedWrites, asyncio.Protocol):
         machine = h2stream.state_machine
         state = machine.state
         # RECEIVING's two states, by identity: an Enum's hash is a Python call.
-        if state is not _STREAM_OPEN and state is not _HALF_CLOSED_LOCAL:
+        if state is not STREAM_OPEN and state is not HALF_CLOSED_LOCAL:
             return 0
         block = header_block(stream_id, buf, start, end, flags)
         if block is None:
@@ -357,7 +357,7 @@ class Connection(QueuedWrites, asyncio.Protocol):
         h2stream = h2conn.streams.get(stream_id)
         if stream is not None and not stream.finished and h2stream is not None:
             machine = h2stream.state_machine
-            if machine.state is _STREAM_OPEN or machine.state is _HALF_CLOSED_LOCAL:
+            if machine.state is STREAM_OPEN or machine.state is HALF_CLOSED_LOCAL:
                 return self._take_block(stream, machine, got, gathered.end_stream)
         # The stream was let go meanwhile: h2 decodes the block and answers as it would.
         last = bool(gathered.end_stream)

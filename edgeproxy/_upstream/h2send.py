@@ -12,7 +12,7 @@ from typing import Any, Final
 import jh2.connection
 import jh2.stream
 
-from edgeproxy._http2.engine import queue_headers
+from edgeproxy._http2.engine import HALF_CLOSED_LOCAL, STREAM_OPEN, queue_headers
 from edgeproxy._http2.frames import FRAME_HEADER, header_frames
 from edgeproxy._http2.windows import queue_data
 
@@ -21,8 +21,6 @@ __all__ = ["new_request_stream", "request_data", "request_headers"]
 _ODD: Final = jh2.connection.AllowedStreamIDs.ODD
 _CLIENT_OPEN: Final = jh2.connection.ConnectionState.CLIENT_OPEN
 _IDLE: Final = jh2.stream.StreamState.IDLE
-_OPEN: Final = jh2.stream.StreamState.OPEN
-_HALF_CLOSED_LOCAL: Final = jh2.stream.StreamState.HALF_CLOSED_LOCAL
 
 
 def new_request_stream(engine: Any, stream_id: int) -> Any:
@@ -53,7 +51,7 @@ def request_headers(engine: Any, h2stream: Any, block: bytes, end_stream: bool) 
         return
     machine.client = True
     machine.headers_sent = True
-    machine.state = _HALF_CLOSED_LOCAL if end_stream else _OPEN
+    machine.state = HALF_CLOSED_LOCAL if end_stream else STREAM_OPEN
     engine._data_to_send += header_frames(
         h2stream.stream_id, block, end_stream, engine.max_outbound_frame_size
     )
@@ -63,11 +61,11 @@ def request_data(engine: Any, h2stream: Any, data: memoryview, end: bool) -> Non
     """One unpadded DATA frame of a request body queued, both send windows charged; the
     caller has made sure that the windows and the frame size allow ``data``."""
     machine = h2stream.state_machine
-    if machine.state is not _OPEN or engine.state_machine.state is not _CLIENT_OPEN:
+    if machine.state is not STREAM_OPEN or engine.state_machine.state is not _CLIENT_OPEN:
         queue_data(engine, h2stream, data, end)
         return
     if end:
-        machine.state = _HALF_CLOSED_LOCAL
+        machine.state = HALF_CLOSED_LOCAL
     size = len(data)
     h2stream.outbound_flow_control_window -= size
     engine.outbound_flow_control_window -= size
