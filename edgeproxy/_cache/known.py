@@ -15,13 +15,11 @@ in place too, or naming its key): with one of those, nothing is remembered.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
+from edgeproxy._cache.plan import CachePlan
 from edgeproxy._core.context import RequestContext
 from edgeproxy._protocol.headers import CLIENT_CREDENTIAL_HEADERS
-
-if TYPE_CHECKING:
-    from edgeproxy._cache.plan import CachePlan
 
 __all__ = ["Known", "KnownRequests"]
 

@@ -59,14 +59,12 @@ from edgeproxy._http2.engine import (
     received_end_stream,
 )
 from edgeproxy._http2.fields import Malformed, parse_fields
-from edgeproxy._http2.frames import header_frames, split_frames
+from edgeproxy._http2.frames import ENDED, TAKEN, header_frames, split_frames
 from edgeproxy._http2.staticpack import TABLE_SIZE_ZERO, encode_block
 from edgeproxy._http2.windows import take_data, window_update_due
 from edgeproxy._http2.writes import QueuedWrites
 from edgeproxy._upstream.h2clientengine import ClientEngine, MalformedData, MalformedHeaders
 from edgeproxy._upstream.h2frames import (
-    ENDED,
-    TAKEN,
     GatheredBlock,
     decode_error,
     header_block,

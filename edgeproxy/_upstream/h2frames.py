@@ -12,12 +12,8 @@ from typing import Final
 import jh2.connection
 import jh2.exceptions
 
-from edgeproxy._http2.frames import ENDED, TAKEN
-
 __all__ = [
     "CONTINUATIONS_KEPT",
-    "ENDED",
-    "TAKEN",
     "GatheredBlock",
     "decode_error",
     "header_block",
