@@ -274,10 +274,50 @@ class Failover:
         self.hedge_budget.deposit(now)
         route = ctx.route
         remaining = ctx.started + route.deadline - now
+        if not route.hedge and not keep_late and candidates and remaining > 0:
+            first = candidates[0]
+            if not self.health.overloaded(first) and not (
+                first.cooldowns and first.cooldowns.until(model_of(ctx)) > self.regions.clock()
+            ):
+                return await self._straight(request, ctx, candidates, remaining)
         plan = _Plan(self, request, ctx, candidates, keep_late=keep_late)
         if route.hedge and plan.replayable and plan.retry_safe and len(candidates) > 1:
             return await plan.race(remaining)
         return await plan.in_turn(remaining)
+
+    async def _straight(
+        self,
+        request: Exchange | None,
+        ctx: RequestContext,
+        candidates: Sequence[Region],
+        remaining: float,
+    ) -> AttemptResponse | Failure:
+        """The common request's lane: one attempt at the best candidate, under the route's
+        deadline, with no plan. The plan (what was tried, what may come next) is made only
+        when that attempt fails or the deadline passes, and goes on from there exactly as
+        :meth:`_Plan.in_turn` would have: the same attempt, the same accounting, the same
+        failure. The caller makes sure the candidate would be :meth:`_Plan.next_region`'s
+        first choice (its circuit breaker closed, not held off for the model)."""
+        tried: set[Endpoint] = set()
+        attempt = Attempt(self, candidates[0], "first", tried)
+        deadlines = self.deadlines
+        watch = deadlines.watch(asyncio.get_running_loop(), remaining)
+        try:
+            await attempt.run(request, ctx)
+        except asyncio.CancelledError:
+            if watch.expired():
+                # The attempt let itself go as it was cancelled: the plan only says so.
+                return _Plan.after(self, request, ctx, candidates, attempt, tried).deadline_failure(
+                    {}
+                )
+            raise
+        finally:
+            deadlines.release(watch)
+        if attempt.ok:
+            return AttemptResponse(attempt, 1)
+        plan = _Plan.after(self, request, ctx, candidates, attempt, tried)
+        remaining = ctx.started + ctx.route.deadline - time.monotonic()
+        return await plan.in_turn(remaining, failed=attempt)
 
     def hedge_delay(self, ctx: RequestContext, region: Region) -> float | None:
         """Seconds to wait for a first byte before hedging; None: not enough history."""
@@ -325,6 +365,26 @@ class _Plan:
         # request has no other candidate (a lone region is retried itself).
         self.cooling: list[Region] = []
         self.lone = len(candidates) == 1
+
+    @classmethod
+    def after(
+        cls,
+        failover: Failover,
+        request: Exchange | None,
+        ctx: RequestContext,
+        candidates: Sequence[Region],
+        first: Attempt,
+        tried: set[Endpoint],
+    ) -> _Plan:
+        """The plan of a request whose ``first`` attempt :meth:`Failover._straight` made,
+        at the first of ``candidates``, as if this plan had made it: it has ``tried`` its
+        endpoint and goes on with the other candidates."""
+        plan = cls(failover, request, ctx, candidates)
+        plan.queue.pop(0)
+        plan.tried = 1
+        plan.latest = first.region
+        plan.tried_endpoints = tried
+        return plan
 
     def attempt(self, region: Region, kind: str) -> Attempt:
         self.tried += 1
@@ -395,12 +455,19 @@ class _Plan:
         if last is not None:
             await last.discard()
 
-    async def in_turn(self, remaining: float) -> AttemptResponse | Failure:
-        """One attempt at a time: the next candidate only after a failure."""
+    async def in_turn(
+        self, remaining: float, *, failed: Attempt | None = None
+    ) -> AttemptResponse | Failure:
+        """One attempt at a time: the next candidate only after a failure. ``failed``: the
+        first attempt, made by :meth:`Failover._straight`, that failed."""
         # The attempt in flight, when it runs as a task (keep_late: it may outlive the
         # deadline); whatever is left here on the way out is cancelled.
         running: dict[asyncio.Task[None], Attempt] = {}
         try:
+            if failed is not None:
+                await self.keep_failure(failed)
+                if failed.rejected is not None:
+                    return self.rejected_failure(failed.rejected)
             while True:
                 if self.tried and (self.last is None or not self.may_retry(self.last)):
                     break
