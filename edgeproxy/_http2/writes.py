@@ -6,24 +6,22 @@ meanwhile share one ``write()``.
 from __future__ import annotations
 
 import asyncio
-from typing import Protocol
 
 __all__ = ["QueuedWrites"]
 
 
-class _Queue(Protocol):
-    def data_to_send(self) -> bytes: ...
-
-
-class QueuedWrites:
+class QueuedWrites(asyncio.Protocol):
     """A base class of a connection (an :class:`asyncio.Protocol`): :meth:`flush_soon`
     and :meth:`flush` are the connection's own."""
 
     # The connection's, set as it starts.
-    h2: _Queue
     loop: asyncio.AbstractEventLoop
     transport: asyncio.Transport | None
     _flush_scheduled: bool
+
+    def queued(self) -> bytes:
+        """What the connection's protocol engine queued since the last write."""
+        raise NotImplementedError
 
     def flush_soon(self) -> None:
         """Write what the engine queued at the end of this loop turn."""
@@ -33,7 +31,7 @@ class QueuedWrites:
 
     def flush(self) -> None:
         self._flush_scheduled = False
-        data = self.h2.data_to_send()
+        data = self.queued()
         transport = self.transport
         if data and transport is not None and not transport.is_closing():
             transport.write(data)

@@ -140,7 +140,7 @@ class ConnectionPool(Protocol):
     def _connection_gone(self, conn: Connection) -> None: ...
 
 
-class Connection(QueuedWrites, asyncio.Protocol):
+class Connection(QueuedWrites):
     """One HTTP/2 connection: h2 state, its transport and its live streams."""
 
     def __init__(self, pool: ConnectionPool, loop: asyncio.AbstractEventLoop) -> None:
@@ -196,6 +196,9 @@ class Connection(QueuedWrites, asyncio.Protocol):
         return self._inbuf
 
     # -- asyncio.Protocol ------------------------------------------------
+
+    def queued(self) -> bytes:
+        return self.h2.data_to_send()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports do not subclass asyncio.Transport, hence a cast.
