@@ -245,10 +245,10 @@ class Pipeline:
                 admitted = await self.admission.admit(request, ctx)
                 if admitted.rate is not None and ctx.route.rate_limit_headers:
                     ctx.outcome.limits = admitted.rate.state()
-            except Overloaded as err:
+            except Overloaded as overloaded:
                 if ctx.route.on_overload != "degrade":
                     raise
-                shed = err  # shed: to the fallback, never upstream
+                shed = overloaded  # shed: to the fallback, never upstream
             # The request has entered: what it is is fixed from here on (RequestFacts).
             endpoint = openai_endpoint(ctx.path)
             ctx.fix(
@@ -384,12 +384,14 @@ class Pipeline:
         except ProxyError as err:
             response = await self._error(request, ctx, err, heartbeat)
             return response
-        except PluginError as err:
-            logger.error("%s (request %s)", err, ctx.request_id, exc_info=err.error)
+        except PluginError as failed:
+            logger.error("%s (request %s)", failed, ctx.request_id, exc_info=failed.error)
             response = await self._error(
                 request,
                 ctx,
-                ProxyError(500, "plugin_error", f"plugin {err.plugin} failed", code="plugin_error"),
+                ProxyError(
+                    500, "plugin_error", f"plugin {failed.plugin} failed", code="plugin_error"
+                ),
                 heartbeat,
             )
             return response

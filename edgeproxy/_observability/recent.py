@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Final
 
 __all__ = ["RecentTraffic"]
 
@@ -17,10 +17,10 @@ __all__ = ["RecentTraffic"]
 class _LogHistogram:
     """Counts in logarithmic buckets 4% wide: percentiles within ±2%, at a fixed size."""
 
-    MIN = 1e-4  # 0.1 ms: anything faster reads as 0.1 ms
-    RATIO = 1.04
-    SIZE = 420  # up to about 20 minutes; slower still reads as 20 minutes
-    _INV_LOG = 1.0 / math.log(RATIO)
+    MIN: Final = 1e-4  # 0.1 ms: anything faster reads as 0.1 ms
+    RATIO: Final = 1.04
+    SIZE: Final = 420  # up to about 20 minutes; slower still reads as 20 minutes
+    _INV_LOG: Final = 1.0 / math.log(RATIO)
 
     __slots__ = ("counts", "n")
 

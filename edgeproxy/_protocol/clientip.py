@@ -51,7 +51,7 @@ class ClientIPResolver:
 
     __slots__ = ("networks",)
 
-    def __init__(self, trusted: Iterable[str] = ()) -> None:
+    def __init__(self, trusted: Iterable[object] = ()) -> None:
         networks: list[_Network] = []
         for entry in trusted:
             if not isinstance(entry, str):
