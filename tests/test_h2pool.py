@@ -40,6 +40,7 @@ from hypercorn.config import Config
 
 from edgeproxy._http2 import engine, fields
 from edgeproxy._upstream import h2conn
+from edgeproxy._upstream.h2clientengine import ClientEngine
 from edgeproxy._upstream.h2pool import H2Pool
 from edgeproxy._upstream.pool import (
     PoolLimits,
@@ -969,7 +970,14 @@ async def test_closed_stream_table_stays_empty_on_a_long_lived_connection() -> N
 async def test_reset_streams_are_remembered_up_to_a_bound(monkeypatch: pytest.MonkeyPatch) -> None:
     # Streams cancelled mid-body are reset: the last ones are remembered, so
     # that the DATA still in flight for them stays a stream error.
-    monkeypatch.setattr(h2conn, "RESET_STREAMS_KEPT", 16)
+    # The bound the connection gives its engine, made 16 (on the engine: the compiled build's
+    # connection reads its own constant, which no patch of its module reaches).
+    made = ClientEngine.__init__
+
+    def kept_16(self: ClientEngine, config: h2.config.H2Configuration, kept: int) -> None:
+        made(self, config, 16)
+
+    monkeypatch.setattr(ClientEngine, "__init__", kept_16)
     async with (
         HostileRegion() as region,
         open_pool(region.url, limits(max_connections=1)) as pool,
