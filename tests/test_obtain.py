@@ -10,6 +10,7 @@ so no timing is asserted).
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -206,6 +207,39 @@ async def test_the_cache_refresh_takes_the_same_path(
     [(result, _, _)] = seen
     assert not isinstance(result, Failure)
     assert region.counters().requests_by_path[CHAT] == 2
+
+
+async def test_a_refresh_after_a_request_the_client_gave_up_on_is_a_refresh(
+    make_region: RegionFactory, make_proxy: ProxyFactory
+) -> None:
+    # A request cancelled while it waits for its region (the client left) leaves nothing
+    # behind that a later refresh takes for its own failure: a build that compiled the
+    # pipeline once counted such a refresh, stored and all, as "cancelled".
+    region = await make_region("r1")
+    clock = FakeClock(start=float(int(time.time())))
+    proxy = await make_proxy(
+        [region],
+        cache={"xfetch_beta": 0.0},
+        cache_clock=clock,
+        routes=[{"name": "chat", "path": CHAT, "cache_ttl": 10, "stale_while_revalidate": 60}],
+    )
+    body = {**BODY, "temperature": 0}
+    assert (await post(proxy, body))[0] == 200
+    await eventually(lambda: proxy.status()["cache"]["stores"] == 1)
+    region.configure(fault="stall")
+    async with aiohttp.ClientSession() as client:
+        left = asyncio.ensure_future(client.post(proxy.url + CHAT, json={**body, "n": 2}))
+        await region.wait_until(lambda c: c.in_flight == 1)
+        left.cancel()
+        await asyncio.gather(left, return_exceptions=True)
+    await eventually(lambda: proxy.pipeline.in_flight == 0)
+    region.configure(fault=None)
+    clock.advance(20)
+    async with aiohttp.ClientSession() as client:
+        async with client.post(proxy.url + CHAT, json=body) as resp:
+            assert resp.headers["X-Edgeproxy-Cache"] == "STALE"
+    await eventually(lambda: proxy.status()["cache"]["refreshes"] == 1)
+    assert proxy.status()["cache"]["refresh_failures"] == 0
 
 
 class _Outcome:

@@ -18,20 +18,31 @@ from typing import Final
 __all__ = ["COMPILED", "build", "compiled_modules"]
 
 COMPILED: Final = (
+    "edgeproxy._admission.admission",
+    "edgeproxy._admission.poison",
     "edgeproxy._answer.body",
     "edgeproxy._answer.responder",
     "edgeproxy._cache.keys",
+    "edgeproxy._cache.known",
     "edgeproxy._core.answer",
     "edgeproxy._core.response",
     "edgeproxy._http2.fields",
     "edgeproxy._http2.frames",
     "edgeproxy._http2.windows",
+    "edgeproxy._observability.recent",
+    "edgeproxy._observability.requestmetrics",
     "edgeproxy._obtain.attempt",
+    "edgeproxy._obtain.budget",
+    "edgeproxy._obtain.deadlines",
     "edgeproxy._obtain.failover",
     "edgeproxy._obtain.forward",
+    "edgeproxy._obtain.record",
+    "edgeproxy._protocol.clientip",
+    "edgeproxy._protocol.endpoints",
     "edgeproxy._protocol.headers",
     "edgeproxy._protocol.sse",
     "edgeproxy._protocol.usage",
+    "edgeproxy._upstream.h2conn",
     "edgeproxy._upstream.h2frames",
     "edgeproxy._upstream.h2head",
     "edgeproxy._upstream.h2send",
@@ -54,7 +65,7 @@ def compiled_modules() -> tuple[str, ...]:
 
 def build() -> str:
     """The build in words, as ``edgeproxy --version`` and ``/status`` give it: ``"pure
-    Python"``, ``"compiled (mypyc, 19 modules)"``, or a partial one named as such (a
+    Python"``, ``"compiled (mypyc, 30 modules)"``, or a partial one named as such (a
     compiled module missing means an install that mixes builds, worth knowing)."""
     count = len(compiled_modules())
     if count == 0:
