@@ -18,6 +18,7 @@ import aiohttp
 
 from edgeproxy import EdgeProxy, hookimpl
 from edgeproxy._obtain.failover import Failure, FailureKind
+from edgeproxy.testing import FakeRegion
 
 from .conftest import FakeClock, ProxyFactory, RegionFactory, eventually
 
@@ -181,11 +182,11 @@ async def test_residency_failure_is_never_degraded(
     assert us.counters().requests_by_path.get(CHAT, 0) == 0
 
 
-async def test_the_cache_refresh_takes_the_same_path(
+async def _stored(
     make_region: RegionFactory, make_proxy: ProxyFactory
-) -> None:
-    # A stale-while-revalidate refresh is obtained like any request, with no fallback;
-    # the cache asks for it as a value and never calls back into the pipeline.
+) -> tuple[FakeRegion, FakeClock, EdgeProxy, dict[str, Any]]:
+    """A region, the cache's clock, a proxy caching chat answers for 10 s and serving them
+    stale for 60 more, and a request whose answer it stored."""
     region = await make_region("r1")
     clock = FakeClock(start=float(int(time.time())))
     proxy = await make_proxy(
@@ -194,16 +195,30 @@ async def test_the_cache_refresh_takes_the_same_path(
         cache_clock=clock,
         routes=[{"name": "chat", "path": CHAT, "cache_ttl": 10, "stale_while_revalidate": 60}],
     )
-    assert not hasattr(proxy.pipeline.cache, "fetch")
     body = {**BODY, "temperature": 0}
     assert (await post(proxy, body))[0] == 200
     await eventually(lambda: proxy.status()["cache"]["stores"] == 1)
-    seen = record_outcomes(proxy)
+    return region, clock, proxy, body
+
+
+async def _refreshed(proxy: EdgeProxy, clock: FakeClock, body: dict[str, Any]) -> None:
+    """``body`` asked again once its answer is stale: served so, and refreshed once."""
     clock.advance(20)
     async with aiohttp.ClientSession() as client:
         async with client.post(proxy.url + CHAT, json=body) as resp:
             assert resp.headers["X-Edgeproxy-Cache"] == "STALE"
     await eventually(lambda: proxy.status()["cache"]["refreshes"] == 1)
+
+
+async def test_the_cache_refresh_takes_the_same_path(
+    make_region: RegionFactory, make_proxy: ProxyFactory
+) -> None:
+    # A stale-while-revalidate refresh is obtained like any request, with no fallback;
+    # the cache asks for it as a value and never calls back into the pipeline.
+    region, clock, proxy, body = await _stored(make_region, make_proxy)
+    assert not hasattr(proxy.pipeline.cache, "fetch")
+    seen = record_outcomes(proxy)
+    await _refreshed(proxy, clock, body)
     [(result, _, _)] = seen
     assert not isinstance(result, Failure)
     assert region.counters().requests_by_path[CHAT] == 2
@@ -215,17 +230,7 @@ async def test_a_refresh_after_a_request_the_client_gave_up_on_is_a_refresh(
     # A request cancelled while it waits for its region (the client left) leaves nothing
     # behind that a later refresh takes for its own failure: a build that compiled the
     # pipeline once counted such a refresh, stored and all, as "cancelled".
-    region = await make_region("r1")
-    clock = FakeClock(start=float(int(time.time())))
-    proxy = await make_proxy(
-        [region],
-        cache={"xfetch_beta": 0.0},
-        cache_clock=clock,
-        routes=[{"name": "chat", "path": CHAT, "cache_ttl": 10, "stale_while_revalidate": 60}],
-    )
-    body = {**BODY, "temperature": 0}
-    assert (await post(proxy, body))[0] == 200
-    await eventually(lambda: proxy.status()["cache"]["stores"] == 1)
+    region, clock, proxy, body = await _stored(make_region, make_proxy)
     region.configure(fault="stall")
     async with aiohttp.ClientSession() as client:
         left = asyncio.ensure_future(client.post(proxy.url + CHAT, json={**body, "n": 2}))
@@ -234,11 +239,7 @@ async def test_a_refresh_after_a_request_the_client_gave_up_on_is_a_refresh(
         await asyncio.gather(left, return_exceptions=True)
     await eventually(lambda: proxy.pipeline.in_flight == 0)
     region.configure(fault=None)
-    clock.advance(20)
-    async with aiohttp.ClientSession() as client:
-        async with client.post(proxy.url + CHAT, json=body) as resp:
-            assert resp.headers["X-Edgeproxy-Cache"] == "STALE"
-    await eventually(lambda: proxy.status()["cache"]["refreshes"] == 1)
+    await _refreshed(proxy, clock, body)
     assert proxy.status()["cache"]["refresh_failures"] == 0
 
 
