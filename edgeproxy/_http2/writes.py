@@ -6,6 +6,7 @@ meanwhile share one ``write()``.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 __all__ = ["QueuedWrites"]
 
@@ -14,14 +15,12 @@ class QueuedWrites(asyncio.Protocol):
     """A base class of a connection (an :class:`asyncio.Protocol`): :meth:`flush_soon`
     and :meth:`flush` are the connection's own."""
 
-    # The connection's, set as it starts.
+    # The connection's, set as it starts; ``queued`` is its protocol engine's
+    # ``data_to_send`` (what it queued since the last write), kept bound: one call a flush.
     loop: asyncio.AbstractEventLoop
     transport: asyncio.Transport | None
+    queued: Callable[[], bytes]
     _flush_scheduled: bool
-
-    def queued(self) -> bytes:
-        """What the connection's protocol engine queued since the last write."""
-        raise NotImplementedError
 
     def flush_soon(self) -> None:
         """Write what the engine queued at the end of this loop turn."""

@@ -95,6 +95,7 @@ class H2Connection(H2Flow, H2Limits, asyncio.Protocol):
         )
         # Requests are checked per stream here (request_fields, head_refusal).
         h2 = self.h2 = ServerEngine(engine_config(client_side=False))
+        self.queued = h2.data_to_send
         self.max_streams = limits.h2_max_concurrent_streams
         list_size = header_list_size(limits)
         h2.local_settings = jh2.settings.Settings(

@@ -78,9 +78,6 @@ class H2Flow(QueuedWrites):
 
         def _drop(self, stream: H2Exchange) -> None: ...
 
-    def queued(self) -> bytes:
-        return cast(bytes, self.h2.data_to_send())
-
     def encode_head(self, fields: list[tuple[bytes, bytes, bool]]) -> bytes:
         """The answer's header block, by the connection's HPACK encoder (jh2's compiled one,
         or its pure-Python fallback: both take ``(name, value, sensitive)``)."""

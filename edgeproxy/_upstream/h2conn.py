@@ -148,6 +148,7 @@ class Connection(QueuedWrites):
         self.loop = loop
         # Responses are checked per stream here (parse_fields).
         self.h2: ClientEngine = ClientEngine(engine_config(client_side=True), RESET_STREAMS_KEPT)
+        self.queued = self.h2.data_to_send
         self.h2.local_settings = h2.settings.Settings(
             client=True,
             initial_values={
@@ -196,9 +197,6 @@ class Connection(QueuedWrites):
         return self._inbuf
 
     # -- asyncio.Protocol ------------------------------------------------
-
-    def queued(self) -> bytes:
-        return self.h2.data_to_send()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports do not subclass asyncio.Transport, hence a cast.
