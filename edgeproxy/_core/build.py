@@ -28,6 +28,7 @@ COMPILED: Final = (
     "edgeproxy._core.response",
     "edgeproxy._http2.fields",
     "edgeproxy._http2.frames",
+    "edgeproxy._http2.staticpack",
     "edgeproxy._http2.windows",
     "edgeproxy._observability.recent",
     "edgeproxy._observability.requestmetrics",
@@ -65,7 +66,7 @@ def compiled_modules() -> tuple[str, ...]:
 
 def build() -> str:
     """The build in words, as ``edgeproxy --version`` and ``/status`` give it: ``"pure
-    Python"``, ``"compiled (mypyc, 30 modules)"``, or a partial one named as such (a
+    Python"``, ``"compiled (mypyc, 31 modules)"``, or a partial one named as such (a
     compiled module missing means an install that mixes builds, worth knowing)."""
     count = len(compiled_modules())
     if count == 0:

@@ -18,9 +18,10 @@ SETTINGS_HEADER_TABLE_SIZE, the next block opens with a dynamic table size updat
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Final
+from typing import Final, cast
 
 from jh2.hpack.table import HeaderTable
+from mypy_extensions import mypyc_attr
 
 __all__ = ["TABLE_SIZE_ZERO", "NeverIndexed", "encode_block", "encode_field"]
 
@@ -43,6 +44,7 @@ _ENCODED: dict[tuple[str, str], bytes] = {}
 _ENCODED_MAX: Final = 2048
 
 
+@mypyc_attr(native_class=False)
 class NeverIndexed(tuple[str, str]):
     """A (name, value) field that :func:`encode_block` writes as a never-indexed literal:
     a plain tuple's subclass, built without a Python-level constructor."""
@@ -92,9 +94,12 @@ def encode_block(fields: Iterable[tuple[str, str]]) -> bytes:
     with every request."""
     encoded = _ENCODED
     parts = []
-    for field in fields:
+    # Each field as the object it is: typed as a tuple, the compiled build would unbox it
+    # into a plain one, and a never-indexed field would be indexed and kept.
+    for item in cast(Iterable[object], fields):
+        field = cast(tuple[str, str], item)
         name, value = field
-        if type(field) is not tuple:
+        if type(item) is not tuple:
             parts.append(encode_field(name.encode(), value.encode(), True))
             continue
         part = encoded.get(field)
