@@ -18,7 +18,7 @@ SETTINGS_HEADER_TABLE_SIZE, the next block opens with a dynamic table size updat
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Final
+from typing import Any, Final, cast
 
 from jh2.hpack.table import HeaderTable
 from mypy_extensions import mypyc_attr
@@ -94,10 +94,10 @@ def encode_block(fields: Iterable[tuple[str, str]]) -> bytes:
     with every request."""
     encoded = _ENCODED
     parts = []
-    # Each field as the object it is (Any): typed as a tuple, the compiled build would
-    # unbox it into a plain one, and a never-indexed field would be indexed and kept.
-    field: Any
-    for field in fields:
+    # Each field as the object it is, read through an iterable of Any: from an iterable of
+    # tuples the compiled build would unbox each into a plain tuple, and a never-indexed
+    # field would be indexed and kept.
+    for field in cast("Iterable[Any]", fields):
         name, value = field
         if type(field) is not tuple:
             parts.append(encode_field(name.encode(), value.encode(), True))
