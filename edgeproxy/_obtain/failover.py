@@ -277,7 +277,7 @@ class Failover:
         if not route.hedge and not keep_late and candidates and remaining > 0:
             first = candidates[0]
             if not self.health.overloaded(first) and not (
-                first.cooldowns and first.cooldowns.until(model_of(ctx)) > self.regions.clock()
+                first.cooldowns and self.held_off(first, ctx) > 0
             ):
                 return await self._straight(request, ctx, candidates, remaining)
         plan = _Plan(self, request, ctx, candidates, keep_late=keep_late)
@@ -318,6 +318,11 @@ class Failover:
         plan = _Plan.after(self, request, ctx, candidates, attempt, tried)
         remaining = ctx.started + ctx.route.deadline - time.monotonic()
         return await plan.in_turn(remaining, failed=attempt)
+
+    def held_off(self, region: Region, ctx: RequestContext) -> float:
+        """Seconds ``region`` is still held off for ``ctx``'s model (a capacity status); zero
+        or less when it is not."""
+        return region.cooldowns.until(model_of(ctx)) - self.regions.clock()
 
     def hedge_delay(self, ctx: RequestContext, region: Region) -> float | None:
         """Seconds to wait for a first byte before hedging; None: not enough history."""
@@ -408,7 +413,7 @@ class _Plan:
 
     def _held_off(self, region: Region) -> float:
         """Seconds ``region`` is still held off for the request's model (noted if any)."""
-        wait = region.cooldowns.until(model_of(self.ctx)) - self.failover.regions.clock()
+        wait = self.failover.held_off(region, self.ctx)
         if wait > 0 and region not in self.cooling:
             self.cooling.append(region)
         return wait
